@@ -1,0 +1,154 @@
+"""File I/O the whole kit shares: atomic writes, JSONL read with file:line errors, append-only logs.
+
+Every output is either written atomically (temp file in the same folder, fsync, rename) or is an
+append-only JSONL log whose torn last line is repaired on open. Nothing half-written is ever read
+as complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+class InputError(ValueError):
+    """Bad input, located: the file, the 1-based line (or record) and the field at fault."""
+
+    def __init__(self, path: str | os.PathLike, line: int | None, field: str | None, reason: str):
+        self.path = str(path)
+        self.line = line
+        self.field = field
+        self.reason = reason
+        where = self.path if line is None else f"{self.path}:{line}"
+        what = f" field {field!r}:" if field else ""
+        super().__init__(f"{where}:{what} {reason}")
+
+    def as_record(self) -> dict[str, Any]:
+        return {"file": self.path, "line": self.line, "field": self.field, "reason": self.reason}
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
+    """Open a temp file beside `path`; on success fsync and rename it over `path`, else delete it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if "b" in mode:
+        encoding = None
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, encoding=encoding) as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    with atomic_write(path) as handle:
+        json.dump(obj, handle, indent=2, ensure_ascii=False, default=str)
+        handle.write("\n")
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
+    """Atomically write records as JSONL; returns the number written."""
+    count = 0
+    with atomic_write(path) as handle:
+        for record in records:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            count += 1
+    return count
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """Yield (line_number, object) for each non-blank line; raise InputError naming file and line.
+
+    Bytes are decoded per line, so one non-UTF-8 line is reported at its own line number.
+    """
+    path = Path(path)
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise InputError(path, line_number, None, f"not UTF-8 ({error.reason} at byte {error.start})") from None
+            try:
+                yield line_number, json.loads(text)
+            except json.JSONDecodeError as error:
+                raise InputError(path, line_number, None, f"malformed JSON: {error.msg} (column {error.colno})") from None
+
+
+def repair_torn_tail(path: str | os.PathLike) -> int:
+    """Cut a last line that has no newline (a write torn by a crash); returns bytes removed."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    with open(path, "rb+") as handle:
+        size = handle.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        handle.seek(size - 1)
+        if handle.read(1) == b"\n":
+            return 0
+        # Walk back to the last newline in blocks.
+        position = size
+        while position > 0:
+            step = min(65536, position)
+            handle.seek(position - step)
+            block = handle.read(step)
+            newline = block.rfind(b"\n")
+            if newline >= 0:
+                keep = position - step + newline + 1
+                break
+            position -= step
+        else:
+            keep = 0
+        handle.truncate(keep)
+        handle.flush()
+        os.fsync(handle.fileno())
+        return size - keep
+
+
+class AppendLog:
+    """Append-only JSONL log that survives kill -9: torn tail repaired on open, fsync on flush."""
+
+    def __init__(self, path: str | os.PathLike, sync_every: int = 64):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.repaired_bytes = repair_torn_tail(self.path)
+        self._handle = open(self.path, "a", encoding="utf-8")
+        self._sync_every = sync_every
+        self._pending = 0
+
+    def append(self, record: dict) -> None:
+        # One write call per record keeps each line whole in the OS buffer.
+        self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._pending += 1
+        if self._pending >= self._sync_every:
+            self.flush()
+
+    def flush(self) -> None:
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+        self._pending = 0
+
+    def close(self) -> None:
+        if not self._handle.closed:
+            self.flush()
+            self._handle.close()
+
+    def __enter__(self) -> "AppendLog":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
