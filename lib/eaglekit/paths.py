@@ -1,0 +1,18 @@
+"""Where the kit keeps things: the repository root, notebooks, and the cache for converted models and data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent.parent
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+PARAMS_DIR = REPO_ROOT / "params"
+
+
+def cache_dir() -> Path:
+    """`$EAGLEKIT_CACHE`, else `~/.cache/eaglekit`: converted models (`models/`) and fetched data (`data/`)."""
+    root = Path(os.environ.get("EAGLEKIT_CACHE") or Path.home() / ".cache" / "eaglekit")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
