@@ -1,0 +1,628 @@
+"""Stage 4: run the target over tokenized data and capture the EAGLE-3 features.
+
+Per token the draft needs the residual stream entering three target layers (concatenated to 3H)
+and the target's final hidden state (H). We take them with forward pre-hooks on the three decoder
+layers and the base model's `last_hidden_state`, so no other layer's output is kept and the
+full-vocabulary lm_head is never run (stage 5 applies the target's lm_head itself).
+
+Layer ids are indices into transformers' `output_hidden_states` tuple (0 = embeddings, i = output
+of layer i-1 = input of layer i), the convention SGLang's `[2, N//2, N-3]` uses. The final hidden
+state is the output of the target's final norm: exactly what its lm_head consumes.
+
+Samples are batched by a token budget over length-sorted buckets with right padding; causal
+attention plus the attention mask keep each real token's features independent of the padding.
+
+Entry points: `capture_to_shards` (offline, resumable, data parallel under torchrun),
+`OnlineCaptureDataset` (the same features on the fly), and `python -m eaglekit.capture` (CLI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as distributed
+from torch import nn
+
+from eaglekit.io import InputError, read_jsonl
+from eaglekit.shards import (
+    FINAL_HIDDEN_STATE_NOTE,
+    CapturedSample,
+    ShardWriter,
+    completed_sample_keys,
+    stored_bytes_per_token,
+    write_config_once,
+    write_merged_index,
+)
+
+DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+def default_capture_layer_ids(num_hidden_layers: int) -> list[int]:
+    """SGLang's EAGLE-3 layers for an N-layer target: [2, N//2, N-3] (SmolLM2-135M, N=30: [2, 15, 27])."""
+    return [2, num_hidden_layers // 2, num_hidden_layers - 3]
+
+
+def validate_capture_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int) -> list[int]:
+    """Check layer ids against the target: three distinct `output_hidden_states` indices in [0, N-1].
+
+    Index N is not allowed: in transformers it is the output after the final norm, not a residual
+    stream entering a layer, and it is stored anyway as the final hidden state.
+    """
+    layer_ids = [int(layer_id) for layer_id in layer_ids]
+    if len(layer_ids) != 3:
+        raise ValueError(f"EAGLE-3 captures exactly 3 layers, got {layer_ids}; the default is {default_capture_layer_ids(num_hidden_layers)}")
+    if len(set(layer_ids)) != 3:
+        raise ValueError(f"capture layer ids must be distinct, got {layer_ids}")
+    out_of_range = [layer_id for layer_id in layer_ids if not 0 <= layer_id < num_hidden_layers]
+    if out_of_range:
+        raise ValueError(
+            f"capture layer ids {out_of_range} are outside [0, {num_hidden_layers - 1}] for a {num_hidden_layers}-layer target "
+            f"(ids index output_hidden_states: i = the residual entering layer i); the default is {default_capture_layer_ids(num_hidden_layers)}"
+        )
+    return layer_ids
+
+
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The decoder stack under a *ForCausalLM (or the model itself): has `layers` and returns `last_hidden_state`."""
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
+    if not hasattr(base, "layers"):
+        raise TypeError(
+            f"{type(model).__name__} has no decoder `layers` list under `.{getattr(model, 'base_model_prefix', 'model')}`; "
+            "capture supports Llama-style decoders (Llama, Qwen, Mistral, DeepSeek, SmolLM)"
+        )
+    return base
+
+
+class LayerInputCapture:
+    """Forward pre-hooks that keep the hidden states entering chosen decoder layers.
+
+    Use as a context manager around one forward; `captured[layer_id]` is (B, T, H) on that layer's device.
+    """
+
+    def __init__(self, base_model: nn.Module, layer_ids: Sequence[int]):
+        self.base_model = base_model
+        self.layer_ids = list(layer_ids)
+        self.captured: dict[int, torch.Tensor] = {}
+        self._handles: list[Any] = []
+
+    def _hook_for(self, layer_id: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def __enter__(self) -> "LayerInputCapture":
+        self.captured = {}
+        for layer_id in self.layer_ids:
+            layer = self.base_model.layers[layer_id]
+            self._handles.append(layer.register_forward_pre_hook(self._hook_for(layer_id), with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+# ---------------------------------------------------------------------------------------------
+# Input
+
+
+@dataclass
+class TokenizedSample:
+    """One line of a `tokenized_data.jsonl`, validated and truncated to the maximum sequence length."""
+
+    id: str
+    dataset: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    path: str
+    line: int
+    original_length: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.dataset, self.id)
+
+
+@dataclass
+class DatasetStats:
+    samples: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    truncated_samples: int = 0
+    truncated_tokens: int = 0
+    samples_without_loss_tokens: int = 0
+
+
+def _validate_record(record: Any, path: Path, line: int, vocab_size: int) -> tuple[str, list[int], list[int]]:
+    if not isinstance(record, dict):
+        raise InputError(path, line, None, f"expected a JSON object, got {type(record).__name__}")
+    sample_id = record.get("id")
+    if not isinstance(sample_id, str) or not sample_id:
+        raise InputError(path, line, "id", f"missing or not a non-empty string: {sample_id!r}")
+    input_ids = record.get("input_ids")
+    loss_mask = record.get("loss_mask")
+    if not isinstance(input_ids, list):
+        raise InputError(path, line, "input_ids", f"sample {sample_id!r}: expected a list of token ids, got {type(input_ids).__name__}")
+    if not input_ids:
+        raise InputError(path, line, "input_ids", f"sample {sample_id!r}: empty sample (no tokens); drop it in stage 2")
+    if not isinstance(loss_mask, list):
+        raise InputError(path, line, "loss_mask", f"sample {sample_id!r}: expected a list of 0/1, got {type(loss_mask).__name__}")
+    if len(loss_mask) != len(input_ids):
+        raise InputError(path, line, "loss_mask", f"sample {sample_id!r}: length {len(loss_mask)} != input_ids length {len(input_ids)}")
+    for position, token_id in enumerate(input_ids):
+        if type(token_id) is not int or not 0 <= token_id < vocab_size:
+            raise InputError(
+                path, line, "input_ids",
+                f"sample {sample_id!r}: token {token_id!r} at position {position} is not an id in [0, {vocab_size}) "
+                "of the target's vocabulary; was it tokenized with another tokenizer?",
+            )
+    for position, value in enumerate(loss_mask):
+        if type(value) is not int or value not in (0, 1):
+            raise InputError(path, line, "loss_mask", f"sample {sample_id!r}: value {value!r} at position {position} is not 0 or 1")
+    return sample_id, input_ids, loss_mask
+
+
+def read_tokenized_samples(
+    data_files: Mapping[str, str | os.PathLike],
+    vocab_size: int,
+    max_seq_len: int,
+) -> tuple[list[TokenizedSample], dict[str, DatasetStats]]:
+    """Read and validate `tokenized_data.jsonl` files ({dataset name: path}); truncate to `max_seq_len`.
+
+    Returns the samples in file order and per-dataset counts (truncated samples and dropped tokens
+    included). Bad lines raise `InputError` naming the file, line, field and sample id.
+    """
+    if max_seq_len <= 0:
+        raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    samples: list[TokenizedSample] = []
+    stats: dict[str, DatasetStats] = {}
+    for dataset, path in data_files.items():
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"tokenized data for dataset {dataset!r} not found: {path} (run stages 2-3 first)")
+        dataset_stats = stats.setdefault(dataset, DatasetStats())
+        first_line_of_id: dict[str, int] = {}
+        for line, record in read_jsonl(path):
+            sample_id, input_ids, loss_mask = _validate_record(record, path, line, vocab_size)
+            if sample_id in first_line_of_id:
+                raise InputError(path, line, "id", f"sample {sample_id!r} already appears at line {first_line_of_id[sample_id]}; ids must be unique")
+            first_line_of_id[sample_id] = line
+            original_length = len(input_ids)
+            if original_length > max_seq_len:
+                dataset_stats.truncated_samples += 1
+                dataset_stats.truncated_tokens += original_length - max_seq_len
+                input_ids, loss_mask = input_ids[:max_seq_len], loss_mask[:max_seq_len]
+            dataset_stats.samples += 1
+            dataset_stats.tokens += len(input_ids)
+            loss_tokens = sum(loss_mask)
+            dataset_stats.loss_tokens += loss_tokens
+            dataset_stats.samples_without_loss_tokens += loss_tokens == 0
+            samples.append(TokenizedSample(sample_id, dataset, input_ids, loss_mask, str(path), line, original_length))
+    return samples, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching and the forward
+
+
+def plan_batches(lengths: Sequence[int], max_tokens_per_batch: int) -> list[list[int]]:
+    """Group sample positions into batches of at most `max_tokens_per_batch` padded tokens.
+
+    Samples are sorted longest first (ties by position) so each batch holds similar lengths and
+    padding stays small; a sample longer than the budget gets a batch of its own. Deterministic:
+    the same lengths give the same batches, which resume and data parallelism rely on.
+    """
+    if max_tokens_per_batch <= 0:
+        raise ValueError(f"max_tokens_per_batch must be positive, got {max_tokens_per_batch}")
+    order = sorted(range(len(lengths)), key=lambda position: (-lengths[position], position))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    for position in order:
+        # Sorted longest first, so the batch's padded length is its first sample's length.
+        padded_length = lengths[current[0]] if current else lengths[position]
+        if current and (len(current) + 1) * padded_length > max_tokens_per_batch:
+            batches.append(current)
+            current = []
+        current.append(position)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def load_target(
+    model_path: str | os.PathLike,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    device_map: str | dict | None = None,
+) -> nn.Module:
+    """Load the target for capture: eval mode, no gradients.
+
+    `device_map="auto"` spreads a large target over several GPUs (single process); otherwise the
+    whole model goes to `device`. Use bf16 on GPU; float32 or bf16 on CPU.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device_map)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def capture_batch(model: nn.Module, samples: Sequence[TokenizedSample], capture_layer_ids: Sequence[int]) -> list[CapturedSample]:
+    """Run the target's decoder over one right-padded batch and return each sample's features on CPU.
+
+    (B, T) ids -> aux (B, T, 3H) from the three layer inputs, final (B, T, H) after the final norm;
+    each sample is cut back to its own length and stored as bf16.
+    """
+    base_model = base_model_of(model)
+    lengths = [len(sample.input_ids) for sample in samples]
+    padded_length = max(lengths)
+    input_ids = torch.zeros(len(samples), padded_length, dtype=torch.long)
+    attention_mask = torch.zeros(len(samples), padded_length, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        input_ids[row, : lengths[row]] = torch.tensor(sample.input_ids, dtype=torch.long)
+        attention_mask[row, : lengths[row]] = 1
+    input_device = base_model.get_input_embeddings().weight.device
+    # Right padding keeps every real token at positions 0..length-1, as when run alone.
+    position_ids = torch.arange(padded_length, device=input_device).unsqueeze(0).expand(len(samples), -1)
+    with torch.inference_mode(), LayerInputCapture(base_model, capture_layer_ids) as capture:
+        outputs = base_model(
+            input_ids=input_ids.to(input_device),
+            attention_mask=attention_mask.to(input_device) if min(lengths) < padded_length else None,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+        final_hidden_states = outputs.last_hidden_state  # (B, T, H)
+        # With device_map over several GPUs the layers live on different devices: gather on the last one.
+        aux_hidden_states = torch.cat(
+            [capture.captured[layer_id].to(final_hidden_states.device) for layer_id in capture_layer_ids], dim=-1
+        )  # 3 x (B, T, H) -> (B, T, 3H)
+        aux_hidden_states = aux_hidden_states.to(torch.bfloat16).cpu()
+        final_hidden_states = final_hidden_states.to(torch.bfloat16).cpu()
+    captured = []
+    for row, sample in enumerate(samples):
+        length = lengths[row]
+        captured.append(CapturedSample(
+            id=sample.id,
+            dataset=sample.dataset,
+            input_ids=input_ids[row, :length].clone(),
+            loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
+            aux_hidden_states=aux_hidden_states[row, :length].clone(),
+            final_hidden_states=final_hidden_states[row, :length].clone(),
+            original_length=sample.original_length,
+        ))
+    return captured
+
+
+def as_training_sample(sample: CapturedSample) -> dict[str, Any]:
+    """The dict stage 5 consumes, identical from shards and from online capture."""
+    return {
+        "id": sample.id,
+        "dataset": sample.dataset,
+        "input_ids": sample.input_ids.to(torch.long),  # (T,)
+        "loss_mask": sample.loss_mask.to(torch.long),  # (T,)
+        "aux_hidden_states": sample.aux_hidden_states,  # bf16 (T, 3H)
+        "final_hidden_states": sample.final_hidden_states,  # bf16 (T, H)
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Offline: shards
+
+
+@dataclass
+class CaptureReport:
+    """What a capture run did. Sample and token counts cover all ranks; `captured_*`/`shards_*` this rank."""
+
+    output_dir: str
+    capture_layer_ids: list[int]
+    hidden_size: int
+    samples: int
+    tokens: int
+    truncated_samples: int
+    truncated_tokens: int
+    resumed_samples: int
+    planned_bytes: int
+    free_bytes_before: int
+    captured_samples: int = 0
+    captured_tokens: int = 0
+    shards_written: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    rank: int = 0
+    world_size: int = 1
+    index_path: str | None = None
+    datasets: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class InsufficientDiskError(RuntimeError):
+    pass
+
+
+def check_disk_space(output_dir: Path, planned_bytes: int) -> int:
+    """Refuse to start when the planned shard bytes exceed the free space; returns the free bytes."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    free_bytes = shutil.disk_usage(output_dir).free
+    if planned_bytes > free_bytes:
+        raise InsufficientDiskError(
+            f"capture needs {planned_bytes:,} bytes ({planned_bytes / 1e9:.2f} GB) in {output_dir} but only "
+            f"{free_bytes:,} bytes ({free_bytes / 1e9:.2f} GB) are free: free space, pick another folder, "
+            "lower max_seq_len, or use online capture (OnlineCaptureDataset)"
+        )
+    return free_bytes
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank(), distributed.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if distributed.is_available() and distributed.is_initialized():
+        distributed.barrier()
+
+
+def capture_to_shards(
+    model: nn.Module,
+    data_files: Mapping[str, str | os.PathLike],
+    output_dir: str | os.PathLike,
+    *,
+    model_name: str,
+    capture_layer_ids: Sequence[int] | None = None,
+    max_seq_len: int = 4096,
+    max_tokens_per_batch: int = 16384,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> CaptureReport:
+    """Capture every sample of `data_files` ({dataset: tokenized_data.jsonl}) into shards in `output_dir`.
+
+    Resumable: samples already indexed are skipped (their batch is recomputed whole so the features
+    are bit-identical to an uninterrupted run). Under torchrun (process group initialized) batch i
+    goes to rank i % world_size, each rank writes its own shards, and rank 0 writes `index.json`.
+    Refuses to start when the planned bytes exceed free disk.
+    """
+    started = time.perf_counter()
+    output_dir = Path(output_dir)
+    rank, world_size = _rank_and_world_size()
+    num_hidden_layers = model.config.num_hidden_layers
+    hidden_size = model.config.hidden_size
+    layer_ids = validate_capture_layer_ids(
+        capture_layer_ids if capture_layer_ids is not None else default_capture_layer_ids(num_hidden_layers), num_hidden_layers
+    )
+    if max_seq_len > max_tokens_per_batch:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds max_tokens_per_batch {max_tokens_per_batch}: "
+            "the longest sample must fit one batch; raise the budget or lower max_seq_len"
+        )
+    samples, stats = read_tokenized_samples(data_files, model.config.vocab_size, max_seq_len)
+    config = {
+        "model": model_name,
+        "capture_layer_ids": layer_ids,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "datasets": {name: str(Path(path).resolve()) for name, path in data_files.items()},
+        "max_seq_len": max_seq_len,
+        "max_tokens_per_batch": max_tokens_per_batch,
+        "max_shard_bytes": max_shard_bytes,
+        "dtype": "bfloat16",
+        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+    # Rank 0 records the settings first; the others then check theirs against it.
+    if rank == 0:
+        write_config_once(output_dir, config)
+    _barrier()
+    if rank != 0:
+        write_config_once(output_dir, config)
+    done = completed_sample_keys(output_dir)
+    remaining_tokens = sum(len(sample.input_ids) for sample in samples if sample.key not in done)
+    planned_bytes = remaining_tokens * stored_bytes_per_token(hidden_size)
+    free_bytes = check_disk_space(output_dir, planned_bytes)
+    # Every rank has read the finished set before any rank writes a new shard.
+    _barrier()
+
+    report = CaptureReport(
+        output_dir=str(output_dir),
+        capture_layer_ids=layer_ids,
+        hidden_size=hidden_size,
+        samples=len(samples),
+        tokens=sum(dataset_stats.tokens for dataset_stats in stats.values()),
+        truncated_samples=sum(dataset_stats.truncated_samples for dataset_stats in stats.values()),
+        truncated_tokens=sum(dataset_stats.truncated_tokens for dataset_stats in stats.values()),
+        resumed_samples=sum(sample.key in done for sample in samples),
+        planned_bytes=planned_bytes,
+        free_bytes_before=free_bytes,
+        rank=rank,
+        world_size=world_size,
+        datasets={name: asdict(dataset_stats) for name, dataset_stats in stats.items()},
+    )
+
+    batches = plan_batches([len(sample.input_ids) for sample in samples], max_tokens_per_batch)
+    my_batches = [batch for number, batch in enumerate(batches) if number % world_size == rank]
+    my_batches = [batch for batch in my_batches if any(samples[position].key not in done for position in batch)]
+    writer = ShardWriter(output_dir, rank, max_shard_bytes)
+    try:
+        batch_iterator: Any = my_batches
+        if progress and rank == 0:
+            from tqdm.auto import tqdm
+
+            batch_iterator = tqdm(my_batches, desc=f"capture (rank 0 of {world_size})", unit="batch")
+        for batch in batch_iterator:
+            for captured in capture_batch(model, [samples[position] for position in batch], layer_ids):
+                if (captured.dataset, captured.id) in done:
+                    continue
+                writer.add(captured)
+                report.captured_samples += 1
+                report.captured_tokens += captured.length
+    except BaseException:
+        # Only a clean finish flushes the partial last shard: a resume then rewrites it exactly as an
+        # uninterrupted run would have, so shard boundaries never depend on where a run stopped.
+        writer.abandon()
+        raise
+    writer.close()
+    report.shards_written = writer.shards_written
+    report.bytes_written = writer.bytes_written
+    _barrier()
+    if rank == 0:
+        header = {
+            "model": model_name,
+            "capture_layer_ids": layer_ids,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_hidden_layers,
+            "dtype": "bfloat16",
+            "final_hidden_states": FINAL_HIDDEN_STATE_NOTE,
+            "aux_hidden_states": "residual stream entering each capture layer (output_hidden_states[i]), concatenated in capture_layer_ids order",
+            "max_seq_len": max_seq_len,
+            "truncated_samples": report.truncated_samples,
+            "truncated_tokens": report.truncated_tokens,
+            "datasets": report.datasets,
+        }
+        report.index_path = str(write_merged_index(output_dir, header, [sample.key for sample in samples]))
+    _barrier()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Online
+
+
+class OnlineCaptureDataset(torch.utils.data.IterableDataset):
+    """The shard features computed on the fly: yields the same dicts as `shards.ShardDataset`.
+
+    For when offline storage does not fit. Iterates batch by batch (token budget, length-sorted);
+    `shuffle_seed` shuffles the batch order per epoch (`set_epoch`), and `rank`/`world_size` give
+    each data-parallel trainer its share of batches. Use with `num_workers=0`: the model runs here.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        data_files: Mapping[str, str | os.PathLike],
+        *,
+        capture_layer_ids: Sequence[int] | None = None,
+        max_seq_len: int = 4096,
+        max_tokens_per_batch: int = 16384,
+        shuffle_seed: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        super().__init__()
+        num_hidden_layers = model.config.num_hidden_layers
+        self.model = model
+        self.capture_layer_ids = validate_capture_layer_ids(
+            capture_layer_ids if capture_layer_ids is not None else default_capture_layer_ids(num_hidden_layers), num_hidden_layers
+        )
+        self.samples, self.stats = read_tokenized_samples(data_files, model.config.vocab_size, max_seq_len)
+        self.batches = plan_batches([len(sample.input_ids) for sample in self.samples], max_tokens_per_batch)
+        self.shuffle_seed = shuffle_seed
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return sum(len(batch) for number, batch in enumerate(self.batches) if number % self.world_size == self.rank)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        order = list(range(len(self.batches)))
+        if self.shuffle_seed is not None:
+            random.Random(self.shuffle_seed + self.epoch).shuffle(order)
+        for number in order[self.rank :: self.world_size]:
+            batch = [self.samples[position] for position in self.batches[number]]
+            for captured in capture_batch(self.model, batch, self.capture_layer_ids):
+                yield as_training_sample(captured)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line (torchrun entry)
+
+
+def _parse_data_argument(value: str) -> tuple[str, str]:
+    name, separator, path = value.partition("=")
+    if not separator or not name or not path:
+        raise argparse.ArgumentTypeError(f"--data expects NAME=PATH/tokenized_data.jsonl, got {value!r}")
+    return name, path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m eaglekit.capture",
+        description="Capture EAGLE-3 hidden states into shards. Data parallel: torchrun --nproc_per_node K -m eaglekit.capture ...",
+    )
+    parser.add_argument("--model", required=True, help="target model folder (transformers format)")
+    parser.add_argument("--model-name", default=None, help="name recorded in the index (default: the model path)")
+    parser.add_argument("--data", action="append", type=_parse_data_argument, required=True, help="NAME=PATH, repeatable")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--layers", default=None, help="comma-separated output_hidden_states indices (default [2, N//2, N-3])")
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    parser.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--device-map", default=None, help="'auto' to spread one process's model over all GPUs (not with torchrun)")
+    parser.add_argument("--no-progress", action="store_true")
+    arguments = parser.parse_args(argv)
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = arguments.device
+    if world_size > 1:
+        if arguments.device_map is not None:
+            parser.error("--device-map spreads one model over GPUs in one process; with torchrun each rank holds a whole copy")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        distributed.init_process_group(backend=backend)
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+    dtype_name = arguments.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    try:
+        model = load_target(arguments.model, device=device, dtype=getattr(torch, dtype_name), device_map=arguments.device_map)
+        report = capture_to_shards(
+            model,
+            dict(arguments.data),
+            arguments.output_dir,
+            model_name=arguments.model_name or str(arguments.model),
+            capture_layer_ids=[int(part) for part in arguments.layers.split(",")] if arguments.layers else None,
+            max_seq_len=arguments.max_seq_len,
+            max_tokens_per_batch=arguments.max_tokens_per_batch,
+            max_shard_bytes=int(arguments.max_shard_mb * 2**20),
+            progress=not arguments.no_progress,
+        )
+    finally:
+        if distributed.is_initialized():
+            distributed.destroy_process_group()
+    print(
+        f"rank {report.rank}/{report.world_size}: captured {report.captured_samples} samples "
+        f"({report.captured_tokens} tokens) into {report.shards_written} shards, {report.bytes_written:,} bytes; "
+        f"resumed past {report.resumed_samples}; truncated {report.truncated_samples} samples "
+        f"({report.truncated_tokens} tokens dropped); {report.seconds:.1f}s"
+        + (f"; index {report.index_path}" if report.index_path else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
