@@ -1,0 +1,462 @@
+"""Break-even accept length and the data-scaling fit: does more data make the draft fast enough?
+
+Accept length tau follows DESIGN.md: tokens emitted per target verification step, bonus included.
+
+Break-even (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"):
+with i.i.d. acceptance rate a, draft length g and cost ratio c = T_draft / T_target,
+
+    speedup = (1 - a^(g+1)) / ((1 - a) (g c + 1)),      expected tau = (1 - a^(g+1)) / (1 - a).
+
+With a measured tau and measured timings the same model reads speedup ~ tau * T_target / T_cycle,
+T_cycle = T_verify + g T_draft, so speculation pays off when tau > T_cycle / T_target.
+
+From throughput alone (baseline tok/s B, speculative tok/s S at measured tau): a plain step takes
+T_target = 1/B and one speculative cycle emits tau tokens in T_cycle = tau/S, so the break-even
+accept length is tau * B / S. The seed's case (B = 90, S = 82.3 at tau 2.1): T_target = 11.1 ms,
+T_cycle = 25.5 ms, break-even tau = 2.30; the cycle costs 1.30 target steps (14.4 ms) more than a
+plain step. Assumptions, stated on every result: the cycle cost does not depend on how many tokens
+are accepted (verification scores all drafted tokens whatever happens), the baseline and the
+speculative run share hardware, batch size, prompts and output lengths, and T_target is the
+baseline's time per token. Splitting the overhead into verify and draft parts needs one more
+assumption (T_verify ~ T_target, true when verification is memory-bound) and the draft length g.
+
+Scaling: tau(N) = tau_inf - b * N^(-c) fitted with scipy's curve_fit under bounds (1 <= tau_inf <=
+the topology's ceiling, b >= 0, 0 < c <= 5), internally on N / N_min so b is on the scale of the gap
+at the smallest size. Uncertainty is a bootstrap, one of two kinds, recorded in the result:
+- "per-sample" (preferred): the caller passes, per data size, bootstrap replicates of tau obtained
+  by resampling held-out samples (eaglekit.acceptance.bootstrap_accept_length with the same seed for
+  every size, so the resamples are paired when every draft is scored on the same held-out set); each
+  replicate row is refitted.
+- "residual": with only (N, tau) points, residuals of the point fit (rescaled by sqrt(n / (n - 3)))
+  are resampled onto the fitted curve and refitted. Crude with a handful of sizes; needs > 3 sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import OptimizeWarning, brentq, curve_fit
+
+from eaglekit.acceptance import percentile_interval
+
+# ----------------------------------------------------------------------------- Leviathan model
+
+
+def leviathan_accept_length(acceptance_rate: float | np.ndarray, draft_length: int) -> float | np.ndarray:
+    """Expected tokens per verification step, (1 - a^(g+1)) / (1 - a); equals g + 1 at a = 1."""
+    a = np.asarray(acceptance_rate, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = np.where(a < 1.0, (1.0 - a ** (draft_length + 1)) / (1.0 - np.where(a < 1.0, a, 0.0)), draft_length + 1.0)
+    return float(tau) if tau.ndim == 0 else tau
+
+
+def leviathan_speedup(acceptance_rate: float | np.ndarray, draft_length: int, cost_ratio: float) -> float | np.ndarray:
+    """Leviathan et al. 2023 walltime speedup: (1 - a^(g+1)) / ((1 - a)(g c + 1))."""
+    tau = leviathan_accept_length(acceptance_rate, draft_length)
+    return tau / (draft_length * cost_ratio + 1.0)
+
+
+def acceptance_rate_for_accept_length(accept_length: float, draft_length: int) -> float:
+    """Invert the Leviathan tau(a) for a chain of g steps; tau must lie in [1, g + 1]."""
+    if not 1.0 <= accept_length <= draft_length + 1.0:
+        raise ValueError(f"accept length {accept_length} is outside [1, {draft_length + 1}] for draft length {draft_length}")
+    if accept_length == draft_length + 1.0:
+        return 1.0
+    return float(brentq(lambda a: leviathan_accept_length(a, draft_length) - accept_length, 0.0, 1.0 - 1e-15))
+
+
+def speedup_from_timings(
+    accept_length: float, target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int
+) -> float:
+    """speedup ~ tau * T_target / (T_verify + g * T_draft)."""
+    return accept_length * target_step_s / (verify_step_s + draft_length * draft_step_s)
+
+
+def break_even_from_timings(target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int) -> float:
+    """Accept length at which speculation matches plain decoding: (T_verify + g * T_draft) / T_target."""
+    for name, value in (("target_step_s", target_step_s), ("verify_step_s", verify_step_s), ("draft_step_s", draft_step_s)):
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive measured time in seconds, got {value}")
+    return (verify_step_s + draft_length * draft_step_s) / target_step_s
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """Break-even analysis from baseline and speculative throughput at a measured accept length."""
+
+    baseline_tokens_per_s: float
+    speculative_tokens_per_s: float
+    accept_length: float
+    speedup: float  # speculative / baseline throughput
+    target_step_s: float  # 1 / baseline tok/s
+    cycle_s: float  # one draft-and-verify cycle: accept_length / speculative tok/s
+    overhead_s: float  # cycle_s - target_step_s: what speculation costs beyond a plain step
+    overhead_target_steps: float  # overhead in units of a plain target step
+    break_even_accept_length: float  # cycle_s / target_step_s
+    draft_length: int | None = None
+    cost_ratio: float | None = None  # c = T_draft / T_target, assuming T_verify = T_target
+    break_even_acceptance_rate: float | None = None  # Leviathan a at which speedup = 1
+    assumptions: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+THROUGHPUT_ASSUMPTIONS = (
+    "one draft-and-verify cycle costs the same whatever number of tokens it accepts",
+    "baseline and speculative runs share hardware, batch size, prompts and output lengths",
+    "a plain target step takes 1 / baseline tok/s",
+)
+
+
+def break_even_from_throughput(
+    baseline_tokens_per_s: float,
+    speculative_tokens_per_s: float,
+    accept_length: float,
+    draft_length: int | None = None,
+) -> BreakEven:
+    """Break-even accept length from baseline tok/s and speculative tok/s at a measured tau.
+
+    With `draft_length` (g), also the implied cost ratio c (assuming verification costs one target
+    step) and the Leviathan acceptance rate at which the speedup reaches 1.
+    """
+    if not baseline_tokens_per_s > 0 or not speculative_tokens_per_s > 0:
+        raise ValueError("throughputs must be positive measured tokens per second")
+    if not accept_length >= 1.0:
+        raise ValueError(f"accept length counts the bonus token, so it is at least 1; got {accept_length}")
+    target_step_s = 1.0 / baseline_tokens_per_s
+    cycle_s = accept_length / speculative_tokens_per_s
+    break_even = cycle_s / target_step_s
+    assumptions = THROUGHPUT_ASSUMPTIONS
+    cost_ratio = break_even_rate = None
+    if draft_length is not None:
+        if draft_length < 1:
+            raise ValueError(f"draft_length must be >= 1, got {draft_length}")
+        assumptions = assumptions + ("verification of the drafted tokens costs one plain target step (memory-bound)",)
+        cost_ratio = (break_even - 1.0) / draft_length
+        # Leviathan speedup = 1  <=>  tau(a) = g c + 1 = break_even; reachable only below g + 1.
+        if break_even < draft_length + 1.0:
+            break_even_rate = acceptance_rate_for_accept_length(max(break_even, 1.0), draft_length)
+    return BreakEven(
+        baseline_tokens_per_s=baseline_tokens_per_s,
+        speculative_tokens_per_s=speculative_tokens_per_s,
+        accept_length=accept_length,
+        speedup=speculative_tokens_per_s / baseline_tokens_per_s,
+        target_step_s=target_step_s,
+        cycle_s=cycle_s,
+        overhead_s=cycle_s - target_step_s,
+        overhead_target_steps=break_even - 1.0,
+        break_even_accept_length=break_even,
+        draft_length=draft_length,
+        cost_ratio=cost_ratio,
+        break_even_acceptance_rate=break_even_rate,
+        assumptions=assumptions,
+    )
+
+
+# ----------------------------------------------------------------------------- scaling fit
+
+
+def saturating_accept_length(data_size: float | np.ndarray, tau_inf: float, scale: float, exponent: float) -> np.ndarray:
+    """tau(N) = tau_inf - scale * N^(-exponent)."""
+    return tau_inf - scale * np.asarray(data_size, dtype=np.float64) ** (-exponent)
+
+
+MAX_EXPONENT = 5.0
+
+
+def _fit_normalized(relative_sizes: np.ndarray, accept_lengths: np.ndarray, ceiling: float) -> np.ndarray:
+    """Fit tau = tau_inf - gap * (N / N_min)^(-c); returns (tau_inf, gap, c). Raises RuntimeError if it fails."""
+    spread = float(accept_lengths.max() - accept_lengths.min())
+    tau_inf0 = min(float(accept_lengths.max()) + 0.5 * spread + 0.05, ceiling - 1e-6) if math.isfinite(ceiling) else float(accept_lengths.max()) + 0.5 * spread + 0.05
+    smallest = accept_lengths[np.argmin(relative_sizes)]
+    gap0 = max(tau_inf0 - float(smallest), 1e-3)
+    lower = [1.0, 0.0, 1e-3]
+    upper = [ceiling, np.inf, MAX_EXPONENT]
+    with warnings.catch_warnings():
+        # The covariance is unused (uncertainty comes from the bootstrap); its warning is noise.
+        warnings.simplefilter("ignore", OptimizeWarning)
+        params, _ = curve_fit(
+            lambda n, tau_inf, gap, c: tau_inf - gap * n ** (-c),
+            relative_sizes,
+            accept_lengths,
+            p0=[max(tau_inf0, 1.0 + 1e-6), gap0, 0.5],
+            bounds=(lower, upper),
+            method="trf",
+            maxfev=5000,
+        )
+    return params
+
+
+@dataclass(frozen=True)
+class ScalingFit:
+    """tau(N) = tau_inf - scale * N^(-exponent) with bootstrap replicates of (tau_inf, scale, exponent)."""
+
+    tau_inf: float
+    scale: float
+    exponent: float
+    data_sizes: np.ndarray  # (n,)
+    accept_lengths: np.ndarray  # (n,)
+    ceiling: float  # bound on tau_inf: steps + 1 for a chain of `steps`
+    replicates: np.ndarray  # (R_ok, 3) refitted (tau_inf, scale, exponent)
+    bootstrap_method: str  # "per-sample" or "residual"
+    failed_replicates: int
+    confidence: float
+
+    @property
+    def residuals(self) -> np.ndarray:
+        return self.accept_lengths - self.predict(self.data_sizes)
+
+    def predict(self, data_sizes: float | np.ndarray) -> np.ndarray:
+        return saturating_accept_length(data_sizes, self.tau_inf, self.scale, self.exponent)
+
+    def predict_band(self, data_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Percentile band of the replicate curves at `data_sizes`; (len,) low and high."""
+        sizes = np.asarray(data_sizes, dtype=np.float64)
+        # (R, 1) against (1, n) -> (R, n)
+        curves = self.replicates[:, :1] - self.replicates[:, 1:2] * sizes[None, :] ** (-self.replicates[:, 2:3])
+        return percentile_interval(curves, self.confidence)
+
+    def ceiling_interval(self) -> tuple[float, float]:
+        low, high = percentile_interval(self.replicates[:, 0], self.confidence)
+        return float(low), float(high)
+
+    def to_dict(self) -> dict:
+        low, high = self.ceiling_interval()
+        return {
+            "model": "tau(N) = tau_inf - scale * N^(-exponent)",
+            "tau_inf": self.tau_inf,
+            "tau_inf_low": low,
+            "tau_inf_high": high,
+            "scale": self.scale,
+            "exponent": self.exponent,
+            "ceiling_bound": self.ceiling,
+            "data_sizes": self.data_sizes.tolist(),
+            "accept_lengths": self.accept_lengths.tolist(),
+            "residuals": self.residuals.tolist(),
+            "bootstrap_method": self.bootstrap_method,
+            "bootstrap_replicates": int(len(self.replicates)),
+            "failed_replicates": self.failed_replicates,
+            "confidence": self.confidence,
+        }
+
+
+def fit_scaling(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray | None = None,
+    max_accept_length: float = math.inf,
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> ScalingFit:
+    """Fit tau(N) with bootstrap uncertainty.
+
+    data_sizes, accept_lengths: (n,) one point per trained draft (n >= 3 distinct sizes).
+    replicate_accept_lengths: (R, n) bootstrap replicates of each point from resampling held-out
+      samples; when given, the bootstrap is "per-sample" and num_resamples/seed are unused.
+      Without it, a residual bootstrap with num_resamples and seed (needs n > 3).
+    max_accept_length: the topology's ceiling (steps + 1 for a chain), bounds tau_inf.
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    if sizes.shape != taus.shape or sizes.ndim != 1:
+        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
+    if (sizes <= 0).any():
+        raise ValueError("data sizes must be positive numbers of training samples")
+    if len(np.unique(sizes)) < 3:
+        raise ValueError(f"the fit has 3 parameters and needs at least 3 distinct data sizes; got {sorted(set(sizes.tolist()))}")
+    order = np.argsort(sizes)
+    sizes, taus = sizes[order], taus[order]
+    reference = sizes[0]
+    relative = sizes / reference
+    point = _fit_normalized(relative, taus, max_accept_length)
+
+    if replicate_accept_lengths is not None:
+        replicate_rows = np.asarray(replicate_accept_lengths, dtype=np.float64)
+        if replicate_rows.ndim != 2 or replicate_rows.shape[1] != len(sizes):
+            raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicate_rows.shape}")
+        replicate_rows = replicate_rows[:, order]
+        method = "per-sample"
+    else:
+        if len(sizes) <= 3:
+            raise ValueError(
+                "a residual bootstrap needs more than 3 data sizes (3 points fit exactly, leaving no residuals); "
+                "pass replicate_accept_lengths from acceptance.bootstrap_accept_length, or measure more sizes"
+            )
+        fitted = point[0] - point[1] * relative ** (-point[2])
+        residuals = (taus - fitted) * math.sqrt(len(sizes) / (len(sizes) - 3))
+        rng = np.random.default_rng(seed)
+        replicate_rows = fitted[None, :] + rng.choice(residuals, size=(num_resamples, len(sizes)), replace=True)
+        method = "residual"
+
+    refits, failed = [], 0
+    for row in replicate_rows:
+        try:
+            refits.append(_fit_normalized(relative, row, max_accept_length))
+        except (RuntimeError, ValueError):
+            failed += 1  # counted and reported, never silently replaced
+    if not refits:
+        raise RuntimeError("every bootstrap refit failed; check the points (are they increasing with data size?)")
+    normalized = np.array(refits)  # (R_ok, 3) in N / N_min units
+    # gap * (N / N_min)^(-c) = (gap * N_min^c) * N^(-c)
+    replicates = np.column_stack([normalized[:, 0], normalized[:, 1] * reference ** normalized[:, 2], normalized[:, 2]])
+    return ScalingFit(
+        tau_inf=float(point[0]),
+        scale=float(point[1] * reference ** point[2]),
+        exponent=float(point[2]),
+        data_sizes=sizes,
+        accept_lengths=taus,
+        ceiling=float(max_accept_length),
+        replicates=replicates,
+        bootstrap_method=method,
+        failed_replicates=failed,
+        confidence=confidence,
+    )
+
+
+def _size_for(tau_inf: np.ndarray, scale: np.ndarray, exponent: np.ndarray, target: float) -> np.ndarray:
+    """Invert tau(N) = target: N = (scale / (tau_inf - target))^(1/exponent); inf where unreachable."""
+    gap = tau_inf - target
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        size = np.where(gap > 0, (np.where(scale > 0, scale, 0.0) / np.where(gap > 0, gap, 1.0)) ** (1.0 / exponent), np.inf)
+    return size
+
+
+@dataclass(frozen=True)
+class DataNeeded:
+    """Training-data size needed to reach a target accept length, or why it will not be reached."""
+
+    target_accept_length: float
+    reachable: bool  # by the point fit: tau_inf > target
+    data_size: float | None  # point estimate; None when the fitted ceiling stays below the target
+    data_size_low: float  # percentile interval over bootstrap fits (inf = not reached)
+    data_size_high: float
+    reachable_fraction: float  # share of bootstrap fits whose ceiling exceeds the target
+    tau_inf: float
+    tau_inf_low: float
+    tau_inf_high: float
+    largest_measured_size: float
+    statement: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def data_needed(fit: ScalingFit, target_accept_length: float, label: str = "target") -> DataNeeded:
+    """How much training data the fit says reaches `target_accept_length` (break-even or a goal)."""
+    point = float(_size_for(np.array(fit.tau_inf), np.array(fit.scale), np.array(fit.exponent), target_accept_length))
+    sizes = _size_for(fit.replicates[:, 0], fit.replicates[:, 1], fit.replicates[:, 2], target_accept_length)
+    # "nearest" never interpolates between a finite size and inf (which would give NaN).
+    tail = (1.0 - fit.confidence) / 2.0 * 100.0
+    low, high = np.percentile(sizes, [tail, 100.0 - tail], method="nearest")
+    ceiling_low, ceiling_high = fit.ceiling_interval()
+    reachable_fraction = float(np.isfinite(sizes).mean())
+    largest = float(fit.data_sizes.max())
+    percent = f"{fit.confidence:.0%}"
+    if math.isfinite(point):
+        where = (
+            f"{point / largest:.1f}x beyond the largest size measured ({largest:.3g}), an extrapolation"
+            if point > largest
+            else f"within the measured range (largest {largest:.3g})"
+        )
+        upper = "not reached" if not math.isfinite(high) else f"{high:.3g}"
+        statement = (
+            f"Reaching {label} accept length {target_accept_length:.3g} needs about {point:.3g} training samples "
+            f"({percent} interval {low:.3g} to {upper}; reached in {reachable_fraction:.0%} of bootstrap fits), {where}."
+        )
+    else:
+        statement = (
+            f"The fitted ceiling tau_inf = {fit.tau_inf:.3g} ({percent} interval {ceiling_low:.3g} to {ceiling_high:.3g}) "
+            f"stays below the {label} accept length {target_accept_length:.3g}: more data of this kind is not predicted "
+            f"to reach it (reached in {reachable_fraction:.0%} of bootstrap fits)."
+        )
+    return DataNeeded(
+        target_accept_length=target_accept_length,
+        reachable=math.isfinite(point),
+        data_size=point if math.isfinite(point) else None,
+        data_size_low=float(low),
+        data_size_high=float(high),
+        reachable_fraction=reachable_fraction,
+        tau_inf=fit.tau_inf,
+        tau_inf_low=ceiling_low,
+        tau_inf_high=ceiling_high,
+        largest_measured_size=largest,
+        statement=statement,
+    )
+
+
+def scaling_summary(fit: ScalingFit, needed: Sequence[DataNeeded], break_even: BreakEven | None = None) -> dict:
+    """One JSON-ready record of the scaling answer (fit, data needed per target, break-even)."""
+    return {
+        "fit": fit.to_dict(),
+        "data_needed": [item.to_dict() for item in needed],
+        "break_even": None if break_even is None else break_even.to_dict(),
+    }
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_accept_length_vs_data_size(
+    points: pd.DataFrame,
+    fit: ScalingFit | None = None,
+    break_even_accept_length: float | None = None,
+    target_accept_length: float | None = None,
+    overall_dataset: str = "all",
+    size_column: str = "data_size",
+    dataset_column: str = "dataset",
+    value_column: str = "tau_pooled",
+    low_column: str = "tau_pooled_low",
+    high_column: str = "tau_pooled_high",
+    extend_to: float | None = None,
+):
+    """Accept length against training-data size: per dataset and overall, log x, confidence bands.
+
+    points: one row per (dataset, data size) with the value and its interval columns; a "topology"
+      and "steps" column, when present, label the y axis (topology recorded beside every tau).
+    fit: drawn over the measured range (extended to `extend_to` when given) with its bootstrap band.
+    Returns the matplotlib Figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    missing = [c for c in (size_column, dataset_column, value_column, low_column, high_column) if c not in points.columns]
+    if missing:
+        raise ValueError(f"points is missing columns {missing}; it has {list(points.columns)}")
+    figure, axes = plt.subplots(figsize=(7.5, 4.8))
+    for name, group in points.groupby(dataset_column, sort=True):
+        group = group.sort_values(size_column)
+        overall = name == overall_dataset
+        style = {"color": "black", "linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
+        line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), **style)[0]
+        axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
+    if fit is not None:
+        right = max(float(points[size_column].max()), extend_to or 0.0)
+        grid = np.geomspace(float(points[size_column].min()) / 1.5, right * 1.5, 200)
+        axes.plot(grid, fit.predict(grid), linestyle="--", color="tab:purple", label=f"fit: tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
+        band_low, band_high = fit.predict_band(grid)
+        axes.fill_between(grid, band_low, band_high, color="tab:purple", alpha=0.12, label=f"fit {fit.confidence:.0%} band ({fit.bootstrap_method} bootstrap)")
+    if break_even_accept_length is not None:
+        axes.axhline(break_even_accept_length, color="tab:red", linewidth=1.5, label=f"break-even tau = {break_even_accept_length:.2f}")
+    if target_accept_length is not None:
+        axes.axhline(target_accept_length, color="tab:green", linestyle=":", linewidth=1.5, label=f"target tau = {target_accept_length:.2f}")
+    axes.set_xscale("log")
+    axes.set_xlabel("training samples (log scale)")
+    topology = ""
+    if {"topology", "steps"} <= set(points.columns):
+        pairs = points[["topology", "steps"]].drop_duplicates()
+        topology = " (" + "; ".join(f"{row.topology}, {row.steps} steps" for row in pairs.itertuples()) + ")"
+    axes.set_ylabel(f"accept length tau{topology}")
+    axes.set_title("Accept length against training-data size")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8, loc="lower right")
+    figure.tight_layout()
+    return figure
