@@ -1,0 +1,244 @@
+"""A small fault-injecting OpenAI-compatible endpoint on 127.0.0.1, for tests and bench.
+
+A real HTTP/1.1 server (asyncio streams, keep-alive) rather than an ASGI app, because a test needs
+to cut a connection mid-request (a TCP reset), which an ASGI framework does not allow, and the bench
+needs a server whose per-request cost is far below the client's.
+
+Behaviour per prompt is set by directives in the last message's text, so one server serves a whole
+mixed run and the test reads what it asked for:
+    #fault:500x2     answer HTTP 500 to the first 2 attempts of this prompt, then succeed
+    #fault:429x1 / #fault:503x3 / #fault:408x1   same, other statuses
+    #fault:resetx1   reset the TCP connection instead of answering (first attempt)
+    #fault:slowx1    sleep `slow_seconds` before answering (past the client's timeout)
+    #fault:400       always 400 with a context-length message (x<n> works too)
+    #fault:length    finish_reason "length" (truncated)
+    #fault:empty     empty content
+    #fault:loop      content that ends in a repetition loop
+    #fault:think     reasoning but empty content
+    #sleep:0.25      answer after 0.25 s (bench latency distributions)
+Attempts are counted per prompt text. Server-wide options choose the dialect: whether
+`return_token_ids` is honoured (vLLM puts `prompt_token_ids` on the response, SGLang on the choice),
+which reasoning field name is used (`reasoning_content`: SGLang and vLLM < 0.17; `reasoning`:
+vLLM 0.17+), and whether unknown request fields get 422 (like `transformers serve`).
+
+Run in-process with `FaultEndpoint(...)` (a thread with its own event loop), or as a process:
+`python tests/fault_endpoint.py --port 8123 --token-ids vllm --reasoning-field reasoning`
+(prints `READY <port>` once listening; GET /stats gives request counts and server CPU seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+DIRECTIVE = re.compile(r"#fault:(\w+?)(?:x(\d+))?(?=\s|$)")
+SLEEP = re.compile(r"#sleep:([0-9.]+)")
+KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
+                "stop", "seed", "frequency_penalty"}
+TRANSIENT_STATUSES = {"500": 500, "502": 502, "503": 503, "504": 504, "429": 429, "408": 408}
+
+
+@dataclass
+class FaultOptions:
+    token_ids: str | None = None          # None (ignore return_token_ids), "vllm" or "sglang"
+    reasoning_field: str | None = None    # None, "reasoning_content" or "reasoning"
+    strict_fields: bool = False           # 422 on fields outside KNOWN_FIELDS, like `transformers serve`
+    slow_seconds: float = 5.0
+    model: str = "fault-model"
+
+
+def fake_token_ids(text: str) -> list[int]:
+    """Deterministic stand-in token ids: one per character (the tests check plumbing, not a vocab)."""
+    return [ord(character) % 50_000 for character in text]
+
+
+@dataclass
+class FaultServer:
+    options: FaultOptions
+    attempts: Counter = field(default_factory=Counter)
+    statuses: Counter = field(default_factory=Counter)
+    requests: int = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = request_line.split(" ", 2)
+                headers = {}
+                for line in header_lines:
+                    if ":" in line:
+                        name, value = line.split(":", 1)
+                        headers[name.strip().lower()] = value.strip()
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                keep_going = await self.respond(method, path, body, writer)
+                if not keep_going or headers.get("connection", "").lower() == "close":
+                    return
+        finally:
+            if not writer.transport.is_closing():
+                writer.close()
+
+    async def respond(self, method: str, path: str, body: bytes, writer: asyncio.StreamWriter) -> bool:
+        if method == "GET" and path.rstrip("/") in ("/health", "/v1/health"):
+            return self.send(writer, 200, {"status": "ok"})
+        if method == "GET" and path.rstrip("/") == "/v1/models":
+            return self.send(writer, 200, {"object": "list", "data": [{"id": self.options.model, "object": "model"}]})
+        if method == "GET" and path.rstrip("/") == "/stats":
+            return self.send(writer, 200, {"requests": self.requests, "statuses": dict(self.statuses),
+                                           "cpu_seconds": time.process_time()})
+        if method != "POST" or path.rstrip("/") != "/v1/chat/completions":
+            return self.send(writer, 404, {"detail": "Not Found"})
+        self.requests += 1
+        request = json.loads(body)
+        unknown = sorted(set(request) - KNOWN_FIELDS)
+        if self.options.strict_fields and unknown:
+            return self.send(writer, 422, {"detail": [{"type": "extra_forbidden", "loc": ["body", name],
+                                                       "msg": "Extra inputs are not permitted"} for name in unknown]})
+        prompt = str(request["messages"][-1]["content"])
+        self.attempts[prompt] += 1
+        attempt = self.attempts[prompt]
+        kind, count = None, None
+        if match := DIRECTIVE.search(prompt):
+            kind, count = match.group(1), int(match.group(2)) if match.group(2) else None
+        if (sleep := SLEEP.search(prompt)) is not None:
+            await asyncio.sleep(float(sleep.group(1)))
+        failing = kind is not None and (count is None or attempt <= count)
+        if failing and kind in TRANSIENT_STATUSES:
+            return self.send(writer, TRANSIENT_STATUSES[kind], {"error": {"message": f"injected {kind}"}})
+        if failing and kind == "400":
+            return self.send(writer, 400, {"object": "error", "code": 400, "message":
+                             "This model's maximum context length is 32 tokens. However, you requested 99 tokens."})
+        if failing and kind == "reset":
+            self.statuses["reset"] += 1
+            # SO_LINGER 0 makes close() send RST: the client sees a connection reset, not a clean close.
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            return False
+        if failing and kind == "slow":
+            await asyncio.sleep(self.options.slow_seconds)
+        return self.send(writer, 200, self.completion(request, prompt, kind))
+
+    def completion(self, request: dict, prompt: str, kind: str | None) -> dict:
+        content, reasoning, finish_reason = f"Answer: {prompt}", "Let me think.", "stop"
+        if kind == "length":
+            finish_reason = "length"
+        elif kind == "empty":
+            content = ""
+        elif kind == "loop":
+            content = "Start. " + "the same words again " * 40
+        elif kind == "think":
+            content = ""
+        prompt_text = "".join(str(message["content"]) for message in request["messages"])
+        completion_text = (reasoning if self.options.reasoning_field else "") + content
+        message = {"role": "assistant", "content": content}
+        if self.options.reasoning_field:
+            message[self.options.reasoning_field] = reasoning
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+        response = {"id": f"chatcmpl-{self.requests}", "object": "chat.completion", "created": int(time.time()),
+                    "model": request.get("model", self.options.model), "choices": [choice],
+                    "usage": {"prompt_tokens": len(prompt_text), "completion_tokens": len(completion_text),
+                              "total_tokens": len(prompt_text) + len(completion_text)}}
+        if self.options.token_ids and request.get("return_token_ids"):
+            choice["token_ids"] = fake_token_ids(completion_text) + [0]  # + end-of-turn id
+            if self.options.token_ids == "vllm":
+                response["prompt_token_ids"] = fake_token_ids(prompt_text)
+            else:
+                choice["prompt_token_ids"] = fake_token_ids(prompt_text)
+        return response
+
+    def send(self, writer: asyncio.StreamWriter, status: int, payload: dict) -> bool:
+        self.statuses[str(status)] += 1
+        body = json.dumps(payload).encode()
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 422: "Unprocessable Entity",
+                  429: "Too Many Requests"}.get(status, "Error")
+        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        return True
+
+
+class FaultEndpoint:
+    """The fault server in a background thread: `with FaultEndpoint(options) as endpoint: endpoint.base_url`."""
+
+    def __init__(self, options: FaultOptions | None = None, port: int = 0):
+        self.server = FaultServer(options or FaultOptions())
+        self.port = port
+        self._loop = asyncio.new_event_loop()
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        listener = self._loop.run_until_complete(
+            asyncio.start_server(self.server.handle, "127.0.0.1", self.port, reuse_address=True))
+        self.port = listener.sockets[0].getsockname()[1]
+        self._listener = listener
+        self._started.set()
+        self._loop.run_forever()
+        listener.close()
+        # Connection handlers still parked on keep-alive reads: cancel them so the loop closes cleanly.
+        pending = [task for task in asyncio.all_tasks(self._loop) if not task.done()]
+        for task in pending:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self._loop.close()
+
+    def start(self) -> "FaultEndpoint":
+        self._thread.start()
+        if not self._started.wait(10):
+            raise RuntimeError("fault endpoint did not start within 10 s")
+        return self
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def __enter__(self) -> "FaultEndpoint":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+async def serve_forever(options: FaultOptions, port: int) -> None:
+    server = FaultServer(options)
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", port, reuse_address=True, backlog=1024)
+    print(f"READY {listener.sockets[0].getsockname()[1]}", flush=True)
+    async with listener:
+        await listener.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--token-ids", choices=["vllm", "sglang"], default=None)
+    parser.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning"], default=None)
+    parser.add_argument("--strict-fields", action="store_true")
+    parser.add_argument("--slow-seconds", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    options = FaultOptions(token_ids=args.token_ids, reasoning_field=args.reasoning_field,
+                           strict_fields=args.strict_fields, slow_seconds=args.slow_seconds)
+    try:
+        asyncio.run(serve_forever(options, args.port))
+    except KeyboardInterrupt:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
