@@ -126,6 +126,9 @@ class ShardWriter:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
+        # Temp shards of this rank were left by a killed run; only this rank writes them, so they are safe to drop.
+        for stray in self.output_dir.glob(f".shard-r{rank:02d}-*.tmp"):
+            stray.unlink()
         existing = read_rank_indexes(self.output_dir).get(rank, [])
         self.next_shard_number = 1 + max((record["shard_number"] for record in existing), default=-1)
         self._buffer: list[CapturedSample] = []
@@ -156,7 +159,8 @@ class ShardWriter:
         path = self.output_dir / name
         # Serialized in memory (one shard, bounded by max_shard_bytes) so the write goes through
         # atomic_write: a kill leaves a stray temp file, never a half shard under the final name.
-        payload = save(tensors, metadata={"format": "pt", "eaglekit_shard": name})
+        # One metadata key only: safetensors orders metadata keys by hash, which would make bytes differ between runs.
+        payload = save(tensors, metadata={"format": "pt"})
         with atomic_write(path, "wb") as handle:
             handle.write(payload)
         offset = 0
