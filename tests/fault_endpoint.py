@@ -73,16 +73,16 @@ class FaultServer:
             while True:
                 try:
                     head = await reader.readuntil(b"\r\n\r\n")
+                    request_line, *header_lines = head.decode("latin-1").split("\r\n")
+                    method, path, _ = request_line.split(" ", 2)
+                    headers = {}
+                    for line in header_lines:
+                        if ":" in line:
+                            name, value = line.split(":", 1)
+                            headers[name.strip().lower()] = value.strip()
+                    body = await reader.readexactly(int(headers.get("content-length", "0")))
                 except (asyncio.IncompleteReadError, ConnectionError):
-                    return
-                request_line, *header_lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = request_line.split(" ", 2)
-                headers = {}
-                for line in header_lines:
-                    if ":" in line:
-                        name, value = line.split(":", 1)
-                        headers[name.strip().lower()] = value.strip()
-                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                    return  # the client went away (killed, timed out, or closing a keep-alive connection)
                 keep_going = await self.respond(method, path, body, writer)
                 if not keep_going or headers.get("connection", "").lower() == "close":
                     return

@@ -606,12 +606,15 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
 def run_engine(engine: GenerationEngine) -> GenerationSummary:
     """Run an engine to completion in a worker thread; Ctrl-C / SIGTERM stop it cleanly, then re-raise."""
     outcome: dict[str, Any] = {}
+    finished = threading.Event()
 
     def work() -> None:
         try:
             outcome["summary"] = asyncio.run(engine.run())
         except BaseException as error:  # handed to the calling thread
             outcome["error"] = error
+        finally:
+            finished.set()
 
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_handler = None
@@ -623,15 +626,18 @@ def run_engine(engine: GenerationEngine) -> GenerationSummary:
     interruption: BaseException | None = None
     try:
         thread.start()
+        # Wait on an Event, not Thread.join: on Python < 3.13 an exception raised by a signal handler
+        # inside join() can leave the thread reported as finished while it still runs.
         try:
-            while thread.is_alive():
-                thread.join(0.2)
+            while not finished.wait(0.2):
+                pass
         except (KeyboardInterrupt, _Terminated) as error:
             interruption = error
             engine.request_stop()
-            while thread.is_alive():
+            while True:
                 try:
-                    thread.join(0.2)
+                    if finished.wait(0.2):
+                        break
                 except (KeyboardInterrupt, _Terminated):
                     engine.request_stop(abandon=True)
     finally:

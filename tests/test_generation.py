@@ -1,0 +1,333 @@
+"""Generation engine over real HTTP on 127.0.0.1: the fault endpoint, then the real embedded server.
+
+Run as a script (`python tests/test_generation.py CONFIG.json`) it is the client process the
+kill -9 / SIGTERM tests start and kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
+
+from eaglekit.endpoints import EndpointSpec  # noqa: E402
+from eaglekit.generation import (  # noqa: E402
+    PartitionSettings, PromptSource, RetryPolicy, build_tokenized_data, finished_keys, generate,
+    has_repetition_loop, quality_flags, read_generations)
+from eaglekit.io import read_jsonl  # noqa: E402
+
+FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
+            flush_interval_s=0.05, health_interval_s=0.05, progress_bar=False, probe_wait_s=10.0)
+
+
+def write_prompts(path: Path, texts: list[str], prefix: str = "p") -> Path:
+    with open(path, "w") as handle:
+        for index, text in enumerate(texts):
+            handle.write(json.dumps({"id": f"{prefix}{index}", "source": "test",
+                                     "messages": [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": text}], "meta": {"n": index}}) + "\n")
+    return path
+
+
+def ids_once(output_dir: Path) -> Counter:
+    return Counter(record["id"] for _, record in read_jsonl(output_dir / "generations.jsonl"))
+
+
+# -------------------------------------------------------------------------------------------------
+# Failures, retries, dialects (fault endpoint in this process)
+
+def test_transient_failures_retry_and_rejections_are_recorded(tmp_path):
+    texts = ["plain", "a #fault:500x2", "b #fault:429x1", "c #fault:408x1", "d #fault:resetx1", "e #fault:slowx1",
+             "f #fault:400", "g #fault:503", "h #fault:length"]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
+    with FaultEndpoint(FaultOptions(slow_seconds=3.0)) as endpoint:
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                           [PartitionSettings("short", concurrency=4, max_tokens=32)], request_timeout_s=0.5, **FAST)
+    records = read_generations(tmp_path / "out")
+    attempts = {key[1]: record["attempts"] for key, record in records.items()}
+    assert attempts == {"p0": 1, "p1": 3, "p2": 2, "p3": 2, "p4": 2, "p5": 2, "p8": 1}
+    truncated = records[("ds", "p8")]
+    assert truncated["truncated"] and truncated["finish_reason"] == "length" and "truncated" in truncated["flags"]
+    errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert errors["p6"]["status"] == 400 and errors["p6"]["attempts"] == 1
+    assert "maximum context length" in errors["p6"]["message"]  # the server's own words
+    assert errors["p7"]["status"] == 503 and errors["p7"]["attempts"] == 4  # transient, up to the limit
+    counts = summary.datasets["ds"]
+    assert (counts.total, counts.done, counts.errors, counts.truncated) == (9, 7, 2, 1)
+    metrics = [record for _, record in read_jsonl(tmp_path / "out" / "metrics.jsonl")]
+    assert metrics[-1]["final"] and metrics[-1]["done"] == {"ds": 7} and metrics[-1]["errors"] == 2
+    assert {"requests_per_s", "completion_tokens_per_s", "mean_completion_tokens", "in_flight", "eta_s"} <= set(metrics[-1])
+
+
+def test_errored_prompts_retried_on_rerun_only_when_asked(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["ok", "bad #fault:400x1"])
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 2, 16)]
+    with FaultEndpoint() as endpoint:
+        endpoints = [EndpointSpec(endpoint.base_url)]
+        first = generate(source, endpoints, tmp_path / "out", partitions, **FAST)
+        assert first.datasets["ds"].errors == 1
+        skipped = generate(source, endpoints, tmp_path / "out", partitions, retry_errors=False, **FAST)
+        assert skipped.requests_this_session == 0 and skipped.datasets["ds"].errors == 1
+        retried = generate(source, endpoints, tmp_path / "out", partitions, retry_errors=True, **FAST)
+    assert retried.requests_this_session == 1 and retried.datasets["ds"].done == 2 and retried.datasets["ds"].errors == 0
+    assert ids_once(tmp_path / "out") == {"p0": 1, "p1": 1}
+
+
+def test_server_rejecting_unknown_fields_gets_plain_requests(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["one", "two", "three"])
+    # Honours return_token_ids in principle, but 422s any unknown field first, like `transformers serve`.
+    with FaultEndpoint(FaultOptions(strict_fields=True, token_ids="vllm")) as endpoint:
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                           [PartitionSettings("short", 2, 16)], **FAST)
+        statuses = endpoint.server.statuses
+    assert summary.endpoints[0]["rejects_unknown_fields"] and not summary.endpoints[0]["accepts_token_ids"]
+    assert summary.datasets["ds"].done == 3 and statuses["422"] == 1  # only the probe saw a 422
+    assert all(record["token_ids"] is None for record in read_generations(tmp_path / "out").values())
+
+
+@pytest.mark.parametrize("dialect, reasoning_field", [("vllm", "reasoning"), ("vllm", "reasoning_content"),
+                                                      ("sglang", "reasoning_content"), (None, None)])
+def test_token_ids_and_reasoning_fields_as_servers_send_them(tmp_path, dialect, reasoning_field):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["hello", "think only #fault:think"])
+    with FaultEndpoint(FaultOptions(token_ids=dialect, reasoning_field=reasoning_field)) as endpoint:
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                           [PartitionSettings("short", 2, 16)], **FAST)
+    assert summary.endpoints[0]["accepts_token_ids"] == (dialect is not None)
+    assert summary.endpoints[0]["reasoning_field"] == reasoning_field
+    record = read_generations(tmp_path / "out")[("ds", "p0")]
+    assert record["content"] == "Answer: hello"
+    if reasoning_field:
+        assert record["reasoning"] == "Let me think."
+        assert summary.datasets["ds"].flags["reasoning_without_answer"] == 1
+    else:
+        assert record["reasoning"] is None
+    if dialect:
+        completion_text = (record["reasoning"] or "") + record["content"]
+        assert record["token_ids"] == [ord(character) for character in completion_text] + [0]
+        assert record["prompt_token_ids"] == [ord(character) for character in "Be brief.hello"]
+        tokenized = build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok")
+        sample = next(iter(read_jsonl(tokenized.files["ds"])))[1]
+        assert sample["input_ids"] == record["prompt_token_ids"] + record["token_ids"]
+        assert sample["loss_mask"] == [0] * len(record["prompt_token_ids"]) + [1] * len(record["token_ids"])
+        assert sample["meta"]["token_source"] == "target" and sample["meta"]["n"] == 0
+        assert tokenized.from_token_ids == 2 and tokenized.compared == 0
+    else:
+        with pytest.raises(ValueError, match="pass the target's tokenizer"):
+            build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok")
+
+
+def test_truncated_and_flag_policies_when_building_training_data(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["fine", "cut #fault:length", "looping #fault:loop", "bad #fault:400"])
+    source = [PromptSource("ds", "short", prompts)]
+    with FaultEndpoint(FaultOptions(token_ids="sglang")) as endpoint:
+        generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "out", [PartitionSettings("short", 2, 16)], **FAST)
+    keep = build_tokenized_data(tmp_path / "out", source, tmp_path / "keep")
+    assert keep.written == {"ds": 3} and keep.missing == {"ds": 1}
+    samples = {record["id"]: record for _, record in read_jsonl(keep.files["ds"])}
+    assert samples["p1"]["meta"]["truncated"] and "repetition_loop" in samples["p2"]["meta"]["flags"]
+    drop = build_tokenized_data(tmp_path / "out", source, tmp_path / "drop", truncated_policy="drop",
+                                drop_flags=["repetition_loop"])
+    assert drop.written == {"ds": 1} and drop.dropped == {"ds": {"truncated": 1, "repetition_loop": 1}}
+    with pytest.raises(ValueError, match="truncated_policy"):
+        build_tokenized_data(tmp_path / "out", source, tmp_path / "x", truncated_policy="retry")
+
+
+def test_quality_flags():
+    assert has_repetition_loop("intro " + "abc " * 100)
+    assert has_repetition_loop("x" * 500)
+    rng = random.Random(0)
+    assert not has_repetition_loop(" ".join(rng.choice(["the", "a", "cat", "sat", "on", "mat", "and"]) for _ in range(2000)))
+    assert not has_repetition_loop("short " * 10)  # 60 chars: below the minimum span
+    assert quality_flags("", None, "stop") == ["empty"]
+    assert quality_flags("", "thinking...", "stop") == ["reasoning_without_answer"]
+    assert quality_flags("ok " * 100, None, "length") == ["truncated", "repetition_loop"]
+    assert quality_flags("A fine answer.", "Because.", "stop") == []
+
+
+def test_bad_prompt_file_names_file_line_and_field(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "q"}]}) + "\n"
+                    + json.dumps({"id": "b", "messages": [{"role": "user", "content": "q"},
+                                                          {"role": "assistant", "content": "answered"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: field 'messages\[1\].role'"):
+        generate([PromptSource("ds", "short", path)], [EndpointSpec("http://127.0.0.1:9/v1")], tmp_path / "out",
+                 [PartitionSettings("short", 1, 8)], **FAST)
+
+
+# -------------------------------------------------------------------------------------------------
+# Routing and health
+
+def test_least_in_flight_routing_and_dead_endpoint_skipped(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.02" for i in range(40)])
+    with FaultEndpoint() as first, FaultEndpoint() as second:
+        # Port 9 (discard) has no listener here: the probe fails, the endpoint starts unhealthy.
+        endpoints = [EndpointSpec(first.base_url), EndpointSpec(second.base_url), EndpointSpec("http://127.0.0.1:9/v1")]
+        summary = generate([PromptSource("ds", "short", prompts)], endpoints, tmp_path / "out",
+                           [PartitionSettings("short", 4, 16)], **FAST)
+        served = (first.server.requests, second.server.requests)
+    assert summary.datasets["ds"].done == 40
+    assert all(count >= 15 for count in served), served  # 41 requests (incl. probes) spread over both
+    used = Counter(record["endpoint"] for record in read_generations(tmp_path / "out").values())
+    assert set(used) == {first.base_url, second.base_url}
+
+
+def start_fault_process(port: int, *args: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fault_endpoint.py"), "--port", str(port), *args],
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout.readline().startswith("READY"), "fault endpoint did not start"
+    return process
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_endpoint_dies_and_comes_back_mid_run(tmp_path):
+    port = free_port()
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.01" for i in range(120)])
+    server = {"process": start_fault_process(port)}
+
+    def outage() -> None:
+        while len(finished_keys(tmp_path / "out" / "generations.jsonl")) < 20:
+            time.sleep(0.01)
+        server["process"].kill()
+        server["process"].wait()
+        time.sleep(0.6)
+        server["process"] = start_fault_process(port)
+
+    killer = threading.Thread(target=outage)
+    killer.start()
+    try:
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(f"http://127.0.0.1:{port}/v1")],
+                           tmp_path / "out", [PartitionSettings("short", 8, 16)], **FAST)
+    finally:
+        killer.join(10)
+        server["process"].kill()
+    assert summary.datasets["ds"].done == 120 and summary.datasets["ds"].errors == 0
+    assert set(ids_once(tmp_path / "out").values()) == {1}
+    assert max(record["attempts"] for record in read_generations(tmp_path / "out").values()) > 1
+
+
+# -------------------------------------------------------------------------------------------------
+# Killing the client
+
+def client_command(config: dict, path: Path) -> list[str]:
+    path.write_text(json.dumps(config))
+    return [sys.executable, __file__, str(path)]
+
+
+def run_client(config_path: str) -> None:
+    config = json.loads(Path(config_path).read_text())
+    generate([PromptSource("ds", "short", Path(config["prompts"]))], [EndpointSpec(config["base_url"])],
+             Path(config["output_dir"]), [PartitionSettings("short", config["concurrency"], 16)],
+             shutdown_grace_s=config.get("grace", 30.0), **FAST)
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_client_killed_mid_run_resumes_exactly_once(tmp_path, how):
+    total = 150
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.02" for i in range(total)])
+    output = tmp_path / "out"
+    with FaultEndpoint() as endpoint:
+        config = {"prompts": str(prompts), "base_url": endpoint.base_url, "output_dir": str(output), "concurrency": 4,
+                  "grace": 5.0}
+        client = subprocess.Popen(client_command(config, tmp_path / "config.json"), stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while len(finished_keys(output / "generations.jsonl")) < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.send_signal(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
+        started = time.monotonic()
+        returncode = client.wait(timeout=20)
+        stopped_in = time.monotonic() - started
+        stderr = client.stderr.read()
+        before = len(finished_keys(output / "generations.jsonl"))
+        assert 20 <= before < total, "the client finished before it was killed; slow the prompts down"
+        if how == "SIGKILL":
+            assert returncode == -signal.SIGKILL
+            with open(output / "generations.jsonl", "a") as handle:
+                handle.write('{"dataset": "ds", "id": "torn')  # a write cut off by the kill
+        else:
+            assert returncode == 143, stderr[-2000:]
+            assert stopped_in < 5.0 and "stopping: no new requests" in stderr, stderr
+            metrics = [record for _, record in read_jsonl(output / "metrics.jsonl")]
+            assert metrics[-1]["final"] and metrics[-1]["in_flight"] == 0
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], output,
+                           [PartitionSettings("short", 4, 16)], **FAST)
+    assert summary.datasets["ds"].done == total
+    counts = ids_once(output)
+    assert len(counts) == total and set(counts.values()) == {1}
+    assert summary.requests_this_session <= total - before + 4  # only the missing ones (+ those in flight) again
+
+
+# -------------------------------------------------------------------------------------------------
+# The real embedded server
+
+@pytest.mark.slow
+def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server, embedded_model_dir):
+    from transformers import AutoTokenizer
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["What is 2+2?", "Name a colour.", "Say hi.", "Count to 3."])
+    source = [PromptSource("tiny", "short", prompts)]
+    summary = generate(source, [EndpointSpec(embedded_server.base_url, model=embedded_server.model_name)],
+                       tmp_path / "out", [PartitionSettings("short", 2, 12)], temperature=0.0, **FAST)
+    assert summary.datasets["tiny"].done == 4 and summary.datasets["tiny"].errors == 0
+    assert summary.endpoints[0]["rejects_unknown_fields"]  # transformers serve 422s return_token_ids
+    records = read_generations(tmp_path / "out")
+    assert all(record["completion_tokens"] and record["finish_reason"] in ("stop", "length") for record in records.values())
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    tokenized = build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer)
+    assert tokenized.written == {"tiny": 4} and tokenized.from_chat_template == 4
+    for _, sample in read_jsonl(tokenized.files["tiny"]):
+        record = records[("tiny", sample["id"])]
+        generated = [token for token, mask in zip(sample["input_ids"], sample["loss_mask"]) if mask]
+        answer_ids = tokenizer.encode(record["content"], add_special_tokens=False)
+        assert generated[:len(answer_ids)] == answer_ids  # the answer (then <|im_end|> unless truncated)
+
+
+@pytest.mark.slow
+def test_embedded_server_stopped_and_restarted_mid_run(tmp_path, embedded_model_dir):
+    from eaglekit.server import EmbeddedServer
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"Give one word for the number {i}." for i in range(12)])
+    server = EmbeddedServer(embedded_model_dir, log_path=tmp_path / "server.log").start()
+    restarted = threading.Event()
+
+    def restart() -> None:
+        while len(finished_keys(tmp_path / "out" / "generations.jsonl")) < 3:
+            time.sleep(0.05)
+        server.stop()
+        server.start()  # same port
+        restarted.set()
+
+    restarter = threading.Thread(target=restart)
+    restarter.start()
+    try:
+        summary = generate([PromptSource("tiny", "short", prompts)],
+                           [EndpointSpec(server.base_url, model=server.model_name)], tmp_path / "out",
+                           [PartitionSettings("short", 2, 8)], temperature=0.0,
+                           **{**FAST, "retry": RetryPolicy(max_attempts=6, backoff_base_s=0.2, backoff_max_s=1.0)})
+    finally:
+        restarter.join(120)
+        server.stop()
+    assert restarted.is_set()
+    assert summary.datasets["tiny"].done == 12 and summary.datasets["tiny"].errors == 0
+    assert set(ids_once(tmp_path / "out").values()) == {1}
+
+
+if __name__ == "__main__":
+    run_client(sys.argv[1])
