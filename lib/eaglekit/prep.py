@@ -1,0 +1,245 @@
+"""Prompt prep (stage 2): normalize, deduplicate, id, split class A / B, tokenize A, partition B.
+
+Output layout under `out_dir` (the stage folder), all of it written into a sibling staging folder
+and swapped into place at the end, so an interrupted prep leaves the previous complete output (or
+nothing) and never a half-written file:
+
+    <out_dir>/<source>/tokenized_data.jsonl    class A: {"id", "input_ids", "loss_mask", "source", "meta"}
+    <out_dir>/<source>/prompts.short.jsonl     class B: conversations ending in the prompt to answer,
+    <out_dir>/<source>/prompts.long.jsonl      split by measured prompt tokens (<= threshold: short)
+    <out_dir>/rejects.jsonl                    one line per rejected record: source, file, line, record, field, reason
+    <out_dir>/summary.json                     per-source counts and the settings used (written last)
+
+Ids are `<source>-<first 16 hex of sha256>` over the normalized messages that are kept (the whole
+conversation for class A, the prompt for class B), so they survive reordering and re-runs.
+Deduplication is global over sources in the given order: a later copy counts as a duplicate of its
+own source and is not written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import pandas as pd
+
+from eaglekit.chat import prompt_token_count, tokenize_conversation
+from eaglekit.io import InputError
+from eaglekit.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
+
+BadInputPolicy = Literal["skip", "fail"]
+PARTITIONS = ("short", "long")
+
+
+def content_hash(messages: Sequence[dict]) -> str:
+    """sha256 hex of the canonical JSON of (role, content, reasoning) per message."""
+    canonical = [[m["role"], m["content"], m.get("reasoning", "")] for m in messages]
+    return hashlib.sha256(json.dumps(canonical, ensure_ascii=False, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def conversation_id(source: str, digest: str) -> str:
+    return f"{source}-{digest[:16]}"
+
+
+def partition_of(prompt_tokens: int, long_prompt_threshold: int) -> str:
+    """short when the prompt fits the threshold, else long (by measured tokens, never by dataset)."""
+    return "short" if prompt_tokens <= long_prompt_threshold else "long"
+
+
+@dataclass
+class SourceCounts:
+    source: str
+    data_class: str
+    read: int = 0
+    kept: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    partitions: dict[str, int] = field(default_factory=dict)  # class B: short/long counts
+    tokens: int = 0  # class A: tokens written; class B: prompt tokens
+
+
+@dataclass
+class PrepSummary:
+    out_dir: Path
+    sources: list[SourceCounts]
+    context_length: int
+    long_prompt_threshold: int
+
+    def table(self) -> pd.DataFrame:
+        """One row per source: read, kept, duplicates, rejected, short, long, tokens."""
+        rows = []
+        for counts in self.sources:
+            rows.append({"source": counts.source, "class": counts.data_class, "read": counts.read, "kept": counts.kept,
+                         "duplicates": counts.duplicates, "rejected": counts.rejected,
+                         "short": counts.partitions.get("short", 0), "long": counts.partitions.get("long", 0),
+                         "tokens": counts.tokens})
+        return pd.DataFrame(rows)
+
+    def rejects_by_reason(self) -> pd.DataFrame:
+        rows = [{"source": c.source, "reason": reason, "count": n}
+                for c in self.sources for reason, n in sorted(c.rejected_by_reason.items())]
+        return pd.DataFrame(rows, columns=["source", "reason", "count"])
+
+
+class _Outputs:
+    """Lazily opened output files inside the staging folder."""
+
+    def __init__(self, staging: Path):
+        self.staging = staging
+        self.handles: dict[Path, IO] = {}
+
+    def write(self, relative: str, record: dict) -> None:
+        path = self.staging / relative
+        handle = self.handles.get(path)
+        if handle is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = self.handles[path] = open(path, "w", encoding="utf-8")
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        self.handles.clear()
+
+
+def _swap_into_place(staging: Path, out_dir: Path) -> None:
+    """Replace `out_dir` by the finished staging folder (rename; the old output is removed after)."""
+    previous = None
+    if out_dir.exists():
+        previous = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        out_dir.rename(previous)
+    staging.rename(out_dir)
+    if previous is not None:
+        shutil.rmtree(previous)
+
+
+def prepare_sources(
+    specs: Sequence[SourceSpec],
+    tokenizer: Any,
+    out_dir: Path,
+    *,
+    context_length: int,
+    long_prompt_threshold: int,
+    bad_input: BadInputPolicy = "skip",
+) -> PrepSummary:
+    """Run prompt prep over `specs` with the target's tokenizer and write the stage folder atomically.
+
+    context_length: target context; class-A conversations with more tokens, and class-B prompts with
+        at least this many (no room to answer), are rejected as "longer than the context".
+    long_prompt_threshold: class-B prompts with more tokens go to the `long` partition.
+    bad_input: "skip" counts and lists bad records in rejects.jsonl; "fail" raises the first
+        InputError (file, line, field) and writes nothing.
+    """
+    if bad_input not in ("skip", "fail"):
+        raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"source names must be unique (they name output folders): {names}")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    outputs = _Outputs(staging)
+    seen: set[bytes] = set()
+    all_counts: list[SourceCounts] = []
+    try:
+        for spec in specs:
+            counts = SourceCounts(source=spec.name, data_class=spec.data_class)
+            all_counts.append(counts)
+            rejected_by_reason: Counter[str] = Counter()
+
+            def reject(error: InputError, record: int | None) -> None:
+                if bad_input == "fail":
+                    raise error
+                counts.rejected += 1
+                rejected_by_reason[Reject(error, record).reason_kind] += 1
+                outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
+
+            for item in iter_source(spec):
+                counts.read += 1
+                if isinstance(item, Reject):
+                    reject(item.error, item.record)
+                    continue
+                _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject,
+                                context_length=context_length, long_prompt_threshold=long_prompt_threshold)
+            counts.rejected_by_reason = dict(rejected_by_reason)
+        outputs.close()
+        summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
+        with open(staging / "summary.json", "w", encoding="utf-8") as handle:
+            json.dump({"context_length": context_length, "long_prompt_threshold": long_prompt_threshold,
+                       "bad_input": bad_input, "sources": [asdict(c) for c in all_counts]}, handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        _swap_into_place(staging, out_dir)
+        return summary
+    except BaseException:
+        outputs.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
+                    outputs: _Outputs, reject, *, context_length: int, long_prompt_threshold: int) -> None:
+    location = item.location
+    if spec.data_class == "A":
+        if not any(m["role"] == "assistant" for m in item.messages):
+            reject(InputError(location.path, location.line, "messages", "no assistant turn (class A needs one)"),
+                   location.record)
+            return
+        kept_messages = item.messages
+    else:
+        kept_messages, _answer = prompt_messages(item.messages, spec.multi_turn)
+    digest = content_hash(kept_messages)
+    key = bytes.fromhex(digest[:32])
+    if key in seen:
+        counts.duplicates += 1
+        return
+    record_id = conversation_id(spec.name, digest)
+    if spec.data_class == "A":
+        tokenized = tokenize_conversation(tokenizer, kept_messages)
+        if len(tokenized.input_ids) > context_length:
+            reject(InputError(location.path, location.line, "messages",
+                              f"longer than the context ({len(tokenized.input_ids)} tokens > {context_length})"),
+                   location.record)
+            return
+        seen.add(key)
+        counts.kept += 1
+        counts.tokens += len(tokenized.input_ids)
+        outputs.write(f"{spec.name}/tokenized_data.jsonl", {
+            "id": record_id, "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask,
+            "source": spec.name, "meta": item.meta})
+        return
+    prompt_tokens = prompt_token_count(tokenizer, kept_messages)
+    if prompt_tokens >= context_length:
+        reject(InputError(location.path, location.line, "messages",
+                          f"longer than the context (prompt of {prompt_tokens} tokens >= {context_length})"),
+               location.record)
+        return
+    seen.add(key)
+    partition = partition_of(prompt_tokens, long_prompt_threshold)
+    counts.kept += 1
+    counts.tokens += prompt_tokens
+    counts.partitions[partition] = counts.partitions.get(partition, 0) + 1
+    meta = {**item.meta, "prompt_tokens": prompt_tokens, "partition": partition, "multi_turn": spec.multi_turn}
+    outputs.write(f"{spec.name}/prompts.{partition}.jsonl",
+                  {"id": record_id, "source": spec.name, "messages": kept_messages, "meta": meta})
+
+
+def read_summary(out_dir: Path) -> dict:
+    """The summary of a finished prep (its presence marks the stage folder complete)."""
+    path = Path(out_dir) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: prep has not finished in {out_dir}; run prepare_sources first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
