@@ -25,6 +25,15 @@ TINY_TARGET = dict(
 )
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: extra threads only contend with the other tests sharing the machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 def tiny_target(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(**TINY_TARGET)).eval()

@@ -1,0 +1,233 @@
+"""TTT training: loss math, schedule, metrics, best-by-accept-length, resume, DDP == one process, sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from eaglekit.acceptance import chain_counts, pooled_accept_length
+from eaglekit.training import (
+    SampleAgreement,
+    TargetSignals,
+    TrainSettings,
+    collate,
+    eligible_rows,
+    learning_rate_at,
+    load_checkpoint,
+    nested_subsets,
+    per_position_agreement,
+    simulated_accept_length,
+    split_heldout,
+    stratified_order,
+    train_draft,
+    train_size_sweep,
+    ttt_loss,
+)
+from test_draft import samples_from_target, target_head, tiny_draft, tiny_target
+
+FAST = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=2, max_steps=6, micro_batch_size=2,
+                     grad_accumulation_steps=2, eval_interval=2, max_length=64)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: extra threads only contend with the other tests sharing the machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def world():
+    target = tiny_target()
+    samples = samples_from_target(target, 14, seed=3)
+    return target, samples[:10], samples[10:]
+
+
+def test_learning_rate_schedule():
+    lr = [learning_rate_at(step, 1e-3, 1e-4, 10, 100) for step in range(0, 120)]
+    assert lr[0] == pytest.approx(1e-3 / 11) and lr[9] == pytest.approx(1e-3 * 10 / 11)
+    assert lr[10] == pytest.approx(1e-3)  # peak right after warmup
+    assert lr[55] == pytest.approx(1e-4 + 0.5 * 0.9e-3)  # halfway through the cosine
+    assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
+    assert lr[100] == lr[119] == pytest.approx(1e-4)
+
+
+def test_eligible_rows_follow_predicted_token():
+    batch = collate([{"id": "a", "input_ids": torch.arange(6), "loss_mask": torch.tensor([0, 0, 1, 1, 1, 1]),
+                      "aux_hidden_states": torch.zeros(6, 3), "final_hidden_states": torch.zeros(6, 1)}], 64)
+    rows = eligible_rows(batch, 3)[:, 0]
+    # Step i, row t predicts token t+2+i: eligible iff that token exists and loss_mask is 1 there.
+    assert rows.tolist() == [[True, True, True, True, False, False], [True, True, True, False, False, False],
+                             [True, True, False, False, False, False]]
+
+
+def test_ttt_loss_by_hand():
+    """Two steps, one sample of length 5, draft vocab 3 over target vocab 4 (target id 3 is not drafted)."""
+    torch.manual_seed(0)
+    draft_to_target = torch.tensor([0, 1, 2])
+    probs = torch.softmax(torch.randn(1, 5, 3), -1)
+    argmax = torch.tensor([[0, 1, 3, 2, 1]])  # position 2's target argmax is outside the draft vocab
+    targets = TargetSignals(probs=probs, argmax=argmax, in_draft=argmax < 3)
+    logits = [torch.randn(1, 5, 3, requires_grad=True), torch.randn(1, 5, 3, requires_grad=True)]
+    eligible = torch.tensor([[[True, True, True, False, False]], [[True, True, False, False, False]]])
+    counts = torch.tensor([3.0, 2.0])
+    loss, stats = ttt_loss(logits, targets, eligible, counts, 0.8, draft_to_target)
+
+    def cross_entropy(step, row):  # step i row t vs target row t+1+i
+        return -(probs[0, row + 1 + step] * torch.log_softmax(logits[step][0, row], -1)).sum()
+
+    # Teacher position 2 has an out-of-vocab argmax: step 0 keeps rows 0, 2 (not 1); step 1 keeps row 1 (not 0).
+    expected = (cross_entropy(0, 0) + cross_entropy(0, 2)) / 3 + 0.8 * cross_entropy(1, 1) / 2
+    torch.testing.assert_close(loss, expected)
+    assert stats[:, 1].tolist() == [2.0, 1.0] and stats[:, 3].tolist() == [3.0, 2.0]
+    loss.backward()
+    assert logits[0].grad[0, 1].abs().sum() == 0 and logits[0].grad[0, 3:].abs().sum() == 0
+    assert logits[1].grad[0, 0].abs().sum() == 0 and logits[1].grad[0, 1].abs().sum() > 0
+
+
+def test_simulated_accept_length_definition():
+    agreement = np.array([[1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]], dtype=bool)
+    result = simulated_accept_length([SampleAgreement("a", "d", agreement, np.arange(4))], 3)
+    # acc_1 = 3/4, acc_2 = 2/3 (of those that agreed at 1), acc_3 = 1/2: tau = 1 + 3/4 + 1/2 + 1/4.
+    assert result["simulated_accept_length"] == pytest.approx(2.5)
+    assert result["conditional_accuracy_by_position"] == pytest.approx([0.75, 2 / 3, 0.5])
+    assert result["topology"] == "chain" and result["draft_steps"] == 3
+    assert simulated_accept_length([SampleAgreement("a", "d", np.ones((5, 3), bool), np.arange(5))], 3)["simulated_accept_length"] == 4.0
+
+
+def test_per_position_agreement_matches_direct_computation(world):
+    target, train, _ = world
+    model = tiny_draft(target, train)
+    head = target.lm_head.weight.detach()
+    agreements = per_position_agreement(model, head, train[:3], chain_steps=3, batch_size=2)
+    for sample, result in zip(train[:3], agreements):
+        assert result.agreement.dtype == bool and result.agreement.shape == (len(result.start_rows), 3)
+        with torch.no_grad():
+            logits = model(sample["input_ids"][None], sample["aux_hidden_states"][None], 3)
+        target_argmax = (sample["final_hidden_states"].float() @ head.T).argmax(-1)
+        length, mask = len(sample["input_ids"]), sample["loss_mask"]
+        expected_rows = [t for t in range(length - 4) if mask[t + 2 : t + 5].all()]
+        assert result.start_rows.tolist() == expected_rows
+        for position, t in enumerate(expected_rows):
+            for step in range(3):
+                proposed = int(model.draft_to_target_ids()[logits[step][0, t].argmax()])
+                assert result.agreement[position, step] == (proposed == int(target_argmax[t + 1 + step]))
+    counts = chain_counts([result.agreement for result in agreements])
+    assert simulated_accept_length(agreements, 3)["simulated_accept_length"] == pytest.approx(pooled_accept_length(counts))
+
+
+def read_metrics(path):
+    with open(path) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_training_learns_logs_and_keeps_best_by_accept_length(world, tmp_path):
+    target, train, heldout = world
+    model = tiny_draft(target, train)
+    result = train_draft(model, target.lm_head.weight.detach(), train, heldout, tmp_path, FAST)
+    records = read_metrics(result.metrics_path)
+    train_records = [r for r in records if r["split"] == "train"]
+    heldout_records = [r for r in records if r["split"] == "heldout"]
+    assert [r["step"] for r in train_records] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in heldout_records] == [0, 2, 4, 6]
+    assert all(len(r["loss_by_position"]) == 3 and len(r["accuracy_by_position"]) == 3 for r in train_records)
+    assert train_records[-1]["loss"] < train_records[0]["loss"]
+    assert all(1.0 <= r["simulated_accept_length"] <= 4.0 for r in heldout_records)
+    best = max(heldout_records, key=lambda r: r["simulated_accept_length"])
+    best_checkpoint = load_checkpoint(result.best_checkpoint)
+    assert best_checkpoint["progress"]["best_step"] == best["step"] == result.best_step
+    assert best_checkpoint["progress"]["step"] == best["step"]
+    assert "embed_tokens.weight" not in best_checkpoint["model"]
+    with pytest.raises(FileExistsError, match="resume=True"):
+        train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path, FAST, resume=False)
+
+
+def test_resume_continues_the_same_loss_curve(world, tmp_path):
+    target, train, heldout = world
+    head = target.lm_head.weight.detach()
+    straight = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "straight", FAST)
+    train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(FAST, stop_at_step=4))
+    assert max(r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == 4
+    # A fresh process would rebuild the draft from scratch: resume must restore everything from last.pt.
+    resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", FAST)
+    losses = lambda path: [(r["step"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"]
+    assert losses(resumed.metrics_path) == losses(straight.metrics_path)
+    assert resumed.best_accept_length == straight.best_accept_length
+    with pytest.raises(ValueError, match="different settings"):
+        train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(FAST, learning_rate=1.0))
+
+
+def dataclass_replace(settings, **changes):
+    import dataclasses
+
+    return dataclasses.replace(settings, **changes)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world_size: int, port: int, samples, heldout, output_dir: str, settings) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    torch.set_num_threads(1)
+    target = tiny_target()
+    try:
+        train_draft(tiny_draft(target, samples), target.lm_head.weight.detach(), samples, heldout, output_dir, settings)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_two_gloo_processes_equal_one_process(world, tmp_path):
+    """Global batch 4 = one process x 2 micro-batches x 2 samples = two ranks x 1 micro-batch x 2 samples."""
+    target, train, heldout = world
+    settings = dataclass_replace(FAST, max_steps=3, eval_interval=3)
+    single = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "single", settings)
+    ddp_settings = dataclass_replace(settings, grad_accumulation_steps=1, parallel="ddp")
+    mp.spawn(_ddp_worker, args=(2, _free_port(), train, heldout, str(tmp_path / "ddp"), ddp_settings), nprocs=2, join=True)
+    single_state = load_checkpoint(single.last_checkpoint)["model"]
+    ddp_state = load_checkpoint(tmp_path / "ddp" / "last.pt")["model"]
+    assert single_state.keys() == ddp_state.keys()
+    for name in single_state:
+        torch.testing.assert_close(ddp_state[name], single_state[name], rtol=1e-5, atol=1e-6, msg=name)
+    losses = lambda path: [r["loss"] for r in read_metrics(path) if r["split"] == "train"]
+    assert losses(tmp_path / "ddp" / "metrics.jsonl") == pytest.approx(losses(single.metrics_path), rel=1e-5)
+
+
+def test_nested_stratified_subsets_and_heldout():
+    datasets = ["a"] * 60 + ["b"] * 30 + ["c"] * 10
+    order = stratified_order(datasets, seed=1)
+    assert sorted(order) == list(range(100))
+    for prefix in (10, 20, 50):
+        share = {name: sum(datasets[i] == name for i in order[:prefix]) for name in "abc"}
+        for name, total in (("a", 60), ("b", 30), ("c", 10)):
+            assert abs(share[name] - prefix * total / 100) <= 1
+    heldout, train_order = split_heldout(datasets, 10, seed=1)
+    assert not set(heldout) & set(train_order) and len(heldout) + len(train_order) == 100
+    assert heldout == split_heldout(datasets, 10, seed=1)[0]
+    subsets = nested_subsets(train_order, [40, 10, 90])
+    assert list(subsets) == [10, 40, 90]
+    assert set(subsets[10]) <= set(subsets[40]) <= set(subsets[90])
+    with pytest.raises(ValueError, match="exceed"):
+        nested_subsets(train_order, [91])
+
+
+def test_size_sweep_trains_one_draft_per_size(world, tmp_path):
+    target, train, heldout = world
+    samples = train + heldout
+    settings = dataclass_replace(FAST, max_steps=2, eval_interval=2, grad_accumulation_steps=1)
+    rows = train_size_sweep(lambda: tiny_draft(target, samples), target.lm_head.weight.detach(), samples, [4, 8], 4, tmp_path, settings)
+    assert [row["size"] for row in rows] == [4, 8]
+    assert sum(rows[0]["samples_by_dataset"].values()) == 4 and set(rows[1]["samples_by_dataset"]) == {"alpha", "beta"}
+    assert all(math.isfinite(row["best_accept_length"]) and row["heldout_size"] == 4 for row in rows)
+    assert (tmp_path / "size-0000004" / "best.pt").exists() and (tmp_path / "size-0000008" / "metrics.jsonl").exists()
