@@ -332,7 +332,7 @@ _SHAREGPT_ROLES = {
 
 def adapt_sharegpt(record: Any, location: RecordLocation) -> Adapted:
     """ShareGPT: `conversations` (or `items`) of `{"from", "value"}`; Glaive's function_call/observation turns."""
-    key = "conversations" if isinstance(record, dict) and "conversations" in record else "items"
+    key = "items" if isinstance(record, dict) and "items" in record else "conversations"
     turns = _get(record, key, list, location)
     messages: list[dict] = []
     system = _get(record, "system", str, location, required=False)

