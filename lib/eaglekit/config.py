@@ -154,7 +154,8 @@ def load_params(path: str | os.PathLike) -> Params:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
+        # The context mark is where the broken construct began, usually the line to fix.
+        mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ParamsError(f"{where}: not valid YAML: {getattr(error, 'problem', error)}") from None
     if data is None:

@@ -155,17 +155,24 @@ class EmbeddedServer:
                     if client.get(f"{self.root_url}/health").status_code == 200:
                         break
                 time.sleep(0.5)
-            remaining = max(5.0, deadline - time.monotonic())
-            request = {"model": self.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        # A first completion proves the model answers. Under load the first request can drop its
+        # connection while the batching loop warms up; retry transport errors until the deadline.
+        request = {"model": self.model_name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+        while True:
+            remaining = deadline - time.monotonic()
             try:
-                response = client.post(f"{self.base_url}/chat/completions", json=request, timeout=remaining)
-            except httpx.HTTPError as error:
-                raise ServerError(f"embedded server healthy but a first completion failed ({error}); log:\n{self.log_tail()}") from error
-            if response.status_code != 200:
-                raise ServerError(
-                    f"embedded server answered {response.status_code} to a first completion: {response.text[:500]}; "
-                    f"log:\n{self.log_tail()}"
-                )
+                with httpx.Client(timeout=max(5.0, remaining)) as client:
+                    response = client.post(f"{self.base_url}/chat/completions", json=request)
+                break
+            except httpx.TransportError as error:
+                if self._process.poll() is not None or remaining <= 0:
+                    raise ServerError(f"embedded server healthy but a first completion failed ({error}); log:\n{self.log_tail()}") from error
+                time.sleep(1.0)
+        if response.status_code != 200:
+            raise ServerError(
+                f"embedded server answered {response.status_code} to a first completion: {response.text[:500]}; "
+                f"log:\n{self.log_tail()}"
+            )
 
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None

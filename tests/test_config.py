@@ -1,0 +1,109 @@
+"""Params validation: unknown keys and wrong types fail naming the key, the file and the line."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglekit.config import ParamsError, load_params, params_from_sections
+from eaglekit.paths import REPO_ROOT
+
+SCENARIOS = sorted((REPO_ROOT / "params").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[path.stem for path in SCENARIOS])
+def test_every_shipped_scenario_validates(path):
+    params = load_params(path)
+    assert params.run.name
+
+
+def test_required_scenarios_exist():
+    assert {"smoke", "demo", "kimi_k25_big_run"} <= {path.stem for path in SCENARIOS}
+
+
+def test_kimi_scenario_matches_the_seed():
+    params = load_params(REPO_ROOT / "params" / "kimi_k25_big_run.yaml")
+    config = params.target.config
+    assert config["num_hidden_layers"] == 61 and config["hidden_size"] == 7168
+    assert params.target.capture_layers == [2, 30, 58]
+    assert params.endpoints and params.endpoints[0].url.startswith("http")
+    assert params.endpoints[0].api_key_env  # the key itself never appears in params
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "scenario.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_names_key_file_and_line(tmp_path):
+    path = write(tmp_path, "run:\n  name: x\ntarget:\n  modle: foo\n")
+    with pytest.raises(ParamsError) as caught:
+        load_params(path)
+    message = str(caught.value)
+    assert f"{path}:4" in message and "unknown key 'target.modle'" in message
+
+
+def test_unknown_section_fails(tmp_path):
+    with pytest.raises(ParamsError, match="unknown key 'trainig'"):
+        load_params(write(tmp_path, "trainig:\n  steps: 3\n"))
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    path = write(tmp_path, "run:\n  name: x\n  seed: '3'\n")
+    with pytest.raises(ParamsError) as caught:
+        load_params(path)
+    assert f"{path}:3" in str(caught.value) and "'run.seed'" in str(caught.value) and "'3'" in str(caught.value)
+
+
+def test_nested_list_error_points_into_the_list(tmp_path):
+    path = write(tmp_path, "endpoints:\n  - url: http://a:1/v1\n  - url: ftp://b\n")
+    with pytest.raises(ParamsError) as caught:
+        load_params(path)
+    assert "endpoints.1.url" in str(caught.value) and f"{path}:3" in str(caught.value)
+
+
+def test_a_literal_api_key_is_refused(tmp_path):
+    with pytest.raises(ParamsError, match="unknown key 'endpoints.0.api_key'"):
+        load_params(write(tmp_path, "endpoints:\n  - url: http://a:1/v1\n    api_key: sk-123\n"))
+
+
+def test_invalid_yaml_names_the_line(tmp_path):
+    with pytest.raises(ParamsError, match=r"scenario.yaml:2: not valid YAML"):
+        load_params(write(tmp_path, "run:\n  name: [unclosed\n"))
+
+
+def test_params_are_frozen():
+    params = params_from_sections({})
+    with pytest.raises(Exception):
+        params.run.seed = 3
+
+
+def test_api_key_is_read_from_the_environment_at_call_time(monkeypatch):
+    params = params_from_sections({"endpoints": [{"url": "http://a:1/v1", "api_key_env": "EAGLEKIT_TEST_KEY"}]})
+    with pytest.raises(ParamsError, match="EAGLEKIT_TEST_KEY is not set"):
+        params.endpoints[0].api_key()
+    monkeypatch.setenv("EAGLEKIT_TEST_KEY", "sk-secret")
+    assert params.endpoints[0].api_key() == "sk-secret"
+    assert "sk-secret" not in yaml.safe_dump(params.sections())
+
+
+def _requirement_names(requirements):
+    import re
+
+    return {re.split(r"[<>=\[ ;]", requirement.strip(), maxsplit=1)[0].lower() for requirement in requirements}
+
+
+def test_environment_yml_lists_the_same_packages_as_pyproject():
+    import tomllib
+
+    pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    expected = _requirement_names(pyproject["project"]["dependencies"])
+    environment = yaml.safe_load((REPO_ROOT / "environment.yml").read_text())
+    listed = []
+    for item in environment["dependencies"]:
+        listed.extend(item["pip"] if isinstance(item, dict) else [item])
+    names = _requirement_names(listed) - {"python", "pip"}
+    assert expected <= names, f"missing from environment.yml: {sorted(expected - names)}"
+    pinned = [item for item in listed if isinstance(item, str) and item.startswith("torch")]
+    assert pinned == ["torch==2.13.0"]
