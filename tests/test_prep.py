@@ -1,0 +1,150 @@
+"""Prompt prep and survey: ids, dedup, class split, partitions, rejects, fail policy, atomic outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import eaglekit.prep as prep
+from eaglekit.chat import prompt_token_count, tokenize_conversation
+from eaglekit.io import InputError
+from eaglekit.prep import content_hash, conversation_id, prepare_sources, read_summary
+from eaglekit.sources import SourceSpec
+from eaglekit.survey import plot_survey, save_survey, survey_sources
+
+DATA = Path(__file__).parent / "fixtures" / "data"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(embedded_model_dir):
+    return AutoTokenizer.from_pretrained(embedded_model_dir)
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+SPECS = [
+    SourceSpec(name="chat_a", format="sharegpt", path=str(DATA / "sharegpt.jsonl"), data_class="A"),
+    SourceSpec(name="tools_b", format="openai", path=str(DATA / "openai.jsonl"), multi_turn="last_user"),
+    SourceSpec(name="alpaca_b", format="alpaca", path=str(DATA / "alpaca.json")),
+    SourceSpec(name="bad_b", format="sharegpt", path=str(DATA / "bad.jsonl")),
+]
+
+
+def test_prep_writes_contract_files_with_stable_ids_dedup_and_partitions(tokenizer, tmp_path):
+    out = tmp_path / "prep"
+    summary = prepare_sources(SPECS, tokenizer, out, context_length=256, long_prompt_threshold=40)
+    table = summary.table().set_index("source")
+    # Class A: one duplicate (sg1-dup) inside the source, three tokenized conversations.
+    assert table.loc["chat_a", "duplicates"] == 1 and table.loc["chat_a", "kept"] == 3
+    tokenized = read_lines(out / "chat_a" / "tokenized_data.jsonl")
+    assert set(tokenized[0]) == {"id", "input_ids", "loss_mask", "source", "meta"}
+    first_messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+                      {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}]
+    assert tokenized[0]["id"] == conversation_id("chat_a", content_hash(first_messages))
+    expected = tokenize_conversation(tokenizer, first_messages)
+    assert tokenized[0]["input_ids"] == expected.input_ids and tokenized[0]["loss_mask"] == expected.loss_mask
+    # Class B, first_user: record 3 keeps its system prompt and first user turn, so it does not
+    # duplicate record 2 (same first question, different system prompt).
+    prompts = {p: read_lines(f) for p in ("short", "long")
+               for f in [out / "alpaca_b" / f"prompts.{p}.jsonl"] if f.exists()}
+    all_prompts = [r for rows in prompts.values() for r in rows]
+    assert len(all_prompts) == 3
+    for record in all_prompts:
+        assert record["messages"][-1]["role"] == "user"
+        measured = prompt_token_count(tokenizer, record["messages"])
+        assert record["meta"]["prompt_tokens"] == measured
+        assert record["meta"]["partition"] == ("short" if measured <= 40 else "long")
+    # last_user keeps earlier turns as context and ends on the last user turn.
+    tools = [r for p in ("short", "long") if (out / "tools_b" / f"prompts.{p}.jsonl").exists()
+             for r in read_lines(out / "tools_b" / f"prompts.{p}.jsonl")]
+    assert [m["role"] for m in tools[0]["messages"]] == ["system", "user"]
+    assert table.loc["alpaca_b", "short"] + table.loc["alpaca_b", "long"] == 3
+    assert read_summary(out)["long_prompt_threshold"] == 40
+    # Re-running gives the same ids (stable: source + content hash, not line numbers).
+    again = tmp_path / "again"
+    prepare_sources(list(reversed(SPECS)), tokenizer, again, context_length=256, long_prompt_threshold=40)
+    assert [r["id"] for r in read_lines(again / "chat_a" / "tokenized_data.jsonl")] == [r["id"] for r in tokenized]
+
+
+def test_skip_policy_lists_every_bad_case_with_file_line_and_reason(tokenizer, tmp_path):
+    out = tmp_path / "prep"
+    summary = prepare_sources(SPECS[3:], tokenizer, out, context_length=256, long_prompt_threshold=40)
+    rejects = read_lines(out / "rejects.jsonl")
+    by_line = {r["line"]: r for r in rejects}
+    assert sorted(by_line) == [2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert all(r["file"] == str(DATA / "bad.jsonl") and r["source"] == "bad_b" for r in rejects)
+    assert by_line[10]["reason"].startswith("longer than the context")
+    reasons = summary.rejects_by_reason().set_index("reason")["count"].to_dict()
+    assert reasons["longer than the context"] == 1 and reasons["malformed JSON"] == 1
+    assert summary.table().iloc[0]["kept"] == 1
+
+
+def test_fail_policy_stops_at_the_first_bad_record_and_writes_nothing(tokenizer, tmp_path):
+    out = tmp_path / "prep"
+    with pytest.raises(InputError) as raised:
+        prepare_sources(SPECS, tokenizer, out, context_length=256, long_prompt_threshold=40, bad_input="fail")
+    assert raised.value.path == str(DATA / "bad.jsonl") and raised.value.line == 2
+    assert "bad.jsonl:2" in str(raised.value)
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_fail_policy_names_the_field(tokenizer, tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"conversations": [{"from": "human", "value": 3}]}) + "\n")
+    spec = SourceSpec(name="one", format="sharegpt", path=str(path))
+    with pytest.raises(InputError, match=r"one.jsonl:1: field 'conversations\[0\].value'"):
+        prepare_sources([spec], tokenizer, tmp_path / "out", context_length=256, long_prompt_threshold=40,
+                        bad_input="fail")
+
+
+def test_interrupted_prep_keeps_the_previous_output_whole(tokenizer, tmp_path, monkeypatch):
+    out = tmp_path / "prep"
+    prepare_sources(SPECS[:1], tokenizer, out, context_length=256, long_prompt_threshold=40)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    calls = {"n": 0}
+    real = prep.tokenize_conversation
+
+    def crash_on_second(tokenizer_, messages):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(tokenizer_, messages)
+
+    monkeypatch.setattr(prep, "tokenize_conversation", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_sources(SPECS, tokenizer, out, context_length=256, long_prompt_threshold=40)
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prep"]  # no staging folder left behind
+
+
+def test_cross_source_duplicates_counted_on_the_later_source(tokenizer, tmp_path):
+    specs = [SourceSpec(name="first", format="sharegpt", path=str(DATA / "sharegpt.jsonl")),
+             SourceSpec(name="second", format="sharegpt", path=str(DATA / "sharegpt.jsonl"))]
+    table = prepare_sources(specs, tokenizer, tmp_path / "p", context_length=512,
+                            long_prompt_threshold=1000).table().set_index("source")
+    assert table.loc["first", "duplicates"] == 1  # sg1-dup repeats sg1's first user turn
+    assert table.loc["second", "duplicates"] == 4 and table.loc["second", "kept"] == 0
+
+
+def test_survey_statistics_plots_and_saved_tables(tokenizer, tmp_path):
+    result = survey_sources(SPECS, tokenizer, context_length=256, long_prompt_threshold=40)
+    summary = result.summary.set_index("source")
+    assert summary.loc["chat_a", "rows_read"] == 4 and summary.loc["chat_a", "duplicates"] == 1
+    assert summary.loc["bad_b", "rejected"] == 8  # line 10 is only over the context, not malformed
+    assert summary.loc["bad_b", "over_context_share"] == 0.5  # 1 of its 2 readable conversations
+    assert summary.loc["alpaca_b", "short"] + summary.loc["alpaca_b", "long"] == 3
+    chat = result.lengths[result.lengths.source == "chat_a"]
+    assert list(chat.turns) == [4, 3, 4]  # sg2 has a system turn
+    assert summary.loc["chat_a", "prompt_tokens_max"] == chat.prompt_tokens.max()
+    assert set(result.rejects.reason) >= {"malformed JSON", "not UTF-8", "unknown role", "two user turns in a row",
+                                          "no user turn", "missing field", "wrong type", "empty content"}
+    figures = plot_survey(result, tmp_path / "figures")
+    assert all(p.stat().st_size > 1000 for p in figures)
+    saved = save_survey(result, tmp_path)
+    assert all(p.exists() for p in saved)
