@@ -76,8 +76,8 @@ class Reject:
 
     @property
     def reason_kind(self) -> str:
-        """The reason without details, for counting: the text before the first ':' or '('."""
-        return re.split(r"[:(]", self.error.reason, maxsplit=1)[0].strip()
+        """The reason without details, for counting: the text before the first ':', '(' or quote."""
+        return re.split(r"[:(']", self.error.reason, maxsplit=1)[0].strip()
 
 
 # ---------------------------------------------------------------------------------------------
