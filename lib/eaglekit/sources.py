@@ -32,7 +32,7 @@ import sys
 import tarfile
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
