@@ -1,0 +1,234 @@
+"""The reference speculative loop on the embedded SmolLM2 target: output == plain greedy token for token
+(random, fitted and oracle drafts; several k; max_new_tokens boundaries; EOS), accept length the way a
+server counts it, and the loop's accept counts == the offline chain estimate on the same sequence."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eaglekit.acceptance import chain_counts, pooled_accept_length
+from eaglekit.draft import Eagle3DraftModel, build_draft_from_target, load_target_head_weights
+from eaglekit.specdec import (
+    OracleDraft,
+    accept,
+    evaluate_speculative_loop,
+    greedy_decode,
+    offline_chain_agreement,
+    speculative_decode,
+)
+from eaglekit.vocab import select_draft_vocab
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "List three uses of a paperclip."]
+MAX_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two threads on a shared 2-core machine spin against each other (a 1-token forward went from 0.15 s to
+    # 1 s here); one thread keeps the module fast and its timing honest.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target(embedded_model_dir):
+    return AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def eos_token_id(embedded_model_dir) -> int:
+    return int(AutoTokenizer.from_pretrained(embedded_model_dir).convert_tokens_to_ids("<|im_end|>"))
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_model_dir) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+               for question in QUESTIONS]
+    return [list(item if isinstance(item, list) else item["input_ids"]) for item in encoded]
+
+
+@pytest.fixture(scope="module")
+def references(target, prompts, eos_token_id) -> list[list[int]]:
+    """transformers' own greedy output: the ground truth for every loop below (shorter budgets are prefixes)."""
+    outputs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt])
+            generated = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_NEW_TOKENS,
+                                        do_sample=False, eos_token_id=[eos_token_id], pad_token_id=eos_token_id)
+            outputs.append(generated[0, len(prompt):].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def draft_vocab(target, prompts, references):
+    # A small draft vocab that holds every token of the test sequences, so the oracle can propose them.
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.int64)
+    for prompt, output in zip(prompts, references):
+        counts += torch.bincount(torch.tensor(prompt + output), minlength=target.config.vocab_size)
+    return select_draft_vocab(counts, 1024)
+
+
+@pytest.fixture(scope="module")
+def random_draft(embedded_model_dir, draft_vocab) -> Eagle3DraftModel:
+    return build_draft_from_target(load_target_head_weights(embedded_model_dir), draft_vocab.d2t, draft_vocab.t2d, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def fitted_draft(random_draft, target, prompts, references) -> Eagle3DraftModel:
+    """The random draft overfitted for a few steps on the test sequences themselves (TTT unroll, hard labels),
+    so it agrees with the target often but not always: real multi-token acceptance with real rejections."""
+    draft = copy.deepcopy(random_draft).train()
+    steps = 3
+    sequences = [torch.tensor([prompt + output]) for prompt, output in zip(prompts, references)]
+    features = []
+    with torch.no_grad():  # not inference_mode: these tensors feed autograd below
+        for sequence in sequences:
+            outputs = target(sequence, output_hidden_states=True)
+            features.append(torch.cat([outputs.hidden_states[i] for i in draft.config.capture_layer_indices], dim=-1).clone())
+    target_to_draft = torch.cumsum(draft.t2d.long(), 0) - 1  # draft id of each in-vocab target token
+    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
+    torch.manual_seed(0)
+    for _ in range(12):
+        optimizer.zero_grad()
+        loss = 0.0
+        for sequence, aux, prompt in zip(sequences, features, prompts):
+            step_logits = draft(sequence, aux, steps)
+            for step, logits in enumerate(step_logits):
+                rows = slice(len(prompt) - 1, sequence.shape[1] - 2 - step)  # row t predicts token t + 2 + step
+                labels = target_to_draft[sequence[0, len(prompt) + 1 + step:]]
+                loss = loss + F.cross_entropy(logits[0, rows], labels)
+        loss.backward()
+        optimizer.step()
+    return draft.eval()
+
+
+def expected_output(reference: list[int], max_new_tokens: int, eos: int | None) -> list[int]:
+    """Greedy is prefix-consistent: a shorter budget or an earlier EOS cuts the longest reference."""
+    output = reference[:max_new_tokens]
+    if eos is not None and eos in output:
+        output = output[: output.index(eos) + 1]
+    return output
+
+
+def test_plain_greedy_loop_equals_generate(target, prompts, references, eos_token_id):
+    for prompt, reference in zip(prompts[:2], references):
+        result = greedy_decode(target, prompt, MAX_NEW_TOKENS, [eos_token_id])
+        assert result.output_ids == reference
+        assert result.stop_reason == ("eos" if reference[-1] == eos_token_id else "length")
+    # The first prompt's answer ends with the real end-of-turn token before the budget (an EOS case).
+    assert references[0][-1] == eos_token_id and len(references[0]) < MAX_NEW_TOKENS
+    assert all(len(reference) == MAX_NEW_TOKENS for reference in references[1:])
+
+
+def test_accept_rule():
+    proposals = torch.tensor([5, 6, 7])
+    assert accept(proposals, torch.tensor([5, 6, 7, 8])) == 3  # all drafts + bonus
+    assert accept(proposals, torch.tensor([5, 9, 7, 8])) == 1  # stops at the first disagreement, later matches ignored
+    assert accept(proposals, torch.tensor([4, 6, 7, 8])) == 0  # only the target's own token
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_random_draft_output_equals_greedy(target, random_draft, prompts, references, eos_token_id, steps):
+    """Whatever the draft proposes, the output is the target's greedy output (EOS and budget stops too)."""
+    for prompt, reference, max_new_tokens in [(prompts[0], references[0], MAX_NEW_TOKENS), (prompts[1], references[1], 9)]:
+        result = speculative_decode(target, random_draft, prompt, steps, max_new_tokens, [eos_token_id])
+        assert result.output_ids == expected_output(reference, max_new_tokens, eos_token_id)
+        assert sum(result.emitted_per_step) + 1 == len(result.output_ids)  # + the prefill token
+        assert all(0 <= accepted <= steps for accepted in result.accepted_per_step)
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, references, eos_token_id, steps):
+    """Proposals forced right except at chosen positions: exact accept counts, budget cuts mid-block, EOS mid-block."""
+    prompt, reference = prompts[1], references[1]
+    sequence = prompt + reference
+    wrong = [len(prompt) + 6]  # the 7th generated token is proposed wrong wherever a chain reaches it
+    oracle = OracleDraft(random_draft, sequence, wrong_positions=wrong)
+    for max_new_tokens in (1, 2, steps + 3, MAX_NEW_TOKENS):
+        result = speculative_decode(target, oracle, prompt, steps, max_new_tokens, [eos_token_id])
+        assert result.output_ids == reference[:max_new_tokens]
+        # The chain from row r proposes tokens r + 2 .. r + 1 + k: all accepted up to the wrong position (or up
+        # to the end of the known sequence: past it the oracle does not know the target's answer).
+        for row, accepted in zip(result.chain_start_rows, result.accepted_per_step):
+            proposed_positions = range(row + 2, row + 2 + steps)
+            expected = next((j for j, position in enumerate(proposed_positions)
+                             if position in wrong or position >= len(sequence)), steps)
+            assert accepted == expected
+        if max_new_tokens == 1:
+            assert result.verification_steps == 0  # the prefill token alone: nothing verified
+    full = speculative_decode(target, oracle, prompt, steps, MAX_NEW_TOKENS, [eos_token_id])
+    assert max(full.accepted_per_step) == steps  # whole chains accepted
+    assert full.accept_length > 1.5 if steps > 1 else full.accept_length > 1.0
+    # An EOS inside an accepted block: take a token from the middle of the output as "EOS".
+    eos = reference[8]
+    result = speculative_decode(target, oracle, prompt, steps, MAX_NEW_TOKENS, [eos])
+    assert result.output_ids == expected_output(reference, MAX_NEW_TOKENS, eos)
+    assert result.stop_reason == "eos"
+
+
+@pytest.mark.parametrize("steps", [2, 4])
+def test_fitted_draft_loop_matches_offline_chain(target, fitted_draft, prompts, references, eos_token_id, steps):
+    """The loop's accepted counts are the offline chain's leading agreements at the rows the loop visits."""
+    loop_tokens, loop_steps, offline_arrays = [], [], []
+    for prompt, reference in zip(prompts, references):
+        result = speculative_decode(target, fitted_draft, prompt, steps, MAX_NEW_TOKENS, [eos_token_id])
+        assert result.output_ids == reference
+        offline = offline_chain_agreement(target, fitted_draft, prompt + reference, len(prompt), steps)
+        leading = np.logical_and.accumulate(offline.agreement, axis=1).sum(axis=1)  # (P,) leading agreements per row
+        by_row = dict(zip(offline.start_rows.tolist(), leading.tolist()))
+        compared = 0
+        for row, accepted in zip(result.chain_start_rows, result.accepted_per_step):
+            if row in by_row:  # rows too close to the end have no complete offline chain
+                assert accepted == by_row[row], f"row {row}: loop accepted {accepted}, offline chain agrees on {by_row[row]}"
+                compared += 1
+        assert compared >= 1
+        loop_tokens.append(len(result.output_ids))
+        loop_steps.append(result.verification_steps)
+        offline_arrays.append(offline.agreement)
+    # The fitted draft does real work: some multi-token acceptance, some rejections.
+    all_agreement = np.concatenate(offline_arrays)
+    assert 0.2 < all_agreement[:, 0].mean() < 1.0 or all_agreement.all(axis=1).mean() < 1.0
+    tau_loop = sum(loop_tokens) / sum(loop_steps)
+    tau_offline = pooled_accept_length(chain_counts(offline_arrays, steps))
+    assert tau_offline > 1.3
+    # Why the two still differ a little, although every visited chain accepts exactly what the offline row says:
+    # (1) the loop counts the prefill token as a completion token without a verification step (+1 / steps, as
+    # SGLang does); (2) its last chain is cut by max_new_tokens/EOS; (3) it visits only the rows where the
+    # previous chain ended, the offline figure averages every row (and drops rows within k of the end).
+    # With 16-token answers (1) alone is worth up to +0.2-0.5; the bound below leaves room for (2) and (3).
+    assert abs(tau_loop - tau_offline) < 0.35 * tau_offline, (tau_loop, tau_offline)
+
+
+def test_evaluate_reports_server_style_tau_and_topology(target, fitted_draft, prompts, eos_token_id):
+    report = evaluate_speculative_loop(target, fitted_draft, prompts[:2], steps=3, max_new_tokens=10,
+                                       eos_token_ids=[eos_token_id], warmup=False)
+    summary = report.summary
+    assert summary["outputs_equal"] is True
+    assert (summary["topology"], summary["steps"], summary["draft_tokens"]) == ("chain", 3, 4)
+    tokens = sum(len(result.output_ids) for result in report.speculative)
+    verifications = sum(result.verification_steps for result in report.speculative)
+    assert summary["tau_loop_pooled"] == pytest.approx(tokens / verifications)
+    assert 1.0 <= summary["tau_loop_pooled"] <= 4.0 + 1.0  # a chain of k steps: at most k + 1 (+ the prefill token)
+    assert summary["speedup"] == pytest.approx(summary["speculative_tokens_per_second"] / summary["greedy_tokens_per_second"])
+    assert len(report.per_prompt) == 2 and all(row["outputs_equal"] for row in report.per_prompt)
+
+
+def test_draft_for_another_target_fails_fast(target, random_draft, prompts):
+    from eaglekit.draft import DraftConfig
+
+    config = DraftConfig.from_dict({**random_draft.config.to_dict(), "hidden_size": 64, "head_dim": 16,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128})
+    with pytest.raises(ValueError, match="hidden_size"):
+        speculative_decode(target, Eagle3DraftModel(config), prompts[0], 2, 4)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        speculative_decode(target, random_draft, prompts[0], 2, target.config.max_position_embeddings)
