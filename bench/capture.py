@@ -43,6 +43,33 @@ from eaglekit.capture import (
 from eaglekit.shards import INDEX_FILE
 
 
+# Shapes for random-weight stand-ins where the real checkpoint cannot travel (a GPU machine with no hub):
+# throughput, memory and bytes per token depend on the shapes, not on the weights.
+RANDOM_SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+                         rope_theta=100000.0),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
+                         rope_theta=500000.0),
+}
+
+
+def build_model(arguments: argparse.Namespace) -> tuple[torch.nn.Module, str]:
+    """The target (or a random-weight model of a named shape) in eval mode, and a description of it."""
+    dtype = getattr(torch, arguments.dtype)
+    if arguments.random_like is None:
+        return load_target(arguments.model, device=arguments.device, dtype=dtype), str(arguments.model)
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(arguments.seed)
+    with torch.device(arguments.device):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM_SHAPES[arguments.random_like]), dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model, f"random weights shaped like {arguments.random_like}"
+
+
 def make_samples(count: int, min_length: int, max_length: int, vocab_size: int, seed: int) -> list[TokenizedSample]:
     generator = random.Random(seed)
     samples = []
@@ -63,7 +90,9 @@ def padded_inputs(samples: list[TokenizedSample], device: torch.device) -> dict[
         input_ids[row, : len(sample.input_ids)] = torch.tensor(sample.input_ids)
         attention_mask[row, : len(sample.input_ids)] = 1
     position_ids = torch.arange(padded_length).unsqueeze(0).expand(len(samples), -1)
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device), "position_ids": position_ids.to(device)}
+    has_padding = bool((attention_mask == 0).any())
+    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device) if has_padding else None,
+            "position_ids": position_ids.to(device)}
 
 
 def synchronize(device: str) -> None:
@@ -92,7 +121,7 @@ def resident_bytes(field: str) -> int:
 
 def memory_probe(arguments: argparse.Namespace) -> None:
     """Subprocess body: load, build the batch, reset the peak, run one approach, print the peak delta."""
-    model = load_target(arguments.model, device=arguments.device, dtype=getattr(torch, arguments.dtype))
+    model, _ = build_model(arguments)
     samples = make_samples(arguments.samples, arguments.min_length, arguments.max_length, model.config.vocab_size, arguments.seed)
     batch = max(plan_batches([len(s.input_ids) for s in samples], arguments.max_tokens_per_batch),
                 key=lambda positions: len(positions) * max(len(samples[p].input_ids) for p in positions))
@@ -126,6 +155,8 @@ def memory_probe(arguments: argparse.Namespace) -> None:
 
 def measure_memory(arguments: argparse.Namespace, approach: str) -> dict:
     command = [sys.executable, __file__, "--memory-probe", approach, "--model", str(arguments.model)]
+    if arguments.random_like:
+        command += ["--random-like", arguments.random_like]
     for name in ("samples", "min_length", "max_length", "max_tokens_per_batch", "seed", "device", "dtype"):
         command += [f"--{name.replace('_', '-')}", str(getattr(arguments, name))]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -137,6 +168,8 @@ def measure_memory(arguments: argparse.Namespace, approach: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
+    parser.add_argument("--random-like", choices=sorted(RANDOM_SHAPES), default=None,
+                        help="random weights of this shape instead of --model (for machines without the checkpoint)")
     parser.add_argument("--samples", type=int, default=6)
     parser.add_argument("--min-length", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=64)
@@ -149,7 +182,7 @@ def main() -> None:
     arguments = parser.parse_args()
     if arguments.dtype is None:
         arguments.dtype = "bfloat16" if arguments.device.startswith("cuda") else "float32"
-    if arguments.model is None:
+    if arguments.model is None and arguments.random_like is None:
         from eaglekit.models import resolve_model
 
         arguments.model = resolve_model("embedded:smollm2-135m-instruct")
@@ -157,7 +190,7 @@ def main() -> None:
         memory_probe(arguments)
         return
 
-    model = load_target(arguments.model, device=arguments.device, dtype=getattr(torch, arguments.dtype))
+    model, description = build_model(arguments)
     hidden_size = model.config.hidden_size
     layer_ids = default_capture_layer_ids(model.config.num_hidden_layers)
     samples = make_samples(arguments.samples, arguments.min_length, arguments.max_length, model.config.vocab_size, arguments.seed)
@@ -166,7 +199,7 @@ def main() -> None:
     padded = sum(len(batch) * max(len(s.input_ids) for s in batch) for batch in batches)
     base_model = base_model_of(model)
     device = base_model.get_input_embeddings().weight.device
-    print(f"model {arguments.model} ({model.config.num_hidden_layers} layers, H={hidden_size}), {arguments.device} {arguments.dtype}, "
+    print(f"model {description} ({model.config.num_hidden_layers} layers, H={hidden_size}), {arguments.device} {arguments.dtype}, "
           f"torch threads {torch.get_num_threads()}, capture layers {layer_ids}")
     print(f"{len(samples)} samples, {tokens} tokens in {len(batches)} batches ({padded} padded tokens, budget {arguments.max_tokens_per_batch})")
 
@@ -224,7 +257,7 @@ def main() -> None:
                 handle.write(json.dumps({"id": sample.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
                                          "source": "bench", "meta": {}}) + "\n")
         started = time.perf_counter()
-        report = capture_to_shards(model, {"bench": data_path}, folder_path / "shards", model_name=str(arguments.model),
+        report = capture_to_shards(model, {"bench": data_path}, folder_path / "shards", model_name=description,
                                    max_seq_len=arguments.max_length, max_tokens_per_batch=arguments.max_tokens_per_batch,
                                    progress=False)
         elapsed = time.perf_counter() - started
