@@ -377,7 +377,10 @@ def setup_distributed(parallel: str, device: torch.device) -> Distributed:
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise RuntimeError(f"parallel={parallel!r} needs torchrun (RANK/WORLD_SIZE unset); run `torchrun --nproc-per-node N ...` or use 'none'")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            dist.init_process_group(backend="nccl", device_id=device)
+        else:
+            dist.init_process_group(backend="gloo")
     return Distributed(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
@@ -513,6 +516,9 @@ def train_draft(
     """
     output_dir = Path(output_dir)
     device = torch.device(settings.device)
+    if device.type == "cuda" and settings.parallel != "none":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per torchrun process
+        torch.cuda.set_device(device)
     distributed = setup_distributed(settings.parallel, device)
     if len(train_samples) == 0 or len(heldout_samples) == 0:
         raise ValueError(f"need training and held-out samples, got {len(train_samples)} and {len(heldout_samples)}")
