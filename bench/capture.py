@@ -1,6 +1,6 @@
 """Capture cost, side by side in one run on the embedded target (SmolLM2-135M):
 
-1. throughput: hook capture (`capture_batch`: forward + hooks + concat + bf16 copy to CPU) against a
+1. throughput: hook capture (`capture_batches`: forward + hooks + packing + bf16 copy to CPU) against a
    plain no-grad forward of the same decoder over the same padded batches (goal >= 0.9x); the full
    CausalLM forward (with the vocab-wide lm_head capture skips) is shown for reference;
 2. peak memory of one batch: hooks against `output_hidden_states=True` (then keeping the same three
@@ -35,6 +35,7 @@ from eaglekit.capture import (
     TokenizedSample,
     base_model_of,
     capture_batch,
+    capture_batches,
     capture_to_shards,
     default_capture_layer_ids,
     load_target,
@@ -214,8 +215,8 @@ def main() -> None:
                 model(**padded_inputs(batch, device), use_cache=False)
 
     def hook_capture() -> None:
-        for batch in batches:
-            capture_batch(model, batch, layer_ids)
+        for _ in capture_batches(model, batches, layer_ids):
+            pass
 
     approaches = {"plain decoder forward": plain_decoder_forward, "hook capture": hook_capture,
                   "plain CausalLM forward (lm_head over vocab)": plain_causal_lm_forward}

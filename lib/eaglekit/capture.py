@@ -24,7 +24,7 @@ import random
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -266,49 +266,113 @@ def load_target(
     return model
 
 
-def capture_batch(model: nn.Module, samples: Sequence[TokenizedSample], capture_layer_ids: Sequence[int]) -> list[CapturedSample]:
-    """Run the target's decoder over one right-padded batch and return each sample's features on CPU.
+@dataclass
+class _LaunchedBatch:
+    """A batch whose forward is queued and whose packed features are (maybe still) copying to the host."""
 
-    (B, T) ids -> aux (B, T, 3H) from the three layer inputs, final (B, T, H) after the final norm;
-    each sample is cut back to its own length and stored as bf16.
-    """
-    base_model = base_model_of(model)
+    samples: Sequence[TokenizedSample]
+    lengths: list[int]
+    aux_hidden_states: torch.Tensor  # (N, 3H) bf16, N = real tokens of the batch
+    final_hidden_states: torch.Tensor  # (N, H) bf16
+    copied: torch.cuda.Event | None
+
+
+def _launch_batch(
+    base_model: nn.Module, samples: Sequence[TokenizedSample], capture_layer_ids: Sequence[int], copy_streams: dict
+) -> _LaunchedBatch:
     lengths = [len(sample.input_ids) for sample in samples]
-    padded_length = max(lengths)
-    input_ids = torch.zeros(len(samples), padded_length, dtype=torch.long)
-    attention_mask = torch.zeros(len(samples), padded_length, dtype=torch.long)
+    batch_size, padded_length = len(samples), max(lengths)
+    input_ids = torch.zeros(batch_size, padded_length, dtype=torch.long)
+    attention_mask = torch.zeros(batch_size, padded_length, dtype=torch.long)
     for row, sample in enumerate(samples):
         input_ids[row, : lengths[row]] = torch.tensor(sample.input_ids, dtype=torch.long)
         attention_mask[row, : lengths[row]] = 1
+    # Flat positions of the real tokens in (B * T): padding is dropped on the device, before any copy.
+    token_index = torch.cat([row * padded_length + torch.arange(length) for row, length in enumerate(lengths)])
     input_device = base_model.get_input_embeddings().weight.device
     # Right padding keeps every real token at positions 0..length-1, as when run alone.
-    position_ids = torch.arange(padded_length, device=input_device).unsqueeze(0).expand(len(samples), -1)
+    position_ids = torch.arange(padded_length, device=input_device).unsqueeze(0).expand(batch_size, -1)
     with torch.inference_mode(), LayerInputCapture(base_model, capture_layer_ids) as capture:
         outputs = base_model(
             input_ids=input_ids.to(input_device),
+            # Decided on the host from the lengths: no mask when nothing is padded, and no device sync.
             attention_mask=attention_mask.to(input_device) if min(lengths) < padded_length else None,
             position_ids=position_ids,
             use_cache=False,
         )
         final_hidden_states = outputs.last_hidden_state  # (B, T, H)
+        feature_device = final_hidden_states.device
+        token_index = token_index.to(feature_device)
+
+        def packed(hidden_states: torch.Tensor) -> torch.Tensor:  # (B, T, H) -> (N, H) bf16 on feature_device
+            flat = hidden_states.to(feature_device).reshape(batch_size * padded_length, -1)
+            return flat.index_select(0, token_index).to(torch.bfloat16)
+
         # With device_map over several GPUs the layers live on different devices: gather on the last one.
-        aux_hidden_states = torch.cat(
-            [capture.captured[layer_id].to(final_hidden_states.device) for layer_id in capture_layer_ids], dim=-1
-        )  # 3 x (B, T, H) -> (B, T, 3H)
-        aux_hidden_states = aux_hidden_states.to(torch.bfloat16).cpu()
-        final_hidden_states = final_hidden_states.to(torch.bfloat16).cpu()
-    captured = []
-    for row, sample in enumerate(samples):
-        length = lengths[row]
-        captured.append(CapturedSample(
+        aux_hidden_states = torch.cat([packed(capture.captured[layer_id]) for layer_id in capture_layer_ids], dim=-1)  # (N, 3H)
+        final_packed = packed(final_hidden_states)  # (N, H)
+        if feature_device.type != "cuda":
+            return _LaunchedBatch(samples, lengths, aux_hidden_states, final_packed, None)
+        # Copy to pinned host memory on a side stream, so the next batch's forward runs during the copy.
+        copy_stream = copy_streams.setdefault(feature_device, torch.cuda.Stream(device=feature_device))
+        copy_stream.wait_stream(torch.cuda.current_stream(feature_device))
+        host_aux = torch.empty(aux_hidden_states.shape, dtype=torch.bfloat16, pin_memory=True)
+        host_final = torch.empty(final_packed.shape, dtype=torch.bfloat16, pin_memory=True)
+        with torch.cuda.stream(copy_stream):
+            host_aux.copy_(aux_hidden_states, non_blocking=True)
+            host_final.copy_(final_packed, non_blocking=True)
+            # The device tensors must outlive the copy although this function drops them.
+            aux_hidden_states.record_stream(copy_stream)
+            final_packed.record_stream(copy_stream)
+            copied = torch.cuda.Event()
+            copied.record(copy_stream)
+        return _LaunchedBatch(samples, lengths, host_aux, host_final, copied)
+
+
+def _finish_batch(launched: _LaunchedBatch) -> list[CapturedSample]:
+    if launched.copied is not None:
+        launched.copied.synchronize()
+    # Views into the batch's packed tensors: no per-sample copy (the shard writer concatenates anyway).
+    aux_parts = launched.aux_hidden_states.split(launched.lengths)
+    final_parts = launched.final_hidden_states.split(launched.lengths)
+    return [
+        CapturedSample(
             id=sample.id,
             dataset=sample.dataset,
-            input_ids=input_ids[row, :length].clone(),
+            input_ids=torch.tensor(sample.input_ids, dtype=torch.long),
             loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
-            aux_hidden_states=aux_hidden_states[row, :length].clone(),
-            final_hidden_states=final_hidden_states[row, :length].clone(),
+            aux_hidden_states=aux,
+            final_hidden_states=final,
             original_length=sample.original_length,
-        ))
+        )
+        for sample, aux, final in zip(launched.samples, aux_parts, final_parts, strict=True)
+    ]
+
+
+def capture_batches(
+    model: nn.Module, batches: Iterable[Sequence[TokenizedSample]], capture_layer_ids: Sequence[int]
+) -> Iterator[list[CapturedSample]]:
+    """Capture batch after batch, yielding each batch's samples with features on CPU.
+
+    Per batch: (B, T) ids, right-padded -> aux (T_i, 3H) from the three layer inputs and final (T_i, H)
+    after the final norm, per sample, bf16. On GPU the next batch is queued before the previous one's
+    features are taken off the device, so the copy to the host overlaps the forward.
+    """
+    base_model = base_model_of(model)
+    copy_streams: dict = {}
+    pending: _LaunchedBatch | None = None
+    for samples in batches:
+        launched = _launch_batch(base_model, samples, capture_layer_ids, copy_streams)
+        if pending is not None:
+            yield _finish_batch(pending)
+        pending = launched
+    if pending is not None:
+        yield _finish_batch(pending)
+
+
+def capture_batch(model: nn.Module, samples: Sequence[TokenizedSample], capture_layer_ids: Sequence[int]) -> list[CapturedSample]:
+    """Capture one batch: each sample's aux (T, 3H) and final (T, H) features, bf16 on CPU."""
+    (captured,) = capture_batches(model, [samples], capture_layer_ids)
     return captured
 
 
@@ -468,8 +532,9 @@ def capture_to_shards(
             from tqdm.auto import tqdm
 
             batch_iterator = tqdm(my_batches, desc=f"capture (rank 0 of {world_size})", unit="batch")
-        for batch in batch_iterator:
-            for captured in capture_batch(model, [samples[position] for position in batch], layer_ids):
+        batch_samples = ([samples[position] for position in batch] for batch in batch_iterator)
+        for captured_batch in capture_batches(model, batch_samples, layer_ids):
+            for captured in captured_batch:
                 if (captured.dataset, captured.id) in done:
                     continue
                 writer.add(captured)
@@ -551,9 +616,9 @@ class OnlineCaptureDataset(torch.utils.data.IterableDataset):
         order = list(range(len(self.batches)))
         if self.shuffle_seed is not None:
             random.Random(self.shuffle_seed + self.epoch).shuffle(order)
-        for number in order[self.rank :: self.world_size]:
-            batch = [self.samples[position] for position in self.batches[number]]
-            for captured in capture_batch(self.model, batch, self.capture_layer_ids):
+        my_batches = ([self.samples[position] for position in self.batches[number]] for number in order[self.rank :: self.world_size])
+        for captured_batch in capture_batches(self.model, my_batches, self.capture_layer_ids):
+            for captured in captured_batch:
                 yield as_training_sample(captured)
 
 
