@@ -147,13 +147,13 @@ def test_random_draft_output_equals_greedy(target, random_draft, prompts, refere
         assert all(0 <= accepted <= steps for accepted in result.accepted_per_step)
 
 
-@pytest.mark.parametrize("steps", [1, 3, 5])
+@pytest.mark.parametrize("steps", [2, 5])  # k = 1 runs in the random-draft test
 def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, references, eos_token_id, steps):
     """Proposals forced right except at chosen positions: exact accept counts, budget cuts mid-block, EOS mid-block."""
     prompt, reference = prompts[1], references[1]
     sequence = prompt + reference
     wrong = [len(prompt) + 6]  # the 7th generated token is proposed wrong wherever a chain reaches it
-    oracle = OracleDraft(random_draft, sequence, wrong_positions=wrong)
+    oracle = OracleDraft(random_draft, sequence, len(prompt), wrong_positions=wrong)
     for max_new_tokens in (1, 2, steps + 3, MAX_NEW_TOKENS):
         result = speculative_decode(target, oracle, prompt, steps, max_new_tokens, [eos_token_id])
         assert result.output_ids == reference[:max_new_tokens]
@@ -168,7 +168,7 @@ def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, refe
             assert result.verification_steps == 0  # the prefill token alone: nothing verified
     full = speculative_decode(target, oracle, prompt, steps, MAX_NEW_TOKENS, [eos_token_id])
     assert max(full.accepted_per_step) == steps  # whole chains accepted
-    assert full.accept_length > 1.5 if steps > 1 else full.accept_length > 1.0
+    assert full.accept_length > 2.0
     # An EOS inside an accepted block: take a token from the middle of the output as "EOS".
     eos = reference[8]
     result = speculative_decode(target, oracle, prompt, steps, MAX_NEW_TOKENS, [eos])
@@ -179,7 +179,7 @@ def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, refe
 @pytest.mark.parametrize("steps", [2, 4])
 def test_fitted_draft_loop_matches_offline_chain(target, fitted_draft, prompts, references, eos_token_id, steps):
     """The loop's accepted counts are the offline chain's leading agreements at the rows the loop visits."""
-    loop_tokens, loop_steps, offline_arrays = [], [], []
+    loop_tokens, loop_steps, offline_arrays, accepted_counts = [], [], [], []
     for prompt, reference in zip(prompts, references):
         result = speculative_decode(target, fitted_draft, prompt, steps, MAX_NEW_TOKENS, [eos_token_id])
         assert result.output_ids == reference
@@ -194,23 +194,26 @@ def test_fitted_draft_loop_matches_offline_chain(target, fitted_draft, prompts, 
         assert compared >= 1
         loop_tokens.append(len(result.output_ids))
         loop_steps.append(result.verification_steps)
+        accepted_counts.extend(result.accepted_per_step)
         offline_arrays.append(offline.agreement)
     # The fitted draft does real work: some multi-token acceptance, some rejections.
-    all_agreement = np.concatenate(offline_arrays)
-    assert 0.2 < all_agreement[:, 0].mean() < 1.0 or all_agreement.all(axis=1).mean() < 1.0
+    first_step = np.concatenate(offline_arrays)[:, 0]
+    assert 0.0 < first_step.mean() < 1.0
+    assert max(accepted_counts) >= 1  # multi-token blocks through the loop, not only bonus tokens
     tau_loop = sum(loop_tokens) / sum(loop_steps)
     tau_offline = pooled_accept_length(chain_counts(offline_arrays, steps))
-    assert tau_offline > 1.3
+    assert tau_offline > 1.2
     # Why the two still differ a little, although every visited chain accepts exactly what the offline row says:
     # (1) the loop counts the prefill token as a completion token without a verification step (+1 / steps, as
     # SGLang does); (2) its last chain is cut by max_new_tokens/EOS; (3) it visits only the rows where the
     # previous chain ended, the offline figure averages every row (and drops rows within k of the end).
-    # With 16-token answers (1) alone is worth up to +0.2-0.5; the bound below leaves room for (2) and (3).
-    assert abs(tau_loop - tau_offline) < 0.35 * tau_offline, (tau_loop, tau_offline)
+    # Measured here (fitted draft, 3 prompts, 16 tokens): loop 1.54 vs offline 1.48 for k = 2 and 4, of which the
+    # prefill token is +0.12 -- the loop without it (1.42) sits on the other side of the offline figure.
+    assert abs(tau_loop - tau_offline) < 0.2, (tau_loop, tau_offline)
 
 
 def test_evaluate_reports_server_style_tau_and_topology(target, fitted_draft, prompts, eos_token_id):
-    report = evaluate_speculative_loop(target, fitted_draft, prompts[:2], steps=3, max_new_tokens=10,
+    report = evaluate_speculative_loop(target, fitted_draft, prompts[:2], steps=3, max_new_tokens=6,
                                        eos_token_ids=[eos_token_id], warmup=False)
     summary = report.summary
     assert summary["outputs_equal"] is True

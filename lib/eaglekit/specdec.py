@@ -480,21 +480,25 @@ class OracleDraft:
 
     `sequence_ids` is the full sequence the target will produce (prompt + greedy output). A row at RoPE
     position p proposes token p + 2 (the row carries token p + 1), so the proposal is right unless p + 2 is
-    in `wrong_positions`, where it proposes another draft-vocab token. Every sequence token must be in the
-    draft vocab. Use it to measure what the loop gives at accept length k + 1, or to test acceptance.
+    in `wrong_positions`, where it proposes another draft-vocab token. Every generated token (from
+    `prompt_length` on) must be in the draft vocab. Use it to measure what the loop gives at accept length
+    k + 1, or to test acceptance.
     """
 
-    def __init__(self, draft: Eagle3DraftModel, sequence_ids: Sequence[int], wrong_positions: Sequence[int] = ()):
+    def __init__(self, draft: Eagle3DraftModel, sequence_ids: Sequence[int], prompt_length: int,
+                 wrong_positions: Sequence[int] = ()):
         self.draft = draft
         self.config = draft.config
+        self.prompt_length = prompt_length
         self.wrong_positions = frozenset(int(position) for position in wrong_positions)
         draft_to_target = draft.draft_to_target_ids()
         sequence = torch.as_tensor(list(sequence_ids), dtype=torch.long)
-        if not bool(draft.t2d[sequence].all()):
-            missing = sorted(set(sequence[~draft.t2d[sequence]].tolist()))
-            raise ValueError(f"tokens {missing[:10]} of the sequence are not in the draft vocab; use a draft vocab that covers them")
-        # draft_to_target is ascending, so searchsorted finds each token's draft id.
-        self.sequence_draft_ids = torch.searchsorted(draft_to_target, sequence)
+        generated = sequence[prompt_length:]
+        if not bool(draft.t2d[generated].all()):
+            missing = sorted(set(generated[~draft.t2d[generated]].tolist()))
+            raise ValueError(f"generated tokens {missing[:10]} are not in the draft vocab; use a draft vocab that covers them")
+        # draft_to_target is ascending, so searchsorted finds each token's draft id (prompt tokens: never proposed).
+        self.sequence_draft_ids = torch.searchsorted(draft_to_target, sequence).clamp(max=self.config.draft_vocab_size - 1)
 
     def draft_to_target_ids(self) -> torch.Tensor:
         return self.draft.draft_to_target_ids()
@@ -505,8 +509,8 @@ class OracleDraft:
         logits = torch.zeros(1, len(positions), size, dtype=like.dtype, device=like.device)
         for row, position in enumerate(positions):
             wanted = position + 2
-            if wanted >= len(self.sequence_draft_ids):
-                continue  # past the known sequence: any proposal is as good as another (draft id 0)
+            if wanted < self.prompt_length or wanted >= len(self.sequence_draft_ids):
+                continue  # a prompt row (its logits are never used) or past the known sequence: draft id 0
             draft_id = int(self.sequence_draft_ids[wanted])
             logits[0, row, (draft_id + 1) % size if wanted in self.wrong_positions else draft_id] = 1.0
         return logits
