@@ -233,5 +233,7 @@ def test_draft_for_another_target_fails_fast(target, random_draft, prompts):
                                     "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128})
     with pytest.raises(ValueError, match="hidden_size"):
         speculative_decode(target, Eagle3DraftModel(config), prompts[0], 2, 4)
+    with pytest.raises(ValueError, match="k must be"):
+        speculative_decode(target, random_draft, prompts[0], 0, 4)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         speculative_decode(target, random_draft, prompts[0], 2, target.config.max_position_embeddings)

@@ -129,17 +129,16 @@ def check_draft_fits_target(target: nn.Module, draft: DraftModel) -> list[int]:
 
 
 def _check_budget(target: nn.Module, prompt_length: int, max_new_tokens: int, steps: int) -> None:
+    """steps: draft tokens per verification (0 for plain greedy decoding)."""
     if prompt_length == 0:
         raise ValueError("empty prompt: pass at least one token (the chat template's tokens count)")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if steps < 1:
-        raise ValueError(f"draft steps k must be >= 1, got {steps}")
     # The last verification may run k drafted tokens past the final output position.
     needed = prompt_length + max_new_tokens + steps
     limit = int(target.config.max_position_embeddings)
     if needed > limit:
-        raise ValueError(f"prompt ({prompt_length}) + max_new_tokens ({max_new_tokens}) + k ({steps}) = {needed} "
+        raise ValueError(f"prompt ({prompt_length}) + max_new_tokens ({max_new_tokens}) + draft steps ({steps}) = {needed} "
                          f"exceeds the target's max_position_embeddings {limit}; shorten the prompt or max_new_tokens")
 
 
@@ -187,7 +186,7 @@ def greedy_decode(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: 
                   eos_token_ids: Sequence[int] = ()) -> GreedyResult:
     """Plain greedy decoding with the target's KV cache, one token per forward (what `generate(do_sample=False)`
     does, without its per-step bookkeeping). Stops after an EOS token (kept) or `max_new_tokens`."""
-    _check_budget(target, len(prompt_ids), max_new_tokens, steps=1)
+    _check_budget(target, len(prompt_ids), max_new_tokens, steps=0)
     device = _device_of(target)
     eos = set(int(token) for token in eos_token_ids)
     started = time.perf_counter()
@@ -274,6 +273,8 @@ def speculative_decode(
     SGLang, the draft length is not shortened near the budget: the last verification may check drafted
     tokens that are then cut off (counted in accepted_per_step, not in emitted_per_step).
     """
+    if steps < 1:
+        raise ValueError(f"draft steps k must be >= 1, got {steps}")
     capture_layer_ids = check_draft_fits_target(target, draft)
     _check_budget(target, len(prompt_ids), max_new_tokens, steps)
     device = _device_of(target)
