@@ -52,6 +52,9 @@ class ServerParams(Section):
     startup_timeout_s: float = Field(default=300.0, gt=0)
     continuous_batching: bool = True  # measured: ~6x throughput at concurrency 16 on 2 cores
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # KV-cache capacity in tokens (>= concurrency x (prompt + max_tokens)). Bounded on purpose:
+    # unbounded, the server claims most of the machine's free memory.
+    kv_cache_tokens: int = Field(default=32768, gt=0)
 
 
 class EndpointParams(Section):

@@ -38,6 +38,10 @@ class ServerSettings:
     device: str = "cpu"
     attn_implementation: str | None = None  # transformers default (sdpa) when None
     cb_max_batch_tokens: int | None = None  # transformers' default when None
+    # KV-cache capacity in tokens. Left unset, transformers sizes the cache from 60-90% of *free
+    # host memory* on CPU (13.6 GB seen here): a second server or the tests then get OOM-killed.
+    kv_cache_tokens: int = 32768
+    cb_page_size: int = 256  # tokens per KV-cache block (transformers' default page size)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -108,6 +112,9 @@ class EmbeddedServer:
         command.append("--continuous-batching" if settings.continuous_batching else "--no-continuous-batching")
         if settings.attn_implementation:
             command += ["--attn-implementation", settings.attn_implementation]
+        if settings.continuous_batching:
+            blocks = -(-settings.kv_cache_tokens // settings.cb_page_size)
+            command += ["--cb-block-size", str(settings.cb_page_size), "--cb-num-blocks", str(blocks)]
         if settings.cb_max_batch_tokens:
             command += ["--cb-max-batch-tokens", str(settings.cb_max_batch_tokens)]
         if self.trust_remote_code:
@@ -226,7 +233,10 @@ def serving_endpoints(params, log_path: str | os.PathLike | None = None):
     if not params.server.embedded:
         raise ParamsError("no `endpoints` given and `server.embedded` is false: name an endpoint or turn the embedded server on")
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
-    settings = ServerSettings(continuous_batching=params.server.continuous_batching, dtype=params.server.dtype)
+    settings = ServerSettings(
+        continuous_batching=params.server.continuous_batching, dtype=params.server.dtype,
+        kv_cache_tokens=params.server.kv_cache_tokens,
+    )
     with EmbeddedServer(
         model_dir, settings=settings, log_path=log_path, startup_timeout_s=params.server.startup_timeout_s,
         trust_remote_code=params.target.trust_remote_code,
