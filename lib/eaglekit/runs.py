@@ -110,3 +110,31 @@ def read_metrics(run_dir: Path, stage: str | None = None) -> list[dict]:
         return []
     records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [record for record in records if stage is None or record.get("stage") == stage]
+
+
+# Stage folders inside a run folder. Each stage reads only what earlier stages wrote here.
+STAGE_FOLDERS = {
+    "survey": "survey",  # 01: summary tables
+    "prep": "prep",  # 02: <source>/tokenized_data.jsonl (class A), <source>/prompts.<partition>.jsonl (class B)
+    "generation": "generation",  # 03: records, errors, tokenized/<source>/tokenized_data.jsonl
+    "capture": "capture",  # 04: shards + index.json
+    "training": "training",  # 05: size_<N>/ checkpoints and metrics, exports
+    "analysis": "analysis",  # 06: acceptance tables, scaling summary
+}
+
+
+def stage_dir(run_dir: Path, stage: str) -> Path:
+    path = Path(run_dir) / STAGE_FOLDERS[stage]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def tokenized_data_files(run_dir: Path) -> dict[str, Path]:
+    """Training data for capture: class A from prep, regenerated class B from generation, by dataset."""
+    run_dir = Path(run_dir)
+    files = {path.parent.name: path for path in sorted((run_dir / "prep").glob("*/tokenized_data.jsonl"))}
+    for path in sorted((run_dir / "generation" / "tokenized").glob("*/tokenized_data.jsonl")):
+        if path.parent.name in files:
+            raise ValueError(f"dataset {path.parent.name!r} has tokenized data from both prep and generation")
+        files[path.parent.name] = path
+    return files
