@@ -112,6 +112,7 @@ class PrepParams(Section):
     context_length: int = Field(default=2048, gt=0)  # prompts (class B) and conversations (class A) beyond it are rejected
     long_prompt_threshold: int = Field(default=256, gt=0)  # prompt tokens above this go to the `long` partition
     bad_input: Literal["skip", "fail"] = "skip"  # skip: count and list in rejects.jsonl; fail: stop at the first
+    original_answers: bool = True  # also tokenize class-B datasets' own answers (the ablation's baseline)
 
 
 class PartitionParams(Section):

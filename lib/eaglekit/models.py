@@ -131,3 +131,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
+
+
+def load_tokenizer(target) -> "PreTrainedTokenizerBase":  # noqa: F821 (transformers imported lazily)
+    """The target's tokenizer (chat template included) from `target` params (eaglekit.config.TargetParams)."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_model(target.model, revision=target.revision)
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=target.trust_remote_code)

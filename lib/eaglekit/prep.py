@@ -132,6 +132,7 @@ def prepare_sources(
     context_length: int,
     long_prompt_threshold: int,
     bad_input: BadInputPolicy = "skip",
+    original_answers: bool = True,
 ) -> PrepSummary:
     """Run prompt prep over `specs` with the target's tokenizer and write the stage folder atomically.
 
@@ -140,6 +141,8 @@ def prepare_sources(
     long_prompt_threshold: class-B prompts with more tokens go to the `long` partition.
     bad_input: "skip" counts and lists bad records in rejects.jsonl; "fail" raises the first
         InputError (file, line, field) and writes nothing.
+    original_answers: for class B, also tokenize the dataset's own answer to each kept prompt into
+        `<source>/original_tokenized_data.jsonl` (same ids), for the original-vs-regenerated ablation.
     """
     if bad_input not in ("skip", "fail"):
         raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
@@ -171,7 +174,8 @@ def prepare_sources(
                     reject(item.error, item.record)
                     continue
                 _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject,
-                                context_length=context_length, long_prompt_threshold=long_prompt_threshold)
+                                context_length=context_length, long_prompt_threshold=long_prompt_threshold,
+                                original_answers=original_answers)
             counts.rejected_by_reason = dict(rejected_by_reason)
         outputs.close()
         summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
@@ -190,7 +194,8 @@ def prepare_sources(
 
 
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
-                    outputs: _Outputs, reject, *, context_length: int, long_prompt_threshold: int) -> None:
+                    outputs: _Outputs, reject, *, context_length: int, long_prompt_threshold: int,
+                    original_answers: bool = False) -> None:
     location = item.location
     if spec.data_class == "A":
         if not any(m["role"] == "assistant" for m in item.messages):
@@ -199,7 +204,7 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
             return
         kept_messages = item.messages
     else:
-        kept_messages, _answer = prompt_messages(item.messages, spec.multi_turn)
+        kept_messages, original_answer = prompt_messages(item.messages, spec.multi_turn)
     digest = content_hash(kept_messages)
     key = bytes.fromhex(digest[:32])
     if key in seen:
@@ -234,6 +239,12 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
     meta = {**item.meta, "prompt_tokens": prompt_tokens, "partition": partition, "multi_turn": spec.multi_turn}
     outputs.write(f"{spec.name}/prompts.{partition}.jsonl",
                   {"id": record_id, "source": spec.name, "messages": kept_messages, "meta": meta})
+    if original_answers and original_answer is not None:
+        original = tokenize_conversation(tokenizer, [*kept_messages, original_answer])
+        outputs.write(f"{spec.name}/original_tokenized_data.jsonl", {
+            "id": record_id, "input_ids": original.input_ids[:context_length],
+            "loss_mask": original.loss_mask[:context_length], "source": spec.name,
+            "meta": {**meta, "origin": "dataset answer"}})
 
 
 def read_summary(out_dir: Path) -> dict:
