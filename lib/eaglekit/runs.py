@@ -138,3 +138,12 @@ def tokenized_data_files(run_dir: Path) -> dict[str, Path]:
             raise ValueError(f"dataset {path.parent.name!r} has tokenized data from both prep and generation")
         files[path.parent.name] = path
     return files
+
+
+def prompt_files(run_dir: Path) -> list[tuple[str, str, Path]]:
+    """Class-B prompts written by prep: (dataset, partition, path) for every prompts.<partition>.jsonl."""
+    found = []
+    for path in sorted((Path(run_dir) / "prep").glob("*/prompts.*.jsonl")):
+        partition = path.name.split(".")[1]
+        found.append((path.parent.name, partition, path))
+    return found
