@@ -35,3 +35,14 @@ def test_stage_notebooks_are_named_for_the_runner():
 
     for path in sorted((REPO_ROOT / "notebooks").glob("*.ipynb")):
         assert STAGE_FILE.match(path.name), f"{path.name}: stage notebooks are NN_<name>.ipynb"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
+def test_papermill_sees_every_parameter(path: Path):
+    """papermill's parser must read each parameters line, or the runner's values are silently dropped."""
+    import papermill
+
+    notebook = nbformat.read(path, as_version=4)
+    cell = next(cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", []))
+    assigned = {target.id for node in ast.parse(cell.source).body for target in getattr(node, "targets", [node.target])}
+    assert set(papermill.inspect_notebook(str(path))) == assigned
