@@ -44,5 +44,5 @@ def test_papermill_sees_every_parameter(path: Path):
 
     notebook = nbformat.read(path, as_version=4)
     cell = next(cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", []))
-    assigned = {target.id for node in ast.parse(cell.source).body for target in getattr(node, "targets", [node.target])}
+    assigned = {target.id for node in ast.parse(cell.source).body for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}
     assert set(papermill.inspect_notebook(str(path))) == assigned
