@@ -1,0 +1,59 @@
+"""The whole pipeline on params/smoke.yaml through the runner: six real papermill runs, real server, real model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglekit.paths import NOTEBOOKS_DIR, REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+STAGES = ["01_survey", "02_prep", "03_generation", "04_capture", "05_training", "06_analysis"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    scenario = yaml.safe_load((REPO_ROOT / "params" / "smoke.yaml").read_text())
+    scenario["run"]["outputs_dir"] = str(root / "outputs")
+    params_path = root / "smoke.yaml"
+    params_path.write_text(yaml.safe_dump(scenario))
+    result = subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(params_path), "--run-id", "smoke"],
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return root / "outputs" / "smoke"
+
+
+def test_every_stage_ran(smoke_run):
+    assert json.loads((smoke_run / "state.json").read_text())["completed"] == STAGES
+    for stage in STAGES:
+        assert (smoke_run / f"{stage}.ipynb").is_file()
+
+
+def test_stage_outputs_feed_the_next_stage(smoke_run):
+    prep = json.loads((smoke_run / "prep" / "summary.json").read_text())
+    assert {source["source"] for source in prep["sources"]} == {"tooltalk", "sharegpt", "humaneval", "asdiv"}
+    generations = (smoke_run / "generation" / "generations.jsonl").read_text().splitlines()
+    assert len(generations) == sum(source["kept"] for source in prep["sources"] if source["data_class"] == "B")
+    assert (smoke_run / "capture" / "index.json").is_file()
+    assert (smoke_run / "training" / "export" / "sglang" / "model.safetensors").is_file()
+    summary = json.loads((smoke_run / "analysis" / "scaling_summary.json").read_text())
+    assert summary  # the scaling answer, in numbers
+    assert (smoke_run / "figures" / "06_accept_length_vs_data_size.png").stat().st_size > 10_000
+
+
+def test_survey_notebook_runs_directly_with_papermill(tmp_path):
+    """The documented direct path: papermill NOTEBOOK OUT -f params/X.yaml -p run_dir DIR."""
+    import papermill
+
+    params = yaml.safe_load((REPO_ROOT / "params" / "smoke.yaml").read_text())
+    papermill.execute_notebook(
+        str(NOTEBOOKS_DIR / "01_survey.ipynb"), str(tmp_path / "01_survey.ipynb"),
+        parameters={**params, "run_dir": str(tmp_path / "run")}, cwd=str(NOTEBOOKS_DIR), progress_bar=False,
+    )
+    assert (tmp_path / "run" / "survey").is_dir()
+    assert list((tmp_path / "run" / "figures").glob("*.png"))
