@@ -303,29 +303,33 @@ def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server
 def test_embedded_server_stopped_and_restarted_mid_run(tmp_path, embedded_model_dir):
     from eaglekit.server import EmbeddedServer
 
-    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"Give one word for the number {i}." for i in range(12)])
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"Give one word for the number {i}." for i in range(6)])
     server = EmbeddedServer(embedded_model_dir, log_path=tmp_path / "server.log").start()
-    restarted = threading.Event()
+    restarted, run_over = threading.Event(), threading.Event()
 
     def restart() -> None:
-        while len(finished_keys(tmp_path / "out" / "generations.jsonl")) < 3:
+        while len(finished_keys(tmp_path / "out" / "generations.jsonl")) < 1 and not run_over.is_set():
             time.sleep(0.05)
         server.stop()
         server.start()  # same port
         restarted.set()
+        # The server's PR_SET_PDEATHSIG fires when the *thread* that started it exits: stay alive
+        # until the run is over, and stop the server from here.
+        run_over.wait()
+        server.stop()
 
-    restarter = threading.Thread(target=restart)
+    restarter = threading.Thread(target=restart, daemon=True)
     restarter.start()
     try:
         summary = generate([PromptSource("tiny", "short", prompts)],
                            [EndpointSpec(server.base_url, model=server.model_name)], tmp_path / "out",
-                           [PartitionSettings("short", 2, 8)], temperature=0.0,
+                           [PartitionSettings("short", 2, 4)], temperature=0.0,
                            **{**FAST, "retry": RetryPolicy(max_attempts=6, backoff_base_s=0.2, backoff_max_s=1.0)})
     finally:
+        run_over.set()
         restarter.join(120)
-        server.stop()
     assert restarted.is_set()
-    assert summary.datasets["tiny"].done == 12 and summary.datasets["tiny"].errors == 0
+    assert summary.datasets["tiny"].done == 6 and summary.datasets["tiny"].errors == 0
     assert set(ids_once(tmp_path / "out").values()) == {1}
 
 

@@ -122,6 +122,9 @@ class Endpoint:
         self.http_client = httpx2.AsyncClient(
             limits=httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
             timeout=httpx2.Timeout(request_timeout_s, connect=connect_timeout_s))
+        # Health checks and probes get their own small pool: they must answer while every request
+        # connection is busy (or stale after a server restart), and quickly.
+        self.control_client = httpx2.AsyncClient(timeout=httpx2.Timeout(10.0, connect=connect_timeout_s))
         # max_retries=0: retries are the engine's, with its own backoff, routing and attempt counts.
         self.client = openai.AsyncOpenAI(base_url=self.base_url, api_key=spec.api_key, max_retries=0,
                                          http_client=self.http_client)
@@ -171,7 +174,7 @@ class Endpoint:
             raise TransientError("bad_response", f"response is not JSON: {error}") from None
 
     async def list_models(self) -> list[str]:
-        response = await self.http_client.get(f"{self.base_url}/models", timeout=30.0)
+        response = await self.control_client.get(f"{self.base_url}/models", timeout=30.0)
         response.raise_for_status()
         return [model["id"] for model in response.json().get("data", [])]
 
@@ -209,15 +212,16 @@ class Endpoint:
     async def check_health(self) -> bool:
         """True when the server answers /health with 2xx (or, lacking that route, lists its models)."""
         try:
-            response = await self.http_client.get(f"{self.root_url}/health", timeout=10.0)
+            response = await self.control_client.get(f"{self.root_url}/health")
             if response.status_code == 404:
-                response = await self.http_client.get(f"{self.base_url}/models", timeout=10.0)
+                response = await self.control_client.get(f"{self.base_url}/models")
             return response.is_success
-        except httpx2.HTTPError:
+        except (httpx2.HTTPError, OSError):
             return False
 
     async def aclose(self) -> None:
         await self.client.close()
+        await self.control_client.aclose()
 
 
 class EndpointPool:
@@ -312,13 +316,16 @@ class EndpointPool:
             for endpoint in self.endpoints:
                 if endpoint.healthy and endpoint.capabilities is not None:
                     continue
-                if not await endpoint.check_health():
-                    continue
-                if endpoint.capabilities is None:
-                    try:
-                        await endpoint.probe()
-                    except (TransientError, RequestRejected):
+                try:
+                    if not await endpoint.check_health():
                         continue
+                    if endpoint.capabilities is None:
+                        await endpoint.probe()
+                except (TransientError, RequestRejected):
+                    continue
+                except Exception:  # a bug here must not silently stop recovery for the rest of a 2-day run
+                    logger.exception("health check of %s failed unexpectedly; trying again", endpoint.name)
+                    continue
                 endpoint.healthy = True
                 endpoint.consecutive_failures = 0
                 down = time.monotonic() - self.unhealthy_since.pop(endpoint.name, time.monotonic())

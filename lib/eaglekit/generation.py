@@ -428,7 +428,10 @@ class GenerationEngine:
                         self._record_error(item, failed_on, attempts, error.kind, error.status, error.message)
                         return
                     # Back off, then take whichever endpoint is free and healthy (maybe another one).
-                    if await self._sleep_unless_stopped(self.retry.backoff_seconds(attempts, self.rng)):
+                    delay = self.retry.backoff_seconds(attempts, self.rng)
+                    logger.info("%s/%s attempt %d on %s: %s; retrying in %.1f s", item.dataset, item.id, attempts,
+                                failed_on, str(error)[:200], delay)
+                    if await self._sleep_unless_stopped(delay):
                         return
                     endpoint = await self.pool.acquire(partition.concurrency, self._stop)
                     if endpoint is None:
@@ -593,8 +596,8 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         kit_logger.addHandler(handler)
-    if kit_logger.getEffectiveLevel() > logging.INFO:
-        kit_logger.setLevel(logging.INFO)
+    if kit_logger.level == logging.NOTSET and kit_logger.getEffectiveLevel() > logging.INFO:
+        kit_logger.setLevel(logging.INFO)  # only when nobody chose a level for the kit
     engine = GenerationEngine(
         sources, endpoints, output_dir, partitions, temperature=temperature, top_p=top_p, extra_body=extra_body,
         retry=retry, request_timeout_s=request_timeout_s, retry_errors=retry_errors, log_interval_s=log_interval_s,

@@ -1,0 +1,175 @@
+"""Generation engine benchmarks, each measured side by side in one run.
+
+1. Scheduling: against a local endpoint whose answers take long-tailed (lognormal) random times, the
+   engine's wall time vs the ideal (sum of latencies / concurrency), vs the best any in-order
+   continuous scheduler could do with these latencies (simulated), and vs wave batching (send
+   `concurrency` requests, wait for all, repeat) measured against the same server. Goal: <= 1.05 x ideal.
+2. Client overhead: requests/s against an instant local endpoint at concurrency 256, with the client
+   process's CPU time per request (what bounds it) and the server process's CPU share (to show the
+   server is not what we measure). Goal: >= 1,000 requests/s on 2 cores.
+3. `--embedded`: the real embedded server (SmolLM2-135M on CPU) through the engine at concurrency
+   1, 8, 32: completion tokens/s.
+
+The endpoint is tests/fault_endpoint.py in its own process (a separate interpreter, so its work does
+not share the client's GIL). Run: `python bench/generation.py [--requests N] [--embedded]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from eaglekit.endpoints import EndpointSpec  # noqa: E402
+from eaglekit.generation import PartitionSettings, PromptSource, generate, read_generations  # noqa: E402
+
+
+def start_endpoint() -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, str(REPO / "tests" / "fault_endpoint.py"), "--port", "0"],
+                               stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    if not line.startswith("READY"):
+        raise RuntimeError(f"fault endpoint did not start: {line!r}")
+    return process, f"http://127.0.0.1:{line.split()[1]}/v1"
+
+
+def write_prompts(path: Path, texts: list[str]) -> Path:
+    with open(path, "w") as handle:
+        for index, text in enumerate(texts):
+            handle.write(json.dumps({"id": f"b{index}", "source": "bench", "messages": [{"role": "user", "content": text}]}) + "\n")
+    return path
+
+
+def greedy_makespan(latencies: list[float], concurrency: int) -> float:
+    """Wall time of a perfect continuous scheduler that starts requests in this order."""
+    slots = [0.0] * concurrency
+    for latency in latencies:
+        heapq.heappush(slots, heapq.heappop(slots) + latency)
+    return max(slots)
+
+
+async def waves(base_url: str, texts: list[str], concurrency: int) -> float:
+    """The baseline: batches of `concurrency` requests, each batch waiting for its slowest member."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0)
+    started = time.perf_counter()
+    for start in range(0, len(texts), concurrency):
+        await asyncio.gather(*[client.chat.completions.create(
+            model="fault-model", messages=[{"role": "user", "content": text}], max_tokens=16)
+            for text in texts[start:start + concurrency]])
+    await client.close()
+    return time.perf_counter() - started
+
+
+def bench_scheduling(workdir: Path, requests: int, concurrency: int, median_s: float, sigma: float) -> None:
+    rng = random.Random(0)
+    latencies = [round(median_s * rng.lognormvariate(0.0, sigma), 4) for _ in range(requests)]
+    texts = [f"q{index} #sleep:{latency}" for index, latency in enumerate(latencies)]
+    prompts = write_prompts(workdir / "tail.jsonl", texts)
+    ideal = sum(latencies) / concurrency
+    best_in_order = greedy_makespan(latencies, concurrency)
+    process, base_url = start_endpoint()
+    try:
+        started = time.perf_counter()
+        generate([PromptSource("bench", "short", prompts)], [EndpointSpec(base_url)], workdir / "tail_out",
+                 [PartitionSettings("short", concurrency, 16)], progress_bar=False, log_interval_s=3600)
+        engine = time.perf_counter() - started
+        wave = asyncio.run(waves(base_url, texts, concurrency))
+    finally:
+        process.kill()
+    print(f"[1] long-tailed latencies: {requests} requests, concurrency {concurrency}, lognormal median "
+          f"{median_s * 1000:.0f} ms sigma {sigma} (mean {sum(latencies) / requests * 1000:.0f} ms, max {max(latencies):.2f} s)")
+    print(f"    ideal (sum/concurrency) {ideal:.2f} s | best in-order continuous (simulated) {best_in_order:.2f} s | "
+          f"engine {engine:.2f} s | waves {wave:.2f} s")
+    print(f"    engine / ideal = {engine / ideal:.3f} (goal <= 1.05) | engine / best in-order = {engine / best_in_order:.3f} "
+          f"| waves / engine = {wave / engine:.2f}x")
+
+
+def server_cpu_seconds(base_url: str) -> float:
+    return httpx.get(base_url.removesuffix("/v1") + "/stats").json()["cpu_seconds"]
+
+
+def bench_overhead(workdir: Path, requests: int, concurrency: int) -> None:
+    prompts = write_prompts(workdir / "instant.jsonl", [f"q{index}" for index in range(requests)])
+    process, base_url = start_endpoint()
+    try:
+        server_before = server_cpu_seconds(base_url)
+        client_before = time.process_time()
+        started = time.perf_counter()
+        summary = generate([PromptSource("bench", "short", prompts)], [EndpointSpec(base_url)], workdir / "instant_out",
+                           [PartitionSettings("short", concurrency, 16)], progress_bar=False, log_interval_s=3600)
+        wall = time.perf_counter() - started
+        client_cpu = time.process_time() - client_before
+        server_cpu = server_cpu_seconds(base_url) - server_before
+    finally:
+        process.kill()
+    assert summary.datasets["bench"].done == requests
+    # Request-only window from the records: first request start to last finish, without file setup and summary.
+    records = read_generations(workdir / "instant_out").values()
+    span = max(r["finished_at"] for r in records) - min(r["finished_at"] - r["latency_s"] for r in records)
+    print(f"[2] instant endpoint, concurrency {concurrency}: {requests} requests in {wall:.2f} s wall = "
+          f"{requests / wall:.0f} requests/s ({requests / span:.0f}/s over the request window {span:.2f} s; goal >= 1000)")
+    print(f"    client CPU {client_cpu:.2f} s = {client_cpu / requests * 1e6:.0f} us/request (bound: "
+          f"{requests / client_cpu:.0f} requests/s per core) | server CPU {server_cpu:.2f} s = "
+          f"{server_cpu / requests * 1e6:.0f} us/request ({server_cpu / wall:.0%} of one core)")
+
+
+def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
+    try:
+        from eaglekit.models import resolve_model
+        from eaglekit.server import EmbeddedServer
+        model_dir = resolve_model("embedded:smollm2-135m-instruct")
+    except Exception as error:  # the embedded model is optional for this bench
+        print(f"[3] embedded server skipped: {type(error).__name__}: {error}")
+        return
+    with EmbeddedServer(model_dir, log_path=workdir / "server.log") as server:
+        for concurrency in levels:
+            count = max(8, 2 * concurrency)
+            prompts = write_prompts(workdir / f"embedded_{concurrency}.jsonl",
+                                    [f"Write a short sentence about the number {index}." for index in range(count)])
+            started = time.perf_counter()
+            generate([PromptSource("bench", "short", prompts)], [EndpointSpec(server.base_url, model=server.model_name)],
+                     workdir / f"embedded_out_{concurrency}", [PartitionSettings("short", concurrency, max_tokens)],
+                     temperature=0.0, progress_bar=False, log_interval_s=3600)
+            wall = time.perf_counter() - started
+            tokens = sum(r["completion_tokens"] or 0 for r in read_generations(workdir / f"embedded_out_{concurrency}").values())
+            print(f"[3] embedded SmolLM2-135M, concurrency {concurrency:>2}: {count} requests x <= {max_tokens} tokens, "
+                  f"{tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tokens/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="requests in the long-tail bench")
+    parser.add_argument("--concurrency", type=int, default=32, help="concurrency in the long-tail bench")
+    parser.add_argument("--median-ms", type=float, default=100.0)
+    parser.add_argument("--sigma", type=float, default=0.6)
+    parser.add_argument("--instant-requests", type=int, default=5000)
+    parser.add_argument("--embedded", action="store_true", help="also measure the embedded server (minutes on CPU)")
+    parser.add_argument("--embedded-max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    import logging
+    logging.getLogger("eaglekit").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory() as directory:
+        workdir = Path(directory)
+        bench_scheduling(workdir, args.requests, args.concurrency, args.median_ms / 1000, args.sigma)
+        bench_overhead(workdir, args.instant_requests, 256)
+        if args.embedded:
+            bench_embedded(workdir, args.embedded_max_tokens, [1, 8, 32])
+        else:
+            print("[3] embedded server: pass --embedded to measure it")
+
+
+if __name__ == "__main__":
+    main()
