@@ -116,3 +116,30 @@ def test_server_accept_length_pools_sum_over_sum():
         server_accept_length([10], [0])
     with pytest.raises(ValueError, match="fewer tokens than verification steps"):
         server_accept_length([3], [5])
+
+
+def test_sweep_pairs_bootstrap_across_sizes_and_matches_single_tables():
+    from eaglekit.acceptance import sweep_acceptance
+
+    small = {"chat": [_rows("10", "00", "11"), _rows("00")], "code": [_rows("11", "10")]}
+    large = {"chat": [_rows("11", "10", "11"), _rows("10")], "code": [_rows("11", "11")]}
+    sweep = sweep_acceptance({64: large, 16: small}, steps=2, num_resamples=200, seed=3)
+    assert sweep.data_sizes == [16.0, 64.0]
+    # Each size's rows are exactly what acceptance_tables gives for that draft alone.
+    for size, agreements in ((16, small), (64, large)):
+        alone, per_position = acceptance_tables(agreements, steps=2, num_resamples=200, seed=3)
+        rows = sweep.summary[sweep.summary["data_size"] == size].drop(columns="data_size").reset_index(drop=True)
+        assert rows.equals(alone)
+        assert len(sweep.per_position[sweep.per_position["data_size"] == size]) == len(per_position)
+    replicates = sweep.pooled_replicates["all"]
+    assert replicates.shape == (200, 2)
+    # Paired: the same resampled samples for both sizes; every sample improved or stayed, so no replicate drops.
+    assert (replicates[:, 1] >= replicates[:, 0]).all()
+    assert set(sweep.summary["topology"]) == {"chain"} and set(sweep.summary["steps"]) == {2}
+
+
+def test_sweep_rejects_drafts_scored_on_other_heldout_samples():
+    from eaglekit.acceptance import sweep_acceptance
+
+    with pytest.raises(ValueError, match="other held-out samples"):
+        sweep_acceptance({1: {"chat": [_rows("10", "00")]}, 2: {"chat": [_rows("10")]}}, steps=2, num_resamples=10)

@@ -237,3 +237,56 @@ def test_draft_for_another_target_fails_fast(target, random_draft, prompts):
         speculative_decode(target, random_draft, prompts[0], 0, 4)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         speculative_decode(target, random_draft, prompts[0], 2, target.config.max_position_embeddings)
+
+
+def test_load_draft_checkpoint_round_trips_a_training_checkpoint(tmp_path, embedded_model_dir, fitted_draft):
+    from eaglekit.specdec import load_draft_checkpoint
+    from eaglekit.training import TrainSettings, save_checkpoint
+
+    state = {name: tensor for name, tensor in fitted_draft.state_dict().items() if not name.startswith("embed_tokens.")}
+    save_checkpoint(tmp_path / "best.pt", state, {}, {"step": 1}, TrainSettings(), fitted_draft)
+    head = load_target_head_weights(embedded_model_dir)
+    loaded = load_draft_checkpoint(tmp_path / "best.pt", head.embed_tokens)
+    assert not loaded.training
+    for name, tensor in fitted_draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    with pytest.raises(ValueError, match="do not fit"):
+        load_draft_checkpoint(tmp_path / "best.pt", head.embed_tokens[:, :8])
+    with pytest.raises(FileNotFoundError, match="stage 5"):
+        load_draft_checkpoint(tmp_path / "missing.pt", head.embed_tokens)
+
+
+def test_heldout_prompts_cut_before_the_first_generated_token():
+    from eaglekit.specdec import heldout_prompts, prompt_before_first_answer
+
+    assert prompt_before_first_answer([5, 6, 7, 8, 9], [0, 0, 1, 1, 0]) == [5, 6]
+    samples = [
+        {"id": "none", "dataset": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]},  # nothing generated: skipped
+        {"id": "long", "dataset": "a", "input_ids": list(range(20)), "loss_mask": [0] * 10 + [1] * 10},  # prompt too long
+        {"id": "ok", "dataset": "b", "input_ids": torch.tensor([4, 5, 6, 7]), "loss_mask": torch.tensor([0, 0, 1, 1])},
+    ]
+    assert heldout_prompts(samples, count=3, max_prompt_tokens=8) == [{"id": "ok", "dataset": "b", "input_ids": [4, 5]}]
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        heldout_prompts(samples[:2], count=3, max_prompt_tokens=8)
+
+
+def test_offline_agreements_group_by_dataset_in_sample_order(target, fitted_draft, prompts, references, embedded_model_dir):
+    from eaglekit.specdec import offline_agreements_by_dataset
+
+    samples = []
+    for index, (prompt, output) in enumerate(zip(prompts, references)):
+        sequence = torch.tensor([prompt + output])
+        with torch.no_grad():
+            hidden = target(sequence, output_hidden_states=True).hidden_states
+        samples.append({
+            "id": f"s{index}", "dataset": "even" if index % 2 == 0 else "odd", "input_ids": sequence[0],
+            "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(output)),
+            "aux_hidden_states": torch.cat([hidden[i] for i in fitted_draft.config.capture_layer_indices], dim=-1)[0].bfloat16(),
+            "final_hidden_states": hidden[-1][0].bfloat16(),
+        })
+    head = load_target_head_weights(embedded_model_dir)
+    grouped = offline_agreements_by_dataset(fitted_draft, head.lm_head, samples, steps=2, max_length=512)
+    assert sorted(grouped) == ["even", "odd"] and len(grouped["even"]) == 2 and len(grouped["odd"]) == 1
+    assert all(array.dtype == np.bool_ and array.shape[1] == 2 and array.shape[0] > 0 for arrays in grouped.values() for array in arrays)
+    # The fitted draft agrees with the target on its training sequences more often than never.
+    assert any(array[:, 0].any() for arrays in grouped.values() for array in arrays)

@@ -27,6 +27,7 @@ unit; positions within a sample are correlated), vectorized as multinomial resam
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -173,7 +174,64 @@ def percentile_interval(replicates: np.ndarray, confidence: float) -> tuple[np.n
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     tail = (1.0 - confidence) / 2.0 * 100.0
-    return np.nanpercentile(replicates, tail, axis=0), np.nanpercentile(replicates, 100.0 - tail, axis=0)
+    with warnings.catch_warnings():
+        # A chain step no position reached has only NaN replicates: its interval is NaN, said once by the NaN.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanpercentile(replicates, tail, axis=0), np.nanpercentile(replicates, 100.0 - tail, axis=0)
+
+
+def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence: float, seed: int) -> tuple[dict, list[dict], BootstrapReplicates]:
+    """One dataset's summary row, its per-step rows and its bootstrap replicates."""
+    replicates = bootstrap_accept_length(counts, num_resamples, seed)
+    pooled_low, pooled_high = percentile_interval(replicates.pooled_tau, confidence)
+    mean_low, mean_high = percentile_interval(replicates.sample_mean_tau, confidence)
+    summary_row = {
+        "dataset": name,
+        "topology": CHAIN,
+        "steps": counts.steps,
+        "samples": counts.num_samples,
+        "positions": int(counts.positions.sum()),
+        "tau_pooled": pooled_accept_length(counts),
+        "tau_pooled_low": float(pooled_low),
+        "tau_pooled_high": float(pooled_high),
+        "tau_sample_mean": float(np.nanmean(per_sample_accept_length(counts))),
+        "tau_sample_mean_low": float(mean_low),
+        "tau_sample_mean_high": float(mean_high),
+        "confidence": confidence,
+        "resamples": num_resamples,
+    }
+    total_positions = counts.positions.sum()
+    prefix_rates = counts.prefix_counts.sum(axis=0) / total_positions  # (k,)
+    acceptance = _conditional_from_prefix(prefix_rates)
+    acceptance_low, acceptance_high = percentile_interval(replicates.conditional_acceptance, confidence)
+    reaching = np.concatenate([[total_positions], counts.prefix_counts.sum(axis=0)[:-1]])
+    position_rows = [
+        {
+            "dataset": name,
+            "topology": CHAIN,
+            "steps": counts.steps,
+            "step": step_index + 1,
+            "acceptance": float(acceptance[step_index]),
+            "acceptance_low": float(acceptance_low[step_index]),
+            "acceptance_high": float(acceptance_high[step_index]),
+            "prefix_rate": float(prefix_rates[step_index]),
+            "positions_reaching": int(reaching[step_index]),
+        }
+        for step_index in range(counts.steps)
+    ]
+    return summary_row, position_rows, replicates
+
+
+def _counts_by_dataset(agreements_by_dataset: Mapping[str, Sequence[np.ndarray]], steps: int | None) -> dict[str, ChainCounts]:
+    """Chain counts per dataset plus the pooled "all" row when there is more than one dataset."""
+    if not agreements_by_dataset:
+        raise ValueError("no datasets given")
+    if POOLED_DATASET_NAME in agreements_by_dataset:
+        raise ValueError(f"dataset name {POOLED_DATASET_NAME!r} is reserved for the pooled row; rename the dataset")
+    counts_by_dataset = {name: chain_counts(arrays, steps) for name, arrays in agreements_by_dataset.items()}
+    if len(counts_by_dataset) > 1:
+        counts_by_dataset[POOLED_DATASET_NAME] = concat_counts(list(counts_by_dataset.values()))
+    return counts_by_dataset
 
 
 def acceptance_tables(
@@ -193,55 +251,71 @@ def acceptance_tables(
       prefix_rate (P(steps 1..j all agree)), positions_reaching (positions whose steps 1..j-1 agreed).
     Each dataset uses the same seed, so the "all" row resamples its own samples independently.
     """
-    if not agreements_by_dataset:
-        raise ValueError("no datasets given")
-    counts_by_dataset = {name: chain_counts(arrays, steps) for name, arrays in agreements_by_dataset.items()}
-    if POOLED_DATASET_NAME in counts_by_dataset:
-        raise ValueError(f"dataset name {POOLED_DATASET_NAME!r} is reserved for the pooled row; rename the dataset")
-    if len(counts_by_dataset) > 1:
-        counts_by_dataset[POOLED_DATASET_NAME] = concat_counts(list(counts_by_dataset.values()))
     summary_rows, position_rows = [], []
-    for name, counts in counts_by_dataset.items():
-        replicates = bootstrap_accept_length(counts, num_resamples, seed)
-        pooled_low, pooled_high = percentile_interval(replicates.pooled_tau, confidence)
-        mean_low, mean_high = percentile_interval(replicates.sample_mean_tau, confidence)
-        summary_rows.append(
-            {
-                "dataset": name,
-                "topology": CHAIN,
-                "steps": counts.steps,
-                "samples": counts.num_samples,
-                "positions": int(counts.positions.sum()),
-                "tau_pooled": pooled_accept_length(counts),
-                "tau_pooled_low": float(pooled_low),
-                "tau_pooled_high": float(pooled_high),
-                "tau_sample_mean": float(np.nanmean(per_sample_accept_length(counts))),
-                "tau_sample_mean_low": float(mean_low),
-                "tau_sample_mean_high": float(mean_high),
-                "confidence": confidence,
-                "resamples": num_resamples,
-            }
-        )
-        total_positions = counts.positions.sum()
-        prefix_rates = counts.prefix_counts.sum(axis=0) / total_positions  # (k,)
-        acceptance = _conditional_from_prefix(prefix_rates)
-        acceptance_low, acceptance_high = percentile_interval(replicates.conditional_acceptance, confidence)
-        reaching = np.concatenate([[total_positions], counts.prefix_counts.sum(axis=0)[:-1]])
-        for step_index in range(counts.steps):
-            position_rows.append(
-                {
-                    "dataset": name,
-                    "topology": CHAIN,
-                    "steps": counts.steps,
-                    "step": step_index + 1,
-                    "acceptance": float(acceptance[step_index]),
-                    "acceptance_low": float(acceptance_low[step_index]),
-                    "acceptance_high": float(acceptance_high[step_index]),
-                    "prefix_rate": float(prefix_rates[step_index]),
-                    "positions_reaching": int(reaching[step_index]),
-                }
-            )
+    for name, counts in _counts_by_dataset(agreements_by_dataset, steps).items():
+        summary_row, rows, _ = _dataset_rows(name, counts, num_resamples, confidence, seed)
+        summary_rows.append(summary_row)
+        position_rows.extend(rows)
     return pd.DataFrame(summary_rows), pd.DataFrame(position_rows)
+
+
+@dataclass(frozen=True)
+class SweepAcceptance:
+    """Offline acceptance of every draft of a data-size sweep on one held-out set.
+
+    summary / per_position: `acceptance_tables` rows with a leading `data_size` column.
+    pooled_replicates: dataset -> (R, n_sizes) bootstrap replicates of tau_pooled, columns in `data_sizes`
+      order. The same resampling weights serve every size (same held-out samples, same seed), so the
+      replicates are paired across sizes: what `scaling.fit_scaling(replicate_accept_lengths=...)` wants.
+    """
+
+    data_sizes: list[float]
+    summary: pd.DataFrame
+    per_position: pd.DataFrame
+    pooled_replicates: dict[str, np.ndarray]
+
+
+def sweep_acceptance(
+    agreements_by_size: Mapping[float, Mapping[str, Sequence[np.ndarray]]],
+    steps: int | None = None,
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> SweepAcceptance:
+    """`acceptance_tables` for each draft of a sweep, with paired bootstrap replicates across sizes.
+
+    agreements_by_size: training-data size -> {dataset: [(num_positions, K) bool per held-out sample]}.
+    Every size must be scored on the same held-out samples in the same order (the paired bootstrap
+    depends on it): a dataset whose per-sample position counts differ between sizes is an error.
+    """
+    if not agreements_by_size:
+        raise ValueError("no drafts given: pass {data size: {dataset: agreements}}")
+    sizes = sorted(agreements_by_size)
+    summary_rows, position_rows = [], []
+    replicates: dict[str, list[np.ndarray]] = {}
+    reference_positions: dict[str, np.ndarray] = {}
+    for size in sizes:
+        for name, counts in _counts_by_dataset(agreements_by_size[size], steps).items():
+            if name not in reference_positions:
+                reference_positions[name] = counts.positions
+            elif not np.array_equal(reference_positions[name], counts.positions):
+                raise ValueError(
+                    f"dataset {name!r}: the draft of size {size} was scored on other held-out samples than the draft of "
+                    f"size {sizes[0]} (positions per sample differ); score every draft on the same held-out set"
+                )
+            summary_row, rows, bootstrap = _dataset_rows(name, counts, num_resamples, confidence, seed)
+            summary_rows.append({"data_size": size, **summary_row})
+            position_rows.extend({"data_size": size, **row} for row in rows)
+            replicates.setdefault(name, []).append(bootstrap.pooled_tau)
+    missing = {name: len(columns) for name, columns in replicates.items() if len(columns) != len(sizes)}
+    if missing:
+        raise ValueError(f"datasets {sorted(missing)} are missing for some sizes; every draft must see every dataset")
+    return SweepAcceptance(
+        data_sizes=[float(size) for size in sizes],
+        summary=pd.DataFrame(summary_rows),
+        per_position=pd.DataFrame(position_rows),
+        pooled_replicates={name: np.column_stack(columns) for name, columns in replicates.items()},  # (R, n_sizes)
+    )
 
 
 @dataclass(frozen=True)

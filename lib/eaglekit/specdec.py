@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -471,6 +472,81 @@ def result_record(result: SpeculativeResult) -> dict:
     record.update(verification_steps=result.verification_steps, accept_length=result.accept_length,
                   tokens_per_second=result.tokens_per_second, topology=CHAIN)
     return record
+
+
+# ---------------------------------------------------------------------------------------------------
+# stage 6 inputs: trained drafts, held-out prompts, offline agreement by dataset
+# ---------------------------------------------------------------------------------------------------
+def load_draft_checkpoint(checkpoint_path: str | Path, target_embed_tokens: torch.Tensor) -> Eagle3DraftModel:
+    """A trained draft from a stage-5 checkpoint (`training.save_checkpoint`), in eval mode.
+
+    target_embed_tokens (V, H): the target's frozen embeddings, which checkpoints do not carry.
+    """
+    from eaglekit.training import load_checkpoint, load_draft_weights
+
+    checkpoint_path = Path(checkpoint_path)
+    if not checkpoint_path.exists():
+        raise FileNotFoundError(f"{checkpoint_path} not found: run stage 5 (training) first, or fix the path in training/sweep.json")
+    checkpoint = load_checkpoint(checkpoint_path)
+    if "draft_config" not in checkpoint:
+        raise ValueError(f"{checkpoint_path}: no 'draft_config' in the checkpoint; it is not a stage-5 draft checkpoint")
+    draft = Eagle3DraftModel(DraftConfig.from_dict(checkpoint["draft_config"]))
+    if tuple(target_embed_tokens.shape) != (draft.config.vocab_size, draft.config.hidden_size):
+        raise ValueError(f"{checkpoint_path}: target embeddings {tuple(target_embed_tokens.shape)} do not fit the draft "
+                         f"(vocab {draft.config.vocab_size}, hidden {draft.config.hidden_size}); pass this draft's target")
+    with torch.no_grad():
+        draft.embed_tokens.weight.copy_(target_embed_tokens.float())
+    load_draft_weights(draft, checkpoint)
+    return draft.eval()
+
+
+def prompt_before_first_answer(input_ids: Sequence[int], loss_mask: Sequence[int]) -> list[int]:
+    """The tokens before the first target-generated token (loss_mask 1): the prompt the target answered.
+
+    For a multi-turn conversation this is the context of the first assistant turn, chat template included
+    (the assistant header ends the prompt, as `add_generation_prompt` would)."""
+    for position, flag in enumerate(loss_mask):
+        if int(flag) == 1:
+            return [int(token) for token in input_ids[:position]]
+    return []
+
+
+def heldout_prompts(samples: Sequence[dict], count: int, max_prompt_tokens: int) -> list[dict]:
+    """Up to `count` prompts from held-out samples, in their order, one per sample.
+
+    samples: dicts with "id", "dataset", "input_ids" (T,), "loss_mask" (T,). A sample is skipped when it
+    has no generated token or its prompt is longer than `max_prompt_tokens` (the loop's cost grows with it).
+    Returns [{"id", "dataset", "input_ids"}].
+    """
+    prompts = []
+    for sample in samples:
+        prompt = prompt_before_first_answer(torch.as_tensor(sample["input_ids"]).tolist(), torch.as_tensor(sample["loss_mask"]).tolist())
+        if 0 < len(prompt) <= max_prompt_tokens:
+            prompts.append({"id": str(sample["id"]), "dataset": str(sample.get("dataset", "")), "input_ids": prompt})
+        if len(prompts) == count:
+            break
+    if not prompts:
+        raise ValueError(f"no held-out sample has a prompt of 1..{max_prompt_tokens} tokens followed by a generated answer; "
+                         "raise max_prompt_tokens or check the held-out set's loss masks")
+    return prompts
+
+
+def offline_agreements_by_dataset(
+    draft: Eagle3DraftModel, target_lm_head: torch.Tensor, samples: Sequence[dict], steps: int,
+    max_length: int = 2048, batch_size: int = 4, device: str | torch.device = "cpu",
+) -> dict[str, list[np.ndarray]]:
+    """Held-out chain agreement of one draft, grouped by dataset in sample order: {dataset: [(P, k) bool]}.
+
+    Uses training's `per_position_agreement` (the draft unrolled as in training == serving, the target's
+    argmax from the captured final hidden states @ target_lm_head (V, H)), so stage 5's held-out curve and
+    stage 6's tables are one computation. Feed the result to `acceptance.acceptance_tables`/`sweep_acceptance`.
+    """
+    from eaglekit.training import per_position_agreement
+
+    grouped: dict[str, list[np.ndarray]] = {}
+    for sample in per_position_agreement(draft, target_lm_head, samples, steps, max_length, batch_size, device):
+        grouped.setdefault(sample.dataset, []).append(sample.agreement)
+    return grouped
 
 
 # ---------------------------------------------------------------------------------------------------
