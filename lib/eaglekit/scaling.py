@@ -348,6 +348,10 @@ class DataNeeded:
         return asdict(self)
 
 
+# Beyond this multiple of the largest measured size a fitted N is reported as out of reach, not as a forecast.
+FORECAST_LIMIT = 100.0
+
+
 def data_needed(fit: ScalingFit, target_accept_length: float, label: str = "target") -> DataNeeded:
     """How much training data the fit says reaches `target_accept_length` (break-even or a goal)."""
     point = float(_size_for(np.array(fit.tau_inf), np.array(fit.scale), np.array(fit.exponent), target_accept_length))
@@ -361,7 +365,8 @@ def data_needed(fit: ScalingFit, target_accept_length: float, label: str = "targ
     percent = f"{fit.confidence:.0%}"
     if math.isfinite(point):
         where = (
-            f"{point / largest:.1f}x beyond the largest size measured ({largest:.3g}), an extrapolation"
+            f"{point / largest:.3g}x beyond the largest size measured ({largest:.3g}), an extrapolation"
+            + (" too far to read as a forecast: within reach of this kind of data it is not" if point > FORECAST_LIMIT * largest else "")
             if point > largest
             else f"within the measured range (largest {largest:.3g})"
         )
@@ -457,6 +462,6 @@ def plot_accept_length_vs_data_size(
     axes.set_ylabel(f"accept length tau{topology}")
     axes.set_title("Accept length against training-data size")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8, loc="lower right")
+    axes.legend(fontsize=8, loc="best")
     figure.tight_layout()
     return figure
