@@ -12,8 +12,9 @@ state is the output of the target's final norm: exactly what its lm_head consume
 Samples are batched by a token budget over length-sorted buckets with right padding; causal
 attention plus the attention mask keep each real token's features independent of the padding.
 
-Entry points: `capture_to_shards` (offline, resumable, data parallel under torchrun),
-`OnlineCaptureDataset` (the same features on the fly), and `python -m eaglekit.capture` (CLI).
+Entry points: `plan_capture_storage` (bytes vs free disk: offline or online), `capture_to_shards`
+(offline, resumable, data parallel under torchrun), `OnlineCaptureDataset`/`OnlineCaptureSamples`
+(the same features on the fly, streamed or by index), and `python -m eaglekit.capture` (CLI).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as distributed
 from torch import nn
 
-from eaglekit.io import InputError, read_jsonl
+from eaglekit.io import InputError, read_jsonl, write_jsonl
 from eaglekit.shards import (
     FINAL_HIDDEN_STATE_NOTE,
     CapturedSample,
@@ -389,6 +390,49 @@ def as_training_sample(sample: CapturedSample) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Planning: bytes on disk, and offline vs online
+
+
+@dataclass
+class StoragePlan:
+    """What offline capture would store, against the free disk, and the mode chosen from it."""
+
+    tokens: int  # tokens to capture, after truncation to max_seq_len
+    samples: int
+    bytes_per_token: int  # 4H x 2 (bf16 features) + id and mask bytes
+    planned_bytes: int
+    free_bytes: int
+    requested_mode: str  # auto | offline | online
+    mode: str  # offline | online
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_capture_storage(
+    data_files: Mapping[str, str | os.PathLike], hidden_size: int, vocab_size: int, max_seq_len: int, output_dir: str | os.PathLike, mode: str = "auto"
+) -> StoragePlan:
+    """Count the tokens to capture (validated, truncated) and decide offline vs online.
+
+    auto: offline when the planned shard bytes fit the free disk of `output_dir`, else online.
+    offline: refuses (InsufficientDiskError) when they do not fit. online: always online.
+    """
+    if mode not in ("auto", "offline", "online"):
+        raise ValueError(f"capture mode must be auto, offline or online, got {mode!r}")
+    samples, stats = read_tokenized_samples(data_files, vocab_size, max_seq_len)
+    tokens = sum(dataset_stats.tokens for dataset_stats in stats.values())
+    bytes_per_token = stored_bytes_per_token(hidden_size)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    free_bytes = shutil.disk_usage(output_dir).free
+    planned_bytes = tokens * bytes_per_token
+    if mode == "offline":
+        check_disk_space(output_dir, planned_bytes)
+    chosen = "online" if mode == "online" or (mode == "auto" and planned_bytes > free_bytes) else "offline"
+    return StoragePlan(tokens, len(samples), bytes_per_token, planned_bytes, free_bytes, mode, chosen)
+
+
+# ---------------------------------------------------------------------------------------------
 # Offline: shards
 
 
@@ -620,6 +664,110 @@ class OnlineCaptureDataset(torch.utils.data.IterableDataset):
         for captured_batch in capture_batches(self.model, my_batches, self.capture_layer_ids):
             for captured in captured_batch:
                 yield as_training_sample(captured)
+
+
+class OnlineCaptureSamples(Sequence):
+    """Random access to online features, one sample per target forward: what `train_draft` indexes.
+
+    `OnlineCaptureDataset` streams batches; training draws samples by index (nested subsets, epoch
+    permutations), so online mode there recomputes each requested sample's features on access.
+    """
+
+    def __init__(
+        self, model: nn.Module, data_files: Mapping[str, str | os.PathLike], *, capture_layer_ids: Sequence[int] | None = None, max_seq_len: int = 4096
+    ):
+        num_hidden_layers = model.config.num_hidden_layers
+        self.model = model
+        self.capture_layer_ids = validate_capture_layer_ids(
+            capture_layer_ids if capture_layer_ids is not None else default_capture_layer_ids(num_hidden_layers), num_hidden_layers
+        )
+        self.samples, self.stats = read_tokenized_samples(data_files, model.config.vocab_size, max_seq_len)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, position: int) -> dict[str, Any]:  # type: ignore[override]
+        (captured,) = capture_batch(self.model, [self.samples[position]], self.capture_layer_ids)
+        return as_training_sample(captured)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and summaries for the notebook
+
+
+def check_captured_samples(
+    captured: Sequence[dict], data_files: Mapping[str, str | os.PathLike], hidden_size: int, num_aux_layers: int = 3
+) -> list[dict[str, Any]]:
+    """Compare captured samples with their source lines: ids and loss mask equal (up to truncation),
+    feature shapes (T, 3H)/(T, H), bf16, finite. Returns one row per sample; raises on any mismatch."""
+    wanted = {(str(sample["dataset"]), str(sample["id"])) for sample in captured}
+    source: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
+    for dataset, path in data_files.items():
+        for _, record in read_jsonl(Path(path)):
+            if isinstance(record, dict) and (dataset, record.get("id")) in wanted:
+                source[(dataset, record["id"])] = (record["input_ids"], record["loss_mask"])
+    rows = []
+    for sample in captured:
+        key = (str(sample["dataset"]), str(sample["id"]))
+        if key not in source:
+            raise ValueError(f"captured sample {key} is not in the tokenized files {dict(data_files)}")
+        input_ids, loss_mask = source[key]
+        length = int(sample["input_ids"].shape[0])
+        aux, final = sample["aux_hidden_states"], sample["final_hidden_states"]
+        problems = []
+        if sample["input_ids"].tolist() != input_ids[:length]:
+            problems.append("input_ids differ from the tokenized file")
+        if sample["loss_mask"].tolist() != loss_mask[:length]:
+            problems.append("loss_mask differs from the tokenized file")
+        if tuple(aux.shape) != (length, num_aux_layers * hidden_size) or tuple(final.shape) != (length, hidden_size):
+            problems.append(f"shapes {tuple(aux.shape)}, {tuple(final.shape)} != ({length}, {num_aux_layers * hidden_size}), ({length}, {hidden_size})")
+        if aux.dtype != torch.bfloat16 or final.dtype != torch.bfloat16:
+            problems.append(f"dtypes {aux.dtype}, {final.dtype} are not bfloat16")
+        if not (torch.isfinite(aux.float()).all() and torch.isfinite(final.float()).all()):
+            problems.append("non-finite features")
+        if problems:
+            raise ValueError(f"captured sample {key}: " + "; ".join(problems))
+        rows.append({
+            "dataset": key[0], "id": key[1], "tokens": length, "source_tokens": len(input_ids), "loss_tokens": int(sample["loss_mask"].sum()),
+            "aux_shape": tuple(aux.shape), "final_shape": tuple(final.shape), "dtype": str(aux.dtype).removeprefix("torch."),
+        })
+    return rows
+
+
+def feature_norms(captured: Iterable[dict], capture_layer_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+    """Per-token L2 norms of each captured layer's feature and of the final state, over `captured`.
+
+    aux (T, 3H) splits into one (T, H) block per capture layer, in capture_layer_ids order.
+    Returns {"layer <i>": (sum T,) float32, ..., "final": (sum T,)}.
+    """
+    norms: dict[str, list[torch.Tensor]] = {f"layer {layer_id}": [] for layer_id in capture_layer_ids}
+    norms["final"] = []
+    for sample in captured:
+        blocks = sample["aux_hidden_states"].float().chunk(len(capture_layer_ids), dim=-1)  # 3 x (T, H)
+        for layer_id, block in zip(capture_layer_ids, blocks):
+            norms[f"layer {layer_id}"].append(block.norm(dim=-1))
+        norms["final"].append(sample["final_hidden_states"].float().norm(dim=-1))
+    return {name: torch.cat(parts) if parts else torch.zeros(0) for name, parts in norms.items()}
+
+
+def write_sample_subset(
+    data_files: Mapping[str, str | os.PathLike], keep: set[tuple[str, str]], output_dir: str | os.PathLike
+) -> dict[str, Path]:
+    """Copy the lines of `data_files` whose (dataset, id) is in `keep` to output_dir/<dataset>/tokenized_data.jsonl.
+
+    For capturing a small chosen subset (the ablation's original answers). Returns the new data files.
+    """
+    output_dir = Path(output_dir)
+    written: dict[str, Path] = {}
+    for dataset, path in data_files.items():
+        lines = [record for _, record in read_jsonl(Path(path)) if isinstance(record, dict) and (dataset, record.get("id")) in keep]
+        if not lines:
+            continue
+        target = output_dir / dataset / "tokenized_data.jsonl"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(target, lines)
+        written[dataset] = target
+    return written
 
 
 # ---------------------------------------------------------------------------------------------

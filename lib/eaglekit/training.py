@@ -325,6 +325,25 @@ def nested_subsets(train_order: Sequence[int], sizes: Sequence[int]) -> dict[int
     return {int(size): list(train_order[:size]) for size in sorted(sizes)}
 
 
+def ablation_sample_keys(
+    main_keys: Sequence[tuple[str, str]], original_keys: Sequence[tuple[str, str]], heldout_size: int, largest_size: int, seed: int
+) -> list[tuple[str, str]]:
+    """The (dataset, id) samples of the ablation draft: original answers, never a held-out prompt.
+
+    main_keys: the sweep's samples in capture-index order (the order `train_size_sweep` splits);
+    original_keys: class-B samples with the datasets' own answers (same ids as their regenerated twins).
+    Takes a dataset-stratified prefix of min(largest_size, candidates) so the ablation matches the
+    largest regenerated draft's size whenever enough original answers exist.
+    """
+    heldout_indices, _ = split_heldout([dataset for dataset, _ in main_keys], heldout_size, seed)
+    heldout = {tuple(main_keys[index]) for index in heldout_indices}
+    candidates = [tuple(key) for key in original_keys if tuple(key) not in heldout]
+    if not candidates:
+        raise ValueError("no original answers outside the held-out set: the ablation needs class-B datasets with their own answers")
+    order = stratified_order([dataset for dataset, _ in candidates], seed)
+    return [candidates[index] for index in order[: min(largest_size, len(candidates))]]
+
+
 class IndexedSubset(Sequence):
     """A view of `samples` at `indices` (no copy; shard readers stay lazy)."""
 
@@ -650,15 +669,21 @@ def train_size_sweep(
     output_dir: str | Path,
     settings: TrainSettings,
     split_seed: int = 0,
+    datasets: Sequence[str] | None = None,
 ) -> list[dict[str, Any]]:
     """One draft per data size on nested, dataset-stratified subsets, all scored on one held-out set.
 
     build_model() returns a fresh draft (same init each call). Each size trains into
     output_dir/size-<n>/ and resumes there. Returns one row per size: size, per-dataset counts, steps,
-    best step, best held-out simulated accept length, checkpoint paths.
+    best step, best held-out simulated accept length, checkpoint paths, held-out (dataset, id) pairs.
+    `datasets` (one name per sample) spares reading every sample just for its dataset name.
     """
     output_dir = Path(output_dir)
-    datasets = [str(samples[index].get("dataset", "")) for index in range(len(samples))]
+    if datasets is None:
+        datasets = [str(samples[index].get("dataset", "")) for index in range(len(samples))]
+    elif len(datasets) != len(samples):
+        raise ValueError(f"datasets names {len(datasets)} samples but there are {len(samples)}")
+    datasets = [str(name) for name in datasets]
     heldout_indices, train_order = split_heldout(datasets, heldout_size, split_seed)
     subsets = nested_subsets(train_order, sizes)
     heldout = IndexedSubset(samples, heldout_indices)
