@@ -298,3 +298,49 @@ def test_shard_tensors_are_bf16_and_bounded(clean_run):
         tensors = load_file(path)
         assert tensors["aux_hidden_states"].dtype == tensors["final_hidden_states"].dtype == torch.bfloat16
         assert sum(tensor.nbytes for tensor in tensors.values()) <= 12_000 or tensors["input_ids"].numel() == 40
+
+
+def test_storage_plan_counts_truncated_tokens_and_picks_the_mode(tiny_model, data_files, clean_run, tmp_path):
+    from eaglekit.capture import plan_capture_storage
+    from eaglekit.shards import stored_bytes_per_token
+
+    _, report = clean_run
+    plan = plan_capture_storage(data_files, 32, TINY_VOCAB, RUN_SETTINGS["max_seq_len"], tmp_path)
+    assert (plan.tokens, plan.samples) == (report.tokens, report.samples)
+    assert plan.planned_bytes == report.tokens * stored_bytes_per_token(32) and plan.mode == "offline"
+    assert plan_capture_storage(data_files, 32, TINY_VOCAB, 40, tmp_path, mode="online").mode == "online"
+    huge = 10**12  # a hidden size whose shards cannot fit any disk here
+    assert plan_capture_storage(data_files, huge, TINY_VOCAB, 40, tmp_path).mode == "online"
+    with pytest.raises(InsufficientDiskError, match="bytes"):
+        plan_capture_storage(data_files, huge, TINY_VOCAB, 40, tmp_path, mode="offline")
+
+
+def test_sample_check_accepts_the_shards_and_names_a_mismatch(clean_run, data_files):
+    from eaglekit.capture import check_captured_samples, feature_norms
+
+    output_dir, _ = clean_run
+    samples = read_all(output_dir)[:5]
+    rows = check_captured_samples(samples, data_files, 32)
+    assert [row["id"] for row in rows] == [sample["id"] for sample in samples]
+    norms = feature_norms(samples, [2, 4, 5])
+    assert list(norms) == ["layer 2", "layer 4", "layer 5", "final"]
+    assert all(values.shape == (sum(len(sample["input_ids"]) for sample in samples),) for values in norms.values())
+    broken = dict(samples[0], loss_mask=1 - samples[0]["loss_mask"])
+    with pytest.raises(ValueError, match=f"{samples[0]['id']}.*loss_mask differs"):
+        check_captured_samples([broken], data_files, 32)
+
+
+def test_online_samples_by_index_equal_the_shards(tiny_model, data_files, clean_run, tmp_path):
+    from eaglekit.capture import OnlineCaptureSamples, write_sample_subset
+
+    output_dir, _ = clean_run
+    stored = {(sample["dataset"], sample["id"]): sample for sample in read_all(output_dir)}
+    keep = {("alpha", "alpha-3"), ("beta", "beta-7")}
+    subset = write_sample_subset(data_files, keep, tmp_path)
+    online = OnlineCaptureSamples(tiny_model, subset, max_seq_len=RUN_SETTINGS["max_seq_len"])
+    assert {(sample["dataset"], sample["id"]) for sample in (online[0], online[1])} == keep and len(online) == 2
+    for position in range(2):
+        sample = online[position]
+        reference = stored[(sample["dataset"], sample["id"])]
+        assert torch.equal(sample["input_ids"], reference["input_ids"])
+        torch.testing.assert_close(sample["aux_hidden_states"].float(), reference["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2)

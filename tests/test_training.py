@@ -231,3 +231,16 @@ def test_size_sweep_trains_one_draft_per_size(world, tmp_path):
     assert sum(rows[0]["samples_by_dataset"].values()) == 4 and set(rows[1]["samples_by_dataset"]) == {"alpha", "beta"}
     assert all(math.isfinite(row["best_accept_length"]) and row["heldout_size"] == 4 for row in rows)
     assert (tmp_path / "size-0000004" / "best.pt").exists() and (tmp_path / "size-0000008" / "metrics.jsonl").exists()
+
+
+def test_ablation_samples_avoid_the_heldout_prompts():
+    from eaglekit.training import ablation_sample_keys, split_heldout
+
+    main = [("a", f"a{n}") for n in range(10)] + [("b", f"b{n}") for n in range(10)] + [("tools", f"t{n}") for n in range(5)]
+    original = [key for key in main if key[0] != "tools"]
+    chosen = ablation_sample_keys(main, original, heldout_size=5, largest_size=8, seed=3)
+    heldout_indices, _ = split_heldout([dataset for dataset, _ in main], 5, 3)
+    heldout = {main[index] for index in heldout_indices}
+    assert len(chosen) == 8 and not set(chosen) & heldout and set(chosen) <= set(original)
+    assert {dataset for dataset, _ in chosen} == {"a", "b"}
+    assert len(ablation_sample_keys(main, original, 5, 100, 3)) == len(set(original) - heldout)
