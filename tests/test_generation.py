@@ -281,17 +281,17 @@ def test_client_killed_mid_run_resumes_exactly_once(tmp_path, how):
 def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server, embedded_model_dir):
     from transformers import AutoTokenizer
 
-    prompts = write_prompts(tmp_path / "prompts.jsonl", ["What is 2+2?", "Name a colour.", "Say hi.", "Count to 3."])
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["What is 2+2?", "Name a colour.", "Say hi."])
     source = [PromptSource("tiny", "short", prompts)]
     summary = generate(source, [EndpointSpec(embedded_server.base_url, model=embedded_server.model_name)],
-                       tmp_path / "out", [PartitionSettings("short", 2, 12)], temperature=0.0, **FAST)
-    assert summary.datasets["tiny"].done == 4 and summary.datasets["tiny"].errors == 0
+                       tmp_path / "out", [PartitionSettings("short", 3, 8)], temperature=0.0, **FAST)
+    assert summary.datasets["tiny"].done == 3 and summary.datasets["tiny"].errors == 0
     assert summary.endpoints[0]["rejects_unknown_fields"]  # transformers serve 422s return_token_ids
     records = read_generations(tmp_path / "out")
     assert all(record["completion_tokens"] and record["finish_reason"] in ("stop", "length") for record in records.values())
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
     tokenized = build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer)
-    assert tokenized.written == {"tiny": 4} and tokenized.from_chat_template == 4
+    assert tokenized.written == {"tiny": 3} and tokenized.from_chat_template == 3
     for _, sample in read_jsonl(tokenized.files["tiny"]):
         record = records[("tiny", sample["id"])]
         generated = [token for token, mask in zip(sample["input_ids"], sample["loss_mask"]) if mask]
