@@ -110,3 +110,21 @@ def test_failure_to_start_carries_the_log_tail(embedded_model_dir, tmp_path):
 def test_not_a_model_folder_is_refused_before_starting(tmp_path):
     with pytest.raises(ServerError, match="no config.json"):
         EmbeddedServer(tmp_path).start()
+
+
+def test_server_started_from_a_finished_thread_keeps_running(embedded_model_dir, tmp_path):
+    """PR_SET_PDEATHSIG is per thread: a server started from a worker thread must outlive that thread."""
+    import threading
+    import time
+
+    holder = {}
+    worker = threading.Thread(target=lambda: holder.setdefault("server", EmbeddedServer(embedded_model_dir, log_path=tmp_path / "s.log").start()))
+    worker.start()
+    worker.join()
+    server = holder["server"]
+    try:
+        time.sleep(2)
+        assert server.is_running()
+        assert httpx.get(f"{server.root_url}/health", timeout=10).status_code == 200
+    finally:
+        server.stop()

@@ -11,13 +11,16 @@ Settings chosen for a 2-core CPU (measured with bench/embedded_server.py): conti
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,12 +55,46 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _die_with_parent() -> None:
-    """Runs in the child before exec: SIGTERM it when the parent process dies (Linux only)."""
+    """Runs in the child before exec: own process group, and SIGTERM when the parent goes away (Linux)."""
     os.setsid()  # own process group, so stop() can signal every worker it spawns
     with contextlib.suppress(Exception):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         PR_SET_PDEATHSIG = 1
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _Spawner:
+    """Starts children from one daemon thread that lives as long as this process.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. A server
+    started from a short-lived worker thread would be killed with that thread; forking from this
+    thread ties the server's life to the process, whichever thread asks.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def popen(self, *args, **kwargs) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="eaglekit-spawner", daemon=True)
+                self._thread.start()
+        done = concurrent.futures.Future()
+        self._requests.put((args, kwargs, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            args, kwargs, done = self._requests.get()
+            try:
+                done.set_result(subprocess.Popen(*args, **kwargs))
+            except BaseException as error:  # handed back to the caller
+                done.set_exception(error)
+
+
+_spawner = _Spawner()
 
 
 class EmbeddedServer:
@@ -132,7 +169,7 @@ class EmbeddedServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_handle = open(self.log_path, "ab")
         environment = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
-        self._process = subprocess.Popen(
+        self._process = _spawner.popen(
             self.command(), stdout=self._log_handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=environment, preexec_fn=_die_with_parent,
         )
