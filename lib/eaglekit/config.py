@@ -190,7 +190,8 @@ class AnalysisParams(Section):
     measured_accept_length: float = Field(default=2.1, ge=1)
     specdec_prompts: int = Field(default=4, gt=0)  # held-out prompts for the real speculative loop
     specdec_max_new_tokens: int = Field(default=32, gt=0)
-    ablation: bool = True  # train a draft on original class-B answers vs regenerated, same size
+    ablation: bool = True  # two drafts on the same class-B prompts: the datasets' answers vs the target's
+    ablation_size: int = Field(default=64, gt=0)  # prompts in each ablation draft's training set (at most)
     sglang_endpoint: str | None = None  # live measurement: SGLang with speculation
     baseline_endpoint: str | None = None  # the same target without speculation
     vllm_endpoint: str | None = None
