@@ -79,7 +79,8 @@ def _resolve_hub(repo_id: str, revision: str | None) -> Path:
 def embedded_gguf_path(name: str) -> Path:
     """Locate the GGUF file inside its installed package without importing the package."""
     if name not in EMBEDDED_MODELS:
-        raise ModelResolutionError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+        known = ", ".join(EMBEDDED_PREFIX + known_name for known_name in sorted(EMBEDDED_MODELS))
+        raise ModelResolutionError(f"unknown embedded model {name!r}; known: {known}")
     entry = EMBEDDED_MODELS[name]
     spec = importlib.util.find_spec(entry.module)
     if spec is None or not spec.submodule_search_locations:
