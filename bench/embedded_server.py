@@ -23,8 +23,10 @@ PROMPTS = [
 ]
 
 
-async def measure(client: openai.AsyncOpenAI, model: str, concurrency: int, requests: int, max_tokens: int) -> tuple[float, int]:
+async def measure(base_url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> tuple[float, int]:
     """Keep `concurrency` requests in flight until `requests` are done; returns (seconds, completion tokens)."""
+    # A client per event loop: its connections belong to the loop that opened them.
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
     queue = list(range(requests))
     tokens = 0
 
@@ -40,7 +42,9 @@ async def measure(client: openai.AsyncOpenAI, model: str, concurrency: int, requ
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return time.perf_counter() - started, tokens
+    elapsed = time.perf_counter() - started
+    await client.close()
+    return elapsed, tokens
 
 
 def main() -> None:
@@ -51,12 +55,11 @@ def main() -> None:
     args = parser.parse_args()
     settings = ServerSettings(continuous_batching=not args.no_continuous_batching)
     with EmbeddedServer(resolve_model("embedded:smollm2-135m-instruct"), settings=settings) as server:
-        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", timeout=600, max_retries=0)
         print(f"server: transformers serve, continuous_batching={settings.continuous_batching}, dtype={settings.dtype}, "
               f"kv_cache_tokens={settings.kv_cache_tokens}; max_tokens={args.max_tokens}")
         rates = {}
         for concurrency in (1, 8, 32):
-            seconds, tokens = asyncio.run(measure(client, server.model_name, concurrency, args.rounds * concurrency, args.max_tokens))
+            seconds, tokens = asyncio.run(measure(server.base_url, server.model_name, concurrency, args.rounds * concurrency, args.max_tokens))
             rates[concurrency] = tokens / seconds
             print(f"concurrency {concurrency:>2}: {tokens:5d} completion tokens in {seconds:6.1f} s = {rates[concurrency]:6.1f} tok/s")
         print(f"ratio concurrency 32 / concurrency 1: {rates[32] / rates[1]:.2f}x")

@@ -39,3 +39,14 @@ def embedded_server(embedded_model_dir, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with EmbeddedServer(embedded_model_dir, log_path=log_path) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: extra torch threads only contend with the rest of the machine (and time the wrong thing)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

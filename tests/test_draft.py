@@ -25,13 +25,7 @@ TINY_TARGET = dict(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: extra threads only contend with the other tests sharing the machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_target(seed: int = 0) -> LlamaForCausalLM:

@@ -93,3 +93,28 @@ def test_runner_starts_and_stops_the_embedded_server(tmp_path):
 
     with pytest.raises(httpx.HTTPError):  # stopped with the run
         httpx.get(answer["url"].removesuffix("/v1") + "/health", timeout=2)
+
+
+def test_sigterm_stops_the_run_marks_the_stage_and_leaves_no_server(tmp_path):
+    import signal
+    import time
+
+    params = scenario(tmp_path)
+    runner = subprocess.Popen([sys.executable, "-m", "eaglekit.cli", "run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS),
+                               "--stages", "wait", "--run-id", "stopped"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "outputs" / "stopped"
+    deadline = time.monotonic() + 300
+    while not (run_dir / "waiting").exists():
+        assert runner.poll() is None and time.monotonic() < deadline, runner.stderr.read() if runner.poll() is not None else "timed out"
+        time.sleep(0.5)
+    server_log = (run_dir / "server.log").read_text()
+    port = server_log.split("Uvicorn running on http://127.0.0.1:")[1].split(" ")[0]
+    runner.send_signal(signal.SIGTERM)
+    _, stderr = runner.communicate(timeout=120)
+    assert runner.returncode == 130, stderr
+    assert "--resume" in stderr
+    assert json.loads((run_dir / "state.json").read_text())["failed"] == "04_wait"
+    import httpx
+
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)

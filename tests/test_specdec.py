@@ -28,14 +28,9 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "Lis
 MAX_NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two threads on a shared 2-core machine spin against each other (a 1-token forward went from 0.15 s to
-    # 1 s here); one thread keeps the module fast and its timing honest.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Two threads on a shared 2-core machine spin against each other (a 1-token forward went from 0.15 s to
+# 1 s here); one thread keeps the module fast and its timing honest.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -36,13 +36,7 @@ FAST = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, wa
                      grad_accumulation_steps=2, eval_interval=2, max_length=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: extra threads only contend with the other tests sharing the machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

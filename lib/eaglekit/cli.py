@@ -14,12 +14,21 @@ def _run(args: argparse.Namespace) -> int:
     from eaglekit.runner import RunError, run_pipeline
 
     stages = [item for chunk in args.stages or [] for item in chunk.split(",") if item] or None
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    # SIGTERM (nohup'd runs, schedulers) stops like Ctrl-C: the stage is marked, the server stopped.
+    signal.signal(signal.SIGTERM, interrupted)
     try:
         run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume,
                      notebooks_dir=Path(args.notebooks) if args.notebooks else _default_notebooks())
     except (ParamsError, RunError) as error:
         print(f"eaglekit: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("eaglekit: interrupted; rerun with --run-id and --resume to continue", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -161,6 +161,11 @@ def run_pipeline(
                     str(stage.notebook), str(output), parameters=parameters, kernel_name=kernel_name,
                     cwd=str(stage.notebook.parent), progress_bar=False, log_output=False,
                 )
+            except KeyboardInterrupt:
+                state["failed"] = stage.label
+                write_json(run_dir / "state.json", state)
+                logger.error("interrupted in stage %s; continue with: eaglekit run %s --run-id %s --resume", stage.label, params_path, run_id)
+                raise
             except papermill.PapermillExecutionError as error:
                 state["failed"] = stage.label
                 write_json(run_dir / "state.json", state)
