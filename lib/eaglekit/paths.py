@@ -16,3 +16,13 @@ def cache_dir() -> Path:
     root = Path(os.environ.get("EAGLEKIT_CACHE") or Path.home() / ".cache" / "eaglekit")
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def installed_package_dir(module: str) -> Path | None:
+    """The folder of an installed package, found without importing it (data-only packages); None if absent."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))

