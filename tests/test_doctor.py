@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from fixtures.serving import replay_server as replay
 from eaglekit.doctor import (
     DoctorError,
     check_accept_length,
@@ -23,9 +23,6 @@ from eaglekit.doctor import (
     run_doctor,
 )
 
-_spec = importlib.util.spec_from_file_location("replay_server", Path(__file__).parent / "fixtures" / "serving" / "replay_server.py")
-replay = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay)
 
 # A 30-layer target (SmolLM2's depth) with tiny widths: default capture [2, 15, 27] -> ids [1, 14, 26].
 TARGET = {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_hidden_layers": 30, "num_attention_heads": 4,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from fixtures.serving import replay_server as replay
 from eaglekit.serving import (
     get_sglang_server_info,
     measure_sglang,
@@ -18,9 +18,6 @@ from eaglekit.serving import (
     sglang_speculation,
 )
 
-_spec = importlib.util.spec_from_file_location("replay_server", Path(__file__).parent / "fixtures" / "serving" / "replay_server.py")
-replay = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(replay)
 
 PROMPTS = replay.load("prompts.json")
 # /generate takes rendered prompts; the replay server knows prompt "p0" by input ids [ord("p"), ord("0")].
