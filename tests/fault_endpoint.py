@@ -23,7 +23,8 @@ vLLM 0.17+), and whether unknown request fields get 422 (like `transformers serv
 
 Run in-process with `FaultEndpoint(...)` (a thread with its own event loop), or as a process:
 `python tests/fault_endpoint.py --port 8123 --token-ids vllm --reasoning-field reasoning`
-(prints `READY <port>` once listening; GET /stats gives request counts and server CPU seconds).
+(prints `READY <port>` once listening; GET /stats gives request counts, server CPU seconds and the
+sum of chat completions' service times, request read to response written).
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class FaultServer:
     attempts: Counter = field(default_factory=Counter)
     statuses: Counter = field(default_factory=Counter)
     requests: int = 0
+    service_seconds: float = 0.0   # sum over chat completions of request read -> response written
+    last_headers: dict = field(default_factory=dict)   # of the last chat completion, names lower-cased
+
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -83,7 +87,12 @@ class FaultServer:
                     body = await reader.readexactly(int(headers.get("content-length", "0")))
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return  # the client went away (killed, timed out, or closing a keep-alive connection)
+                received = time.perf_counter()
+                if path.rstrip("/") == "/v1/chat/completions":
+                    self.last_headers = headers
                 keep_going = await self.respond(method, path, body, writer)
+                if path.rstrip("/") == "/v1/chat/completions":
+                    self.service_seconds += time.perf_counter() - received
                 if not keep_going or headers.get("connection", "").lower() == "close":
                     return
         finally:
@@ -97,7 +106,7 @@ class FaultServer:
             return self.send(writer, 200, {"object": "list", "data": [{"id": self.options.model, "object": "model"}]})
         if method == "GET" and path.rstrip("/") == "/stats":
             return self.send(writer, 200, {"requests": self.requests, "statuses": dict(self.statuses),
-                                           "cpu_seconds": time.process_time()})
+                                           "cpu_seconds": time.process_time(), "service_seconds": self.service_seconds})
         if method != "POST" or path.rstrip("/") != "/v1/chat/completions":
             return self.send(writer, 404, {"detail": "Not Found"})
         self.requests += 1

@@ -6,6 +6,7 @@ kill -9 / SIGTERM tests start and kill.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -22,7 +23,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 
-from eaglekit.endpoints import EndpointSpec  # noqa: E402
+from eaglekit.endpoints import Endpoint, EndpointSpec, TransientError  # noqa: E402
 from eaglekit.generation import (  # noqa: E402
     PartitionSettings, PromptSource, RetryPolicy, build_tokenized_data, finished_keys, generate,
     has_repetition_loop, quality_flags, read_generations)
@@ -69,6 +70,31 @@ def test_transient_failures_retry_and_rejections_are_recorded(tmp_path):
     metrics = [record for _, record in read_jsonl(tmp_path / "out" / "metrics.jsonl")]
     assert metrics[-1]["final"] and metrics[-1]["done"] == {"ds": 7} and metrics[-1]["errors"] == 2
     assert {"requests_per_s", "completion_tokens_per_s", "mean_completion_tokens", "in_flight", "eta_s"} <= set(metrics[-1])
+
+
+def test_endpoint_tells_a_timeout_from_a_reset_and_sends_the_sdk_headers():
+    # The aiohttp transport reports every dropped connection as httpx2.ConnectTimeout; the kinds in
+    # the errors file must still say what happened. Auth and user agent are the SDK client's own.
+    async def attempts(base_url: str) -> list[str]:
+        endpoint = Endpoint(EndpointSpec(base_url, api_key="sk-test"), max_connections=2, request_timeout_s=0.5)
+        try:
+            await endpoint.probe()
+            kinds = []
+            for text in ["x #fault:slowx1", "y #fault:resetx1"]:
+                with pytest.raises(TransientError) as caught:
+                    await endpoint.chat([{"role": "user", "content": text}], 8, None, None, None)
+                kinds.append(caught.value.kind)
+                answer = await endpoint.chat([{"role": "user", "content": text}], 8, None, None, None)
+                assert answer.content == f"Answer: {text}"  # the second attempt is served
+            return kinds
+        finally:
+            await endpoint.aclose()
+
+    with FaultEndpoint(FaultOptions(slow_seconds=3.0)) as server:
+        assert asyncio.run(attempts(server.base_url)) == ["timeout", "connection"]
+        headers = server.server.last_headers
+    assert headers["authorization"] == "Bearer sk-test"
+    assert headers["user-agent"].startswith("AsyncOpenAI/Python") and headers["content-type"] == "application/json"
 
 
 def test_errored_prompts_retried_on_rerun_only_when_asked(tmp_path):
