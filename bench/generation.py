@@ -1,9 +1,10 @@
 """Generation engine benchmarks, each measured side by side in one run.
 
 1. Scheduling: against a local endpoint whose answers take long-tailed (lognormal) random times, the
-   engine's wall time vs the ideal (sum of latencies / concurrency), vs the best any in-order
-   continuous scheduler could do with these latencies (simulated), and vs wave batching (send
-   `concurrency` requests, wait for all, repeat) measured against the same server. Goal: <= 1.05 x ideal.
+   engine's wall time vs the ideal (sum of latencies / concurrency, the latencies being the endpoint's
+   own answer times, which the server sums), vs wave batching (send `concurrency` requests, wait for
+   all, repeat) against the same server, and where the rest goes: the tail any in-order continuous
+   scheduler pays (simulated), the client's HTTP round trip, start-up. Goal: <= 1.05 x ideal.
 2. Client overhead: requests/s against an instant local endpoint at concurrency 256, with the client
    process's CPU time per request (what bounds it) and the server process's CPU share (to show the
    server is not what we measure). Goal: >= 1,000 requests/s on 2 cores.
