@@ -108,8 +108,13 @@ def run_pipeline(
 ) -> Path:
     """Run the selected stages; returns the run folder. Raises RunError naming the failed cell."""
     import papermill
+    from traitlets.config import Config
 
     from eaglekit.server import serving_endpoints
+
+    # The kernel's ZMQ sockets on 127.0.0.1 use CurveZMQ when the kernelspec supports it
+    # (ipykernel does), instead of plain text and a warning from every stage.
+    kernel_config = Config({"KernelManager": {"transport_encryption": "auto"}})
 
     params = load_params(params_path)  # fail before creating anything
     all_stages = discover_stages(notebooks_dir)
@@ -160,6 +165,7 @@ def run_pipeline(
                 papermill.execute_notebook(
                     str(stage.notebook), str(output), parameters=parameters, kernel_name=kernel_name,
                     cwd=str(stage.notebook.parent), progress_bar=False, log_output=False,
+                    config=kernel_config,
                 )
             except KeyboardInterrupt:
                 state["failed"] = stage.label
