@@ -25,8 +25,9 @@ from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 
 from eaglekit.endpoints import Endpoint, EndpointSpec, TransientError  # noqa: E402
 from eaglekit.generation import (  # noqa: E402
-    PartitionSettings, PromptSource, RetryPolicy, build_tokenized_data, finished_keys, generate,
-    has_repetition_loop, quality_flags, read_generations)
+    PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, has_repetition_loop, quality_flags,
+    read_generations)
+from eaglekit.tokenized import build_tokenized_data  # noqa: E402
 from eaglekit.io import read_jsonl  # noqa: E402
 
 FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
