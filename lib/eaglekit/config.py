@@ -144,6 +144,9 @@ class GenerationParams(Section):
     request_timeout_s: float = Field(default=3600.0, gt=0)  # long: a 16K-token answer takes minutes
     retry_errors: bool = True  # on rerun, retry prompts that ended in the errors file
     log_interval_s: float = Field(default=60.0, gt=0)
+    # After Ctrl-C/SIGTERM, in-flight requests get this long to finish; the runner waits the same
+    # grace (plus a margin) before it kills the kernel.
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
     truncated_policy: Literal["keep", "drop"] = "keep"  # truncated answers in training data: keep (flagged) or drop
     drop_flags: list[Literal["empty", "truncated", "repetition_loop", "reasoning_without_answer"]] = []
     use_token_ids: bool = True  # train on the server's raw token ids when it returns them
