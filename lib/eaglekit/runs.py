@@ -5,6 +5,7 @@ A run folder is never overwritten: a new run gets a new id; `--resume` reuses on
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -121,6 +122,38 @@ STAGE_FOLDERS = {
     "training": "training",  # 05: size_<N>/ checkpoints and metrics, exports
     "analysis": "analysis",  # 06: acceptance tables, scaling summary
 }
+
+
+def _outcome_path(run_dir: Path, stage: str) -> Path:
+    return Path(run_dir) / "stage_outcomes" / f"{stage}.json"
+
+
+def record_stage_outcome(run_dir: str | os.PathLike, stage: str, *, errors: int = 0, detail: str = "") -> None:
+    """A stage notebook's own verdict, written atomically at its end: how many items ended in error.
+
+    The runner reads it after the notebook finishes: a stage with errors is reported "done with N
+    errors" and is run again by `--resume` (the stage itself then retries only what failed).
+    `stage` is the stage name ("generation") or label ("03_generation"); the runner looks up both.
+    """
+    if errors < 0:
+        raise ValueError(f"errors must be >= 0, got {errors}")
+    record = {"stage": stage, "errors": int(errors), "detail": detail, "time": time.time()}
+    write_json(_outcome_path(Path(run_dir), stage), record)
+
+
+def read_stage_outcome(run_dir: str | os.PathLike, stage: str) -> dict | None:
+    """The outcome `record_stage_outcome` wrote for `stage`, or None when the stage wrote none."""
+    path = _outcome_path(Path(run_dir), stage)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+
+
+def clear_stage_outcome(run_dir: str | os.PathLike, stage: str) -> None:
+    """Forget a stage's last verdict (the runner does this before running the stage again)."""
+    with contextlib.suppress(FileNotFoundError):
+        _outcome_path(Path(run_dir), stage).unlink()
 
 
 def stage_dir(run_dir: Path, stage: str) -> Path:
