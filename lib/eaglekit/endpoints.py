@@ -9,14 +9,27 @@ fields (`transformers serve` answers 422) gets plain requests instead of failing
 Routing: a request goes to the healthy endpoint with the fewest requests in flight and a free slot.
 An endpoint that fails `unhealthy_after` transient errors in a row is skipped until its health
 check passes again, so a dead server costs each in-flight request one attempt, not all of them.
+A 429 or 503 with `Retry-After` pauses that endpoint (only that one) for the time asked.
+
+What an HTTP status means for the run (`classify_status`):
+- 401, 403: the key is missing, wrong or rotated. Every later request would fail the same way, so
+  `EndpointAuthError` stops the run at once; no prompt is marked failed by it.
+- 400, 413, 422: about this request (prompt too long, bad field): `RequestRejected`, recorded for
+  the prompt, never retried within the run.
+- everything else (408, 429, 5xx, and other 4xx such as a proxy's 404 during a restart): transient,
+  retried with backoff; a 200 whose body is not a chat completion is a transient `bad_response`.
+Health checks and `/v1/models` send the same key as the requests (a keyed server answers 401 to
+anything without it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import functools
 import json
 import logging
+import math
 import ssl
 import time
 from dataclasses import dataclass
@@ -28,16 +41,29 @@ import openai
 
 logger = logging.getLogger(__name__)
 
-TRANSIENT_STATUS_CODES = frozenset({408, 429})  # plus every 5xx
+AUTH_STATUS_CODES = frozenset({401, 403})
+REQUEST_STATUS_CODES = frozenset({400, 413, 422})  # about the request itself: terminal for the prompt
+RETRY_AFTER_STATUS_CODES = frozenset({429, 503})
+MAX_RETRY_AFTER_S = 600.0  # a server asking for more is honoured for this long, then asked again
 
 
 @dataclass(frozen=True)
 class EndpointSpec:
-    """Where to send requests. model=None takes the first model the server lists at /v1/models."""
+    """Where to send requests. model=None takes the first model the server lists at /v1/models.
+
+    name: the label in records and log lines (params `endpoints[].name`; default the URL).
+    api_key_env: the environment variable the key came from, named in an authentication error.
+    """
 
     base_url: str
     model: str | None = None
     api_key: str = "EMPTY"
+    name: str | None = None
+    api_key_env: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or self.base_url.rstrip("/")
 
 
 @dataclass(frozen=True)
@@ -52,19 +78,64 @@ class EndpointCapabilities:
 
 
 class TransientError(Exception):
-    """Worth retrying: connection error, timeout, 408, 429 or 5xx."""
+    """Worth retrying: connection error, timeout, 408, 429, 5xx, a malformed 200 (`bad_response`).
 
-    def __init__(self, kind: str, message: str, status: int | None = None):
+    retry_after_s: what the server asked for in `Retry-After` (429/503), else None.
+    """
+
+    def __init__(self, kind: str, message: str, status: int | None = None, retry_after_s: float | None = None):
         super().__init__(f"{kind}: {message}")
-        self.kind, self.message, self.status = kind, message, status
+        self.kind, self.message, self.status, self.retry_after_s = kind, message, status, retry_after_s
 
 
 class RequestRejected(Exception):
-    """Not worth retrying (400 prompt too long, 404 unknown model, ...): record the server's message."""
+    """About the request itself (400 prompt too long, 413, 422): record the server's message, do not retry."""
 
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status, self.message = status, message
+
+
+class EndpointAuthError(RuntimeError):
+    """401/403: the endpoint refuses our key. Stops the run; the message names the endpoint and the fix."""
+
+    def __init__(self, endpoint: str, status: int, url: str, message: str, api_key_env: str | None):
+        where = f"the environment variable {api_key_env}" if api_key_env else \
+            "an environment variable named by `api_key_env` in the endpoint's params"
+        super().__init__(
+            f"endpoint {endpoint}: HTTP {status} from {url}: the server refuses the API key ({message[:300]}). "
+            f"Put a valid key in {where}, then rerun with --resume: finished prompts are kept and no prompt "
+            "was marked failed by this.")
+        self.endpoint, self.status, self.url = endpoint, status, url
+
+
+def classify_status(status: int) -> str:
+    """"auth", "request" (terminal for the prompt) or "transient" for an HTTP error status (>= 400)."""
+    if status in AUTH_STATUS_CODES:
+        return "auth"
+    if status in REQUEST_STATUS_CODES:
+        return "request"
+    return "transient"
+
+
+def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a `Retry-After` header: delta-seconds or an HTTP date; None when absent or bad."""
+    if value is None or not value.strip():
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None:
+            return None
+        seconds = when.timestamp() - (time.time() if now is None else now)
+    if math.isnan(seconds):
+        return None
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
 
 
 @dataclass(frozen=True)
@@ -78,31 +149,89 @@ class ChatAnswer:
     completion_tokens: int | None
     prompt_token_ids: list[int] | None
     token_ids: list[int] | None
+    tool_calls: list[dict[str, Any]] | None = None   # OpenAI shape, as the server sent them
+    reasoning_field: str | None = None               # "reasoning_content" or "reasoning": where it came from
 
 
-def parse_chat_response(data: dict[str, Any]) -> ChatAnswer:
-    """Read choice 0 of a chat completion, whichever server dialect sent it.
+def _bad(reason: str, data: Any) -> TransientError:
+    try:
+        shown = json.dumps(data)[:300]
+    except (TypeError, ValueError):
+        shown = repr(data)[:300]
+    return TransientError("bad_response", f"{reason}: {shown}")
+
+
+def _optional(container: dict, key: str, kind: type, where: str, data: Any) -> Any:
+    """container[key] when it is a `kind` (JSON true is not an int here), None when absent or null."""
+    value = container.get(key)
+    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise _bad(f"{where}{key} is {type(value).__name__}, expected {kind.__name__}", data)
+    return value
+
+
+def _token_list(value: Any, where: str, data: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(token, int) and not isinstance(token, bool) for token in value):
+        raise _bad(f"{where} is not a list of token ids", data)
+    return value
+
+
+def parse_chat_response(data: Any) -> ChatAnswer:
+    """Read choice 0 of a chat completion, whichever server dialect sent it; validate every field used.
+
+    Anything that is not a well-formed chat completion (no choices, choice 0 null or a string, no
+    `message`, `usage` not an object, token ids not integers, ...) raises TransientError
+    ("bad_response"): the prompt is retried and, past the attempt limit, recorded as an error. A
+    choice without `message` is never taken for an empty answer.
 
     Reasoning: `reasoning_content` (SGLang, vLLM < 0.17) or `reasoning` (vLLM 0.17+).
     Token ids: choice `token_ids`; prompt ids on the response (vLLM) or the choice (SGLang), or in
     SGLang's `sglext` extension (`input_ids` / `output_ids`).
     """
-    try:
-        choice = data["choices"][0]
-        message = choice.get("message") or {}
-    except (KeyError, IndexError, TypeError):
-        raise TransientError("bad_response", f"no choices in response: {json.dumps(data)[:300]}") from None
-    reasoning = message.get("reasoning_content") or message.get("reasoning")
-    usage = data.get("usage") or {}
-    extension = data.get("sglext") or {}
-    token_ids = choice.get("token_ids")
-    if token_ids is None and isinstance(extension.get("output_ids"), list) and extension["output_ids"]:
-        token_ids = extension["output_ids"][0]
-    prompt_token_ids = choice.get("prompt_token_ids") or data.get("prompt_token_ids") or extension.get("input_ids")
+    if not isinstance(data, dict):
+        raise _bad("response is not a JSON object", data)
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise _bad("no choices in response", data)
+    choice = choices[0]
+    if not isinstance(choice, dict):
+        raise _bad(f"choices[0] is {type(choice).__name__}, not an object", data)
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        raise _bad("choices[0] has no message object", data)
+    content = _optional(message, "content", str, "message.", data)
+    reasoning_field = next((name for name in ("reasoning_content", "reasoning") if message.get(name)), None)
+    reasoning = _optional(message, reasoning_field, str, "message.", data) if reasoning_field else None
+    tool_calls = _optional(message, "tool_calls", list, "message.", data)
+    if tool_calls is not None:
+        for index, call in enumerate(tool_calls):
+            if not isinstance(call, dict) or not isinstance(call.get("function"), dict) \
+                    or not isinstance(call["function"].get("name"), str):
+                raise _bad(f"message.tool_calls[{index}] has no function.name", data)
+    finish_reason = _optional(choice, "finish_reason", str, "choices[0].", data)
+    usage = data.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise _bad(f"usage is {type(usage).__name__}, not an object", data)
+    usage = usage or {}
+    prompt_tokens = _optional(usage, "prompt_tokens", int, "usage.", data)
+    completion_tokens = _optional(usage, "completion_tokens", int, "usage.", data)
+    extension = data.get("sglext")
+    if extension is not None and not isinstance(extension, dict):
+        raise _bad("sglext is not an object", data)
+    extension = extension or {}
+    token_ids = _token_list(choice.get("token_ids"), "choices[0].token_ids", data)
+    output_ids = extension.get("output_ids")
+    if token_ids is None and isinstance(output_ids, list) and output_ids:
+        token_ids = _token_list(output_ids[0], "sglext.output_ids[0]", data)
+    prompt_token_ids = _token_list(
+        choice.get("prompt_token_ids") or data.get("prompt_token_ids") or extension.get("input_ids"),
+        "prompt_token_ids", data)
     return ChatAnswer(
-        content=message.get("content") or "", reasoning=reasoning or None, finish_reason=choice.get("finish_reason"),
-        prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"),
-        prompt_token_ids=prompt_token_ids, token_ids=token_ids)
+        content=content or "", reasoning=reasoning or None, finish_reason=finish_reason,
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+        prompt_token_ids=prompt_token_ids, token_ids=token_ids, tool_calls=tool_calls or None,
+        reasoning_field=reasoning_field)
 
 
 @functools.cache
@@ -119,7 +248,7 @@ class Endpoint:
         self.spec = spec
         self.base_url = spec.base_url.rstrip("/")
         # Health lives at the server root (SGLang, vLLM, transformers serve all serve /health there).
-        self.root_url = self.base_url[:-3] if self.base_url.endswith("/v1") else self.base_url
+        self.root_url = self.base_url.removesuffix("/v1")
         self.max_connections = max_connections
         # One AsyncOpenAI client per endpoint on the SDK's aiohttp transport (the `openai[aiohttp]`
         # extra), its connection pool sized to the concurrency. The SDK's default httpx transport
@@ -138,29 +267,42 @@ class Endpoint:
         self._chat_url = f"{self.base_url}/chat/completions"
         # Health checks and probes get their own small pool: they must answer while every request
         # connection is busy (or stale after a server restart), and quickly.
+        # The key goes with them too: a keyed server answers 401 to /health and /v1/models without it.
         self.control_client = httpx2.AsyncClient(timeout=httpx2.Timeout(10.0, connect=connect_timeout_s),
-                                                 verify=tls_context())
+                                                 verify=tls_context(),
+                                                 headers={"Authorization": f"Bearer {spec.api_key}"})
         self.in_flight = 0
         self.healthy = True
         self.consecutive_failures = 0
+        self.paused_until = 0.0   # monotonic time before which a Retry-After asked us not to send
         self.capabilities: EndpointCapabilities | None = None
 
     @property
     def name(self) -> str:
-        return self.base_url
+        return self.spec.label
 
-    async def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float | None,
-                   top_p: float | None, extra_body: dict[str, Any] | None) -> ChatAnswer:
-        """One chat completion, no retries; raises TransientError or RequestRejected."""
+    def _auth_error(self, status: int, url: str, message: str) -> EndpointAuthError:
+        return EndpointAuthError(self.name, status, url, message, self.spec.api_key_env)
+
+    async def chat(self, messages: list[dict[str, Any]], max_tokens: int, temperature: float | None,
+                   top_p: float | None, extra_body: dict[str, Any] | None,
+                   tools: list[dict[str, Any]] | None = None) -> ChatAnswer:
+        """One chat completion, no retries; raises TransientError, RequestRejected or EndpointAuthError.
+
+        messages: OpenAI shape (assistant `tool_calls`, tool `tool_call_id` included); tools: the
+        record's tool definitions in OpenAI function format, sent as `tools`.
+        """
         assert self.capabilities is not None, "probe the endpoint before sending requests"
         body = dict(extra_body or {})
         if self.capabilities.accepts_token_ids:
             body["return_token_ids"] = True
+        if tools:
+            body["tools"] = tools
         data = await self._post_chat(self.capabilities.model, messages, max_tokens, temperature, top_p, body)
         return parse_chat_response(data)
 
-    async def _post_chat(self, model: str, messages: list[dict[str, str]], max_tokens: int,
-                         temperature: float | None, top_p: float | None, extra_body: dict[str, Any]) -> dict:
+    async def _post_chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int,
+                         temperature: float | None, top_p: float | None, extra_body: dict[str, Any]) -> Any:
         body: dict[str, Any] = {**extra_body, "model": model, "messages": messages, "max_tokens": max_tokens}
         if temperature is not None:
             body["temperature"] = temperature
@@ -182,29 +324,43 @@ class Endpoint:
         status = response.status_code
         if status >= 400:
             message = response.text[:2000]
-            if status in TRANSIENT_STATUS_CODES or status >= 500:
-                raise TransientError(f"http_{status}", message, status)
-            raise RequestRejected(status, message)
+            kind = classify_status(status)
+            if kind == "auth":
+                raise self._auth_error(status, self._chat_url, message)
+            if kind == "request":
+                raise RequestRejected(status, message)
+            retry_after = parse_retry_after(response.headers.get("retry-after")) \
+                if status in RETRY_AFTER_STATUS_CODES else None
+            raise TransientError(f"http_{status}", message, status, retry_after)
         try:
             return json.loads(response.content)
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise TransientError("bad_response", f"response is not JSON: {error}") from None
 
     async def list_models(self) -> list[str]:
-        response = await self.control_client.get(f"{self.base_url}/models", timeout=30.0)
+        """Model ids at /v1/models (with the key). Raises EndpointAuthError on 401/403."""
+        url = f"{self.base_url}/models"
+        response = await self.control_client.get(url, timeout=30.0)
+        if classify_status(response.status_code) == "auth" and response.status_code >= 400:
+            raise self._auth_error(response.status_code, url, response.text)
         response.raise_for_status()
-        return [model["id"] for model in response.json().get("data", [])]
+        try:
+            listed = response.json().get("data", [])
+            return [model["id"] for model in listed if isinstance(model, dict) and isinstance(model.get("id"), str)]
+        except (ValueError, AttributeError) as error:
+            raise TransientError("bad_response", f"{url} did not answer a model list: {error}") from None
 
     async def probe(self) -> EndpointCapabilities:
         """Ask once with `return_token_ids`; on a 4xx ask plainly. Sets and returns the capabilities.
 
-        Raises TransientError when the server cannot be reached (the caller retries later).
+        Raises TransientError when the server cannot be reached (the caller retries later) and
+        EndpointAuthError when it refuses the key.
         """
         try:
             model = self.spec.model or (await self.list_models())[0]
         except IndexError:
             raise RequestRejected(404, f"{self.base_url}/models lists no model; pass the model name") from None
-        except httpx2.HTTPError as error:
+        except (httpx2.HTTPError, OSError) as error:
             raise TransientError("connection", f"{type(error).__name__}: {error}") from None
         messages = [{"role": "user", "content": "Say OK."}]
         rejects_unknown_fields = False
@@ -216,9 +372,8 @@ class Endpoint:
             logger.info("%s rejected return_token_ids (HTTP %d); sending plain requests", self.name, error.status)
             rejects_unknown_fields = True
             data = await self._post_chat(model, messages, 1, 0.0, None, {})
-        choice = (data.get("choices") or [{}])[0]
-        message = choice.get("message") or {}
         answer = parse_chat_response(data)
+        message = data["choices"][0]["message"]  # validated by parse_chat_response
         self.capabilities = EndpointCapabilities(
             model=model, accepts_token_ids=answer.token_ids is not None,
             returns_prompt_token_ids=answer.prompt_token_ids is not None,
@@ -227,14 +382,25 @@ class Endpoint:
         return self.capabilities
 
     async def check_health(self) -> bool:
-        """True when the server answers /health with 2xx (or, lacking that route, lists its models)."""
+        """True when the server answers /health with 2xx (or, lacking that route, lists its models).
+
+        Raises EndpointAuthError when the server refuses the key (health can never pass then).
+        """
         try:
-            response = await self.control_client.get(f"{self.root_url}/health")
+            url = f"{self.root_url}/health"
+            response = await self.control_client.get(url)
             if response.status_code == 404:
-                response = await self.control_client.get(f"{self.base_url}/models")
+                url = f"{self.base_url}/models"
+                response = await self.control_client.get(url)
+            if response.status_code in AUTH_STATUS_CODES:
+                raise self._auth_error(response.status_code, url, response.text)
             return response.is_success
         except (httpx2.HTTPError, OSError):
             return False
+
+    def pause(self, seconds: float) -> None:
+        """Send nothing here for `seconds` (a Retry-After); the pool routes to other endpoints meanwhile."""
+        self.paused_until = max(self.paused_until, time.monotonic() + seconds)
 
     async def aclose(self) -> None:
         await self.client.close()
@@ -262,9 +428,16 @@ class EndpointPool:
         return sum(endpoint.in_flight for endpoint in self.endpoints)
 
     def _pick(self, limit: int) -> Endpoint | None:
+        now = time.monotonic()
         candidates = [endpoint for endpoint in self.endpoints
-                      if endpoint.healthy and endpoint.capabilities is not None and endpoint.in_flight < limit]
+                      if endpoint.healthy and endpoint.capabilities is not None and endpoint.in_flight < limit
+                      and endpoint.paused_until <= now]
         return min(candidates, key=lambda endpoint: endpoint.in_flight, default=None)
+
+    def _next_unpause(self) -> float | None:
+        now = time.monotonic()
+        pauses = [endpoint.paused_until for endpoint in self.endpoints if endpoint.paused_until > now]
+        return min(pauses) - now if pauses else None
 
     def notify(self) -> None:
         """Wake every waiter to re-check (a slot freed, health changed, or the run is stopping)."""
@@ -285,9 +458,17 @@ class EndpointPool:
             if endpoint is not None:
                 endpoint.in_flight += 1
                 return endpoint
-            waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
             self._waiters.append(waiter)
-            await waiter
+            # A paused endpoint frees up by the clock, not by an event: wake up when its pause ends.
+            wake = self._next_unpause()
+            timer = loop.call_later(wake + 0.001, self.notify) if wake is not None else None
+            try:
+                await waiter
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     def release(self, endpoint: Endpoint, transient_failure: bool) -> None:
         """Give the slot back; count a transient failure toward marking the endpoint unhealthy."""
@@ -313,7 +494,7 @@ class EndpointPool:
                     continue
                 try:
                     capabilities = await endpoint.probe()
-                    logger.info("%s: %s", endpoint.name, capabilities)
+                    logger.info("%s (%s): %s", endpoint.name, endpoint.base_url, capabilities)
                     endpoint.healthy = True
                 except TransientError as error:
                     errors[endpoint.name] = str(error)
@@ -340,6 +521,8 @@ class EndpointPool:
                         await endpoint.probe()
                 except (TransientError, RequestRejected):
                     continue
+                except EndpointAuthError:
+                    raise  # the run stops: the engine watches this task
                 except Exception:  # a bug here must not silently stop recovery for the rest of a 2-day run
                     logger.exception("health check of %s failed unexpectedly; trying again", endpoint.name)
                     continue
