@@ -32,8 +32,8 @@ from eaglekit.training import (
 )
 from test_draft import samples_from_target, target_head, tiny_draft, tiny_target
 
-FAST = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=2, max_steps=6, micro_batch_size=2,
-                     grad_accumulation_steps=2, eval_interval=2, max_length=64)
+FAST = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=2, schedule="equal_steps", max_steps=6,
+                     micro_batch_size=2, grad_accumulation_steps=2, eval_interval=2, max_length=64)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -225,6 +225,100 @@ def test_size_sweep_trains_one_draft_per_size(world, tmp_path):
     assert sum(rows[0]["samples_by_dataset"].values()) == 4 and set(rows[1]["samples_by_dataset"]) == {"alpha", "beta"}
     assert all(math.isfinite(row["best_accept_length"]) and row["heldout_size"] == 4 for row in rows)
     assert (tmp_path / "size-0000004" / "best.pt").exists() and (tmp_path / "size-0000008" / "metrics.jsonl").exists()
+    # equal_steps: both sizes take 2 steps of 2 samples, so the smaller one sees its data twice as often.
+    assert [(row["steps"], row["samples_seen"], row["epochs"]) for row in rows] == [(2, 4, 1.0), (2, 4, 0.5)]
+    assert all(row["schedule"] == "equal_steps" and row["stopped"] == "step_cap" and not row["converged"] for row in rows)
+    assert all(row["recent_evaluations"] == 1 and row["recent_window_steps"] == [2, 2] for row in rows)
+
+
+def test_until_converged_stops_on_patience_and_resume_keeps_the_decision(world, tmp_path):
+    """A draft that cannot improve (learning rate ~0) stops after `patience` evaluations; one that is
+    still improving at the cap is reported as not converged."""
+    target, train, heldout = world
+    head = target.lm_head.weight.detach()
+    flat = dataclass_replace(FAST, schedule="until_converged", learning_rate=1e-12, min_learning_rate=1e-12, max_steps=40, patience=2)
+    result = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "flat", flat)
+    assert result.stopped == "converged" and result.converged and result.steps == 4 and result.step_cap == 40
+    assert [r["step"] for r in read_metrics(result.metrics_path) if r["split"] == "heldout"] == [0, 2, 4]
+    assert result.improved_step == 0 and result.best_step == 0
+    again = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "flat", flat)  # resume: nothing left to do
+    assert (again.steps, again.stopped) == (4, "converged")
+    assert len(read_metrics(result.metrics_path)) == 4 + 3
+
+    capped = dataclass_replace(FAST, schedule="until_converged", learning_rate=3e-2, max_steps=4, patience=50)
+    result = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "capped", capped)
+    assert (result.steps, result.stopped, result.converged) == (4, "step_cap", False)
+
+
+def test_patience_counts_from_the_last_real_improvement():
+    from eaglekit.training import _should_stop
+
+    settings = dataclass_replace(FAST, schedule="until_converged", patience=3, eval_interval=10, max_steps=1000)
+    assert _should_stop({"step": 29, "improved_step": 0}, settings, 1000) is None
+    assert _should_stop({"step": 30, "improved_step": 0}, settings, 1000) == "converged"
+    assert _should_stop({"step": 1000, "improved_step": 990}, settings, 1000) == "step_cap"
+    assert _should_stop({"step": 1000, "improved_step": 990}, dataclass_replace(settings, schedule="equal_steps"), 1000) == "step_cap"
+    assert _should_stop({"step": 500, "improved_step": 0}, dataclass_replace(settings, schedule="equal_steps"), 1000) is None
+
+
+def test_schedule_settings_are_checked():
+    with pytest.raises(ValueError, match="num_epochs is set exactly when"):
+        TrainSettings(schedule="equal_epochs")
+    with pytest.raises(ValueError, match="num_epochs is set exactly when"):
+        TrainSettings(num_epochs=2.0)
+    with pytest.raises(ValueError, match="use one of"):
+        TrainSettings(schedule="forever")
+    epochs = TrainSettings(schedule="equal_epochs", num_epochs=2.0, micro_batch_size=2, grad_accumulation_steps=2)
+    assert epochs.resolved_max_steps(10, 1) == 5 and epochs.resolved_max_steps(10, 2) == 3
+    assert TrainSettings(max_steps=77).resolved_max_steps(10, 1) == 77
+
+
+def test_recent_gain_reads_the_last_evaluations(tmp_path):
+    from eaglekit.training import recent_gain
+
+    path = tmp_path / "metrics.jsonl"
+    taus = [1.0, 1.2, 1.25, 1.24, 1.30, 1.31]
+    path.write_text("".join(json.dumps({"split": "heldout", "step": 10 * i, "simulated_accept_length": t}) + "\n" for i, t in enumerate(taus)))
+    gain = recent_gain(path, 2)
+    assert gain["recent_gain"] == pytest.approx(1.31 - 1.25) and gain["recent_window_steps"] == [40, 50]
+    assert recent_gain(path, 10)["recent_gain"] == pytest.approx(0.31)  # the window never swallows the first evaluation
+
+
+def test_checkpoints_load_weights_only_and_a_pickled_callable_is_refused(world, tmp_path):
+    import pathlib
+
+    from eaglekit.training import load_checkpoint
+
+    target, train, heldout = world
+    result = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "run",
+                         dataclass_replace(FAST, max_steps=2))
+    for path in (result.last_checkpoint, result.best_checkpoint):
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # plain torch, the strict loader
+        assert checkpoint["progress"]["step"] in (0, 2) and "rng" in checkpoint
+
+    marker = tmp_path / "code-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (pathlib.Path.touch, (marker,))
+
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": {}, "progress": {"step": 0}, "payload": Payload()}, evil)
+    with pytest.raises(ValueError, match="evil.pt: refused to load"):
+        load_checkpoint(evil)
+    assert not marker.exists()
+
+
+def test_progress_lines_reach_the_eaglekit_logger(world, tmp_path, caplog):
+    target, train, heldout = world
+    caplog.set_level("INFO", logger="eaglekit")
+    train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "size-0000010",
+                dataclass_replace(FAST, max_steps=3, eval_interval=3, log_interval_s=0.0))
+    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.training"]
+    steps = [line for line in lines if "tok/s" in line]
+    assert len(steps) == 3 and steps[0].startswith("training size-0000010: step 1/3, loss ")
+    assert all("ETA" in line and "held-out tau" in line for line in steps)
+    assert sum("held-out tau" in line and "best" in line and "tok/s" not in line for line in lines) == 2  # steps 0 and 3
 
 
 def test_ablation_samples_avoid_the_heldout_prompts():

@@ -15,9 +15,21 @@ Step i's summed cross-entropy is divided by the number of counted rows of step i
 optimizer step (all micro-batches, all ranks), so accumulation and DDP give the same gradient as one
 big batch; steps are weighted 0.8^i.
 
+How long each draft trains (`TrainSettings.schedule`) decides what a data-size sweep measures:
+- "until_converged" (default): train until held-out tau has not improved by `min_improvement` for
+  `patience` evaluations, with `max_steps` as a cap; the best checkpoint by held-out tau is kept. A
+  draft stopped by the cap was still improving and its tau is a lower bound (`converged` False).
+- "equal_steps": every size trains `max_steps` steps (larger sizes see each sample fewer times).
+- "equal_epochs": every size trains `num_epochs` passes, so larger sizes also get more steps: the
+  curve then mixes data with compute.
+
 Scheduler state is the step number: the learning rate is recomputed from it, so checkpoints carry
-model, optimizer, step, data position (samples seen) and RNG states, and a resumed run continues the
-same loss curve.
+model, optimizer, step, data position (samples seen), the stopping state and RNG states, and a resumed
+run continues the same loss curve. Checkpoints hold tensors and plain Python values only, so they load
+with `torch.load(weights_only=True)`: a checkpoint file cannot run code.
+
+Progress lines (step/total, loss, tokens/s, held-out tau, ETA) go to the `eaglekit.training` logger
+every `log_interval_s`.
 """
 
 from __future__ import annotations
@@ -25,8 +37,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
+import pickle
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +61,9 @@ from eaglekit.io import AppendLog, atomic_write, read_jsonl
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
 METRICS_FILE = "metrics.jsonl"
+SCHEDULES = ("until_converged", "equal_steps", "equal_epochs")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,8 +75,11 @@ class TrainSettings:
     learning_rate: float = 1e-4
     min_learning_rate: float = 1e-5  # cosine floor
     warmup_steps: int = 50
-    max_steps: int = 1000  # optimizer steps; the cosine decays over all of them
-    num_epochs: float | None = None  # when set, max_steps = ceil(num_epochs * samples / global batch)
+    schedule: str = "until_converged"  # "until_converged", "equal_steps" or "equal_epochs" (module docstring)
+    max_steps: int = 1000  # equal_steps: the steps; until_converged: the cap. The cosine decays over it
+    num_epochs: float | None = None  # equal_epochs: steps = ceil(num_epochs * samples / global batch)
+    patience: int = 3  # until_converged: stop after this many evaluations without improvement
+    min_improvement: float = 0.0  # until_converged: an improvement beats the last one's tau by more than this
     micro_batch_size: int = 1
     grad_accumulation_steps: int = 8
     grad_clip: float = 0.5
@@ -73,9 +93,36 @@ class TrainSettings:
     device: str = "cpu"
     parallel: str = "none"  # "none", "ddp" (torchrun; gloo on CPU, nccl on GPU) or "fsdp" (GPU)
     stop_at_step: int | None = None  # stop early after this step's checkpoint (interruptions, tests)
+    log_interval_s: float = 60.0  # seconds between progress lines on the `eaglekit.training` logger
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}")
+        if (self.schedule == "equal_epochs") != (self.num_epochs is not None):
+            raise ValueError(f"num_epochs={self.num_epochs!r} with schedule={self.schedule!r}: num_epochs is set exactly "
+                             "when schedule is 'equal_epochs'")
+        if self.patience < 1:
+            raise ValueError(f"patience must be >= 1 evaluation, got {self.patience}")
+
+    @classmethod
+    def from_params(cls, params: Any) -> "TrainSettings":
+        """Settings of a run's drafts from validated `Params` (training section; analysis.chain_steps for
+        the held-out chain; run.seed), so notebooks never copy fields by hand."""
+        training = params.training
+        return cls(
+            ttt_steps=training.ttt_steps, step_weight=training.step_weight, learning_rate=training.learning_rate,
+            min_learning_rate=training.min_learning_rate, warmup_steps=training.warmup_steps, schedule=training.schedule,
+            max_steps=training.max_steps, num_epochs=training.num_epochs, patience=training.patience,
+            min_improvement=training.min_improvement, micro_batch_size=training.micro_batch_size,
+            grad_accumulation_steps=training.grad_accumulation_steps, grad_clip=training.grad_clip,
+            weight_decay=training.weight_decay, max_length=training.max_length, eval_interval=training.eval_interval,
+            eval_chain_steps=params.analysis.chain_steps, seed=params.run.seed, device=training.device,
+            parallel=training.parallel, log_interval_s=training.log_interval_s,
+        )
 
     def resolved_max_steps(self, num_samples: int, world_size: int) -> int:
-        if self.num_epochs is None:
+        """Total steps (equal_steps, equal_epochs) or the step cap (until_converged)."""
+        if self.schedule != "equal_epochs":
             return self.max_steps
         global_batch = self.micro_batch_size * self.grad_accumulation_steps * world_size
         return max(1, math.ceil(self.num_epochs * num_samples / global_batch))
@@ -441,7 +488,15 @@ def _full_state_dicts(model: Eagle3DraftModel, optimizer: torch.optim.Optimizer,
 # checkpoints
 # ---------------------------------------------------------------------------------------------------
 def _rng_state() -> dict[str, Any]:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """RNG states as tensors and plain values only (numpy's key array becomes a tensor), so the
+    checkpoint loads with weights_only=True."""
+    algorithm, keys, position, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),  # (version, tuple of ints, None or float)
+        "numpy": {"algorithm": str(algorithm), "keys": torch.from_numpy(keys.astype(np.int64)), "position": int(position),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -450,7 +505,9 @@ def _rng_state() -> dict[str, Any]:
 def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["algorithm"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["position"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -470,8 +527,15 @@ def save_checkpoint(path: Path, model_state: dict, optimizer_state: dict, progre
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    # Our own files: they carry RNG states (numpy tuples), hence weights_only=False.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """A training checkpoint, read with weights_only=True: tensors and plain values, never code.
+
+    A file that needs anything else to unpickle (a class, a callable) is refused with the file named.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ValueError(f"{path}: refused to load: it holds more than tensors and plain values, so loading it could run "
+                         f"code ({str(error).splitlines()[0]}). Only load checkpoints this kit wrote; retrain or re-save it.") from None
 
 
 def load_draft_weights(model: Eagle3DraftModel, checkpoint: dict[str, Any]) -> None:
@@ -483,7 +547,7 @@ def load_draft_weights(model: Eagle3DraftModel, checkpoint: dict[str, Any]) -> N
 
 
 # Settings that may change between an interrupted run and its resumption.
-_RESUMABLE_DIFFERENCES = {"stop_at_step", "device"}
+_RESUMABLE_DIFFERENCES = {"stop_at_step", "device", "log_interval_s"}
 
 
 def _check_resumable(saved: dict, settings: TrainSettings, path: Path) -> None:
@@ -515,6 +579,31 @@ class TrainResult:
     best_checkpoint: Path
     last_checkpoint: Path
     metrics_path: Path
+    samples_seen: int = 0
+    step_cap: int = 0  # total steps (equal_*) or the cap (until_converged)
+    stopped: str | None = None  # "converged" (patience ran out), "step_cap", or None (stop_at_step: resumable)
+    improved_step: int = 0  # the last evaluation whose tau beat the previous best by min_improvement
+
+    @property
+    def converged(self) -> bool:
+        """Held-out tau had stopped improving when training ended (never true for a capped run)."""
+        return self.stopped == "converged"
+
+
+def _should_stop(progress: dict, settings: TrainSettings, total_steps: int) -> str | None:
+    """After an evaluation: "converged" when `patience` evaluations passed without an improvement,
+    "step_cap" at the last step, else None. Pure (a function of the saved progress), so resume agrees."""
+    if settings.schedule == "until_converged" and progress["step"] - progress["improved_step"] >= settings.patience * settings.eval_interval:
+        return "converged"
+    if progress["step"] >= total_steps:
+        return "step_cap"
+    return None
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def train_draft(
@@ -554,7 +643,10 @@ def train_draft(
     trainable = [parameter for parameter in wrapped.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, betas=(settings.beta1, settings.beta2), weight_decay=settings.weight_decay)
 
-    progress = {"step": 0, "samples_seen": 0, "best_accept_length": -math.inf, "best_step": -1}
+    # improved_step / reference_accept_length: the last evaluation that beat the previous reference by
+    # min_improvement (patience counts from it); best_*: the plain maximum (the kept checkpoint).
+    progress = {"step": 0, "samples_seen": 0, "best_accept_length": -math.inf, "best_step": -1,
+                "improved_step": 0, "reference_accept_length": -math.inf, "stopped": None}
     resumed = resume and last_path.exists()
     if last_path.exists() and not resume:
         raise FileExistsError(f"{last_path} exists: pass resume=True to continue that run, or choose a new output_dir")
@@ -570,7 +662,7 @@ def train_draft(
         else:
             load_draft_weights(model, checkpoint)
             optimizer.load_state_dict(checkpoint["optimizer"])
-        progress = checkpoint["progress"]
+        progress = {**progress, **checkpoint["progress"]}
         _set_rng_state(checkpoint["rng"])
         if distributed.is_main:
             _truncate_metrics(metrics_path, progress["step"])
@@ -580,12 +672,20 @@ def train_draft(
         # Every rank evaluates (FSDP's forward is collective); rank 0 logs and writes.
         agreements = per_position_agreement(model, target_lm_head, heldout_samples, chain_steps, settings.max_length, settings.micro_batch_size, device)
         heldout = simulated_accept_length(agreements, chain_steps)
-        if heldout["simulated_accept_length"] > progress["best_accept_length"]:
-            progress["best_accept_length"], progress["best_step"] = heldout["simulated_accept_length"], progress["step"]
+        tau = heldout["simulated_accept_length"]
+        if tau > progress["best_accept_length"]:
+            progress["best_accept_length"], progress["best_step"] = tau, progress["step"]
+        if tau > progress["reference_accept_length"] + settings.min_improvement or progress["step"] == 0:
+            progress["reference_accept_length"], progress["improved_step"] = tau, progress["step"]
+        progress["stopped"] = _should_stop(progress, settings, total_steps)
         if distributed.is_main:
             log.append({"split": "heldout", "step": progress["step"], "samples_seen": progress["samples_seen"], **heldout,
-                        "best_accept_length": progress["best_accept_length"]})
+                        "best_accept_length": progress["best_accept_length"], "improved_step": progress["improved_step"],
+                        "stopped": progress["stopped"]})
             log.flush()
+            logger.info("%s: step %d/%d held-out tau %.4f (best %.4f at step %d, last improvement at step %d)%s",
+                        label, progress["step"], total_steps, tau, progress["best_accept_length"], progress["best_step"],
+                        progress["improved_step"], f": stopped, {progress['stopped']}" if progress["stopped"] else "")
         model_state, optimizer_state = _full_state_dicts(model, optimizer, settings.parallel)
         if distributed.is_main:
             if progress["best_step"] == progress["step"]:
@@ -594,10 +694,12 @@ def train_draft(
         if settings.parallel != "none":
             dist.barrier()
 
+    label = f"training {output_dir.name}"
     if not resumed:
         evaluate_and_checkpoint()  # the curve starts at the initialized draft
-    started = time.perf_counter()
-    while progress["step"] < total_steps:
+    started = last_logged = time.perf_counter()
+    first_step, tokens_seen = progress["step"], 0
+    while progress["stopped"] is None and progress["step"] < total_steps:
         step = progress["step"]
         learning_rate = learning_rate_at(step, settings.learning_rate, settings.min_learning_rate, settings.warmup_steps, total_steps)
         for group in optimizer.param_groups:
@@ -616,6 +718,7 @@ def train_draft(
         if settings.parallel != "none":
             dist.all_reduce(counts)
 
+        tokens_seen += sum(int(batch.lengths.sum()) for batch in micro_batches) * distributed.world_size
         stats = torch.zeros(settings.ttt_steps, 4, dtype=torch.float64)
         loss_total = 0.0
         for micro, (batch, rows) in enumerate(zip(micro_batches, eligible)):
@@ -648,13 +751,26 @@ def train_draft(
                 "counted_rows_by_position": [int(s[1]) for s in stats],
                 "seconds": time.perf_counter() - started,
             })
+        now = time.perf_counter()
+        if distributed.is_main and (now - last_logged >= settings.log_interval_s or progress["step"] == total_steps):
+            # Rates over the whole run so far (this process), not the last interval: a stall shows.
+            elapsed = now - started
+            steps_done = progress["step"] - first_step
+            remaining = (total_steps - progress["step"]) * elapsed / max(1, steps_done)
+            logger.info("%s: step %d/%d, loss %.4f, %.0f tok/s, %.2f steps/s, held-out tau %.4f (best), ETA %s%s",
+                        label, progress["step"], total_steps, loss_total, tokens_seen / max(elapsed, 1e-9),
+                        steps_done / max(elapsed, 1e-9), progress["best_accept_length"], _duration(remaining),
+                        " at most (stops earlier once converged)" if settings.schedule == "until_converged" else "")
+            last_logged = now
         if progress["step"] % settings.eval_interval == 0 or progress["step"] == total_steps:
             evaluate_and_checkpoint()
             if settings.stop_at_step is not None and progress["step"] >= settings.stop_at_step:
                 break
     if log is not None:
         log.close()
-    return TrainResult(output_dir, progress["step"], progress["best_step"], progress["best_accept_length"], best_path, last_path, metrics_path)
+    return TrainResult(output_dir, progress["step"], progress["best_step"], progress["best_accept_length"], best_path, last_path,
+                       metrics_path, samples_seen=progress["samples_seen"], step_cap=total_steps, stopped=progress["stopped"],
+                       improved_step=progress["improved_step"])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -674,8 +790,10 @@ def train_size_sweep(
     """One draft per data size on nested, dataset-stratified subsets, all scored on one held-out set.
 
     build_model() returns a fresh draft (same init each call). Each size trains into
-    output_dir/size-<n>/ and resumes there. Returns one row per size: size, per-dataset counts, steps,
-    best step, best held-out simulated accept length, checkpoint paths, held-out (dataset, id) pairs.
+    output_dir/size-<n>/ and resumes there. Returns one row per size: size, per-dataset counts, the
+    schedule, steps used and the step cap, samples seen (and epochs), best step, best held-out simulated
+    accept length, whether it converged and why it stopped, the last improvement (`recent_gain`: held-out
+    tau gained over the last `patience` evaluations), checkpoint and metrics paths, held-out size.
     `datasets` (one name per sample) spares reading every sample just for its dataset name.
     """
     output_dir = Path(output_dir)
@@ -694,11 +812,30 @@ def train_size_sweep(
         for index in indices:
             per_dataset[datasets[index]] = per_dataset.get(datasets[index], 0) + 1
         rows.append({
-            "size": size, "samples_by_dataset": per_dataset, "steps": result.steps, "best_step": result.best_step,
-            "best_accept_length": result.best_accept_length, "best_checkpoint": str(result.best_checkpoint),
-            "metrics_path": str(result.metrics_path), "heldout_size": len(heldout_indices),
+            "size": size, "samples_by_dataset": per_dataset, "schedule": settings.schedule, "steps": result.steps,
+            "step_cap": result.step_cap, "samples_seen": result.samples_seen, "epochs": result.samples_seen / size,
+            "best_step": result.best_step, "best_accept_length": result.best_accept_length,
+            "converged": result.converged, "stopped": result.stopped, "improved_step": result.improved_step,
+            **recent_gain(result.metrics_path, settings.patience),
+            "best_checkpoint": str(result.best_checkpoint), "metrics_path": str(result.metrics_path), "heldout_size": len(heldout_indices),
         })
     return rows
+
+
+def recent_gain(metrics_path: str | Path, evaluations: int) -> dict[str, Any]:
+    """How much the best held-out tau rose over the last `evaluations` evaluations of a run.
+
+    {"recent_gain": best tau overall - best tau before the window (0.0 when the window holds no new best),
+     "recent_window_steps": [first, last] step of the window, "recent_evaluations": evaluations in it}.
+    A draft still gaining at the end of its training has a tau that is a lower bound on what its data gives.
+    """
+    heldout = [(record["step"], record["simulated_accept_length"]) for record in iterate_metrics(metrics_path, "heldout")]
+    if len(heldout) < 2:
+        return {"recent_gain": None, "recent_window_steps": None, "recent_evaluations": 0}
+    window = heldout[-min(evaluations, len(heldout) - 1):]
+    before = max(tau for _, tau in heldout[: len(heldout) - len(window)])
+    best = max(tau for _, tau in heldout)
+    return {"recent_gain": best - before, "recent_window_steps": [window[0][0], window[-1][0]], "recent_evaluations": len(window)}
 
 
 def iterate_metrics(path: str | Path, split: str) -> Iterator[dict]:
