@@ -178,3 +178,87 @@ def test_tau_inf_respects_the_topology_ceiling():
     assert fit.tau_inf <= 3.0 + 1e-9
     assert (fit.replicates[:, 0] <= 3.0 + 1e-9).all()
     assert math.isfinite(fit.scale)
+
+
+# ----------------------------------------------------------------------------- slope and identification
+from eaglekit.scaling import ceiling_identification, leave_one_size_out_error, local_slope, scaling_answer  # noqa: E402
+
+
+def _paired_replicates(truth: np.ndarray, rng: np.random.Generator, resamples: int = 300, shared: float = 0.01, own: float = 0.01) -> np.ndarray:
+    """(R, n) replicates around the true curve: a shift common to all sizes (the same resampled held-out
+    samples score every draft) plus noise of each size's own."""
+    return truth[None, :] + rng.normal(0, shared, (resamples, 1)) + rng.normal(0, own, (resamples, len(truth)))
+
+
+def test_local_slope_recovers_a_known_slope_per_doubling_and_counts_doublings():
+    rng = np.random.default_rng(5)
+    sizes = np.array([20, 40, 80, 160, 320.0])
+    truth = 1.1 + 0.06 * np.log2(sizes / 20)
+    slope = local_slope(sizes, truth, _paired_replicates(truth, rng), lower_bound_sizes=[320.0])
+    assert slope.slope == pytest.approx(0.06) and slope.last_segment == pytest.approx(0.06)
+    assert slope.slope_low < 0.06 < slope.slope_high and slope.positive_fraction == 1.0
+    assert slope.doublings_measured == pytest.approx(4.0)
+    point, low, high = slope.doublings_to(1.1 + 0.06 * 4 + 0.3)  # 0.3 above the largest: 5 doublings
+    assert point == pytest.approx(5.0) and low < 5.0 < high
+    text = slope.doublings_statement(1.64, "break-even")
+    assert "5.0 more doublings" in text and "32x the largest" in text and "lower bound on the data needed" in text
+    assert "320 samples were still improving" in slope.statement()
+    assert slope.doublings_to(1.0) == (0.0, 0.0, 0.0)
+    flat = local_slope(sizes, np.full(5, 1.2), _paired_replicates(np.full(5, 1.2), rng))
+    assert flat.slope == pytest.approx(0.0, abs=1e-12) and flat.doublings_to(2.0)[0] == math.inf
+    assert "not shown to get there" in flat.doublings_statement(2.0)
+    with pytest.raises(ValueError, match=r"\(R, 5\)"):
+        local_slope(sizes, truth, np.ones((10, 3)))
+
+
+def test_a_saturating_curve_that_reaches_its_plateau_is_identified_and_recovered():
+    rng = np.random.default_rng(0)
+    sizes = np.array([100, 200, 400, 800, 1600, 3200, 6400, 12800.0])
+    true = (2.6, 1.2 * 100**0.6, 0.6)
+    truth = saturating_accept_length(sizes, *true)
+    observed = truth + rng.normal(0, 0.005, len(sizes))
+    result = ceiling_identification(sizes, observed, _paired_replicates(truth, rng), max_accept_length=4.0)
+    assert result.identified, result.reasons
+    assert result.chosen_model == "saturating" and result.loo_error["saturating"] < result.loo_error["log-linear"]
+    assert result.fit.tau_inf == pytest.approx(2.6, abs=0.05) and result.fit.exponent == pytest.approx(0.6, abs=0.15)
+    low, high = result.fit.ceiling_interval()
+    assert low < 2.6 < high and high < 4.0
+    assert "The ceiling is identified: tau_inf = 2.6" in result.statement()
+
+
+def test_three_sizes_and_a_three_parameter_curve_are_not_identified():
+    """The issue's 60 / 240 / 960 case: the curve passes exactly through the points."""
+    rng = np.random.default_rng(1)
+    sizes = np.array([60, 240, 960.0])
+    truth = np.array([1.34, 1.46, 1.54])
+    answer = scaling_answer(sizes, truth, _paired_replicates(truth, rng), 4.0, targets=[("break-even", 2.07)])
+    assert not answer["ceiling"]["identified"]
+    assert "3 data sizes for a 3-parameter curve" in answer["ceiling"]["statement"]
+    assert "No ceiling and no data-size forecast" in answer["ceiling"]["statement"]
+    assert answer["ceiling"]["loo_rmse"] == {"log-linear": None, "saturating": None}
+    # Data needed only as doublings at the measured slope: (2.07 - 1.54) / 0.05 = 10.6.
+    needed = answer["doublings_needed"][0]
+    assert needed["doublings"] == pytest.approx((2.07 - 1.54) / 0.05, rel=1e-6)
+    assert "more doublings of data at the measured slope" in needed["statement"]
+    assert "samples to" not in " ".join(answer["statements"])  # no point estimate of a data size anywhere
+
+
+def test_a_curve_far_from_its_ceiling_is_not_identified():
+    """True tau_inf 3.9 with exponent 0.05: over 20-640 samples the curve is a straight line in log N,
+    and the bootstrap refits run to the chain's bound."""
+    rng = np.random.default_rng(2)
+    sizes = np.array([20, 40, 80, 160, 320, 640.0])
+    truth = saturating_accept_length(sizes, 3.9, 3.0, 0.05)
+    result = ceiling_identification(sizes, truth + rng.normal(0, 0.005, len(sizes)), _paired_replicates(truth, rng), max_accept_length=4.0)
+    assert not result.identified
+    assert any("at the bound 4" in reason for reason in result.reasons)
+    assert "not identified" in result.statement()
+
+
+def test_four_sizes_cannot_test_the_curve_on_a_left_out_size():
+    sizes = np.array([1e3, 1e4, 1e5, 1e6])
+    truth = saturating_accept_length(sizes, 2.5, 30.0, 0.5)
+    result = ceiling_identification(sizes, truth, _paired_replicates(truth, np.random.default_rng(3)), max_accept_length=4.0)
+    assert not result.identified and any("cannot be tested on a left-out size" in reason for reason in result.reasons)
+    assert leave_one_size_out_error(sizes, truth, "saturating") is None
+    assert leave_one_size_out_error(sizes, truth, "log-linear") > 0

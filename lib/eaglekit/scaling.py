@@ -20,7 +20,18 @@ speculative run share hardware, batch size, prompts and output lengths, and T_ta
 baseline's time per token. Splitting the overhead into verify and draft parts needs one more
 assumption (T_verify ~ T_target, true when verification is memory-bound) and the draft length g.
 
-Scaling: tau(N) = tau_inf - b * N^(-c) fitted with scipy's curve_fit under bounds (1 <= tau_inf <=
+Scaling, in the order a careful reader should trust it:
+1. The local slope (`local_slope`): tau gained per doubling of training data over the measured range
+   (least squares of tau on log2 N), with a paired-bootstrap interval. It needs no model of what happens
+   beyond the data. "Data needed" is given from it only as "k more doublings at the measured slope".
+2. A model of the curve (`compare_models`), chosen by leave-one-size-out prediction error, not by
+   taste: the log-linear line (2 parameters, no ceiling) or the saturating power law below (3). The
+   ceiling tau_inf is reported only when it is identified (`ceiling_identification`): more sizes than
+   parameters, bootstrap refits that do not pile up at a bound, and the saturating model predicting
+   held-out sizes better than the line. Otherwise the summary says, in plain words, that the measured
+   range cannot pin the ceiling.
+
+The saturating model: tau(N) = tau_inf - b * N^(-c) fitted with scipy's curve_fit under bounds (1 <= tau_inf <=
 the topology's ceiling, b >= 0, 0 < c <= 5), internally on N / N_min so b is on the scale of the gap
 at the smallest size. Uncertainty is a bootstrap, one of two kinds, recorded in the result:
 - "per-sample" (preferred): the caller passes, per data size, bootstrap replicates of tau obtained
@@ -402,6 +413,304 @@ def scaling_summary(fit: ScalingFit, needed: Sequence[DataNeeded], break_even: B
         "fit": fit.to_dict(),
         "data_needed": [item.to_dict() for item in needed],
         "break_even": None if break_even is None else break_even.to_dict(),
+    }
+
+
+# ----------------------------------------------------------------------------- local slope
+
+
+def _slope_per_doubling(log2_sizes: np.ndarray, accept_lengths: np.ndarray) -> np.ndarray:
+    """Least-squares slope of tau on log2 N; accept_lengths (..., n) -> (...,)."""
+    centered = log2_sizes - log2_sizes.mean()
+    return (accept_lengths - accept_lengths.mean(axis=-1, keepdims=True)) @ centered / float(centered @ centered)
+
+
+@dataclass(frozen=True)
+class LocalSlope:
+    """Held-out tau gained per doubling of training data over the measured sizes, with a paired bootstrap.
+
+    slope: least squares of tau on log2 N over all sizes; last_segment: the same between the two largest
+    sizes (where the curve is now). Intervals are percentiles over bootstrap replicates of the held-out set,
+    paired across sizes (every draft scored on the same resampled samples).
+    """
+
+    slope: float
+    slope_low: float
+    slope_high: float
+    positive_fraction: float  # share of replicates with a positive slope
+    last_segment: float
+    last_segment_low: float
+    last_segment_high: float
+    data_sizes: np.ndarray  # (n,) ascending
+    accept_lengths: np.ndarray  # (n,)
+    replicate_slopes: np.ndarray  # (R,)
+    lower_bound_sizes: tuple[float, ...]  # sizes whose draft was still improving: tau is a lower bound
+    confidence: float
+
+    @property
+    def doublings_measured(self) -> float:
+        return float(math.log2(self.data_sizes[-1] / self.data_sizes[0]))
+
+    def doublings_to(self, target_accept_length: float) -> tuple[float, float, float]:
+        """More doublings beyond the largest size to reach the target at the measured slope:
+        (point, low, high); inf where the slope is not positive. 0 when already reached."""
+        gap = target_accept_length - float(self.accept_lengths[-1])
+        if gap <= 0:
+            return 0.0, 0.0, 0.0
+
+        def doublings(slope: np.ndarray) -> np.ndarray:
+            with np.errstate(divide="ignore"):
+                return np.where(slope > 0, gap / np.where(slope > 0, slope, 1.0), np.inf)
+
+        tail = (1.0 - self.confidence) / 2.0 * 100.0
+        low, high = np.percentile(doublings(self.replicate_slopes), [tail, 100.0 - tail], method="nearest")
+        return float(doublings(np.array(self.slope))), float(low), float(high)
+
+    def statement(self) -> str:
+        percent = f"{self.confidence:.0%}"
+        text = (
+            f"Over the measured range ({self.data_sizes[0]:g} to {self.data_sizes[-1]:g} training samples, "
+            f"{self.doublings_measured:.1f} doublings), held-out tau rose {self.slope:+.3f} per doubling of data "
+            f"({percent} paired-bootstrap interval {self.slope_low:+.3f} to {self.slope_high:+.3f}; positive in "
+            f"{self.positive_fraction:.0%} of resamples); between the two largest sizes {self.last_segment:+.3f} per doubling "
+            f"({self.last_segment_low:+.3f} to {self.last_segment_high:+.3f})."
+        )
+        if self.lower_bound_sizes:
+            sizes = ", ".join(f"{size:g}" for size in self.lower_bound_sizes)
+            text += (f" The drafts at {sizes} samples were still improving when training stopped, so their tau is a lower "
+                     "bound and the slope may be off (raise training.max_steps to let them converge).")
+        return text
+
+    def doublings_statement(self, target_accept_length: float, label: str = "target") -> str:
+        point, low, high = self.doublings_to(target_accept_length)
+        largest = float(self.accept_lengths[-1])
+        if point == 0.0:
+            return f"The largest draft already reaches the {label} accept length {target_accept_length:.3g} (tau {largest:.3g})."
+        if not math.isfinite(point):
+            return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g}: the measured slope is not "
+                    "positive, so more data of this kind is not shown to get there.")
+        upper = "never, within the interval (the slope's interval reaches zero)" if not math.isfinite(high) else f"{high:.1f}"
+        return (
+            f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take {point:.1f} more doublings of "
+            f"data at the measured slope ({self.confidence:.0%} interval {low:.1f} to {upper}), i.e. about {2.0 ** point:.3g}x the largest "
+            f"size, if the slope held. Returns per doubling usually shrink as data grows, so read this as a lower bound on the data "
+            "needed, not a forecast."
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "slope_per_doubling": self.slope, "slope_low": self.slope_low, "slope_high": self.slope_high,
+            "positive_fraction": self.positive_fraction, "last_segment_per_doubling": self.last_segment,
+            "last_segment_low": self.last_segment_low, "last_segment_high": self.last_segment_high,
+            "doublings_measured": self.doublings_measured, "data_sizes": self.data_sizes.tolist(),
+            "accept_lengths": self.accept_lengths.tolist(), "lower_bound_sizes": list(self.lower_bound_sizes),
+            "bootstrap_replicates": int(len(self.replicate_slopes)), "confidence": self.confidence,
+            "statement": self.statement(),
+        }
+
+
+def local_slope(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray,
+    confidence: float = 0.95,
+    lower_bound_sizes: Sequence[float] = (),
+) -> LocalSlope:
+    """tau gained per doubling of data, over the measured sizes, with a paired-bootstrap interval.
+
+    data_sizes, accept_lengths: (n,) n >= 2 distinct sizes. replicate_accept_lengths: (R, n) bootstrap
+    replicates of each point, paired across sizes (acceptance.sweep_acceptance's pooled_replicates).
+    lower_bound_sizes: sizes whose draft had not converged (their tau is a lower bound), named in the statement.
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    replicates = np.asarray(replicate_accept_lengths, dtype=np.float64)
+    if sizes.ndim != 1 or sizes.shape != taus.shape:
+        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
+    if len(np.unique(sizes)) != len(sizes) or len(sizes) < 2 or (sizes <= 0).any():
+        raise ValueError(f"a slope needs at least 2 distinct positive data sizes, got {sizes.tolist()}")
+    if replicates.ndim != 2 or replicates.shape[1] != len(sizes):
+        raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicates.shape}")
+    order = np.argsort(sizes)
+    sizes, taus, replicates = sizes[order], taus[order], replicates[:, order]
+    log2_sizes = np.log2(sizes)
+    slopes = _slope_per_doubling(log2_sizes, replicates)
+    segment_doublings = log2_sizes[-1] - log2_sizes[-2]
+    segments = (replicates[:, -1] - replicates[:, -2]) / segment_doublings
+    low, high = percentile_interval(slopes, confidence)
+    segment_low, segment_high = percentile_interval(segments, confidence)
+    return LocalSlope(
+        slope=float(_slope_per_doubling(log2_sizes, taus)),
+        slope_low=float(low), slope_high=float(high), positive_fraction=float((slopes > 0).mean()),
+        last_segment=float((taus[-1] - taus[-2]) / segment_doublings),
+        last_segment_low=float(segment_low), last_segment_high=float(segment_high),
+        data_sizes=sizes, accept_lengths=taus, replicate_slopes=slopes,
+        lower_bound_sizes=tuple(float(size) for size in sorted(lower_bound_sizes)), confidence=confidence,
+    )
+
+
+# ----------------------------------------------------------------------------- model choice and identification
+
+# A bootstrap refit "piles up" at a bound when it lands within this relative distance of it; the ceiling
+# counts as identified only when at most PILE_UP_LIMIT of the refits do.
+BOUND_TOLERANCE = 1e-3
+PILE_UP_LIMIT = 0.05
+
+
+def _fit_log_linear(sizes: np.ndarray, taus: np.ndarray) -> np.ndarray:
+    """(intercept at log2 N = 0, slope per doubling)."""
+    slope = float(_slope_per_doubling(np.log2(sizes), taus))
+    return np.array([taus.mean() - slope * np.log2(sizes).mean(), slope])
+
+
+def _predict(model: str, params: np.ndarray, sizes: np.ndarray, reference: float) -> np.ndarray:
+    if model == "log-linear":
+        return params[0] + params[1] * np.log2(sizes)
+    return params[0] - params[1] * (sizes / reference) ** (-params[2])
+
+
+MODELS = {"log-linear": 2, "saturating": 3}  # name -> number of parameters
+
+
+def leave_one_size_out_error(data_sizes: Sequence[float], accept_lengths: Sequence[float], model: str, ceiling: float = math.inf) -> float | None:
+    """Root-mean-square error of predicting each size's tau from a fit to the other sizes.
+
+    None when leaving one out leaves no more points than the model has parameters (an exact fit
+    predicts nothing about the point it did not see).
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    if len(sizes) - 1 <= MODELS[model]:
+        return None
+    errors = []
+    for left_out in range(len(sizes)):
+        keep = np.arange(len(sizes)) != left_out
+        if model == "log-linear":
+            params, reference = _fit_log_linear(sizes[keep], taus[keep]), 1.0
+        else:
+            reference = float(sizes[keep].min())
+            try:
+                params = _fit_normalized(sizes[keep] / reference, taus[keep], ceiling)
+            except (RuntimeError, ValueError):
+                return None
+        errors.append(float(_predict(model, params, sizes[left_out : left_out + 1], reference)[0]) - taus[left_out])
+    return float(np.sqrt(np.mean(np.square(errors))))
+
+
+@dataclass(frozen=True)
+class CeilingIdentification:
+    """Whether the measured range pins the ceiling tau_inf, and why not when it does not."""
+
+    identified: bool
+    reasons: tuple[str, ...]  # empty when identified
+    fit: ScalingFit | None  # the saturating fit, when one could be made
+    loo_error: dict[str, float | None]  # model -> leave-one-size-out RMSE (None: not evaluable)
+    chosen_model: str  # the model with the lowest held-out error ("log-linear" when none is evaluable)
+    at_bound_fraction: float | None  # share of bootstrap refits with tau_inf or the exponent at a bound
+
+    def statement(self) -> str:
+        errors = ", ".join(f"{name} {value:.4f}" if value is not None else f"{name} not evaluable" for name, value in self.loo_error.items())
+        if self.identified and self.fit is not None:
+            low, high = self.fit.ceiling_interval()
+            return (f"The ceiling is identified: tau_inf = {self.fit.tau_inf:.3g} ({self.fit.confidence:.0%} interval {low:.3g} to "
+                    f"{high:.3g}), from the saturating model, which predicts left-out sizes best (leave-one-size-out RMSE: {errors}).")
+        return ("The ceiling is not identified: " + "; ".join(self.reasons) + ". No ceiling and no data-size forecast from one "
+                f"is reported; the model chosen by leave-one-size-out error is {self.chosen_model} ({errors}).")
+
+    def to_dict(self) -> dict:
+        return {
+            "identified": self.identified, "reasons": list(self.reasons), "chosen_model": self.chosen_model,
+            "loo_rmse": self.loo_error, "at_bound_fraction": self.at_bound_fraction,
+            "saturating_fit": None if self.fit is None else self.fit.to_dict(), "statement": self.statement(),
+        }
+
+
+def ceiling_identification(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray | None,
+    max_accept_length: float = math.inf,
+    confidence: float = 0.95,
+) -> CeilingIdentification:
+    """Fit the saturating model where possible and decide whether its ceiling is identified.
+
+    Not identified when any of these holds (each named in `reasons`): no more sizes than the model's
+    3 parameters (the fit passes through the points, so nothing tests it); more than PILE_UP_LIMIT of
+    the bootstrap refits put tau_inf at the ceiling bound or the exponent at one of its bounds; the
+    saturating model does not predict left-out sizes better than the log-linear line (the curvature
+    that would pin a ceiling is not measurable).
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    order = np.argsort(sizes)
+    sizes, taus = sizes[order], taus[order]
+    if replicate_accept_lengths is not None:
+        replicate_accept_lengths = np.asarray(replicate_accept_lengths, dtype=np.float64)[:, order]
+    loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MODELS}
+    evaluable = {model: error for model, error in loo.items() if error is not None}
+    chosen = min(evaluable, key=evaluable.get) if evaluable else "log-linear"
+    reasons: list[str] = []
+    n = len(np.unique(sizes))
+    if n <= MODELS["saturating"]:
+        reasons.append(f"{n} data sizes for a 3-parameter curve: it passes through every point, so no point tests it "
+                       "(measure at least 5 sizes: 4 to fit, 1 to predict)")
+    elif loo["saturating"] is None:
+        reasons.append(f"with {n} data sizes the 3-parameter curve cannot be tested on a left-out size "
+                       "(measure at least 5 sizes: 4 to fit, 1 to predict)")
+    fit, at_bound = None, None
+    if n >= 3 and (replicate_accept_lengths is not None or n > 3):
+        try:
+            fit = fit_scaling(sizes, taus, replicate_accept_lengths, max_accept_length=max_accept_length, confidence=confidence)
+        except (RuntimeError, ValueError) as error:
+            reasons.append(f"the saturating fit failed ({error})")
+    if fit is not None:
+        tau_inf, exponent = fit.replicates[:, 0], fit.replicates[:, 2]
+        tolerance = BOUND_TOLERANCE * max(1.0, abs(max_accept_length) if math.isfinite(max_accept_length) else 1.0)
+        at_ceiling = (tau_inf >= max_accept_length - tolerance) if math.isfinite(max_accept_length) else np.zeros(len(tau_inf), bool)
+        at_exponent_bound = (exponent >= MAX_EXPONENT * (1 - BOUND_TOLERANCE)) | (exponent <= 1e-3 * (1 + BOUND_TOLERANCE))
+        at_bound = float((at_ceiling | at_exponent_bound).mean())
+        if at_ceiling.mean() > PILE_UP_LIMIT:
+            reasons.append(f"{at_ceiling.mean():.0%} of bootstrap refits put tau_inf at the bound {max_accept_length:g} (the chain's "
+                           "ceiling), so the data do not bound it from above")
+        if at_exponent_bound.mean() > PILE_UP_LIMIT:
+            reasons.append(f"{at_exponent_bound.mean():.0%} of bootstrap refits put the exponent at a bound")
+        if fit.failed_replicates > PILE_UP_LIMIT * (len(fit.replicates) + fit.failed_replicates):
+            reasons.append(f"{fit.failed_replicates} bootstrap refits failed")
+    if loo["saturating"] is not None and loo["log-linear"] is not None and loo["saturating"] >= loo["log-linear"]:
+        reasons.append(f"the saturating model predicts left-out sizes no better than a straight line in log N "
+                       f"(RMSE {loo['saturating']:.4f} vs {loo['log-linear']:.4f}): the curvature that would pin a ceiling is not measured")
+    return CeilingIdentification(
+        identified=not reasons and fit is not None, reasons=tuple(reasons), fit=fit, loo_error=loo, chosen_model=chosen,
+        at_bound_fraction=at_bound,
+    )
+
+
+def scaling_answer(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray,
+    max_accept_length: float,
+    targets: Sequence[tuple[str, float]] = (),
+    confidence: float = 0.95,
+    lower_bound_sizes: Sequence[float] = (),
+) -> dict:
+    """The whole scaling answer as one JSON-ready record: slope, ceiling identification, doublings per target.
+
+    targets: (label, tau) pairs such as ("break-even", 2.07). Statements are plain sentences built from
+    the numbers; "statements" lists them in reading order.
+    """
+    slope = local_slope(data_sizes, accept_lengths, replicate_accept_lengths, confidence, lower_bound_sizes)
+    ceiling = ceiling_identification(data_sizes, accept_lengths, replicate_accept_lengths, max_accept_length, confidence)
+    doublings = []
+    for label, target in targets:
+        point, low, high = slope.doublings_to(target)
+        doublings.append({"label": label, "target_accept_length": target, "doublings": point, "doublings_low": low,
+                          "doublings_high": high, "statement": slope.doublings_statement(target, label)})
+    return {
+        "local_slope": slope.to_dict(),
+        "ceiling": ceiling.to_dict(),
+        "doublings_needed": doublings,
+        "statements": [slope.statement(), ceiling.statement(), *(item["statement"] for item in doublings)],
     }
 
 
