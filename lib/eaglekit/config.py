@@ -170,8 +170,14 @@ class TrainingParams(Section):
     learning_rate: float = Field(default=1.0e-4, gt=0)
     min_learning_rate: float = Field(default=1.0e-5, ge=0)
     warmup_steps: int = Field(default=10, ge=0)
-    max_steps: int = Field(default=100, gt=0)  # per draft, unless num_epochs is set
-    num_epochs: float | None = Field(default=None, gt=0)  # per data size: steps = epochs x size / batch
+    # until_converged: each size trains until held-out tau stops improving (patience), max_steps a cap;
+    # equal_steps: max_steps for every size; equal_epochs: num_epochs passes (more data, more steps).
+    schedule: Literal["until_converged", "equal_steps", "equal_epochs"] = "until_converged"
+    max_steps: int = Field(default=100, gt=0)  # equal_steps: the steps; until_converged: the cap
+    num_epochs: float | None = Field(default=None, gt=0)  # equal_epochs only: steps = epochs x size / batch
+    patience: int = Field(default=3, gt=0)  # until_converged: evaluations without improvement before stopping
+    min_improvement: float = Field(default=0.0, ge=0)  # until_converged: tau gain that counts as an improvement
+    log_interval_s: float = Field(default=60.0, gt=0)  # progress lines on the eaglekit logger
     micro_batch_size: int = Field(default=1, gt=0)
     grad_accumulation_steps: int = Field(default=4, gt=0)
     grad_clip: float = Field(default=0.5, gt=0)
@@ -181,6 +187,13 @@ class TrainingParams(Section):
     device: str = "cpu"
     parallel: Literal["none", "ddp", "fsdp"] = "none"
     speculative_tokens: int = Field(default=3, gt=0)  # written into the vLLM export's config
+
+    @model_validator(mode="after")
+    def _epochs_with_their_schedule(self) -> "TrainingParams":
+        if (self.schedule == "equal_epochs") != (self.num_epochs is not None):
+            raise ValueError(f"num_epochs is for schedule 'equal_epochs' only and that schedule needs it "
+                             f"(schedule {self.schedule!r}, num_epochs {self.num_epochs!r})")
+        return self
 
 
 class AnalysisParams(Section):
@@ -195,6 +208,12 @@ class AnalysisParams(Section):
     specdec_max_new_tokens: int = Field(default=32, gt=0)
     ablation: bool = True  # two drafts on the same class-B prompts: the datasets' answers vs the target's
     ablation_size: int = Field(default=64, gt=0)  # prompts in each ablation draft's training set (at most)
+    # A prompt file from sources outside the training data (JSONL: "prompt", "question", "instruction",
+    # "turns" (MT-Bench) or "messages"); every draft of the sweep runs the real loop on it. A path (relative
+    # to the repository root) or package:<module>/<path inside the installed package>. None: skipped.
+    benchmark_prompts: str | None = None
+    benchmark_max_prompts: int = Field(default=8, gt=0)  # the first N usable prompts of the file
+    benchmark_max_new_tokens: int = Field(default=32, gt=0)
     sglang_endpoint: str | None = None  # live measurement: SGLang with speculation
     baseline_endpoint: str | None = None  # the same target without speculation
     vllm_endpoint: str | None = None
