@@ -8,7 +8,11 @@ draft steps evaluated offline,
 
 where acc_i is the draft's top-1 agreement with the target's argmax at chain step i, given that all
 earlier steps agreed. A chain of k steps can never exceed k + 1, so every table here carries the
-topology ("chain", steps k) beside every tau.
+topology (`topology.Topology.to_dict()`: kind, steps, top_k, draft_tokens) beside every tau.
+
+Trees (SGLang's S/K/T): the accepted path is a chain of its own, so a tree's per-start-row accepted
+depths, turned into (P, S) tables by `depth_agreement`, go through the same counts, bootstrap and tables;
+per-step rows then read per depth (`draft_tree.offline_tree_depths` produces the depths).
 
 Input per sample: a boolean agreement array of shape (num_positions, k). Row t, column i says
 whether the draft, unrolled on its own outputs from position t, proposed at step i + 1 the token the
@@ -34,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-CHAIN = "chain"
+from eaglekit.topology import CHAIN, Topology  # noqa: F401  (CHAIN: re-exported, specdec imports it here)
+
 POOLED_DATASET_NAME = "all"
 
 
@@ -87,6 +92,19 @@ def chain_counts(agreements: Sequence[np.ndarray], steps: int | None = None) -> 
         positions[index] = array.shape[0]
         prefix_counts[index] = all_agreed_so_far.sum(axis=0)
     return ChainCounts(positions=positions, prefix_counts=prefix_counts)
+
+
+def depth_agreement(accepted_depths: np.ndarray, steps: int) -> np.ndarray:
+    """(P,) accepted depths (0..S, e.g. of a tree) -> (P, S) bool, column j-1 = "accepted >= j".
+
+    A tree's accepted path is a chain of its own, so this table feeds `chain_counts` and everything after it
+    unchanged: tau = 1 + sum_j P(accepted >= j) = 1 + E[accepted], per depth acc_j = P(>= j) / P(>= j-1).
+    """
+    depths = np.asarray(accepted_depths)
+    if depths.ndim != 1 or (depths.size and (depths.min() < 0 or depths.max() > steps)):
+        raise ValueError(f"accepted depths must be a 1-D array in [0, {steps}], got shape {depths.shape}"
+                         + (f" and range [{depths.min()}, {depths.max()}]" if depths.size else ""))
+    return depths[:, None] >= np.arange(1, steps + 1)[None, :]
 
 
 def concat_counts(parts: Sequence[ChainCounts]) -> ChainCounts:
@@ -180,15 +198,24 @@ def percentile_interval(replicates: np.ndarray, confidence: float) -> tuple[np.n
         return np.nanpercentile(replicates, tail, axis=0), np.nanpercentile(replicates, 100.0 - tail, axis=0)
 
 
-def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence: float, seed: int) -> tuple[dict, list[dict], BootstrapReplicates]:
-    """One dataset's summary row, its per-step rows and its bootstrap replicates."""
+def _topology_columns(counts: ChainCounts, topology: Topology | None) -> dict:
+    """The topology every row carries: a chain of the counts' steps unless a tree (or chain) is given."""
+    topology = topology or Topology.chain(counts.steps)
+    if topology.steps != counts.steps:
+        raise ValueError(f"topology {topology} has {topology.steps} steps but the agreement arrays are scored to depth {counts.steps}")
+    return topology.to_dict()
+
+
+def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence: float, seed: int,
+                  topology: Topology | None = None) -> tuple[dict, list[dict], BootstrapReplicates]:
+    """One dataset's summary row, its per-step (per-depth) rows and its bootstrap replicates."""
+    columns = _topology_columns(counts, topology)
     replicates = bootstrap_accept_length(counts, num_resamples, seed)
     pooled_low, pooled_high = percentile_interval(replicates.pooled_tau, confidence)
     mean_low, mean_high = percentile_interval(replicates.sample_mean_tau, confidence)
     summary_row = {
         "dataset": name,
-        "topology": CHAIN,
-        "steps": counts.steps,
+        **columns,
         "samples": counts.num_samples,
         "positions": int(counts.positions.sum()),
         "tau_pooled": pooled_accept_length(counts),
@@ -208,8 +235,7 @@ def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence
     position_rows = [
         {
             "dataset": name,
-            "topology": CHAIN,
-            "steps": counts.steps,
+            **columns,
             "step": step_index + 1,
             "acceptance": float(acceptance[step_index]),
             "acceptance_low": float(acceptance_low[step_index]),
@@ -240,6 +266,7 @@ def acceptance_tables(
     num_resamples: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
+    topology: Topology | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-dataset (and pooled "all") chain acceptance with bootstrap intervals over samples.
 
@@ -250,10 +277,12 @@ def acceptance_tables(
     - per_position: one row per dataset and chain step: acceptance (conditional acc_j, pooled, + CI),
       prefix_rate (P(steps 1..j all agree)), positions_reaching (positions whose steps 1..j-1 agreed).
     Each dataset uses the same seed, so the "all" row resamples its own samples independently.
+    topology: what the arrays measure (default a chain of their width); for a tree pass its depth tables
+    (`depth_agreement`), and "step" then reads as depth.
     """
     summary_rows, position_rows = [], []
     for name, counts in _counts_by_dataset(agreements_by_dataset, steps).items():
-        summary_row, rows, _ = _dataset_rows(name, counts, num_resamples, confidence, seed)
+        summary_row, rows, _ = _dataset_rows(name, counts, num_resamples, confidence, seed, topology)
         summary_rows.append(summary_row)
         position_rows.extend(rows)
     return pd.DataFrame(summary_rows), pd.DataFrame(position_rows)
@@ -281,6 +310,7 @@ def sweep_acceptance(
     num_resamples: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
+    topology: Topology | None = None,
 ) -> SweepAcceptance:
     """`acceptance_tables` for each draft of a sweep, with paired bootstrap replicates across sizes.
 
@@ -303,7 +333,7 @@ def sweep_acceptance(
                     f"dataset {name!r}: the draft of size {size} was scored on other held-out samples than the draft of "
                     f"size {sizes[0]} (positions per sample differ); score every draft on the same held-out set"
                 )
-            summary_row, rows, bootstrap = _dataset_rows(name, counts, num_resamples, confidence, seed)
+            summary_row, rows, bootstrap = _dataset_rows(name, counts, num_resamples, confidence, seed, topology)
             summary_rows.append({"data_size": size, **summary_row})
             position_rows.extend({"data_size": size, **row} for row in rows)
             replicates.setdefault(name, []).append(bootstrap.pooled_tau)

@@ -42,9 +42,11 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eaglekit.acceptance import CHAIN, chain_counts, pooled_accept_length, server_accept_length
+from eaglekit.acceptance import CHAIN, chain_counts, depth_agreement, pooled_accept_length, server_accept_length
 from eaglekit.capture import LayerInputCapture, base_model_of, validate_capture_layer_ids
 from eaglekit.draft import DraftConfig, DraftKVCache, Eagle3DraftModel
+from eaglekit.draft_tree import DraftTree, accept_tree, grow_tree, offline_tree_depths, path_to, select_tree, verification_mask
+from eaglekit.topology import Topology
 
 STOP_LENGTH = "length"
 STOP_EOS = "eos"
@@ -99,6 +101,7 @@ class SpeculativeResult:
     chain_start_rows: list[int] = field(default_factory=list)
     seconds: float = 0.0
     stop_reason: str = STOP_LENGTH
+    topology: Topology | None = None
 
     @property
     def verification_steps(self) -> int:
@@ -112,6 +115,13 @@ class SpeculativeResult:
     def accept_length(self) -> float:
         """SGLang's completion_tokens / spec_verify_ct for this request (NaN without any verification)."""
         return len(self.output_ids) / self.verification_steps if self.verification_steps else float("nan")
+
+    @property
+    def loop_accept_length(self) -> float:
+        """Tokens per verification the loop accepted, bonus included, prefill token excluded, before any cut
+        by max_new_tokens or EOS: mean(a_i + 1). The quantity the offline estimate predicts."""
+        steps = self.verification_steps
+        return (sum(self.accepted_per_step) + steps) / steps if steps else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,16 +161,20 @@ def _device_of(target: nn.Module) -> torch.device:
 
 
 def target_forward(
-    target: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, capture_layer_ids: Sequence[int]
+    target: nn.Module, input_ids: torch.Tensor, cache: DynamicCache, capture_layer_ids: Sequence[int],
+    attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the target over new tokens (1, T) on top of `cache` (which grows by T rows).
 
+    attention_mask/position_ids: for a tree, an additive 4-D mask (1, 1, T, cached + T), which
+    transformers passes to the attention as it is, and each node's position (1, T); default causal.
     Returns (greedy choices (T,): argmax at each new position, i.e. the target's next token after it;
     aux features (1, T, 3H): the residual streams entering the three capture layers, concatenated as
     `capture.py` stores them, taken with its pre-hooks).
     """
+    extra = {} if attention_mask is None else {"attention_mask": attention_mask, "position_ids": position_ids}
     with LayerInputCapture(base_model_of(target), capture_layer_ids) as capture:
-        logits = target(input_ids=input_ids, cache=cache, use_cache=True).logits  # (1, T, V)
+        logits = target(input_ids=input_ids, cache=cache, use_cache=True, **extra).logits  # (1, T, V)
     aux_hidden_states = torch.cat([capture.captured[layer_id].to(logits.device) for layer_id in capture_layer_ids], dim=-1)
     return logits[0].argmax(-1), aux_hidden_states
 
@@ -281,7 +295,7 @@ def speculative_decode(
     device = _device_of(target)
     eos = set(int(token) for token in eos_token_ids)
     draft_to_target = draft.draft_to_target_ids().to(device)
-    result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=steps)
+    result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=steps, topology=Topology.chain(steps))
     started = time.perf_counter()
 
     # Prefill: target over the prompt, then the draft extends over the same rows, tokens shifted by one.
@@ -322,6 +336,118 @@ def speculative_decode(
         draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states[:, : accepted + 1], processed, draft_cache)
     result.seconds = time.perf_counter() - started
     return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# the tree loop: SGLang's EAGLE tree (S steps, top-k K, T draft tokens), verified in one forward
+# ---------------------------------------------------------------------------------------------------
+def keep_target_cache_rows(cache: DynamicCache, cached: int, kept: Sequence[int]) -> None:
+    """Rollback after a tree verification: keep rows 0..cached-1 and, of the T tree rows after them, the
+    accepted path `kept` (node indices, root first), in that order. Keys/values (B, KV, L, D) per layer."""
+    index = torch.as_tensor([*range(cached), *(cached + node for node in kept)], dtype=torch.long)
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(2, index.to(layer.keys.device))
+        layer.values = layer.values.index_select(2, index.to(layer.values.device))
+
+
+def propose_tree(
+    draft: DraftModel, first_logits: torch.Tensor, last_state: torch.Tensor, last_row: int, pending_token: int,
+    cache: DraftKVCache, topology: Topology, draft_to_target: torch.Tensor,
+) -> DraftTree:
+    """SGLang's draft tree from the row carrying the pending token (`draft_tree.grow_tree`, `select_tree`).
+
+    first_logits (1, Vd), last_state (1, 1, H): that row's logits and pre-norm state; last_row: its position.
+    The tree's draft keys live in a `TreeKeyValues` of their own: `cache` (the extend rows) is not touched,
+    so the draft's rollback is to drop them.
+    """
+    start = torch.tensor([last_row], device=first_logits.device)
+    candidates = grow_tree(draft, first_logits, last_state[:, -1], start, cache.keys, cache.values, topology, draft_to_target)
+    return select_tree(candidates, topology.draft_tokens, torch.tensor([pending_token], device=first_logits.device))
+
+
+def verify_tree(
+    target: nn.Module, tree: DraftTree, cache: DynamicCache, capture_layer_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target forward over the T tree tokens: node n at position (cached) + depth, seeing the cache and
+    its ancestors. Returns greedy choices (T,) (the target's next token after each node) and features (1, T, 3H)."""
+    cached = cache.get_seq_length()
+    dtype = next(target.parameters()).dtype
+    mask = verification_mask(tree, cached, dtype)
+    positions = (cached + tree.depths).to(tree.tokens.device)  # (1, T)
+    return target_forward(target, tree.tokens, cache, capture_layer_ids, attention_mask=mask, position_ids=positions)
+
+
+@torch.inference_mode()
+def tree_speculative_decode(
+    target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], topology: Topology, max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+) -> SpeculativeResult:
+    """Greedy speculative decoding of one prompt with SGLang's draft tree (any topology; a chain topology runs
+    the chain through the tree code, which tests compare with `speculative_decode`).
+
+    Each cycle: grow and select the tree from the pending row, verify its T tokens in one target forward
+    (4-D tree mask), accept the deepest matching root path (a drafted tokens), emit the target's choices
+    along it (a + 1 tokens: the bonus is the choice at the accepted node), keep only the path's rows in the
+    target cache, drop the tree's draft keys, and extend the draft over the path with the target's features.
+    Output equals `greedy_decode` token for token (same argument as the chain: every emitted token is the
+    target's argmax after a prefix of its own argmax tokens). `accepted_per_step` holds accepted depths.
+    """
+    capture_layer_ids = check_draft_fits_target(target, draft)
+    _check_budget(target, len(prompt_ids), max_new_tokens, topology.steps)
+    device = _device_of(target)
+    eos = set(int(token) for token in eos_token_ids)
+    draft_to_target = draft.draft_to_target_ids().to(device)
+    result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=topology.steps, topology=topology)
+    started = time.perf_counter()
+
+    target_cache, draft_cache = DynamicCache(config=target.config), DraftKVCache()
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    target_choices, aux_hidden_states = target_forward(target, prompt, target_cache, capture_layer_ids)
+    pending_token = int(target_choices[-1])
+    result.output_ids.append(pending_token)
+    result.stop_reason = STOP_EOS if pending_token in eos else STOP_LENGTH
+    if pending_token in eos or max_new_tokens == 1:
+        result.seconds = time.perf_counter() - started
+        return result
+    extend_tokens = torch.cat([prompt[0, 1:], target_choices[-1:]]).view(1, -1)
+    draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states, 0, draft_cache)
+
+    while True:
+        processed = target_cache.get_seq_length()
+        last_row = processed - 1
+        tree = propose_tree(draft, draft_logits[:, -1], draft_states[:, -1:], last_row, pending_token, draft_cache,
+                            topology, draft_to_target)
+        target_choices, aux_hidden_states = verify_tree(target, tree, target_cache, capture_layer_ids)
+        choice_at_parent = target_choices[tree.parents[0].clamp(min=0)].view(1, -1)
+        accepted_depth, accepted_node = accept_tree(tree, choice_at_parent)
+        path = path_to(tree, int(accepted_node[0]))  # root first, a + 1 nodes
+        accepted = int(accepted_depth[0])
+        path_index = torch.tensor(path, device=device)
+        emitted, hit_eos = _truncate(target_choices[path_index].tolist(), max_new_tokens - len(result.output_ids), eos)
+        result.accepted_per_step.append(accepted)
+        result.emitted_per_step.append(len(emitted))
+        result.chain_start_rows.append(last_row)
+        result.output_ids.extend(emitted)
+        if hit_eos or len(result.output_ids) >= max_new_tokens:
+            result.stop_reason = STOP_EOS if hit_eos else STOP_LENGTH
+            break
+        keep_target_cache_rows(target_cache, processed, path)
+        pending_token = emitted[-1]
+        # The path's rows carry the features of its nodes and, shifted by one, the target's choices there.
+        draft_logits, draft_states = draft.extend(target_choices[path_index].view(1, -1), aux_hidden_states[:, path_index],
+                                                  processed, draft_cache)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def decode_with_topology(
+    target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], topology: Topology, max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+) -> SpeculativeResult:
+    """The chain loop for a chain, the tree loop for a tree; the result carries the topology."""
+    if topology.is_chain:
+        return speculative_decode(target, draft, prompt_ids, topology.steps, max_new_tokens, eos_token_ids)
+    return tree_speculative_decode(target, draft, prompt_ids, topology, max_new_tokens, eos_token_ids)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -375,6 +501,50 @@ def offline_chain_agreement(
             proposed = draft_to_target[logits[0, rows].argmax(-1)]  # (P,)
             agreement[:, step] = (proposed == target_argmax[rows + 1 + step]).cpu().numpy()
     return OfflineChainAgreement(agreement=agreement, start_rows=start_rows, tokens=length, seconds=time.perf_counter() - started)
+
+
+@dataclass
+class OfflineTreeAcceptance:
+    """SGLang's tree scored from every chain start of one greedy sequence.
+
+    accepted_depths (P,): drafted tokens the tree from each start row would have accepted (0..S);
+    start_rows (P,): as `OfflineChainAgreement.start_rows`. `agreement` is the (P, S) depth table
+    (column j-1: accepted >= j) that `acceptance.chain_counts` and the bootstrap tables take as they are.
+    """
+
+    accepted_depths: np.ndarray
+    start_rows: np.ndarray
+    topology: Topology
+    tokens: int
+    seconds: float
+
+    @property
+    def agreement(self) -> np.ndarray:
+        return depth_agreement(self.accepted_depths, self.topology.steps)
+
+
+@torch.inference_mode()
+def offline_tree_acceptance(
+    target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int], prompt_length: int, topology: Topology
+) -> OfflineTreeAcceptance:
+    """The offline estimate for any topology on one sequence (prompt + the target's greedy continuation):
+    one target forward for features and argmax, then `draft_tree.offline_tree_depths` from every start row
+    `offline_chain_agreement` uses (prompt_length - 1 .. T - 1 - S). With K = 1 its depths are the chain's
+    leading agreements."""
+    check_draft_fits_target(target, draft)
+    capture_layer_ids = list(draft.config.capture_layer_indices)
+    length = len(sequence_ids)
+    if not 1 <= prompt_length <= length:
+        raise ValueError(f"prompt_length {prompt_length} must be in [1, {length}] (the sequence length)")
+    started = time.perf_counter()
+    device = _device_of(target)
+    input_ids = torch.tensor(list(sequence_ids), dtype=torch.long, device=device)
+    target_argmax, aux_hidden_states = target_forward(target, input_ids.view(1, -1), DynamicCache(config=target.config), capture_layer_ids)
+    first_row, last_row = prompt_length - 1, length - 1 - topology.steps
+    start_rows = torch.arange(first_row, max(last_row + 1, first_row), device=device)
+    depths = offline_tree_depths(draft, input_ids, aux_hidden_states[0], target_argmax, start_rows, topology)
+    return OfflineTreeAcceptance(accepted_depths=depths.cpu().numpy(), start_rows=start_rows.cpu().numpy(), topology=topology,
+                                 tokens=length, seconds=time.perf_counter() - started)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -580,7 +750,7 @@ class OracleDraft:
     def draft_to_target_ids(self) -> torch.Tensor:
         return self.draft.draft_to_target_ids()
 
-    def _forced_logits(self, positions: range, like: torch.Tensor) -> torch.Tensor:
+    def _forced_logits(self, positions: Sequence[int], like: torch.Tensor) -> torch.Tensor:
         """(1, n, Vd) logits whose argmax at a row of position p is the draft id of token p + 2."""
         size = self.config.draft_vocab_size
         logits = torch.zeros(1, len(positions), size, dtype=like.dtype, device=like.device)
@@ -601,3 +771,9 @@ class OracleDraft:
                cache: DraftKVCache) -> tuple[torch.Tensor, torch.Tensor]:
         logits, states = self.draft.decode(input_ids, hidden_states, position, cache)
         return self._forced_logits(range(position, position + 1), logits), states
+
+    def forward_nodes(self, input_ids: torch.Tensor, hidden_states: torch.Tensor, positions: torch.Tensor,
+                      key_values) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tree nodes (1, N) at their own positions (1, N): every node at position p proposes token p + 2."""
+        prenorm = self.draft.step(input_ids, hidden_states, positions, key_values)
+        return self._forced_logits([int(position) for position in positions[0].tolist()], self.draft.logits(prenorm)), prenorm
