@@ -34,7 +34,9 @@ def test_failing_stage_stops_the_run_and_resume_continues(tmp_path):
     assert "--run-id r1 --resume" in first.stderr
     run_dir = tmp_path / "outputs" / "r1"
     assert (run_dir / "hello.txt").read_text() == "fixture"
-    assert json.loads((run_dir / "state.json").read_text()) == {"completed": ["01_hello"], "failed": "02_gate"}
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["completed"] == ["01_hello"] and state["failed"] == "02_gate" and state["running"] is None
+    assert state["stages"]["02_gate"]["status"] == "failed" and "second stage refused" in state["stages"]["02_gate"]["error"]
     for name in ("params.yaml", "environment.json", "run.log", "01_hello.ipynb", "02_gate.ipynb"):
         assert (run_dir / name).is_file(), name
     environment = json.loads((run_dir / "environment.json").read_text())
@@ -112,10 +114,155 @@ def test_sigterm_stops_the_run_marks_the_stage_and_leaves_no_server(tmp_path):
     port = server_log.split("Uvicorn running on http://127.0.0.1:")[1].split(" ")[0]
     runner.send_signal(signal.SIGTERM)
     _, stderr = runner.communicate(timeout=120)
-    assert runner.returncode == 130, stderr
-    assert "--resume" in stderr
+    assert runner.returncode == 143, stderr
+    assert "--resume" in stderr and "Traceback" not in stderr
     assert json.loads((run_dir / "state.json").read_text())["failed"] == "04_wait"
     import httpx
 
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+# ---- faults: signals, a dead kernel, two writers, stages with errors, progress in the log ----------
+
+def start_runner(params: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "eaglekit.cli", "run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(path: Path, runner: subprocess.Popen, timeout_s: float = 120) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if runner.poll() is not None:
+            raise AssertionError(f"runner exited {runner.returncode} before {path.name}: {runner.stderr.read()}")
+        assert time.monotonic() < deadline, f"no {path.name} after {timeout_s} s"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("signum, status", [(15, 143), (2, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_gives_in_flight_work_the_grace_period_and_exits_quietly(tmp_path, signum, status):
+    import time
+
+    # The fixture finishes its in-flight work in 0.6 x the grace: 3 s, beyond the 2.5 s after which
+    # the old runner had already killed the kernel (it never interrupted it at all).
+    params = scenario(tmp_path, "generation:\n  shutdown_grace_s: 5.0\n")
+    runner = start_runner(params, "--stages", "busy", "--run-id", "stop")
+    run_dir = tmp_path / "outputs" / "stop"
+    wait_for(run_dir / "busy", runner)
+    time.sleep(0.5)  # into the long cell
+    stopped = time.monotonic()
+    runner.send_signal(signum)
+    _, stderr = runner.communicate(timeout=60)
+    assert runner.returncode == status, stderr
+    assert time.monotonic() - stopped < 5.0 + 10.0  # within the grace and the kill margin
+    assert (run_dir / "finished_in_flight").read_text() == "5.0"  # the kernel got the stop and the params' grace
+    assert not (run_dir / "busy_done").exists()  # and stopped: later cells never ran
+    assert "Traceback" not in stderr and "zmq" not in stderr.lower(), stderr
+    assert "--run-id stop --resume" in stderr.splitlines()[-1]
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["failed"] == "05_busy" and state["stages"]["05_busy"]["status"] == "interrupted"
+    assert state["running"] is None and "05_busy" not in state["completed"]
+
+
+def test_a_dead_kernel_is_a_failed_stage_with_the_resume_command(tmp_path):
+    import os
+    import signal
+
+    import nbformat
+
+    params = scenario(tmp_path)
+    runner = start_runner(params, "--stages", "busy", "--run-id", "oom")
+    run_dir = tmp_path / "outputs" / "oom"
+    wait_for(run_dir / "busy", runner)
+    os.kill(int((run_dir / "busy").read_text()), signal.SIGKILL)  # what the out-of-memory killer does
+    _, stderr = runner.communicate(timeout=60)
+    assert runner.returncode == 1, stderr
+    assert "stage 05_busy failed: the kernel died in cell [" in stderr and "SIGKILL" in stderr
+    assert "continue with: eaglekit run" in stderr and "--run-id oom --resume" in stderr
+    assert "Traceback" not in stderr, stderr
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["failed"] == "05_busy" and "kernel died" in state["stages"]["05_busy"]["error"]
+    notebook = nbformat.read(run_dir / "05_busy.ipynb", as_version=4)
+    statuses = [cell.metadata.papermill["status"] for cell in notebook.cells]
+    waiting = next(index for index, cell in enumerate(notebook.cells) if "time.sleep(300)" in cell.source)
+    assert statuses[waiting] == "failed" and statuses[waiting + 1:] == ["pending"] * (len(statuses) - waiting - 1)
+    assert notebook.cells[waiting].outputs[-1]["ename"] == "DeadKernelError"
+    assert notebook.metadata.papermill["exception"] is True
+
+
+def test_one_writer_per_run_folder_and_a_dead_runners_lock_is_taken_over(tmp_path):
+    import os
+    import signal
+    import time
+
+    params = scenario(tmp_path)
+    first = start_runner(params, "--stages", "busy", "--run-id", "shared")
+    run_dir = tmp_path / "outputs" / "shared"
+    wait_for(run_dir / "busy", first)
+    kernel_pid = int((run_dir / "busy").read_text())
+    started = time.monotonic()
+    second = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello", "--run-id", "shared", "--resume")
+    assert second.returncode == 1 and time.monotonic() - started < 15
+    assert f"in use by another eaglekit process (pid {first.pid} on" in second.stderr, second.stderr
+    assert not (run_dir / "hello.txt").exists()  # the second runner wrote nothing
+
+    first.kill()  # kill -9 of the runner: its kernel (which shares the lock) outlives it for a moment
+    first.communicate()
+    third = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello", "--run-id", "shared", "--resume")
+    assert third.returncode == 0, third.stderr
+    assert (run_dir / "hello.txt").read_text() == "fixture"
+    assert "05_busy was running when its runner stopped" in third.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(kernel_pid, 0)  # the orphaned kernel was gone before the third runner wrote
+    assert json.loads((run_dir / "run.lock").read_text())["pid"] != first.pid
+
+
+def test_a_stage_with_errors_is_reported_and_resume_reruns_only_it(tmp_path):
+    params = scenario(tmp_path)
+    run_dir = tmp_path / "outputs" / "errs"
+    run_dir.mkdir(parents=True)
+    (run_dir / "failing").write_text("p1 p2")  # the stage will record two errors
+    first = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello,outcome", "--run-id", "errs", "--resume")
+    assert first.returncode == 3, first.stderr
+    last_line = first.stderr.strip().splitlines()[-1]
+    assert "06_outcome done with 2 errors" in last_line and "--run-id errs --resume" in last_line
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["completed"] == ["01_hello"]
+    assert state["stages"]["06_outcome"]["status"] == "done with 2 errors" and state["stages"]["06_outcome"]["errors"] == 2
+
+    (run_dir / "failing").unlink()  # the retried items succeed
+    (run_dir / "hello.txt").write_text("must stay")
+    second = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--run-id", "errs", "--resume", "--stages", "hello,outcome")
+    assert second.returncode == 0, second.stderr
+    assert "done already 01_hello; to run 06_outcome" in second.stderr
+    assert (run_dir / "outcome_attempts").read_text() == "2" and (run_dir / "hello.txt").read_text() == "must stay"
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["completed"] == ["01_hello", "06_outcome"] and state["stages"]["06_outcome"]["status"] == "done"
+
+
+def test_resume_names_every_stage_done_before_even_when_others_are_asked_for(tmp_path):
+    params = scenario(tmp_path)
+    run_pipeline(params, stages=["hello"], run_id="later", notebooks_dir=FIXTURE_NOTEBOOKS)
+    result = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "progress", "--run-id", "later", "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "done already 01_hello; to run 07_progress" in result.stderr and "done already none" not in result.stderr
+
+
+def test_library_progress_lines_reach_the_runner_output_and_run_log(tmp_path):
+    import nbformat
+
+    params = scenario(tmp_path)
+    result = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "progress", "--run-id", "lines")
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "outputs" / "lines"
+    run_log = (run_dir / "run.log").read_text()
+    for done in (1, 2, 3):
+        line = f"[07_progress] eaglekit.fixture: progress {done}/3 items | 1.5 req/s"
+        assert line in result.stderr, result.stderr  # what `nohup eaglekit run ... > run.out` and `tail -f` show
+        assert line in run_log
+    assert run_log.index("progress 3/3") < run_log.index("stage 07_progress: done")
+    notebook = nbformat.read(run_dir / "07_progress.ipynb", as_version=4)
+    shown = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
+    assert "progress 3/3 items" in shown  # and the executed notebook still shows them

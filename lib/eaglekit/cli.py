@@ -11,25 +11,25 @@ from pathlib import Path
 
 def _run(args: argparse.Namespace) -> int:
     from eaglekit.config import ParamsError
-    from eaglekit.runner import RunError, run_pipeline
+    from eaglekit.runner import RunError, RunInterrupted, run_pipeline, stages_with_errors
 
     stages = [item for chunk in args.stages or [] for item in chunk.split(",") if item] or None
-
-    def interrupted(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    # SIGTERM (nohup'd runs, schedulers) stops like Ctrl-C: the stage is marked, the server stopped.
-    signal.signal(signal.SIGTERM, interrupted)
+    # SIGINT and SIGTERM (nohup'd runs, schedulers) are handled inside run_pipeline: the stage kernel
+    # is interrupted, in-flight work gets generation.shutdown_grace_s, the stage is marked.
     try:
-        run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume,
-                     notebooks_dir=Path(args.notebooks) if args.notebooks else _default_notebooks())
+        run_dir = run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume,
+                               notebooks_dir=Path(args.notebooks) if args.notebooks else _default_notebooks())
+    except RunInterrupted as error:
+        print(f"eaglekit: {error}", file=sys.stderr)
+        return error.exit_status
     except (ParamsError, RunError) as error:
         print(f"eaglekit: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("eaglekit: interrupted; rerun with --run-id and --resume to continue", file=sys.stderr)
         return 130
-    return 0
+    # Finished, but a stage recorded errors (its last line said which): 3, so a script can retry with --resume.
+    return 3 if stages_with_errors(run_dir) else 0
 
 
 def _default_notebooks() -> Path:

@@ -13,8 +13,13 @@ import contextlib
 import datetime as dt
 import json
 import logging
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +29,8 @@ import nbformat
 from eaglekit.config import Params, dump_params, load_params, repo_path
 from eaglekit.io import atomic_write, write_json
 from eaglekit.paths import NOTEBOOKS_DIR
-from eaglekit.runs import new_run_id, write_environment
+from eaglekit.runs import (RunFolderLock, RunLockedError, clear_stage_outcome, new_run_id, read_stage_outcome,
+                           write_environment)
 
 STAGE_FILE = re.compile(r"^(\d\d)_([a-z0-9_]+)\.ipynb$")
 
@@ -82,9 +88,218 @@ def _logger(run_dir: Path) -> logging.Logger:
     return logger
 
 
+# ---- kernel side -------------------------------------------------------------------------------
+
+RUN_LOG_ENV = "EAGLEKIT_RUN_LOG"  # the run folder's run.log, set by the runner for each stage kernel
+STAGE_ENV = "EAGLEKIT_STAGE"  # the stage label, e.g. 03_generation
+
+
+def attach_stage_logging() -> None:
+    """Run inside a stage kernel at start-up: the `eaglekit` logger's lines reach `run.log`, the
+    runner's output and the executed notebook.
+
+    The kernel inherits the runner's stderr, so writing to the kernel's original stderr puts progress
+    lines in `nohup eaglekit run ... > kimi.out` (where `tail -f` shows them); a second handler appends
+    them to `run.log` (O_APPEND, beside the runner's own lines); a third writes to `sys.stderr`, which
+    ipykernel routes into the running cell's output. Library code only logs; how often is its own
+    setting (`log_interval_s`).
+    """
+    run_log = os.environ.get(RUN_LOG_ENV)
+    if not run_log:
+        return
+    stage = os.environ.get(STAGE_ENV, "stage")
+    # ipykernel may redirect fd 2 into the notebook; it keeps the original stderr as this copy.
+    original = getattr(sys.stderr, "_original_stdstream_copy", None)
+    terminal = open(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace") if original is not None else sys.__stderr__
+    kit_logger = logging.getLogger("eaglekit")
+    formatter = logging.Formatter(f"%(asctime)s %(levelname)s [{stage}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    for handler in (logging.FileHandler(run_log, encoding="utf-8"), logging.StreamHandler(terminal), _NotebookHandler()):
+        handler.setFormatter(formatter)
+        kit_logger.addHandler(handler)
+    if kit_logger.level == logging.NOTSET:
+        kit_logger.setLevel(logging.INFO)
+
+
+class _NotebookHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time (ipykernel's stream into the running cell)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+_KERNEL_HOOK = "import eaglekit.runner as _eaglekit_runner; _eaglekit_runner.attach_stage_logging(); del _eaglekit_runner"
+
+
+# ---- runner side -------------------------------------------------------------------------------
+
+# After a stop, the kernel gets the in-flight grace plus this long (flush, reply) before it is killed.
+KILL_MARGIN_S = 10.0
+
+
+class RunInterrupted(RunError):
+    """The run was stopped by a signal; the exit status is 128 + the signal number (130, 143)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+        self.exit_status = 128 + signum
+
+
+class _StageControl:
+    """Owns the signals while a run lasts and the stage kernel while a stage runs.
+
+    SIGINT/SIGTERM during a stage do not raise inside papermill (which would tear down ZeroMQ
+    mid-poll and kill the kernel at once): they interrupt the kernel (SIGINT to its process group,
+    so library code sees KeyboardInterrupt and gives in-flight work `grace_s`), and the kernel is
+    killed only if it has not finished `grace_s + KILL_MARGIN_S` later. A second signal interrupts
+    again (the generation engine then abandons what is in flight) and shortens the wait to the margin.
+    Outside a stage a signal raises RunInterrupted at once.
+    """
+
+    def __init__(self, grace_s: float, logger: logging.Logger):
+        self.grace_s = grace_s
+        self.logger = logger
+        self.signum: int | None = None
+        self.process: subprocess.Popen | None = None
+        self.in_stage = False
+        self.killed_after_grace = False
+        self._timer: threading.Timer | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+        self._cancel_timer()
+
+    def stage_started(self) -> None:
+        self.in_stage = True
+
+    def kernel_started(self, process: subprocess.Popen) -> None:
+        self.process = process
+        if self.signum is not None:  # stopped while the kernel was starting
+            self._interrupt_kernel(self.margin_s)
+
+    def stage_ended(self) -> None:
+        self._cancel_timer()
+        self.process = None
+        self.in_stage = False
+
+    @property
+    def margin_s(self) -> float:
+        return KILL_MARGIN_S
+
+    def _on_signal(self, signum: int, frame) -> None:
+        first = self.signum is None
+        self.signum = self.signum or signum
+        name = signal.Signals(signum).name
+        if not self.in_stage:
+            raise RunInterrupted(f"stopped by {name}", self.signum)
+        if self.process is None:  # the kernel is starting: it is interrupted once it is up
+            return
+        if first:
+            self.logger.warning("%s: interrupting the stage; in-flight work gets up to %.0f s "
+                                "(generation.shutdown_grace_s), the kernel is stopped after %.0f s",
+                                name, self.grace_s, self.grace_s + self.margin_s)
+            self._interrupt_kernel(self.grace_s + self.margin_s)
+        else:
+            self.logger.warning("%s again: abandoning in-flight work; the kernel is stopped within %.0f s",
+                                name, self.margin_s)
+            self._interrupt_kernel(self.margin_s)
+
+    def _interrupt_kernel(self, kill_after_s: float) -> None:
+        self._signal_kernel(signal.SIGINT)
+        self._cancel_timer()
+        self._timer = threading.Timer(kill_after_s, self._kill_kernel)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _kill_kernel(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.killed_after_grace = True
+            self.logger.warning("the stage kernel did not stop within the grace period: killing it")
+            self._signal_kernel(signal.SIGKILL)
+
+    def _signal_kernel(self, signum: int) -> None:
+        process = self.process
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            # The kernel leads its own process group (jupyter_client starts it in a new session).
+            os.killpg(process.pid, signum)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, stage: Stage) -> type:
+    """A kernel manager class for one stage: the kernel inherits the run-folder lock, learns where
+    run.log is, installs the logging hook at start-up, and is handed to `control` once launched."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class StageKernelManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+            kw["pass_fds"] = (*kw.get("pass_fds", ()), lock_fd)
+            kw["env"] = {**(kw.get("env") or os.environ), RUN_LOG_ENV: str(run_log), STAGE_ENV: stage.label}
+            await super()._async_launch_kernel([*kernel_cmd, f"--IPKernelApp.exec_lines={_KERNEL_HOOK}"], **kw)
+            control.kernel_started(self.provisioner.process)
+
+        async def _async_interrupt_kernel(self) -> None:
+            # jupyter_client interrupts before every shutdown; an idle kernel caught mid-message then logs
+            # "KeyboardInterrupt caught in kernel" into the runner's output. Stops are _StageControl's job.
+            if not self.shutting_down:
+                await super()._async_interrupt_kernel()
+
+        interrupt_kernel = _async_interrupt_kernel
+
+    return StageKernelManager
+
+
+def _mark_unfinished(output: Path, ename: str, evalue: str) -> int | None:
+    """After a kernel died or was stopped, papermill has saved every cell as completed: mark the cell
+    that was running as failed, with an error output, and the cells after it as never run.
+    Returns the execution count of that cell (None when no cell had started)."""
+    if not output.exists():
+        return None
+    notebook = nbformat.read(output, as_version=4)
+    started = [index for index, cell in enumerate(notebook.cells)
+               if cell.get("metadata", {}).get("papermill", {}).get("start_time")]
+    if not started:
+        return None
+    last = started[-1]
+    cell = notebook.cells[last]
+    cell.metadata.papermill.update(status="failed", exception=True)
+    if cell.cell_type == "code":
+        cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"]))
+    for later in notebook.cells[last + 1:]:
+        later.metadata.setdefault("papermill", {}).update(status="pending", start_time=None, end_time=None, duration=None)
+    notebook.metadata.setdefault("papermill", {})["exception"] = True
+    with atomic_write(output) as handle:
+        nbformat.write(notebook, handle)
+    return cell.get("execution_count")
+
+
 def _read_state(run_dir: Path) -> dict:
     path = run_dir / "state.json"
-    return json.loads(path.read_text()) if path.exists() else {"completed": [], "failed": None}
+    state = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    state.setdefault("completed", [])
+    state.setdefault("failed", None)
+    state.setdefault("running", None)
+    state.setdefault("stages", {})
+    return state
 
 
 def _save_params(run_dir: Path, params: Params) -> None:
@@ -98,6 +313,10 @@ def _save_params(run_dir: Path, params: Params) -> None:
         handle.write(text)
 
 
+def _now() -> str:
+    return dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
 def run_pipeline(
     params_path: str | Path,
     stages: list[str] | None = None,
@@ -106,16 +325,13 @@ def run_pipeline(
     notebooks_dir: Path = NOTEBOOKS_DIR,
     kernel_name: str = "python3",
 ) -> Path:
-    """Run the selected stages; returns the run folder. Raises RunError naming the failed cell."""
-    import papermill
-    from traitlets.config import Config
+    """Run the selected stages; returns the run folder.
 
-    from eaglekit.server import serving_endpoints
-
-    # The kernel's ZMQ sockets on 127.0.0.1 use CurveZMQ when the kernelspec supports it
-    # (ipykernel does), instead of plain text and a warning from every stage.
-    kernel_config = Config({"KernelManager": {"transport_encryption": "auto"}})
-
+    Raises RunError naming the failed cell (or the dead kernel), RunInterrupted after SIGINT/SIGTERM,
+    RunLockedError when another live process writes into the run folder. A stage that finishes but
+    records errors (`eaglekit.runs.record_stage_outcome`) does not stop the run; it is reported
+    "done with N errors" and `--resume` runs it again.
+    """
     params = load_params(params_path)  # fail before creating anything
     all_stages = discover_stages(notebooks_dir)
     if not all_stages:
@@ -131,62 +347,174 @@ def run_pipeline(
     else:
         run_id = run_id or new_run_id(params.run.name)
         run_dir = outputs / run_id
-        if run_dir.exists():
-            raise RunError(f"run folder {run_dir} exists and runs are never overwritten: pick another --run-id or pass --resume")
-    run_dir.mkdir(parents=True, exist_ok=True)
+        outputs.mkdir(parents=True, exist_ok=True)
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            raise RunError(f"run folder {run_dir} exists and runs are never overwritten: pick another --run-id or pass --resume") from None
+    resume_command = f"eaglekit run {params_path} --run-id {run_id} --resume"
+    try:
+        lock = RunFolderLock(run_dir).acquire()
+    except RunLockedError as error:
+        raise RunError(str(error)) from None
+    try:
+        return _run_locked(params, params_path, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name)
+    finally:
+        lock.release()
+
+
+def _run_locked(params: Params, params_path: str | Path, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool,
+                resume_command: str, lock: RunFolderLock, kernel_name: str) -> Path:
+    from traitlets.config import Config
+
+    from eaglekit.server import serving_endpoints
+
     (run_dir / "figures").mkdir(exist_ok=True)
     logger = _logger(run_dir)
     state = _read_state(run_dir)
     if resume:
-        done = set(state["completed"])
-        skipped = [stage.label for stage in chosen if stage.label in done]
+        done = list(state["completed"])
+        if state["running"]:
+            logger.warning("stage %s was running when its runner stopped without a word (killed or crashed)", state["running"])
         chosen = [stage for stage in chosen if stage.label not in done]
-        logger.info("resuming run %s: done already %s; to run %s", run_id, skipped or "none", [s.label for s in chosen])
+        logger.info("resuming run %s: done already %s; to run %s", run_id, ", ".join(done) or "none",
+                    ", ".join(stage.label for stage in chosen) or "nothing")
     _save_params(run_dir, params)
     write_environment(run_dir)
     logger.info("run %s: stages %s -> %s", run_id, [stage.label for stage in chosen], run_dir)
 
-    with contextlib.ExitStack() as stack:
-        endpoints = None
-        for stage in chosen:
-            if stage.needs_endpoint and endpoints is None:
-                logger.info("starting endpoints (embedded server unless params name endpoints)")
-                endpoints = stack.enter_context(serving_endpoints(params, log_path=run_dir / "server.log"))
-                logger.info("endpoints: %s", [endpoint.url for endpoint in endpoints])
-            parameters = dict(params.sections(), run_dir=str(run_dir))
-            if stage.needs_endpoint:
-                parameters["endpoints"] = [endpoint.model_dump(mode="json") for endpoint in endpoints]
-            declared = set(papermill.inspect_notebook(str(stage.notebook)))
-            parameters = {key: value for key, value in parameters.items() if key in declared}
-            output = run_dir / stage.notebook.name
-            logger.info("stage %s: running %s", stage.label, stage.notebook)
-            started = time.monotonic()
-            try:
-                papermill.execute_notebook(
-                    str(stage.notebook), str(output), parameters=parameters, kernel_name=kernel_name,
-                    cwd=str(stage.notebook.parent), progress_bar=False, log_output=False,
-                    config=kernel_config,
-                )
-            except KeyboardInterrupt:
-                state["failed"] = stage.label
-                write_json(run_dir / "state.json", state)
-                logger.error("interrupted in stage %s; continue with: eaglekit run %s --run-id %s --resume", stage.label, params_path, run_id)
-                raise
-            except papermill.PapermillExecutionError as error:
-                state["failed"] = stage.label
-                write_json(run_dir / "state.json", state)
-                cell_source = "\n".join("    " + line for line in (error.source or "").splitlines()[:15])
-                message = (
-                    f"stage {stage.label} failed in cell [{error.exec_count}]:\n{cell_source}\n"
-                    f"{error.ename}: {error.evalue}\n"
-                    f"executed notebook: {output}\n"
-                    f"after fixing, continue with: eaglekit run {params_path} --run-id {run_id} --resume"
-                )
-                logger.error(message)
-                raise RunError(message) from None
-            state["completed"] = [*state["completed"], stage.label]
-            state["failed"] = None
-            write_json(run_dir / "state.json", state)
-            logger.info("stage %s: done in %.1fs", stage.label, time.monotonic() - started)
-    logger.info("run %s complete: %s", run_id, run_dir)
+    # The kernel's ZMQ sockets on 127.0.0.1 use CurveZMQ when the kernelspec supports it
+    # (ipykernel does), instead of plain text and a warning from every stage.
+    kernel_config = Config({"KernelManager": {"transport_encryption": "auto"}})
+    control = _StageControl(params.generation.shutdown_grace_s, logger)
+    control.install()
+    try:
+        with contextlib.ExitStack() as stack:
+            endpoints = None
+            for stage in chosen:
+                if stage.needs_endpoint and endpoints is None:
+                    logger.info("starting endpoints (embedded server unless params name endpoints)")
+                    endpoints = stack.enter_context(serving_endpoints(params, log_path=run_dir / "server.log"))
+                    logger.info("endpoints: %s", [endpoint.url for endpoint in endpoints])
+                _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,
+                           kernel_name, kernel_config)
+    except RunInterrupted as error:
+        label = state["running"]
+        if label:
+            _record(run_dir, state, label, "interrupted", failed=True)
+        logger.error("interrupted (%s)%s; continue with: %s", error, f" in stage {label}" if label else "", resume_command)
+        raise RunInterrupted(f"{error}; continue with: {resume_command}", error.signum) from None
+    finally:
+        control.restore()
+    with_errors = stages_with_errors(run_dir)
+    if with_errors:
+        summary = ", ".join(f"{label} done with {count} errors" for label, count in with_errors.items())
+        logger.warning("run %s finished with errors: %s; retry them with: %s", run_id, summary, resume_command)
+    else:
+        logger.info("run %s complete: %s", run_id, run_dir)
     return run_dir
+
+
+def stages_with_errors(run_dir: Path) -> dict[str, int]:
+    """Stages whose last attempt finished with errors, from state.json: {label: errors}."""
+    state = _read_state(Path(run_dir))
+    return {label: entry.get("errors", 0) for label, entry in state["stages"].items()
+            if entry.get("status", "").startswith("done with")}
+
+
+def _record(run_dir: Path, state: dict, label: str, status: str, failed: bool = False, **fields) -> None:
+    """state.json: `completed` (stages done without errors, skipped by --resume), `failed`, `running`
+    (a stage whose runner vanished without a word keeps it), and per stage its last status."""
+    entry = {**state["stages"].get(label, {}), "status": status, "updated": _now(), **fields}
+    state["stages"][label] = entry
+    state["running"] = label if status == "running" else None
+    if failed:
+        state["failed"] = label
+    elif status != "running":
+        state["failed"] = None
+    if status == "done" and label not in state["completed"]:
+        state["completed"] = [*state["completed"], label]
+    elif status != "done" and status != "running":
+        state["completed"] = [item for item in state["completed"] if item != label]
+    write_json(run_dir / "state.json", state)
+
+
+def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | None, state: dict, control: _StageControl,
+               logger: logging.Logger, lock: RunFolderLock, resume_command: str, kernel_name: str, kernel_config) -> None:
+    import papermill
+    from nbclient.exceptions import DeadKernelError
+
+    parameters = dict(params.sections(), run_dir=str(run_dir))
+    if stage.needs_endpoint:
+        parameters["endpoints"] = [endpoint.model_dump(mode="json") for endpoint in endpoints]
+    declared = set(papermill.inspect_notebook(str(stage.notebook)))
+    parameters = {key: value for key, value in parameters.items() if key in declared}
+    output = run_dir / stage.notebook.name
+    clear_stage_outcome(run_dir, stage.name)
+    _record(run_dir, state, stage.label, "running", started=_now())
+    logger.info("stage %s: running %s", stage.label, stage.notebook)
+    started = time.monotonic()
+    control.stage_started()
+    try:
+        papermill.execute_notebook(
+            str(stage.notebook), str(output), parameters=parameters, kernel_name=kernel_name,
+            cwd=str(stage.notebook.parent), progress_bar=False, log_output=False, config=kernel_config,
+            kernel_manager_class=_stage_kernel_manager(control, lock.fd, run_dir / "run.log", stage),
+        )
+    except papermill.PapermillExecutionError as error:
+        control.stage_ended()
+        if control.signum is not None:
+            raise RunInterrupted(f"stopped by {signal.Signals(control.signum).name}", control.signum) from None
+        _record(run_dir, state, stage.label, "failed", failed=True, error=f"{error.ename}: {error.evalue}")
+        cell_source = "\n".join("    " + line for line in (error.source or "").splitlines()[:15])
+        message = (
+            f"stage {stage.label} failed in cell [{error.exec_count}]:\n{cell_source}\n"
+            f"{error.ename}: {error.evalue}\n"
+            f"executed notebook: {output}\n"
+            f"after fixing, continue with: {resume_command}"
+        )
+        logger.error(message)
+        raise RunError(message) from None
+    except DeadKernelError:
+        process = control.process
+        control.stage_ended()
+        returncode = process.poll() if process is not None else None
+        if control.signum is not None:
+            _mark_unfinished(output, "KernelKilled", "stopped by the runner after the shutdown grace period")
+            raise RunInterrupted(f"stopped by {signal.Signals(control.signum).name}", control.signum) from None
+        how = _describe_exit(returncode)
+        exec_count = _mark_unfinished(output, "DeadKernelError", f"the kernel died ({how})")
+        _record(run_dir, state, stage.label, "failed", failed=True, error=f"kernel died ({how})")
+        message = (
+            f"stage {stage.label} failed: the kernel died in cell [{exec_count}] ({how})\n"
+            f"executed notebook: {output}\n"
+            f"continue with: {resume_command}"
+        )
+        logger.error(message)
+        raise RunError(message) from None
+    finally:
+        control.stage_ended()
+    if control.signum is not None:  # the signal came as the last cell ended: stop before the next stage
+        raise RunInterrupted(f"stopped by {signal.Signals(control.signum).name}", control.signum)
+    seconds = round(time.monotonic() - started, 1)
+    outcome = read_stage_outcome(run_dir, stage.name) or {}
+    errors = int(outcome.get("errors", 0))
+    if errors:
+        status = f"done with {errors} errors"
+        _record(run_dir, state, stage.label, status, errors=errors, detail=outcome.get("detail", ""), seconds=seconds)
+        logger.warning("stage %s: %s in %.1fs%s; --resume retries them: %s", stage.label, status, seconds,
+                       f" ({outcome['detail']})" if outcome.get("detail") else "", resume_command)
+    else:
+        _record(run_dir, state, stage.label, "done", errors=0, seconds=seconds)
+        logger.info("stage %s: done in %.1fs", stage.label, seconds)
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "exit status unknown"
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        if -returncode == signal.SIGKILL:
+            return f"killed by {name}: the out-of-memory killer or a kill -9"
+        return f"killed by {name}"
+    return f"exit status {returncode}"

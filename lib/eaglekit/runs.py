@@ -124,6 +124,101 @@ STAGE_FOLDERS = {
 }
 
 
+class RunLockedError(RuntimeError):
+    """Another live process writes into this run folder."""
+
+
+class RunFolderLock:
+    """One writer per run folder: an exclusive `flock` on `<run_dir>/run.lock`, which holds who took it.
+
+    The kernel's lock is released by the kernel itself when the holder dies, however it dies (kill -9,
+    out of memory), so a lock left by a dead process is simply taken over. The runner passes the
+    locked descriptor to each stage kernel it starts: the lock then lasts until the runner *and* its
+    kernel are gone, so a resume never writes beside the orphaned kernel of a killed runner.
+    """
+
+    FILE = "run.lock"
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.path = Path(run_dir) / self.FILE
+        self.fd: int | None = None
+
+    def holder(self) -> dict:
+        """What the last taker wrote: pid, host, started, command (empty when unreadable)."""
+        try:
+            return json.loads(self.path.read_text(encoding="utf-8") or "{}")
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self, wait_for_orphans_s: float = 20.0) -> "RunFolderLock":
+        """Take the lock or raise RunLockedError naming the live holder.
+
+        A live runner fails the taker at once. When the recorded runner is dead but the lock is still
+        held, its stage kernel is finishing (ipykernel exits within about a second of its parent's
+        death): wait for it up to `wait_for_orphans_s`.
+        """
+        import fcntl
+        import socket
+
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + wait_for_orphans_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = self.holder()
+                runner_alive = holder.get("host") != socket.gethostname() or _pid_alive(holder.get("pid"))
+                if runner_alive or time.monotonic() > deadline:
+                    os.close(fd)
+                    raise RunLockedError(self._describe(holder, runner_alive)) from None
+                time.sleep(0.2)
+        record = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                  "command": " ".join(sys.argv)}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+        self.fd = fd
+        return self
+
+    def _describe(self, holder: dict, runner_alive: bool) -> str:
+        who = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started {holder.get('started', '?')}"
+        if runner_alive:
+            return (f"run folder {self.path.parent} is in use by another eaglekit process ({who}: "
+                    f"{holder.get('command', '')!s}); one writer per run folder: wait for it or stop it first")
+        return (f"run folder {self.path.parent} is still locked although its runner ({who}) is gone: a stage "
+                f"kernel it started is still running; find it with `fuser {self.path}` and stop it, then retry")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closes our descriptor; the flock ends when no process holds it any more
+            self.fd = None
+
+    def __enter__(self) -> "RunFolderLock":
+        return self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+def _pid_alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (dead, not yet reaped by its parent) answers kill(0) but holds no files.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
 def _outcome_path(run_dir: Path, stage: str) -> Path:
     return Path(run_dir) / "stage_outcomes" / f"{stage}.json"
 
@@ -133,7 +228,7 @@ def record_stage_outcome(run_dir: str | os.PathLike, stage: str, *, errors: int 
 
     The runner reads it after the notebook finishes: a stage with errors is reported "done with N
     errors" and is run again by `--resume` (the stage itself then retries only what failed).
-    `stage` is the stage name ("generation") or label ("03_generation"); the runner looks up both.
+    `stage` is the stage name without its number ("generation"), as the runner looks it up.
     """
     if errors < 0:
         raise ValueError(f"errors must be >= 0, got {errors}")
