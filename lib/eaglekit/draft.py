@@ -44,6 +44,8 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, repeat_kv
 
+from eaglekit.head_loss import HeadTeacher, chunked_soft_cross_entropy
+
 
 def default_capture_layer_indices(num_target_layers: int) -> tuple[int, int, int]:
     """Indices into transformers' `output_hidden_states` tuple that SGLang and vLLM capture by default.
@@ -180,26 +182,51 @@ class DraftKVCache:
 class TrainingTimeTestKeyValues:
     """Keys of every TTT step so far, attended the way serving will attend them.
 
-    Step 0 holds the extend rows (row t attends rows 0..t). At step i >= 1 row t plays decode step i
-    of a chain started at row t, so it sees step-0 rows 0..t plus its *own* keys from steps 1..i
-    (the same row t of each step) -- a causal block plus i diagonals, never other rows' later steps.
-    Cost is O(T^2 + i T) per step instead of recomputing the chain.
+    Step 0 holds the extend rows (row t attends rows 0..t of its own document). At step i >= 1 row t
+    plays decode step i of a chain started at row t, so it sees step-0 rows 0..t of its document plus
+    its *own* keys from steps 1..i (the same row t of each step) -- a causal block plus i diagonals,
+    never other rows' later steps. Cost is O(T^2 + i T) per step instead of recomputing the chain.
+
+    document_ids (B, T): a packed row holds several samples; a row attends only to rows of the same
+    document (block-diagonal causal mask), so packing never lets one sample see another.
+
+    Two backends compute the same thing:
+    - "eager": scores against step-0 keys as a dense (B, Hq, T, T) matrix plus one elementwise score
+      per later step. Works everywhere (CPU training and every test); memory grows with T^2.
+    - "flex": one `flex_attention` call per step over the concatenated keys of steps 0..i with a block
+      mask (document-causal on step 0, the diagonal on later steps), compiled. No T^2 scores are
+      stored; the kernel skips blocks no row sees. For CUDA (flex attention has no CPU backward).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, document_ids: torch.Tensor | None = None, backend: str = "eager") -> None:
+        if backend not in ("eager", "flex"):
+            raise ValueError(f"attention backend {backend!r}: use 'eager' or 'flex'")
         self.keys: list[torch.Tensor] = []  # per step (B, KV, T, D)
         self.values: list[torch.Tensor] = []
+        self.document_ids = document_ids
+        self.backend = backend
+        self._visible: torch.Tensor | None = None  # (B, 1, T, T) bool, built once per unroll
+
+    def _step0_visible(self, length: int, device: torch.device) -> torch.Tensor:
+        if self._visible is None:
+            visible = torch.ones(length, length, dtype=torch.bool, device=device).tril()[None, None]
+            if self.document_ids is not None:
+                same_document = self.document_ids[:, None, :, None] == self.document_ids[:, None, None, :]
+                visible = visible & same_document
+            self._visible = visible
+        return self._visible
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """query (B, Hq, T, D), key/value (B, KV, T, D) -> (B, Hq, T, D)."""
         self.keys.append(key)
         self.values.append(value)
+        if self.backend == "flex":
+            return self._attend_flex(query, scale)
         groups = query.shape[1] // key.shape[1]
         length = query.shape[2]
         first_keys, first_values = repeat_kv(self.keys[0], groups), repeat_kv(self.values[0], groups)
         causal_scores = (query @ first_keys.transpose(-1, -2)) * scale  # (B, Hq, T, T)
-        causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-        causal_scores = causal_scores.masked_fill(~causal, float("-inf"))
+        causal_scores = causal_scores.masked_fill(~self._step0_visible(length, query.device), float("-inf"))
         # Row t's own keys from later steps: one score per step, an elementwise dot product.
         later_keys = [repeat_kv(keys, groups) for keys in self.keys[1:]]
         later_values = [repeat_kv(values, groups) for values in self.values[1:]]
@@ -210,6 +237,51 @@ class TrainingTimeTestKeyValues:
         for offset, values in enumerate(later_values):
             output = output + probs[..., length + offset : length + offset + 1] * values
         return output
+
+    def _attend_flex(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        batch, _, length, _ = query.shape
+        keys, values = torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)  # (B, KV, (i+1) T, D)
+        block_mask = ttt_block_mask(self.document_ids, batch, length, len(self.keys), query.device)
+        return flex_attention_kernel(query.device)(query, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
+
+
+def ttt_mask_mod(document_ids: torch.Tensor | None, length: int):
+    """flex_attention mask over keys [step 0 | step 1 | ... | step i] (each T long) for query row q.
+
+    Step-0 key kv is visible when kv <= q in the same document; key kv of a later step is visible
+    only when it is row q's own (kv mod T == q).
+    """
+
+    def mask_mod(batch, head, query_index, key_index):
+        row = key_index % length
+        same_document = True if document_ids is None else document_ids[batch, query_index] == document_ids[batch, row]
+        step0 = (key_index < length) & (row <= query_index) & same_document
+        own_later = (key_index >= length) & (row == query_index)
+        return step0 | own_later
+
+    return mask_mod
+
+
+def ttt_block_mask(document_ids: torch.Tensor | None, batch: int, length: int, steps: int, device: torch.device):
+    """The BlockMask of TTT step `steps - 1`: queries (T) against the keys of `steps` steps."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(ttt_mask_mod(document_ids, length), batch if document_ids is not None else None, None,
+                             length, steps * length, device=device)
+
+
+_COMPILED_FLEX: dict[str, object] = {}
+
+
+def flex_attention_kernel(device: torch.device):
+    """flex_attention, compiled where it has a fused kernel (CUDA); eager elsewhere (forward only on CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type != "cuda":
+        return flex_attention
+    if "cuda" not in _COMPILED_FLEX:
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX["cuda"]
 
 
 KeyValues = DraftKVCache | TrainingTimeTestKeyValues
@@ -276,6 +348,17 @@ class Eagle3DecoderLayer(nn.Module):
         return residual + self.mlp(self.post_attention_layernorm(residual))
 
 
+class DraftHead(nn.Linear):
+    """lm_head over the draft vocab (Vd, H). Called with a `HeadTeacher` it returns the chunked soft
+    cross-entropy (eaglekit.head_loss) instead of logits: the loss runs inside this module's forward,
+    so FSDP's unshard hooks cover the weight it reads."""
+
+    def forward(self, hidden_states: torch.Tensor, teacher: HeadTeacher | None = None):  # type: ignore[override]
+        if teacher is None:
+            return super().forward(hidden_states)  # (.., H) -> (.., Vd)
+        return chunked_soft_cross_entropy(hidden_states, self.weight, teacher.probs, teacher.rows, teacher.row_weights, teacher.chunk_rows)
+
+
 class Eagle3DraftModel(nn.Module):
     """EAGLE-3 draft: frozen target embeddings, fc, one layer, norm, lm_head over the draft vocab.
 
@@ -291,11 +374,13 @@ class Eagle3DraftModel(nn.Module):
         self.fc = nn.Linear(3 * config.hidden_size, config.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.lm_head = DraftHead(config.hidden_size, config.draft_vocab_size, bias=False)
         self.rotary_emb = LlamaRotaryEmbedding(config.to_llama_config())
         # d2t[d] = target_id - d; t2d[target_id] = is that token in the draft vocab. Set by set_draft_vocab.
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        # TTT attention: "auto" (flex on CUDA, eager on CPU), "eager" or "flex". Not a weight, not exported.
+        self.attention_backend = "auto"
         self._init_trainable_weights()
 
     def _init_trainable_weights(self) -> None:
@@ -311,7 +396,10 @@ class Eagle3DraftModel(nn.Module):
 
     def project_features(self, aux_hidden_states: torch.Tensor) -> torch.Tensor:
         """Fuse the three target features: (B, T, 3H) -> (B, T, H)."""
-        return self.fc(aux_hidden_states.to(self.fc.weight.dtype))
+        dtype = self.fc.weight.dtype
+        if aux_hidden_states.is_cuda and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")  # bf16 features stay bf16: no fp32 copy of (T, 3H)
+        return self.fc(aux_hidden_states.to(dtype))
 
     def step(
         self, input_ids: torch.Tensor, hidden_states: torch.Tensor, position_ids: torch.Tensor, key_values: KeyValues
@@ -326,25 +414,59 @@ class Eagle3DraftModel(nn.Module):
         return self.lm_head(self.norm(prenorm_hidden_states))
 
     # -- training-time test --------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+    def resolved_attention_backend(self, device: torch.device) -> str:
+        """"flex" on CUDA unless set to "eager"; "eager" on CPU (flex attention has no CPU backward)."""
+        if self.attention_backend == "auto":
+            return "flex" if device.type == "cuda" else "eager"
+        return self.attention_backend
+
+    def unroll(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        ttt_steps: int,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """The TTT unroll's pre-norm states: ttt_steps tensors (B, T, H) (see `forward`)."""
+        batch, length = input_ids.shape
+        key_values = TrainingTimeTestKeyValues(document_ids, self.resolved_attention_backend(input_ids.device))
+        hidden_states = self.project_features(aux_hidden_states)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
+        step_states = []
+        for ttt_step in range(ttt_steps):
+            step_tokens = shift_left(input_ids, 1 + ttt_step, document_ids=document_ids)
+            hidden_states = self.step(step_tokens, hidden_states, position_ids + ttt_step, key_values)
+            step_states.append(hidden_states)
+        return step_states
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        aux_hidden_states: torch.Tensor,
+        ttt_steps: int,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        return_normed_states: bool = False,
+    ) -> list[torch.Tensor]:
         """Unroll the draft on its own output states for `ttt_steps` steps.
 
         input_ids (B, T): the sample's tokens; aux_hidden_states (B, T, 3H): target features per position.
         Step i, row t: token input_ids[t+1+i], RoPE position t+i, h = fc(features[t]) at step 0 else the
         previous step's pre-norm output of row t; it predicts the token at t+2+i.
-        Returns ttt_steps logits tensors (B, T, draft_vocab); rows whose tokens run past the end are
-        padding (token 0) and must be masked by the caller.
+        A packed row (several samples) passes position_ids (B, T), each sample's own positions from 0,
+        and document_ids (B, T): tokens, positions and attention then never cross a sample boundary,
+        so every sample's logits equal those of the sample alone.
+        Returns ttt_steps logits tensors (B, T, draft_vocab), or with return_normed_states the head's
+        inputs norm(h) (B, T, H): training runs the head chunk by chunk (`lm_head(states, teacher)`,
+        eaglekit.head_loss) and never holds all logits. Rows whose tokens run past the end of their
+        sample are padding (token 0) and must be masked by the caller.
         """
-        batch, length = input_ids.shape
-        key_values = TrainingTimeTestKeyValues()
-        hidden_states = self.project_features(aux_hidden_states)
-        base_positions = torch.arange(length, device=input_ids.device).expand(batch, length)
-        step_logits = []
-        for ttt_step in range(ttt_steps):
-            step_tokens = shift_left(input_ids, 1 + ttt_step)
-            hidden_states = self.step(step_tokens, hidden_states, base_positions + ttt_step, key_values)
-            step_logits.append(self.logits(hidden_states))
-        return step_logits
+        step_states = self.unroll(input_ids, aux_hidden_states, ttt_steps, position_ids, document_ids)
+        if return_normed_states:
+            return [self.norm(hidden_states) for hidden_states in step_states]
+        return [self.logits(hidden_states) for hidden_states in step_states]
 
     # -- serving-style decoding (the reference the unroll must equal) -------------------------------
     def extend(
@@ -388,11 +510,18 @@ class Eagle3DraftModel(nn.Module):
         return {name: tensor for name, tensor in self.state_dict().items() if not name.startswith("embed_tokens.")}
 
 
-def shift_left(input_ids: torch.Tensor, shift: int, fill: int = 0) -> torch.Tensor:
-    """Row t gets input_ids[t + shift]; rows past the end get `fill`. (B, T) -> (B, T)."""
+def shift_left(input_ids: torch.Tensor, shift: int, fill: int = 0, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Row t gets input_ids[t + shift]; rows past the end (or, packed, past their document) get `fill`.
+
+    (B, T) -> (B, T); document_ids (B, T) marks each packed sample.
+    """
     shifted = torch.full_like(input_ids, fill)
-    if shift < input_ids.shape[1]:
-        shifted[:, : input_ids.shape[1] - shift] = input_ids[:, shift:]
+    length = input_ids.shape[1]
+    if shift < length:
+        shifted[:, : length - shift] = input_ids[:, shift:]
+        if document_ids is not None:
+            crosses = document_ids[:, shift:] != document_ids[:, : length - shift]
+            shifted[:, : length - shift] = shifted[:, : length - shift].masked_fill(crosses, fill)
     return shifted
 
 

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from eaglekit.acceptance import chain_counts, pooled_accept_length
 from eaglekit.draft import Eagle3DraftModel
+from eaglekit.head_loss import chunked_ttt_loss
 from eaglekit.io import AppendLog, atomic_write, read_jsonl
 
 LAST_CHECKPOINT = "last.pt"
@@ -87,6 +88,8 @@ class TrainSettings:
     beta1: float = 0.9
     beta2: float = 0.95
     max_length: int = 2048  # tokens per sample; longer samples are cut
+    pack_tokens: int | None = None  # pack each step's samples into rows of this many tokens (eaglekit.packing); None: pad
+    attention: str = "auto"  # TTT attention: "auto" (flex on CUDA, eager on CPU), "eager" or "flex" (eaglekit.draft)
     eval_interval: int = 100  # optimizer steps between held-out evaluations and checkpoints
     eval_chain_steps: int | None = None  # chain length of the simulated accept length; None = ttt_steps
     seed: int = 0
@@ -146,13 +149,20 @@ def learning_rate_at(step: int, max_learning_rate: float, min_learning_rate: flo
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Batch:
-    """Right-padded samples. input_ids/loss_mask (B, T); aux (B, T, 3H); final (B, T, H); lengths (B,)."""
+    """Samples side by side (right-padded, `collate`) or packed into fixed token budgets (eaglekit.packing).
+
+    input_ids/loss_mask (B, T); aux (B, T, 3H); final (B, T, H); lengths (B,) real tokens per row;
+    position_ids (B, T) each sample's own positions from 0; document_ids (B, T) which sample a token
+    belongs to (attention, token shifts and targets never cross a document boundary).
+    """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     aux_hidden_states: torch.Tensor
     final_hidden_states: torch.Tensor
     lengths: torch.Tensor
+    position_ids: torch.Tensor
+    document_ids: torch.Tensor
 
     def to(self, device: torch.device) -> "Batch":
         return Batch(*(tensor.to(device, non_blocking=True) for tensor in dataclasses.astuple(self)))
@@ -175,11 +185,14 @@ def collate(samples: Sequence[dict], max_length: int) -> Batch:
         loss_mask[row, :sample_length] = torch.as_tensor(sample["loss_mask"][:sample_length]).bool()
         aux[row, :sample_length] = sample["aux_hidden_states"][:sample_length]
         final[row, :sample_length] = sample["final_hidden_states"][:sample_length]
-    return Batch(input_ids, loss_mask, aux, final, torch.tensor(lengths))
+    positions = torch.arange(length).expand(len(samples), length)
+    # One document per row: a padded row is the unpacked layout (padding is masked by loss_mask).
+    return Batch(input_ids, loss_mask, aux, final, torch.tensor(lengths), positions, torch.zeros_like(input_ids))
 
 
 def eligible_rows(batch: Batch, ttt_steps: int) -> torch.Tensor:
-    """Which rows TTT step i trains on: the predicted token t+2+i exists and the target generated it.
+    """Which rows TTT step i trains on: the predicted token t+2+i exists in the same sample (document)
+    and the target generated it.
 
     -> (ttt_steps, B, T) bool. Cheap (no target logits), so global counts are known before the forward.
     """
@@ -189,7 +202,8 @@ def eligible_rows(batch: Batch, ttt_steps: int) -> torch.Tensor:
         shift = 2 + step
         eligible = torch.zeros_like(batch.loss_mask)
         if shift < length:
-            eligible[:, : length - shift] = batch.loss_mask[:, shift:]
+            same_document = batch.document_ids[:, shift:] == batch.document_ids[:, : length - shift]
+            eligible[:, : length - shift] = batch.loss_mask[:, shift:] & same_document
         rows.append(eligible)
     return torch.stack(rows)
 
@@ -205,12 +219,24 @@ class TargetSignals:
 
 
 @torch.no_grad()
-def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, t2d: torch.Tensor) -> TargetSignals:
-    """final (B, T, H) @ lm_head (V, H)^T -> full logits (B, T, V) -> draft-vocab teacher."""
-    logits = final_hidden_states.float() @ target_lm_head.float().T
-    argmax = logits.argmax(-1)
-    probs = torch.softmax(logits[..., draft_to_target], dim=-1)
-    return TargetSignals(probs=probs, argmax=argmax, in_draft=t2d[argmax])
+def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, t2d: torch.Tensor,
+                   chunk_rows: int = 1024) -> TargetSignals:
+    """final (B, T, H) @ lm_head (V, H)^T -> draft-vocab teacher, `chunk_rows` rows at a time.
+
+    The full-vocab logits exist for one chunk only ((chunk, V) instead of (B, T, V): 2.7 GB for a 4K
+    pack of a 163,840-token vocab). Pass an fp32 head to skip a per-call cast.
+    """
+    batch, length, hidden = final_hidden_states.shape
+    head = target_lm_head.float()
+    flat = final_hidden_states.reshape(batch * length, hidden)
+    probs = torch.empty(batch * length, draft_to_target.shape[0], dtype=torch.float32, device=flat.device)
+    argmax = torch.empty(batch * length, dtype=torch.int64, device=flat.device)
+    for start in range(0, batch * length, chunk_rows):
+        logits = flat[start : start + chunk_rows].float() @ head.T  # (chunk, V)
+        argmax[start : start + chunk_rows] = logits.argmax(-1)
+        probs[start : start + chunk_rows] = torch.softmax(logits[:, draft_to_target], dim=-1)
+    argmax = argmax.view(batch, length)
+    return TargetSignals(probs=probs.view(batch, length, -1), argmax=argmax, in_draft=t2d[argmax])
 
 
 def ttt_loss(
@@ -464,6 +490,23 @@ def wrap_model(model: Eagle3DraftModel, parallel: str, device: torch.device) -> 
     return model
 
 
+def rank_packs(samples: Sequence[dict], settings: TrainSettings, device: torch.device) -> list[Batch]:
+    """This rank's samples of one step as packs of settings.pack_tokens (eaglekit.packing).
+
+    Ranks may need different numbers of packs. DDP syncs gradients once per step, so that is fine;
+    FSDP all-gathers weights in every forward, so under FSDP all ranks agree on the largest count
+    and the others add empty packs (no counted rows, zero gradient).
+    """
+    from eaglekit.packing import empty_pack, packed_micro_batches  # packing builds Batches: imported here to avoid a cycle
+
+    packs = packed_micro_batches(samples, settings.pack_tokens, settings.max_length)
+    if settings.parallel == "fsdp":
+        count = torch.tensor([len(packs)], device=device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        packs += [empty_pack(packs[0]) for _ in range(int(count) - len(packs))]
+    return packs
+
+
 def _gradient_sync(wrapped: torch.nn.Module, parallel: str, enabled: bool):
     """Skip the gradient all-reduce on all but the last micro-batch of an accumulation."""
     if parallel == "ddp" and not enabled:
@@ -637,7 +680,8 @@ def train_draft(
 
     torch.manual_seed(settings.seed)
     model.to(device)
-    target_lm_head = target_lm_head.to(device)
+    model.attention_backend = settings.attention
+    target_lm_head = target_lm_head.to(device, torch.float32)  # the teacher is fp32: cast once, not per micro-batch
     draft_to_target, t2d = model.draft_to_target_ids(), model.t2d
     wrapped = wrap_model(model, settings.parallel, device)
     trainable = [parameter for parameter in wrapped.parameters() if parameter.requires_grad]
@@ -708,30 +752,36 @@ def train_draft(
         # This rank's micro-batches of the global batch: micro-batch m of rank r takes slot m * world + r.
         positions = range(progress["samples_seen"], progress["samples_seen"] + global_batch)
         indices = [sample_index_at(position, len(train_samples), settings.seed) for position in positions]
-        micro_batches = []
+        rank_samples = []
         for micro in range(settings.grad_accumulation_steps):
             slot = micro * distributed.world_size + distributed.rank
             chosen = indices[slot * settings.micro_batch_size : (slot + 1) * settings.micro_batch_size]
-            micro_batches.append(collate([train_samples[index] for index in chosen], settings.max_length))
+            rank_samples.append([train_samples[index] for index in chosen])
+        if settings.pack_tokens is None:
+            micro_batches = [collate(samples, settings.max_length) for samples in rank_samples]
+        else:  # the same samples, packed: the same loss, no padding rows
+            micro_batches = rank_packs([sample for samples in rank_samples for sample in samples], settings, device)
         eligible = [eligible_rows(batch, settings.ttt_steps) for batch in micro_batches]
         counts = torch.stack([rows.sum(dim=(1, 2)) for rows in eligible]).sum(0).to(device, torch.float32)  # (k,)
         if settings.parallel != "none":
             dist.all_reduce(counts)
 
         tokens_seen += sum(int(batch.lengths.sum()) for batch in micro_batches) * distributed.world_size
-        stats = torch.zeros(settings.ttt_steps, 4, dtype=torch.float64)
-        loss_total = 0.0
+        # Stats stay on the device until the step is done: no host sync inside the micro-batch loop.
+        stats = torch.zeros(settings.ttt_steps, 4, dtype=torch.float64, device=device)
+        loss_total = torch.zeros((), dtype=torch.float64, device=device)
         for micro, (batch, rows) in enumerate(zip(micro_batches, eligible)):
-            batch, rows = batch.to(device), rows.to(device)
+            batch = batch.to(device)  # rows stay on the host: the loss picks its rows there (eaglekit.head_loss)
             targets = target_signals(batch.final_hidden_states, target_lm_head, draft_to_target, t2d)
             last_micro = micro == len(micro_batches) - 1
             with _gradient_sync(wrapped, settings.parallel, last_micro), _autocast(device):
-                step_logits = wrapped(batch.input_ids, batch.aux_hidden_states, settings.ttt_steps)
-                loss, micro_stats = ttt_loss(step_logits, targets, rows, counts, settings.step_weight, draft_to_target)
+                step_states = wrapped(batch.input_ids, batch.aux_hidden_states, settings.ttt_steps, batch.position_ids,
+                                      batch.document_ids, return_normed_states=True)
+                loss, micro_stats = chunked_ttt_loss(model, step_states, targets, rows, counts, settings.step_weight)
                 # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo it.
                 (loss * distributed.world_size).backward()
             stats += micro_stats
-            loss_total += float(loss.detach())
+            loss_total += loss.detach()
         gradient_norm = torch.nn.utils.clip_grad_norm_(trainable, settings.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -739,9 +789,10 @@ def train_draft(
         progress["samples_seen"] += global_batch
 
         if settings.parallel != "none":
-            totals = torch.cat([stats.flatten(), torch.tensor([loss_total], dtype=torch.float64)]).to(device)
+            totals = torch.cat([stats.flatten(), loss_total.view(1)])
             dist.all_reduce(totals)
-            stats, loss_total = totals[:-1].view_as(stats).cpu(), float(totals[-1])
+            stats, loss_total = totals[:-1].view_as(stats), totals[-1]
+        stats, loss_total = stats.cpu(), float(loss_total)  # the step's one host sync, for the log line
         if distributed.is_main:
             log.append({
                 "split": "train", "step": progress["step"], "samples_seen": progress["samples_seen"], "lr": learning_rate,
