@@ -10,13 +10,22 @@ mixed run and the test reads what it asked for:
     #fault:429x1 / #fault:503x3 / #fault:408x1   same, other statuses
     #fault:resetx1   reset the TCP connection instead of answering (first attempt)
     #fault:slowx1    sleep `slow_seconds` before answering (past the client's timeout)
-    #fault:400       always 400 with a context-length message (x<n> works too)
+    #fault:400       always 400 with a context-length message (x<n> works too); also 413, 422, 404
+    #fault:401 / #fault:403   the key refused (x<n> works too)
+    #retryafter:1.5  add `Retry-After: 1.5` to this prompt's 429/503 answers
+    Malformed 200s (x<n> works too): #fault:nullchoice (choices[0] null), #fault:strchoice (a string),
+    #fault:nomessage (a choice without message), #fault:nochoices (empty list), #fault:usagelist
+    (usage a list), #fault:notjson (not JSON), #fault:badids (token_ids strings)
+    #fault:toolcall  answer with tool calls (content null), OpenAI shape
     #fault:length    finish_reason "length" (truncated)
     #fault:empty     empty content
     #fault:loop      content that ends in a repetition loop
     #fault:think     reasoning but empty content
     #sleep:0.25      answer after 0.25 s (bench latency distributions)
-Attempts are counted per prompt text. Server-wide options choose the dialect: whether
+Attempts are counted per prompt text. With `api_key` set, every route (health and models too)
+answers 401 unless `Authorization: Bearer <api_key>` is sent; tests rotate it mid-run by assigning
+`server.options.api_key`. `last_request` holds the last chat request's JSON body.
+Server-wide options choose the dialect: whether
 `return_token_ids` is honoured (vLLM puts `prompt_token_ids` on the response, SGLang on the choice),
 which reasoning field name is used (`reasoning_content`: SGLang and vLLM < 0.17; `reasoning`:
 vLLM 0.17+), and whether unknown request fields get 422 (like `transformers serve`).
@@ -43,9 +52,12 @@ from dataclasses import dataclass, field
 
 DIRECTIVE = re.compile(r"#fault:(\w+?)(?:x(\d+))?(?=\s|$)")
 SLEEP = re.compile(r"#sleep:([0-9.]+)")
+RETRY_AFTER = re.compile(r"#retryafter:([0-9.]+)")
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
-                "stop", "seed", "frequency_penalty"}
-TRANSIENT_STATUSES = {"500": 500, "502": 502, "503": 503, "504": 504, "429": 429, "408": 408}
+                "stop", "seed", "frequency_penalty", "tools"}
+TRANSIENT_STATUSES = {"500": 500, "502": 502, "503": 503, "504": 504, "429": 429, "408": 408, "404": 404}
+REQUEST_STATUSES = {"400": 400, "413": 413, "422": 422, "401": 401, "403": 403}
+MALFORMED = {"nullchoice", "strchoice", "nomessage", "nochoices", "usagelist", "notjson", "badids"}
 
 
 @dataclass
@@ -55,6 +67,7 @@ class FaultOptions:
     strict_fields: bool = False           # 422 on fields outside KNOWN_FIELDS, like `transformers serve`
     slow_seconds: float = 5.0
     model: str = "fault-model"
+    api_key: str | None = None            # require `Authorization: Bearer <api_key>` on every route
 
 
 def fake_token_ids(text: str) -> list[int]:
@@ -70,6 +83,8 @@ class FaultServer:
     requests: int = 0
     service_seconds: float = 0.0   # sum over chat completions of request read -> response written
     last_headers: dict = field(default_factory=dict)   # of the last chat completion, names lower-cased
+    last_request: dict = field(default_factory=dict)   # the last chat completion's JSON body
+    control_headers: list = field(default_factory=list)  # (path, authorization) of GET requests
 
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -90,7 +105,15 @@ class FaultServer:
                 received = time.perf_counter()
                 if path.rstrip("/") == "/v1/chat/completions":
                     self.last_headers = headers
-                keep_going = await self.respond(method, path, body, writer)
+                if method == "GET":
+                    self.control_headers.append((path, headers.get("authorization")))
+                key = self.options.api_key
+                if key is not None and headers.get("authorization") != f"Bearer {key}":
+                    keep_going = self.send(writer, 401, {"error": {"message": "Invalid API key", "code": 401}})
+                    if path.rstrip("/") == "/v1/chat/completions":
+                        self.requests += 1
+                else:
+                    keep_going = await self.respond(method, path, body, writer)
                 if path.rstrip("/") == "/v1/chat/completions":
                     self.service_seconds += time.perf_counter() - received
                 if not keep_going or headers.get("connection", "").lower() == "close":
@@ -111,6 +134,7 @@ class FaultServer:
             return self.send(writer, 404, {"detail": "Not Found"})
         self.requests += 1
         request = json.loads(body)
+        self.last_request = request
         unknown = sorted(set(request) - KNOWN_FIELDS)
         if self.options.strict_fields and unknown:
             return self.send(writer, 422, {"detail": [{"type": "extra_forbidden", "loc": ["body", name],
@@ -125,10 +149,17 @@ class FaultServer:
             await asyncio.sleep(float(sleep.group(1)))
         failing = kind is not None and (count is None or attempt <= count)
         if failing and kind in TRANSIENT_STATUSES:
-            return self.send(writer, TRANSIENT_STATUSES[kind], {"error": {"message": f"injected {kind}"}})
+            headers = {}
+            if (retry_after := RETRY_AFTER.search(prompt)) is not None:
+                headers["retry-after"] = retry_after.group(1)
+            return self.send(writer, TRANSIENT_STATUSES[kind], {"error": {"message": f"injected {kind}"}}, headers)
         if failing and kind == "400":
             return self.send(writer, 400, {"object": "error", "code": 400, "message":
                              "This model's maximum context length is 32 tokens. However, you requested 99 tokens."})
+        if failing and kind in REQUEST_STATUSES:
+            return self.send(writer, REQUEST_STATUSES[kind], {"error": {"message": f"injected {kind}"}})
+        if failing and kind in MALFORMED:
+            return self.send_malformed(writer, kind, self.completion(request, prompt, None))
         if failing and kind == "reset":
             self.statuses["reset"] += 1
             # SO_LINGER 0 makes close() send RST: the client sees a connection reset, not a clean close.
@@ -150,9 +181,14 @@ class FaultServer:
             content = "Start. " + "the same words again " * 40
         elif kind == "think":
             content = ""
+        elif kind == "toolcall":
+            content = None
         prompt_text = "".join(str(message["content"]) for message in request["messages"])
-        completion_text = (reasoning if self.options.reasoning_field else "") + content
+        completion_text = (reasoning if self.options.reasoning_field else "") + (content or "")
         message = {"role": "assistant", "content": content}
+        if kind == "toolcall":
+            message["tool_calls"] = [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": json.dumps({"city": prompt[:20]})}}]
         if self.options.reasoning_field:
             message[self.options.reasoning_field] = reasoning
         choice = {"index": 0, "message": message, "finish_reason": finish_reason}
@@ -168,12 +204,34 @@ class FaultServer:
                 choice["prompt_token_ids"] = fake_token_ids(prompt_text)
         return response
 
-    def send(self, writer: asyncio.StreamWriter, status: int, payload: dict) -> bool:
+    def send_malformed(self, writer: asyncio.StreamWriter, kind: str, good: dict) -> bool:
+        """A 200 that is not a well-formed chat completion, as broken proxies and servers send them."""
+        if kind == "notjson":
+            return self.send(writer, 200, None, raw=b"<html>upstream error</html>")
+        payload = dict(good)
+        if kind == "nullchoice":
+            payload["choices"] = [None]
+        elif kind == "strchoice":
+            payload["choices"] = ["Answer: text"]
+        elif kind == "nomessage":
+            payload["choices"] = [{"index": 0, "finish_reason": "stop"}]
+        elif kind == "nochoices":
+            payload["choices"] = []
+        elif kind == "usagelist":
+            payload["usage"] = [1, 2, 3]
+        elif kind == "badids":
+            payload["choices"] = [{**good["choices"][0], "token_ids": ["a", "b"]}]
+        return self.send(writer, 200, payload)
+
+    def send(self, writer: asyncio.StreamWriter, status: int, payload: dict | None,
+             headers: dict[str, str] | None = None, raw: bytes | None = None) -> bool:
         self.statuses[str(status)] += 1
-        body = json.dumps(payload).encode()
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 408: "Request Timeout", 422: "Unprocessable Entity",
-                  429: "Too Many Requests"}.get(status, "Error")
-        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+        body = raw if raw is not None else json.dumps(payload).encode()
+        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
+                  408: "Request Timeout", 413: "Content Too Large", 422: "Unprocessable Entity",
+                  429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "Error")
+        extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n{extra}"
                      f"content-length: {len(body)}\r\n\r\n".encode() + body)
         return True
 
@@ -240,9 +298,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reasoning-field", choices=["reasoning_content", "reasoning"], default=None)
     parser.add_argument("--strict-fields", action="store_true")
     parser.add_argument("--slow-seconds", type=float, default=5.0)
+    parser.add_argument("--api-key", default=None)
     args = parser.parse_args(argv)
     options = FaultOptions(token_ids=args.token_ids, reasoning_field=args.reasoning_field,
-                           strict_fields=args.strict_fields, slow_seconds=args.slow_seconds)
+                           strict_fields=args.strict_fields, slow_seconds=args.slow_seconds, api_key=args.api_key)
     try:
         asyncio.run(serve_forever(options, args.port))
     except KeyboardInterrupt:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -23,10 +24,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 
-from eaglekit.endpoints import Endpoint, EndpointSpec, TransientError  # noqa: E402
+from eaglekit.endpoints import (  # noqa: E402
+    Endpoint, EndpointAuthError, EndpointPool, EndpointSpec, TransientError, parse_chat_response, parse_retry_after)
 from eaglekit.generation import (  # noqa: E402
-    PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, has_repetition_loop, quality_flags,
-    read_generations)
+    GenerationLog, PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, generation_table,
+    has_repetition_loop, quality_flags, read_generations, summarize_generations)
 from eaglekit.tokenized import build_tokenized_data  # noqa: E402
 from eaglekit.io import read_jsonl  # noqa: E402
 
@@ -45,6 +47,25 @@ def write_prompts(path: Path, texts: list[str], prefix: str = "p") -> Path:
 
 def ids_once(output_dir: Path) -> Counter:
     return Counter(record["id"] for _, record in read_jsonl(output_dir / "generations.jsonl"))
+
+
+def within(seconds: float, function, *args, **kwargs):
+    """Run function in a thread; fail (instead of hanging the suite) when it has not returned in time."""
+    outcome: dict = {}
+
+    def work() -> None:
+        try:
+            outcome["value"] = function(*args, **kwargs)
+        except BaseException as error:  # handed to the test
+            outcome["error"] = error
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{function.__name__} still running after {seconds} s: the run hangs"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -191,6 +212,324 @@ def test_bad_prompt_file_names_file_line_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: field 'messages\[1\].role'"):
         generate([PromptSource("ds", "short", path)], [EndpointSpec("http://127.0.0.1:9/v1")], tmp_path / "out",
                  [PartitionSettings("short", 1, 8)], **FAST)
+
+
+# -------------------------------------------------------------------------------------------------
+# Malformed answers, authentication, Retry-After, status classes
+
+MALFORMED_200S = ["nullchoice", "strchoice", "nomessage", "nochoices", "usagelist", "notjson", "badids"]
+
+
+def test_parse_chat_response_rejects_every_malformed_completion():
+    good = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    assert parse_chat_response(good).content == "hi"
+    broken = [None, "text", [], {}, {"choices": None}, {"choices": []}, {"choices": [None]}, {"choices": ["x"]},
+              {"choices": [{"finish_reason": "stop"}]}, {"choices": [{"message": "hi"}]},
+              {**good, "usage": [1, 2]}, {**good, "usage": {"prompt_tokens": "3"}},
+              {**good, "usage": {"completion_tokens": True}},
+              {"choices": [{"message": {"content": 5}}]},
+              {"choices": [{"message": {"content": "a"}, "token_ids": ["1"]}]},
+              {"choices": [{"message": {"content": "a"}, "finish_reason": 3}]},
+              {"choices": [{"message": {"content": None, "tool_calls": [{"function": {}}]}}]},
+              {**good, "sglext": "x"}]
+    for data in broken:
+        with pytest.raises(TransientError) as caught:
+            parse_chat_response(data)
+        assert caught.value.kind == "bad_response", data
+
+
+def test_malformed_200s_are_retried_then_recorded_and_never_hang_the_run(tmp_path):
+    # Concurrency 1: one leaked slot and the run waits for ever (today's parser raised past the release).
+    texts = [f"once {kind} #fault:{kind}x1" for kind in MALFORMED_200S]
+    texts += ["always #fault:nullchoice", "no message ever #fault:nomessage", "fine at the end"]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
+    with FaultEndpoint(FaultOptions(token_ids="vllm")) as endpoint:
+        summary = within(60, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
+                         tmp_path / "out", [PartitionSettings("short", concurrency=1, max_tokens=16)], **FAST)
+    records = read_generations(tmp_path / "out")
+    for index, kind in enumerate(MALFORMED_200S):
+        record = records[("ds", f"p{index}")]
+        assert record["attempts"] == 2 and record["content"].startswith("Answer: once"), kind
+    errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    first_permanent = len(MALFORMED_200S)
+    assert set(errors) == {f"p{first_permanent}", f"p{first_permanent + 1}"}
+    assert all(error["kind"] == "bad_response" and error["attempts"] == 4 for error in errors.values())
+    assert all(record["content"] for record in records.values())  # no choice without message stored as ""
+    assert ("ds", f"p{first_permanent + 2}") in records
+    assert (summary.datasets["ds"].done, summary.datasets["ds"].errors) == (len(MALFORMED_200S) + 1, 2)
+
+
+def test_status_classes_only_request_faults_are_terminal_for_a_prompt(tmp_path):
+    texts = ["a #fault:413", "b #fault:422", "c #fault:404x2", "d #fault:500x1", "e #fault:400"]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
+    with FaultEndpoint() as endpoint:
+        generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                 [PartitionSettings("short", 2, 16)], **FAST)
+    errors = {record["id"]: (record["status"], record["attempts"]) for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert errors == {"p0": (413, 1), "p1": (422, 1), "p4": (400, 1)}
+    attempts = {key[1]: record["attempts"] for key, record in read_generations(tmp_path / "out").items()}
+    assert attempts == {"p2": 3, "p3": 2}
+
+
+def test_key_rotated_mid_run_stops_at_once_naming_endpoint_and_fix(tmp_path, monkeypatch):
+    total = 80
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.02" for i in range(total)])
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 4, 16)]
+    output = tmp_path / "out"
+    with FaultEndpoint(FaultOptions(api_key="key-1")) as endpoint:
+        spec = EndpointSpec(endpoint.base_url, api_key="key-1", name="sglang-test", api_key_env="TEST_SGLANG_KEY")
+
+        def rotate() -> None:
+            while len(finished_keys(output / "generations.jsonl")) < 10:
+                time.sleep(0.005)
+            endpoint.server.options.api_key = "key-2"
+
+        rotator = threading.Thread(target=rotate, daemon=True)
+        rotator.start()
+        started = time.monotonic()
+        with pytest.raises(EndpointAuthError) as caught:
+            within(60, generate, source, [spec], output, partitions, **FAST)
+        stopped_in = time.monotonic() - started
+        rotator.join(5)
+        message = str(caught.value)
+        assert "sglang-test" in message and "TEST_SGLANG_KEY" in message and "401" in message and "--resume" in message
+        assert stopped_in < 10
+        done_before = len(finished_keys(output / "generations.jsonl"))
+        assert 10 <= done_before < total
+        assert not (output / "errors.jsonl").exists() or not (output / "errors.jsonl").read_text().strip()
+        requests_after_rotation = endpoint.server.statuses["401"]
+        assert requests_after_rotation <= 4 + 1  # the slots in flight, not every remaining prompt
+        # The operator fixes the key and resumes: every prompt answered exactly once.
+        summary = generate(source, [EndpointSpec(endpoint.base_url, api_key="key-2", name="sglang-test")], output,
+                           partitions, **FAST)
+    assert summary.datasets["ds"].done == total and summary.datasets["ds"].errors == 0
+    assert set(ids_once(output).values()) == {1}
+
+
+def test_keyed_endpoint_starts_without_model_and_sends_the_key_to_health_and_models(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["one", "two"])
+    with FaultEndpoint(FaultOptions(api_key="secret")) as endpoint:
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url, api_key="secret")],
+                           tmp_path / "out", [PartitionSettings("short", 2, 16)], **FAST)
+        assert summary.datasets["ds"].done == 2
+
+        async def health() -> bool:
+            probe = Endpoint(EndpointSpec(endpoint.base_url, api_key="secret"), 1, 5.0)
+            try:
+                return await probe.check_health()
+            finally:
+                await probe.aclose()
+
+        assert asyncio.run(health())
+        assert endpoint.server.control_headers and all(auth == "Bearer secret" for _, auth in endpoint.server.control_headers)
+        # A wrong key is said to be a wrong key, at once, not "no endpoint answered ... fix base_url".
+        started = time.monotonic()
+        with pytest.raises(EndpointAuthError, match="refuses the API key"):
+            generate([PromptSource("ds", "short", prompts)],
+                     [EndpointSpec(endpoint.base_url, api_key="wrong", name="keyed")], tmp_path / "out2",
+                     [PartitionSettings("short", 2, 16)], **FAST)
+        assert time.monotonic() - started < 5
+
+
+def test_retry_after_is_honoured_without_spending_attempts(tmp_path):
+    texts = ["busy #fault:429x3 #retryafter:0.3", "overloaded #fault:503x2 #retryafter:0.3", "plain"]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
+    retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02)
+    started = time.monotonic()
+    with FaultEndpoint() as endpoint:
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                           [PartitionSettings("short", 1, 16)], **{**FAST, "retry": retry})
+    elapsed = time.monotonic() - started
+    assert summary.datasets["ds"].done == 3 and summary.datasets["ds"].errors == 0
+    records = read_generations(tmp_path / "out")
+    assert records[("ds", "p0")]["attempts"] == 1 and records[("ds", "p1")]["attempts"] == 1
+    assert elapsed >= 5 * 0.3  # the server asked to wait five times
+
+
+def test_a_paused_endpoint_gets_no_requests_while_another_serves():
+    async def scenario() -> list[str]:
+        endpoints = [Endpoint(EndpointSpec(f"http://127.0.0.1:9/v{i}", name=f"e{i}"), 2, 1.0) for i in range(2)]
+        for endpoint in endpoints:
+            endpoint.capabilities = object()  # probed
+        pool = EndpointPool(endpoints)
+        endpoints[0].pause(0.2)
+        picked = [(await pool.acquire(4)).name for _ in range(3)]
+        endpoints[1].pause(0.2)
+        started = time.monotonic()
+        picked.append((await pool.acquire(4)).name)  # both paused: waits for the first pause to end
+        assert time.monotonic() - started >= 0.05
+        await pool.aclose()
+        return picked
+
+    assert asyncio.run(scenario()) == ["e1", "e1", "e1", "e0"]
+    assert parse_retry_after("2.5") == 2.5 and parse_retry_after("soon") is None
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: no wait
+
+
+# -------------------------------------------------------------------------------------------------
+# Resume: errors once per session with their history, cumulative counters, progress lines
+
+def test_errored_prompts_retried_once_per_session_recorded_once_with_history(tmp_path):
+    texts = [f"bad {i} #fault:400" for i in range(5)] + ["ok 1", "ok 2", "cut #fault:length"]
+    prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 3, 16)]
+    with FaultEndpoint() as endpoint:
+        for session in (1, 2, 3):
+            summary = generate(source, [EndpointSpec(endpoint.base_url, name="fault")], tmp_path / "out", partitions,
+                               **FAST)
+            errors = [record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")]
+            assert len(errors) == 5 and summary.datasets["ds"].errors == 5
+            assert all(len(error["history"]) == session - 1 and error["session"] == session for error in errors)
+            assert all(past["status"] == 400 and past["endpoint"] == "fault" for error in errors for past in error["history"])
+            assert summary.datasets["ds"].done == 3 and summary.datasets["ds"].truncated == 1
+        attempts = endpoint.server.attempts
+    assert all(attempts[text] == 3 for text in texts[:5])  # once per session
+    assert all(attempts[text] == 1 for text in texts[5:])  # nothing finished is requested again
+
+
+def mixed_texts(total: int, sleep: float) -> list[str]:
+    """Answers of every kind the counters track: truncated, flagged, reasoning only, failed, plain."""
+    kinds = ["#fault:length", "#fault:loop", "#fault:empty", "#fault:think", "#fault:400", "", "", "", ""]
+    return [f"q{i} {kinds[i % len(kinds)]} #sleep:{sleep}" for i in range(total)]
+
+
+def counters(record: dict) -> dict:
+    return {name: record[name] for name in ("done", "total", "errors", "truncated", "flags", "mean_completion_tokens")}
+
+
+def test_counters_after_two_kill9s_equal_an_uninterrupted_run_and_a_recount(tmp_path):
+    total = 117
+    prompts = write_prompts(tmp_path / "prompts.jsonl", mixed_texts(total, 0.05))
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 4, 16)]
+    with FaultEndpoint(FaultOptions(reasoning_field="reasoning_content")) as endpoint:
+        reference = generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "reference", partitions, **FAST)
+        output = tmp_path / "out"
+        config = {"prompts": str(prompts), "base_url": endpoint.base_url, "output_dir": str(output), "concurrency": 4}
+        for kill_after in (15, 50):  # two real kill -9s of a generation process
+            client = subprocess.Popen(client_command(config, tmp_path / "config.json"), stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 60
+            while len(finished_keys(output / "generations.jsonl")) < kill_after and time.monotonic() < deadline:
+                time.sleep(0.005)
+            client.kill()
+            assert client.wait(timeout=20) == -signal.SIGKILL
+        assert len(finished_keys(output / "generations.jsonl")) < total - 13, "the client finished before the kill"
+        resumed = generate(source, [EndpointSpec(endpoint.base_url)], output, partitions, **FAST)
+    expected = counters([record for _, record in read_jsonl(tmp_path / "reference" / "metrics.jsonl")][-1])
+    final = [record for _, record in read_jsonl(output / "metrics.jsonl")][-1]
+    assert final["final"] and final["session"] == 3
+    assert counters(final) == expected
+    assert expected["truncated"] == 13 and expected["errors"] == 13
+    assert expected["flags"]["repetition_loop"] == 13 and expected["flags"]["reasoning_without_answer"] == 26
+    recount = summarize_generations(output, source)
+    for summary in (resumed, recount):
+        counts = summary.datasets["ds"]
+        assert (counts.done, counts.errors, counts.truncated) == (expected["done"]["ds"], 13, 13)
+        assert counts.flags == expected["flags"]
+        assert round(counts.mean_completion_tokens, 2) == expected["mean_completion_tokens"]
+    assert set(ids_once(output).values()) == {1}
+
+
+def test_progress_lines_in_the_log_with_endpoint_names_and_whole_session_final_rate(tmp_path, caplog):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.05" for i in range(60)])
+    caplog.set_level(logging.INFO, logger="eaglekit")
+    with FaultEndpoint() as first, FaultEndpoint() as second:
+        specs = [EndpointSpec(first.base_url, name="node-a"), EndpointSpec(second.base_url, name="node-b")]
+        generate([PromptSource("ds", "short", prompts)], specs, tmp_path / "out", [PartitionSettings("short", 2, 16)],
+                 **{**FAST, "log_interval_s": 0.25})
+    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.generation"]
+    progress = [line for line in lines if line.startswith("progress ")]
+    final = [line for line in lines if line.startswith("final ")]
+    assert progress and len(final) == 1
+    for line in progress + final:
+        assert "ds " in line and "/60" in line and "errors 0" in line and "req/s" in line and "tok/s" in line
+        assert "mean " in line and "in flight" in line and "node-a" in line and "node-b" in line and "ETA" in line
+    assert "ds 60/60" in final[0]
+    assert {record["endpoint"] for record in read_generations(tmp_path / "out").values()} == {"node-a", "node-b"}
+    records = list(read_generations(tmp_path / "out").values())
+    first_start = min(record["finished_at"] - record["latency_s"] for record in records)
+    span = max(record["finished_at"] for record in records) - first_start
+    measured = len(records) / span
+    last = [record for _, record in read_jsonl(tmp_path / "out" / "metrics.jsonl")][-1]
+    assert abs(last["requests_per_s"] - measured) / measured < 0.25, (last["requests_per_s"], measured)
+
+
+@pytest.mark.parametrize("grace, sleep, recorded", [(3.0, 1.0, 2), (0.3, 4.0, 0)])
+def test_sigterm_gives_in_flight_requests_exactly_the_grace_then_exits_143(tmp_path, grace, sleep, recorded):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:{sleep}" for i in range(6)])
+    output = tmp_path / "out"
+    with FaultEndpoint() as endpoint:
+        config = {"prompts": str(prompts), "base_url": endpoint.base_url, "output_dir": str(output), "concurrency": 2,
+                  "grace": grace}
+        client = subprocess.Popen(client_command(config, tmp_path / "config.json"), stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30
+        while endpoint.server.requests < 3 and time.monotonic() < deadline:  # the probe, then two in flight
+            time.sleep(0.005)
+        client.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        returncode = client.wait(timeout=30)
+        stopped_in = time.monotonic() - started
+        stderr = client.stderr.read()
+    assert returncode == 143, stderr[-2000:]
+    assert "Traceback" not in stderr, stderr
+    assert len(finished_keys(output / "generations.jsonl")) == recorded
+    if recorded:
+        assert stopped_in < grace  # finished within the grace: no need to wait it out
+    else:
+        assert grace <= stopped_in < grace + 1.5, stopped_in
+
+
+# -------------------------------------------------------------------------------------------------
+# Tools, tool calls and reasoning as the server sees and returns them
+
+def test_tools_and_tool_calls_sent_in_openai_shape_and_answers_kept(tmp_path):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+             {"name": "bare_function", "parameters": {"type": "object"}}]
+    conversation = {"id": "t0", "source": "test", "meta": {"tools": tools}, "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "{\"temp\": 21}"},
+        {"role": "user", "content": "And Rome? #fault:toolcall"}]}
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps(conversation) + "\n")
+    with FaultEndpoint(FaultOptions(token_ids="sglang", reasoning_field="reasoning_content")) as endpoint:
+        summary = generate([PromptSource("ds", "short", path)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                           [PartitionSettings("short", 1, 16)], **FAST)
+        request = endpoint.server.last_request
+    assert request["tools"] == [tools[0], {"type": "function", "function": tools[1]}]
+    assistant, tool = request["messages"][1], request["messages"][2]
+    assert assistant["tool_calls"] == [{"id": "call_1_0", "type": "function",
+                                        "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]
+    assert tool == {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1_0"}
+    record = read_generations(tmp_path / "out")[("ds", "t0")]
+    assert record["tool_calls"][0]["function"]["name"] == "get_weather" and record["content"] == ""
+    assert record["reasoning"] == "Let me think." and record["reasoning_field"] == "reasoning_content"
+    assert record["token_ids"] and record["prompt_token_ids"]
+    assert summary.datasets["ds"].flags["empty"] == 0 and "reasoning_without_answer" not in record["flags"]
+
+
+# -------------------------------------------------------------------------------------------------
+# Reading the log with bounded memory
+
+def test_streaming_readers_agree_with_the_full_read(tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl", mixed_texts(18, 0.0))
+    name = 'odd ", "content": name'  # a quote and the content key inside a value: still one head
+    with FaultEndpoint(FaultOptions(token_ids="vllm")) as endpoint:
+        generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url, name=name)], tmp_path / "out",
+                 [PartitionSettings("short", 3, 16)], **FAST)
+    full = read_generations(tmp_path / "out")
+    with open(tmp_path / "out" / "generations.jsonl", "a") as handle:
+        handle.write('{"dataset": "ds", "id": "torn", "content": "cut off')  # a writer killed mid-line
+    table = generation_table(tmp_path / "out")
+    assert {(row["dataset"], row["id"]) for row in table} == set(full)
+    for row in table:
+        record = full[(row["dataset"], row["id"])]
+        assert "content" not in row and "token_ids" not in row and row["endpoint"] == name
+        assert row == {key: value for key, value in record.items()
+                       if key not in ("content", "reasoning", "tool_calls", "prompt_token_ids", "token_ids")}
+    with GenerationLog(tmp_path / "out") as log:
+        assert len(log) == len(full) and all(log.get(key) == record for key, record in full.items())
+        assert log.get(("ds", "missing")) is None and [record["id"] for record in log] == [r["id"] for r in full.values()]
 
 
 # -------------------------------------------------------------------------------------------------

@@ -359,10 +359,14 @@ class GenerationLog:
         return json.loads(self._handle.readline())
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """Every full record in file order, one at a time."""
-        for _, record in read_jsonl(self.path):
-            if (record["dataset"], record["id"]) in self.offsets:
-                yield record
+        """Every indexed record in file order, one at a time (a torn last line is not one)."""
+        wanted = set(self.offsets.values())
+        with open(self.path, "rb") as handle:
+            offset = 0
+            for line in handle:
+                if offset in wanted:
+                    yield json.loads(line)
+                offset += len(line)
 
     def close(self) -> None:
         if self._handle is not None:
