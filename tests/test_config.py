@@ -107,3 +107,64 @@ def test_environment_yml_lists_the_same_packages_as_pyproject():
     assert expected <= names, f"missing from environment.yml: {sorted(expected - names)}"
     pinned = [item for item in listed if isinstance(item, str) and item.startswith("torch")]
     assert pinned == ["torch==2.13.0"]
+
+
+def test_an_alias_bomb_fails_fast_with_a_clear_message(tmp_path):
+    import time
+
+    levels = "".join(f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 9)}]\n" for n in range(1, 9))
+    bomb = write(tmp_path, "l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + levels)
+    assert len(bomb.read_bytes()) < 1024  # 9^9 nodes once expanded
+    started = time.monotonic()
+    with pytest.raises(ParamsError, match=r"scenario.yaml:9: not valid YAML: more than 64 aliases"):
+        load_params(bomb)
+    assert time.monotonic() - started < 1.0
+
+    # Few aliases, each to a large node: refused by the expanded size, also at once.
+    wide = write(tmp_path, "a: &a [" + ", ".join(["x"] * 400) + "]\nb: &b [" + ", ".join(["*a"] * 60) + "]\nc: [*b, *b, *b, *b]\n")
+    started = time.monotonic()
+    with pytest.raises(ParamsError, match="aliases expand to more than 100,000 nodes"):
+        load_params(wide)
+    assert time.monotonic() - started < 1.0
+    with pytest.raises(ParamsError, match=r"scenario.yaml:1: not valid YAML: an alias refers to the node that contains it"):
+        load_params(write(tmp_path, "a: &a [1, *a]\n"))
+
+
+def test_a_few_aliases_are_fine(tmp_path):
+    params = load_params(write(tmp_path, "run: &run\n  name: shared\ntarget:\n  model: embedded:smollm2-135m-instruct\n"
+                                         "training:\n  data_sizes: &sizes [4, 8]\n"))
+    assert params.run.name == "shared" and params.training.data_sizes == [4, 8]
+
+
+def test_a_repeated_key_names_both_lines(tmp_path):
+    path = write(tmp_path, "run:\n  name: first\n  seed: 1\n  name: second\n")
+    with pytest.raises(ParamsError) as caught:
+        load_params(path)
+    assert f"{path}:4: key 'run.name' repeated (first at line 2)" in str(caught.value)
+    nested = write(tmp_path, "endpoints:\n  - url: http://a:1/v1\n    model: m\n    model: n\n")
+    with pytest.raises(ParamsError, match=r"scenario.yaml:4: key 'endpoints.0.model' repeated \(first at line 3\)"):
+        load_params(nested)
+    with pytest.raises(ParamsError, match=r"scenario.yaml:3: key 'run' repeated \(first at line 1\)"):
+        load_params(write(tmp_path, "run:\n  name: a\nrun:\n  seed: 2\n"))
+
+
+def test_a_non_utf8_params_file_names_the_file_and_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ParamsError) as caught:
+        load_params(path)
+    assert f"{path}:2: not UTF-8 (byte 0xe9" in str(caught.value) and "save the params file as UTF-8" in str(caught.value)
+    bom = tmp_path / "bom.yaml"
+    bom.write_bytes("\ufeffrun:\n  name: bom\n".encode("utf-8"))
+    assert load_params(bom).run.name == "bom"
+
+
+def test_the_cli_reports_bad_params_files_without_a_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"run:\n  name: caf\xe9\n")
+    result = subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert f"{path}:2: not UTF-8" in result.stderr

@@ -40,3 +40,43 @@ def test_stage_outcome_is_never_half_written(tmp_path):
     leftovers = [name for name in os.listdir(tmp_path / "stage_outcomes") if name != "capture.json"]
     assert all(name.endswith(".tmp") for name in leftovers)
     json.loads((tmp_path / "stage_outcomes" / "capture.json").read_text())
+
+
+HOLD_LOCK = (
+    "import sys, time\n"
+    "from eaglekit.runs import RunFolderLock\n"
+    "RunFolderLock(sys.argv[1]).acquire()\n"
+    "print('locked', flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+def test_a_live_holder_fails_the_second_writer_at_once_naming_it(tmp_path):
+    import time
+
+    from eaglekit.runs import RunFolderLock, RunLockedError
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        started = time.monotonic()
+        with pytest.raises(RunLockedError, match=f"in use by another eaglekit process \\(pid {holder.pid} on "):
+            RunFolderLock(tmp_path).acquire()
+        assert time.monotonic() - started < 1.0  # at once, not after a wait
+        holder.kill()  # kill -9: the kernel drops the flock with the process
+        holder.wait()
+        with RunFolderLock(tmp_path) as lock:
+            assert lock.holder()["pid"] == os.getpid()
+    finally:
+        holder.kill()
+
+
+def test_a_lock_file_left_by_a_dead_process_is_taken_over(tmp_path):
+    from eaglekit.runs import RunFolderLock
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": int(dead), "host": "elsewhere", "started": "yesterday"}))
+    with RunFolderLock(tmp_path) as lock:
+        assert lock.holder()["pid"] == os.getpid()
+    with RunFolderLock(tmp_path):  # and released on exit
+        pass

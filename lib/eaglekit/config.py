@@ -258,8 +258,101 @@ class Params(Section):
         return self.model_dump(mode="json")
 
 
-def _yaml_lines(text: str) -> dict[tuple, int]:
-    """Map each key path in a YAML document to its 1-based line, for error messages."""
+# A params file is a few hundred nodes. Aliases beyond these bounds are a mistake or an attack (a
+# 1 KB "billion laughs" document expands to about 10^9 nodes when walked): refuse before walking.
+MAX_ALIASES = 64
+MAX_EXPANDED_NODES = 100_000
+
+
+class _CountingLoader(yaml.SafeLoader):
+    """Composes a document while counting alias uses, and fails at the first one beyond MAX_ALIASES."""
+
+    aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+            if self.aliases > MAX_ALIASES:
+                mark = self.peek_event().start_mark
+                raise yaml.MarkedYAMLError(problem=f"more than {MAX_ALIASES} aliases (*name): params files do not "
+                                           "need that many; write the values out", problem_mark=mark)
+        return super().compose_node(parent, index)
+
+
+def _yaml_error(error: yaml.YAMLError, origin: str) -> str:
+    # The context mark is where the broken construct began, usually the line to fix.
+    mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
+    where = f"{origin}:{mark.line + 1}" if mark else origin
+    return f"{where}: not valid YAML: {getattr(error, 'problem', None) or error}"
+
+
+def _expanded_size(root: yaml.Node) -> int:
+    """Nodes the document has once every alias is expanded (a shared node counts at each use)."""
+    sizes: dict[int, int] = {}
+    in_progress: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in in_progress:
+            raise yaml.MarkedYAMLError(problem="an alias refers to the node that contains it", problem_mark=node.start_mark)
+        in_progress.add(key)
+        if isinstance(node, yaml.MappingNode):
+            total = 1 + sum(size(key_node) + size(value_node) for key_node, value_node in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            total = 1 + sum(size(item) for item in node.value)
+        else:
+            total = 1
+        in_progress.discard(key)
+        sizes[key] = total = min(total, MAX_EXPANDED_NODES + 1)
+        return total
+
+    return size(root)
+
+
+def _compose(text: str, origin: str) -> yaml.Node | None:
+    """The YAML node tree, refused when aliases expand beyond the bounds or a key is repeated."""
+    loader = _CountingLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is not None and _expanded_size(root) > MAX_EXPANDED_NODES:
+            raise yaml.YAMLError(f"aliases expand to more than {MAX_EXPANDED_NODES:,} nodes")
+    except yaml.YAMLError as error:
+        raise ParamsError(_yaml_error(error, origin)) from None
+    finally:
+        loader.dispose()
+    if root is not None:
+        _refuse_duplicate_keys(root, origin)
+    return root
+
+
+def _refuse_duplicate_keys(root: yaml.Node, origin: str) -> None:
+    """YAML keeps the last of two equal keys and drops the first without a word; params refuse both."""
+    seen_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
+    while stack:
+        node, path = stack.pop()
+        if id(node) in seen_nodes:
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first_line: dict[str, int] = {}
+            for key_node, value_node in node.value:
+                key = str(key_node.value)
+                line = key_node.start_mark.line + 1
+                if key in first_line and key != "<<":
+                    dotted = ".".join(str(part) for part in (*path, key))
+                    raise ParamsError(f"{origin}:{line}: key {dotted!r} repeated (first at line {first_line[key]}); "
+                                      "keep one of them")
+                first_line.setdefault(key, line)
+                stack.append((value_node, (*path, key)))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend((item, (*path, index)) for index, item in enumerate(node.value))
+
+
+def _yaml_lines(root: yaml.Node | None) -> dict[tuple, int]:
+    """Map each key path in a composed YAML document to its 1-based line, for error messages."""
     lines: dict[tuple, int] = {}
 
     def walk(node: yaml.Node, path: tuple) -> None:
@@ -273,10 +366,6 @@ def _yaml_lines(text: str) -> dict[tuple, int]:
                 lines[path + (index,)] = item.start_mark.line + 1
                 walk(item, path + (index,))
 
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
-        return lines
     if root is not None:
         walk(root, ())
     return lines
@@ -308,24 +397,31 @@ def params_from_sections(sections: dict[str, Any], origin: str = "notebook param
 
 
 def load_params(path: str | os.PathLike) -> Params:
-    """Read and validate a params YAML file."""
+    """Read and validate a params YAML file (UTF-8, no repeated keys, aliases within small bounds)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ParamsError(f"params file {path} not found (scenarios live in {REPO_ROOT / 'params'})") from None
+    except OSError as error:
+        raise ParamsError(f"params file {path}: cannot read it: {error.strerror or error}") from None
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is fine
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ParamsError(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x} at offset {error.start}): "
+                          "save the params file as UTF-8") from None
+    # Composed before anything is built from it: aliases bounded, repeated keys refused.
+    root = _compose(text, str(path))
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        # The context mark is where the broken construct began, usually the line to fix.
-        mark = getattr(error, "context_mark", None) or getattr(error, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ParamsError(f"{where}: not valid YAML: {getattr(error, 'problem', error)}") from None
+        raise ParamsError(_yaml_error(error, str(path))) from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: the top level must be a mapping of sections ({', '.join(Params.section_names())})")
-    return params_from_sections(data, origin=str(path), lines=_yaml_lines(text))
+    return params_from_sections(data, origin=str(path), lines=_yaml_lines(root))
 
 
 def repo_path(path: str | os.PathLike) -> Path:
