@@ -20,8 +20,11 @@ from eaglekit.specdec import (
     evaluate_speculative_loop,
     greedy_decode,
     offline_chain_agreement,
+    offline_tree_acceptance,
     speculative_decode,
+    tree_speculative_decode,
 )
+from eaglekit.topology import Topology
 from eaglekit.vocab import select_draft_vocab
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "List three uses of a paperclip."]
@@ -285,3 +288,91 @@ def test_offline_agreements_group_by_dataset_in_sample_order(target, fitted_draf
     assert all(array.dtype == np.bool_ and array.shape[1] == 2 and array.shape[0] > 0 for arrays in grouped.values() for array in arrays)
     # The fitted draft agrees with the target on its training sequences more often than never.
     assert any(array[:, 0].any() for arrays in grouped.values() for array in arrays)
+
+
+# ---------------------------------------------------------------------------------------------------
+# trees: SGLang's S/K/T through the real loop, lossless, and the offline tree estimate
+# ---------------------------------------------------------------------------------------------------
+TREES = ["tree:2,2,4", "tree:3,3,8"]
+
+
+@pytest.mark.parametrize("text", TREES)
+def test_tree_loop_output_equals_greedy_random_and_fitted(target, random_draft, fitted_draft, prompts, references, eos_token_id, text):
+    """Whatever the tree holds, the output is the target's greedy output, through EOS and budget cuts."""
+    topology = Topology.parse(text)
+    for draft, prompt, reference, max_new_tokens in [(random_draft, prompts[0], references[0], MAX_NEW_TOKENS),
+                                                     (fitted_draft, prompts[1], references[1], 11),
+                                                     (fitted_draft, prompts[2], references[2], MAX_NEW_TOKENS)]:
+        result = tree_speculative_decode(target, draft, prompt, topology, max_new_tokens, [eos_token_id])
+        assert result.output_ids == expected_output(reference, max_new_tokens, eos_token_id)
+        assert sum(result.emitted_per_step) + 1 == len(result.output_ids)
+        assert all(0 <= accepted <= topology.steps for accepted in result.accepted_per_step)
+        assert result.topology == topology
+
+
+def test_tree_loop_with_top_k_1_is_the_chain_loop(target, fitted_draft, prompts, references, eos_token_id):
+    """The tree code with K = 1 (its own draft attention, cache rollback by index) accepts what the chain loop accepts."""
+    for prompt in prompts:
+        chain = speculative_decode(target, fitted_draft, prompt, 3, MAX_NEW_TOKENS, [eos_token_id])
+        tree = tree_speculative_decode(target, fitted_draft, prompt, Topology.chain(3), MAX_NEW_TOKENS, [eos_token_id])
+        assert tree.output_ids == chain.output_ids
+        assert tree.accepted_per_step == chain.accepted_per_step and tree.chain_start_rows == chain.chain_start_rows
+
+
+def test_tree_oracle_accepts_deep_paths_and_stops_mid_block(target, random_draft, prompts, references, eos_token_id):
+    """Forced right except one position: whole paths of depth S accepted where the oracle is right, budget cuts
+    and an EOS inside an accepted block."""
+    prompt, reference = prompts[1], references[1]
+    sequence = prompt + reference
+    wrong = [len(prompt) + 6]
+    oracle = OracleDraft(random_draft, sequence, len(prompt), wrong_positions=wrong)
+    topology = Topology.parse("tree:3,2,7")  # 2 + 2*4 = 10 candidates; the oracle's top-1 path is the best-scored
+    for max_new_tokens in (1, 2, 5, MAX_NEW_TOKENS):
+        result = tree_speculative_decode(target, oracle, prompt, topology, max_new_tokens, [eos_token_id])
+        assert result.output_ids == reference[:max_new_tokens]
+    full = tree_speculative_decode(target, oracle, prompt, topology, MAX_NEW_TOKENS, [eos_token_id])
+    assert max(full.accepted_per_step) == 3 and full.loop_accept_length > 2.5
+    offline = offline_tree_acceptance(target, oracle, sequence, len(prompt), topology)
+    by_row = dict(zip(offline.start_rows.tolist(), offline.accepted_depths.tolist()))
+    for row, accepted in zip(full.chain_start_rows, full.accepted_per_step):
+        if row in by_row:
+            assert accepted == by_row[row]
+    eos = reference[8]
+    result = tree_speculative_decode(target, oracle, prompt, topology, MAX_NEW_TOKENS, [eos])
+    assert result.output_ids == expected_output(reference, MAX_NEW_TOKENS, eos) and result.stop_reason == "eos"
+
+
+def test_offline_tree_with_top_k_1_is_the_offline_chain(target, fitted_draft, prompts, references):
+    """K = 1: the tree's accepted depth at every start row is the chain's leading agreement count there."""
+    for prompt, reference in zip(prompts, references):
+        chain = offline_chain_agreement(target, fitted_draft, prompt + reference, len(prompt), 3)
+        tree = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), Topology.chain(3))
+        assert tree.start_rows.tolist() == chain.start_rows.tolist()
+        assert tree.accepted_depths.tolist() == np.logical_and.accumulate(chain.agreement, axis=1).sum(axis=1).tolist()
+        assert pooled_accept_length(chain_counts([tree.agreement])) == pooled_accept_length(chain_counts([chain.agreement]))
+
+
+def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts, references, eos_token_id):
+    """At every row the loop visits, it accepts the depth the offline tree predicts; a wider tree accepts at
+    least as much as the chain offline on the same rows, and loop and offline tau agree closely."""
+    topology = Topology.parse("tree:3,3,8")
+    loop_accepted, offline_arrays, chain_arrays = [], [], []
+    for prompt, reference in zip(prompts, references):
+        result = tree_speculative_decode(target, fitted_draft, prompt, topology, MAX_NEW_TOKENS, [eos_token_id])
+        offline = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), topology)
+        chain = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), Topology.chain(3))
+        by_row = dict(zip(offline.start_rows.tolist(), offline.accepted_depths.tolist()))
+        compared = 0
+        for row, accepted in zip(result.chain_start_rows, result.accepted_per_step):
+            if row in by_row:
+                assert accepted == by_row[row], f"row {row}: loop accepted {accepted}, offline tree {by_row[row]}"
+                compared += 1
+        assert compared >= 1
+        loop_accepted.extend(result.accepted_per_step)
+        offline_arrays.append(offline.agreement)
+        chain_arrays.append(chain.agreement)
+        assert (offline.accepted_depths >= chain.accepted_depths).mean() > 0.9  # the tree holds the chain's path almost always
+    tau_offline = pooled_accept_length(chain_counts(offline_arrays))
+    assert tau_offline >= pooled_accept_length(chain_counts(chain_arrays))
+    tau_loop = 1 + float(np.mean(loop_accepted))
+    assert tau_offline > 1.2 and abs(tau_loop - tau_offline) / tau_offline < 0.15, (tau_loop, tau_offline)

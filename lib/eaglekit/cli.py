@@ -1,4 +1,4 @@
-"""`eaglekit` command line: run the pipeline, resolve the target model, serve it."""
+"""`eaglekit` command line: run the pipeline, resolve the target model, serve it, evaluate a draft."""
 
 from __future__ import annotations
 
@@ -70,6 +70,37 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    """`eaglekit evaluate`: the real loop, the offline estimate and plain greedy on a prompts file (eaglekit.evaluate)."""
+    import torch
+
+    from eaglekit.evaluate import format_report, run_evaluate
+    from eaglekit.io import InputError
+    from eaglekit.topology import parse_topologies
+
+    try:
+        topologies = parse_topologies(args.topology or ["chain:3"])
+    except ValueError as error:
+        print(f"eaglekit evaluate: {error}", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        records = run_evaluate(args.target, args.draft, args.prompts, topologies, args.max_new_tokens, json_path=args.json,
+                               limit=args.limit, device=args.device, dtype=args.dtype, num_resamples=args.resamples)
+    except (InputError, FileNotFoundError, ValueError) as error:
+        print(f"eaglekit evaluate: {error}", file=sys.stderr)
+        return 1
+    print(format_report(records))
+    if args.json:
+        print(f"wrote {args.json}")
+    if not all(record["outputs_equal"] for record in records):
+        print("eaglekit evaluate: the speculative output differs from plain greedy decoding for some prompt "
+              "(see 'equal' above): the loop is not lossless on this setup", file=sys.stderr)
+        return 3
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +124,21 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("model", nargs="?", default="embedded:smollm2-135m-instruct")
     serve.add_argument("--port", type=int)
     serve.set_defaults(handler=_serve)
+
+    evaluate = commands.add_parser("evaluate", help="accept length and speed of an exported draft: real loop, offline estimate, plain greedy")
+    evaluate.add_argument("--target", required=True, help="target model folder (or embedded:NAME)")
+    evaluate.add_argument("--draft", required=True, help="exported draft folder (SGLang or vLLM format)")
+    evaluate.add_argument("--prompts", required=True, help="JSONL conversations (kit schema or OpenAI messages)")
+    evaluate.add_argument("--topology", action="append", help="chain:k or tree:S,K,T (SGLang's num-steps, eagle-topk, "
+                          "num-draft-tokens); repeat for several (default chain:3)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=128)
+    evaluate.add_argument("--json", help="write per-topology results here")
+    evaluate.add_argument("--limit", type=int, help="only the first N prompts")
+    evaluate.add_argument("--device", default="cpu", help="torch device of target and draft (cpu, cuda)")
+    evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    evaluate.add_argument("--threads", type=int, help="torch CPU threads")
+    evaluate.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the intervals")
+    evaluate.set_defaults(handler=_evaluate)
 
     args = parser.parse_args(argv)
     return args.handler(args)

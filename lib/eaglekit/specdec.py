@@ -759,7 +759,9 @@ class OracleDraft:
             if wanted < self.prompt_length or wanted >= len(self.sequence_draft_ids):
                 continue  # a prompt row (its logits are never used) or past the known sequence: draft id 0
             draft_id = int(self.sequence_draft_ids[wanted])
-            logits[0, row, (draft_id + 1) % size if wanted in self.wrong_positions else draft_id] = 1.0
+            # A confident proposal (probability ~1 - 1e-5 at a 1024-token draft vocab), so a tree's cumulative
+            # scores rank the oracle's own path first, as a well-trained draft's would.
+            logits[0, row, (draft_id + 1) % size if wanted in self.wrong_positions else draft_id] = 20.0
         return logits
 
     def extend(self, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, start_position: int,

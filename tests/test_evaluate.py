@@ -1,0 +1,137 @@
+"""`eaglekit evaluate` end to end on the embedded target: a small fitted draft exported with the kit's own
+export functions (SGLang and vLLM folders), a prompts file in the kit's schema and OpenAI's, a chain and a tree."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from eaglekit.cli import main
+from eaglekit.draft import build_draft_from_target, load_target_head_weights
+from eaglekit.evaluate import load_draft_for_target, read_prompts
+from eaglekit.export import export_sglang, export_vllm
+from eaglekit.io import InputError
+from eaglekit.specdec import greedy_decode
+from eaglekit.vocab import select_draft_vocab
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+QUESTIONS = ["Name two colors.", "What is two plus two?"]
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def target(embedded_model_dir):
+    return AutoModelForCausalLM.from_pretrained(embedded_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, embedded_model_dir, target):
+    """A draft overfitted for a few steps on the target's own greedy answers, exported in both formats."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
+    prompts = [list(p if isinstance(p, list) else p["input_ids"]) for p in prompts]
+    sequences = [prompt + greedy_decode(target, prompt, MAX_NEW_TOKENS).output_ids for prompt in prompts]
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.int64)
+    for sequence in sequences:
+        counts += torch.bincount(torch.tensor(sequence), minlength=target.config.vocab_size)
+    vocab = select_draft_vocab(counts, 512)
+    draft = build_draft_from_target(load_target_head_weights(embedded_model_dir), vocab.d2t, vocab.t2d, seed=0).train()
+    features = []
+    with torch.no_grad():
+        for sequence in sequences:
+            hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+            features.append(torch.cat([hidden[i] for i in draft.config.capture_layer_indices], dim=-1).clone())
+    target_to_draft = torch.cumsum(draft.t2d.long(), 0) - 1
+    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
+    for _ in range(10):
+        optimizer.zero_grad()
+        loss = 0.0
+        for sequence, aux, prompt in zip(sequences, features, prompts):
+            ids = torch.tensor([sequence])
+            for step, logits in enumerate(draft(ids, aux, 2)):
+                rows = slice(len(prompt) - 1, ids.shape[1] - 2 - step)
+                loss = loss + F.cross_entropy(logits[0, rows], target_to_draft[ids[0, len(prompt) + 1 + step:]])
+        loss.backward()
+        optimizer.step()
+    draft.eval()
+    root = tmp_path_factory.mktemp("exports")
+    sglang = export_sglang(draft, target.config, root / "sglang")
+    vllm = export_vllm(draft, target.config, root / "vllm", verifier_name_or_path="embedded")
+    return sglang, vllm
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = [
+        # The kit's conversation schema; the trailing assistant turn is the reference answer and is dropped.
+        {"id": "kit-1", "source": "test", "messages": [{"role": "user", "content": QUESTIONS[0]},
+                                                         {"role": "assistant", "content": "Red and blue."}], "meta": {}},
+        # OpenAI messages as a bare list.
+        [{"role": "system", "content": "You are brief."}, {"role": "user", "content": QUESTIONS[1]}],
+    ]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_evaluate_command_end_to_end(tmp_path, embedded_model_dir, exports, prompts_file, capsys):
+    sglang_dir, _ = exports
+    out = tmp_path / "out.json"
+    code = main(["evaluate", "--target", str(embedded_model_dir), "--draft", str(sglang_dir), "--prompts", str(prompts_file),
+                 "--topology", "chain:2", "--topology", "tree:3,2,6", "--max-new-tokens", str(MAX_NEW_TOKENS),
+                 "--json", str(out), "--resamples", "200"])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    report = json.loads(out.read_text())
+    chain, tree = report["topologies"]
+    assert (chain["topology"], chain["steps"], chain["top_k"], chain["draft_tokens"]) == ("chain:2", 2, 1, 3)
+    assert (tree["topology"], tree["steps"], tree["top_k"], tree["draft_tokens"]) == ("tree:3,2,6", 3, 2, 6)
+    assert chain["vllm_speculative_config"]["num_speculative_tokens"] == 2 and tree["vllm_speculative_config"] is None
+    for record in (chain, tree):
+        assert record["outputs_equal"] is True
+        rows = record["per_prompt"]
+        assert [row["prompt"] for row in rows] == ["kit-1", "line2"]
+        # tau_server counts completion tokens (prefill token included, budget cuts applied) per verification.
+        assert record["tau_server"] == pytest.approx(sum(r["output_tokens"] for r in rows) / sum(r["verification_steps"] for r in rows))
+        assert 1.0 <= record["tau_loop"] <= record["steps"] + 1 and 1.0 <= record["tau_offline"] <= record["steps"] + 1
+        low, high = record["tau_loop_interval"]
+        assert low <= record["tau_loop"] <= high
+        assert record["tokens_per_s"] > 0 and record["greedy_tokens_per_s"] > 0
+        assert record["speedup"] == pytest.approx(record["tokens_per_s"] / record["greedy_tokens_per_s"])
+    # The fitted draft accepts something, and the tree (which holds the chain's first two levels) no less offline.
+    assert chain["tau_offline"] > 1.1
+    assert tree["tau_offline"] >= chain["tau_offline"] - 1e-9
+    assert "tau loop" in printed and "lossless    yes" in printed and "tree:3,2,6" in printed
+
+
+def test_vllm_and_sglang_exports_load_the_same_draft(embedded_model_dir, exports, target):
+    sglang_dir, vllm_dir = exports
+    from_sglang, from_vllm = load_draft_for_target(sglang_dir, target), load_draft_for_target(vllm_dir, target)
+    # The two configs spell the capture layers differently (SGLang id + 1); both must land on the same layers.
+    assert from_sglang.config.capture_layer_indices == from_vllm.config.capture_layer_indices == (2, 15, 27)
+    for name, tensor in from_sglang.state_dict().items():
+        assert torch.equal(tensor, from_vllm.state_dict()[name]), name
+    assert from_sglang.fc.weight.dtype == torch.float32  # a bf16 export runs in the target's dtype
+
+
+def test_bad_prompts_and_topologies_fail_clearly(tmp_path, embedded_model_dir, exports, capsys):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "robot", "content": "x"}]}\n')
+    with pytest.raises(InputError, match=r"bad.jsonl:2: field 'messages\[0\].role'"):
+        read_prompts(path)
+    path.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(InputError, match=r"bad.jsonl:1: field 'messages'"):
+        read_prompts(path)
+    path.write_text('{"messages": [{"role": "assistant", "content": "only an answer"}]}\n')
+    with pytest.raises(InputError, match="only assistant turns"):
+        read_prompts(path)
+    assert main(["evaluate", "--target", str(embedded_model_dir), "--draft", str(exports[0]), "--prompts", str(path),
+                 "--topology", "tree:3,1,8"]) == 2
+    assert "with top-k 1 the tree is a chain" in capsys.readouterr().err
+    assert main(["evaluate", "--target", str(embedded_model_dir), "--draft", str(exports[0]), "--prompts", str(path)]) == 1
+    assert "only assistant turns" in capsys.readouterr().err
