@@ -231,7 +231,7 @@ def test_three_sizes_and_a_three_parameter_curve_are_not_identified():
     rng = np.random.default_rng(1)
     sizes = np.array([60, 240, 960.0])
     truth = np.array([1.34, 1.46, 1.54])
-    answer = scaling_answer(sizes, truth, _paired_replicates(truth, rng), 4.0, targets=[("break-even", 2.07)])
+    answer = scaling_answer(sizes, truth, _paired_replicates(truth, rng), 4.0, targets=[("break-even", 2.07)]).to_dict()
     assert not answer["ceiling"]["identified"]
     assert "3 data sizes for a 3-parameter curve" in answer["ceiling"]["statement"]
     assert "No ceiling and no data-size forecast" in answer["ceiling"]["statement"]

@@ -685,6 +685,24 @@ def ceiling_identification(
     )
 
 
+@dataclass(frozen=True)
+class ScalingAnswer:
+    """The scaling answer: the local slope, whether a ceiling is identified, doublings to each target."""
+
+    slope: LocalSlope
+    ceiling: CeilingIdentification
+    doublings_needed: list[dict]  # label, target_accept_length, doublings (point, low, high), statement
+
+    @property
+    def statements(self) -> list[str]:
+        """Plain sentences in reading order, built from the numbers."""
+        return [self.slope.statement(), self.ceiling.statement(), *(item["statement"] for item in self.doublings_needed)]
+
+    def to_dict(self) -> dict:
+        return {"local_slope": self.slope.to_dict(), "ceiling": self.ceiling.to_dict(), "doublings_needed": self.doublings_needed,
+                "statements": self.statements}
+
+
 def scaling_answer(
     data_sizes: Sequence[float],
     accept_lengths: Sequence[float],
@@ -693,12 +711,8 @@ def scaling_answer(
     targets: Sequence[tuple[str, float]] = (),
     confidence: float = 0.95,
     lower_bound_sizes: Sequence[float] = (),
-) -> dict:
-    """The whole scaling answer as one JSON-ready record: slope, ceiling identification, doublings per target.
-
-    targets: (label, tau) pairs such as ("break-even", 2.07). Statements are plain sentences built from
-    the numbers; "statements" lists them in reading order.
-    """
+) -> ScalingAnswer:
+    """Slope, ceiling identification and doublings per target (label, tau), e.g. ("break-even", 2.07)."""
     slope = local_slope(data_sizes, accept_lengths, replicate_accept_lengths, confidence, lower_bound_sizes)
     ceiling = ceiling_identification(data_sizes, accept_lengths, replicate_accept_lengths, max_accept_length, confidence)
     doublings = []
@@ -706,12 +720,7 @@ def scaling_answer(
         point, low, high = slope.doublings_to(target)
         doublings.append({"label": label, "target_accept_length": target, "doublings": point, "doublings_low": low,
                           "doublings_high": high, "statement": slope.doublings_statement(target, label)})
-    return {
-        "local_slope": slope.to_dict(),
-        "ceiling": ceiling.to_dict(),
-        "doublings_needed": doublings,
-        "statements": [slope.statement(), ceiling.statement(), *(item["statement"] for item in doublings)],
-    }
+    return ScalingAnswer(slope=slope, ceiling=ceiling, doublings_needed=doublings)
 
 
 # ----------------------------------------------------------------------------- plots
