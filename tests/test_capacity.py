@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from eaglekit import capacity
@@ -92,3 +93,114 @@ def test_eta_and_failures():
     with pytest.raises(InputError, match="max_tokens"):
         capacity.plan_capacity(LLAMA_31_8B, gpu_memory_bytes=80 * 10**9, memory_fraction=0.9, weight_bytes=0,
                                partitions=[{"name": "x", "prompts": 1, "prompt_tokens": 5}])
+
+
+# -------------------------------------------------------------------------------------------------
+# Concurrency from length distributions
+
+KIMI_H200_TP8 = dict(gpu_memory_bytes=141 * 10**9, memory_fraction=0.85, weight_bytes=594 * 10**9, tensor_parallel=8)
+
+
+def scenario_lengths(seed: int = 0, n: int = 5000):
+    """Prompts with p95 ~ 2,000 tokens and answers averaging ~300 (the reference run's first minutes: 217-298)."""
+    rng = np.random.default_rng(seed)
+    prompts = np.minimum(rng.lognormal(np.log(500), 0.9, n).astype(int) + 20, 4096)
+    completions = np.minimum(rng.lognormal(np.log(220), 0.8, n).astype(int) + 1, 10_240)
+    return prompts, completions
+
+
+def test_reference_scenario_worst_case_53_and_length_plan_keeps_the_requested_150():
+    prompts, completions = scenario_lengths()
+    short = {"name": "short", "prompts": 80_000, "prompt_tokens": 2000, "max_tokens": 10_240, "concurrency": 150}
+    old = capacity.plan_capacity(KIMI_K25, **KIMI_H200_TP8, partitions=[short])
+    assert old.kv_bytes_per_token == old.kv_bytes_per_token_per_rank == 70_272
+    pool_tokens = int(141e9 * 0.85 - 594e9 / 8) // 70_272
+    assert old.kv_pool_tokens == pool_tokens and pool_tokens // (2000 + 10_240) == 53
+    plan = old.partitions[0]
+    assert (plan.sequences_that_fit, plan.recommended_concurrency) == (53, 53)  # what the old plan said
+    assert "worst case" in plan.reason and plan.retraction_concurrency is None
+    measured = capacity.plan_capacity(KIMI_K25, **KIMI_H200_TP8, partitions=[
+        {**short, "prompt_lengths": prompts, "completion_lengths": completions, "completion_source": "pilot"}],
+        measured_requests_per_second={"short": 1.24})
+    plan = measured.partitions[0]
+    assert plan.sequences_that_fit == 53  # the no-preemption worst case, still reported
+    assert plan.recommended_concurrency == 150 and plan.retraction_concurrency > 400
+    assert 0.15 < plan.expected_kv_occupancy < 0.35  # 150 running sequences use about a quarter of the pool
+    assert "set the requested 150" in plan.reason and "53" in plan.reason
+    assert plan.eta_seconds == pytest.approx(80_000 / 1.24)
+    # Answers that all run to max_tokens: then 150 does not fit and the plan says so.
+    long_answers = capacity.plan_capacity(KIMI_K25, **KIMI_H200_TP8, partitions=[
+        {**short, "prompt_lengths": prompts, "completion_lengths": np.full(100, 20_000)}]).partitions[0]
+    assert long_answers.mean_completion_tokens == 10_240  # clipped to max_tokens
+    assert 53 < long_answers.recommended_concurrency < 150 and "not the requested 150" in long_answers.reason
+
+
+@pytest.mark.parametrize("paired", [True, False])
+def test_retraction_concurrency_matches_a_simulated_continuous_batch(paired):
+    # Simulate what the plan assumes: C slots, each holding a sequence chosen in proportion to its
+    # running time (its completion length) at a uniform step of its answer; count how often the
+    # C slots together outgrow the pool. At the planned C that is about the accepted risk.
+    rng = np.random.default_rng(1)
+    prompts, completions = scenario_lengths(seed=2, n=4000)
+    if not paired:
+        completions = completions[:1500]
+    pool = 200_000
+    plan = capacity.length_plan(pool, prompts, completions, retraction_risk=0.05)
+    weights = completions / completions.sum()
+
+    def overflow_rate(concurrency: int, trials: int = 3000) -> float:
+        picks = rng.choice(len(completions), size=(trials, concurrency), p=weights)
+        chosen = completions[picks]
+        held_prompts = prompts[picks] if paired else rng.choice(prompts, size=(trials, concurrency))
+        steps = np.floor(rng.random((trials, concurrency)) * chosen) + 1
+        return float(((held_prompts + steps).sum(axis=1) > pool).mean())
+
+    assert 0.02 < overflow_rate(plan.retraction_concurrency) < 0.09
+    assert overflow_rate(int(plan.retraction_concurrency * 1.15)) > 0.4  # beyond it, retractions are likely
+    assert plan.expected_tokens_per_sequence * plan.retraction_concurrency < pool
+
+
+def test_length_plan_inputs():
+    with pytest.raises(ValueError, match="at least one"):
+        capacity.length_plan(1000, [], [10])
+    with pytest.raises(ValueError, match="retraction_risk"):
+        capacity.length_plan(1000, [10], [10], retraction_risk=0.7)
+    # One sequence kind, prompt 100, answer 99 tokens: a slot holds 100 + 50 on average.
+    assert capacity.length_plan(10_000, [100], [99]).expected_tokens_per_sequence == 150.0
+    assert capacity.length_plan(10_000, [100], [99], page_size=16).expected_tokens_per_sequence == 157.5
+
+
+def test_plan_generation_measures_lengths_from_a_pilot_else_the_datasets_answers(tmp_path):
+    from eaglekit.config import params_from_sections
+    from eaglekit.planning import plan_generation
+
+    prep = tmp_path / "prep" / "ds"
+    prep.mkdir(parents=True)
+    with open(prep / "prompts.short.jsonl", "w") as prompts, open(prep / "original_tokenized_data.jsonl", "w") as answers:
+        for index in range(40):
+            meta = {"prompt_tokens": 20 + index, "partition": "short"}
+            prompts.write(json.dumps({"id": f"p{index}", "messages": [{"role": "user", "content": "q"}], "meta": meta}) + "\n")
+            answers.write(json.dumps({"id": f"p{index}", "input_ids": [1] * 30, "loss_mask": [0] * 20 + [1] * 10,
+                                      "meta": meta}) + "\n")
+    pilot = tmp_path / "pilot"
+    pilot.mkdir()
+    with open(pilot / "generations.jsonl", "w") as handle:
+        for index in range(10):  # ten answers of 50 tokens, one finished every second from t = 1000
+            handle.write(json.dumps({"dataset": "ds", "id": f"p{index}", "partition": "short", "endpoint": "e",
+                                     "latency_s": 1.0, "prompt_tokens": 25, "completion_tokens": 50,
+                                     "finished_at": 1001.0 + index, "content": "x"}) + "\n")
+    sections = {"target": {"model": "embedded:smollm2-135m-instruct", "config": SMOLLM2_135M},
+                "server": {"kv_cache_tokens": 4096},
+                "generation": {"partitions": [{"name": "short", "concurrency": 8, "max_tokens": 64}]}}
+    files = [("ds", "short", prep / "prompts.short.jsonl")]
+    from_answers = plan_generation(params_from_sections(sections), files).partitions[0]
+    assert from_answers.completion_source.startswith("datasets' own answers") and from_answers.mean_completion_tokens == 10
+    assert from_answers.eta_seconds is None
+    sections["generation"]["plan"] = {"pilot_dir": str(pilot)}
+    plan = plan_generation(params_from_sections(sections), files)
+    short = plan.partitions[0]
+    assert plan.kv_pool_tokens == 4096  # the embedded server's bounded pool
+    assert short.completion_source.startswith("pilot") and short.mean_completion_tokens == 50
+    assert short.expected_tokens_per_sequence == 25 + 51 / 2
+    assert short.eta_seconds == pytest.approx(40 / (10 / 10.0))  # 10 answers in 10 s
+    assert short.sequences_that_fit == 4096 // (58 + 64)

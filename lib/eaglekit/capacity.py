@@ -21,6 +21,21 @@ that is not the source.
 
 Tensor parallelism: SGLang shards GQA KV heads across ranks (replicating them when there are fewer
 KV heads than ranks) but replicates the MLA latent on every rank, so MLA gains no KV room from TP.
+
+Concurrency from length distributions (`length_plan`). SGLang pages its KV cache and admits a request
+by its actual length plus an estimate of what it will still generate (min(max_new_tokens - generated,
+SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096) x new_token_ratio, a ratio that decays while nothing is
+retracted); when the running sequences outgrow the pool it retracts some (frees their KV and
+recomputes them later). So what matters is what the running sequences actually hold, not each
+one's worst case. In a steady continuous batch, a sequence of prompt P and answer L is running for
+a share of time proportional to L and holds P + t tokens at its t-th step, so one slot holds on
+average E[L P + L (L + 1) / 2] / E[L] tokens, and C slots hold C times that (the expected occupancy).
+The occupancy of one slot is a random variable (which sequence, how far along); the sum over C
+independent slots is close to normal, and retractions become likely where it exceeds the pool with
+probability `retraction_risk` (1% by default): the largest C with C mu + z sigma sqrt(C) <= pool.
+The no-preemption worst case (every sequence at prompt p95 + max_tokens at once) is reported beside
+it: it is what fits without ever retracting, and it leaves most of the pool idle when answers are
+shorter than max_tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +46,10 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
+
+import numpy as np
 
 from eaglekit.io import InputError
 
@@ -166,9 +184,94 @@ class PartitionPlan:
     max_tokens: int                    # completion budget per request
     tokens_per_sequence: int           # prompt_tokens + max_tokens, the worst case a slot must hold
     sequences_that_fit: int            # every running sequence at its worst case, no preemption
-    recommended_concurrency: int       # sequences_that_fit, capped by requested_concurrency when given
+    recommended_concurrency: int       # what to set (see `reason`)
     requested_concurrency: int | None
     eta_seconds: float | None          # from a measured throughput, when given
+    # From length distributions (None when only the worst case could be planned):
+    completion_source: str = "max_tokens (worst case)"  # where the completion lengths came from
+    mean_prompt_tokens: float | None = None
+    mean_completion_tokens: float | None = None
+    expected_tokens_per_sequence: float | None = None   # what one running slot holds on average
+    expected_kv_occupancy: float | None = None          # share of the pool at the requested concurrency
+    retraction_concurrency: int | None = None           # above it, retractions become likely
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class LengthPlan:
+    """Concurrency from measured length distributions (see the module docstring)."""
+
+    mean_prompt_tokens: float
+    mean_completion_tokens: float
+    expected_tokens_per_sequence: float    # mu: one running slot, time-averaged
+    tokens_per_sequence_std: float         # sigma of one slot's occupancy
+    retraction_concurrency: int            # largest C with P(C slots > pool) <= retraction_risk
+    retraction_risk: float
+
+
+def length_plan(kv_pool_tokens: int, prompt_tokens: Sequence[int] | np.ndarray,
+                completion_tokens: Sequence[int] | np.ndarray, retraction_risk: float = 0.01,
+                page_size: int = 1) -> LengthPlan:
+    """Expected KV tokens per running sequence and the concurrency where retractions become likely.
+
+    prompt_tokens, completion_tokens: measured lengths, paired (one pilot answer each) or two
+    independent samples (prompts from prep, completions from the datasets' own answers); with
+    different sizes, every prompt is combined with the mean behaviour of the completions.
+    page_size: the server's KV page (a sequence holds whole pages: half a page more on average).
+    """
+    prompts = np.asarray(prompt_tokens, dtype=np.float64)
+    completions = np.maximum(np.asarray(completion_tokens, dtype=np.float64), 1.0)
+    if prompts.size == 0 or completions.size == 0:
+        raise ValueError("length_plan needs at least one prompt length and one completion length")
+    if not 0 < retraction_risk < 0.5:
+        raise ValueError(f"retraction_risk must be in (0, 0.5), got {retraction_risk}")
+    pad = (page_size - 1) / 2
+    if prompts.size == completions.size:
+        # Paired: slot occupancy is P + t, sequence chosen with probability L / sum(L), t uniform in 1..L.
+        weights = completions / completions.sum()
+        first = prompts + (completions + 1) / 2                                     # E[P + t | sequence]
+        second = prompts ** 2 + prompts * (completions + 1) + (completions + 1) * (2 * completions + 1) / 6
+        mean = float(weights @ first)
+        variance = float(weights @ second) - mean ** 2
+    else:
+        # Independent: P and L drawn apart; E[P + t] = E[P] + E_w[(L+1)/2], variances add.
+        weights = completions / completions.sum()
+        step_mean = float(weights @ ((completions + 1) / 2))
+        step_second = float(weights @ ((completions + 1) * (2 * completions + 1) / 6))
+        mean = float(prompts.mean()) + step_mean
+        variance = float(prompts.var()) + step_second - step_mean ** 2
+    mean += pad
+    sigma = math.sqrt(max(variance, 0.0))
+    z = NormalDist().inv_cdf(1 - retraction_risk)
+    # C mu + z sigma sqrt(C) = pool, a quadratic in sqrt(C).
+    root = (-z * sigma + math.sqrt(z * z * sigma * sigma + 4 * mean * kv_pool_tokens)) / (2 * mean)
+    return LengthPlan(mean_prompt_tokens=float(prompts.mean()), mean_completion_tokens=float(completions.mean()),
+                      expected_tokens_per_sequence=mean, tokens_per_sequence_std=sigma,
+                      retraction_concurrency=max(0, int(root * root)), retraction_risk=retraction_risk)
+
+
+def _recommend(requested: int | None, worst_case: int, lengths: LengthPlan | None, pool_tokens: int) -> tuple[int, str]:
+    """What to set and why, in one sentence the notebook prints."""
+    if lengths is None:
+        recommended = worst_case if requested is None else min(worst_case, requested)
+        return max(recommended, 0), (
+            f"no completion lengths measured: planned on the worst case (every sequence at prompt p95 + max_tokens), "
+            f"{worst_case} fit; run a pilot (or give the datasets' own answers) to plan from real lengths")
+    safe = lengths.retraction_concurrency
+    def occupancy(concurrency: int) -> float:
+        return concurrency * lengths.expected_tokens_per_sequence / pool_tokens
+    if requested is None:
+        return safe, (f"{safe} keeps retractions unlikely ({lengths.retraction_risk:.0%} risk); expected KV occupancy "
+                      f"{occupancy(safe):.0%}")
+    if requested <= safe:
+        return requested, (
+            f"set the requested {requested}: expected KV occupancy {occupancy(requested):.0%}, retractions become "
+            f"likely only above about {safe}; the no-preemption worst case ({worst_case}) would leave about "
+            f"{1 - occupancy(min(requested, worst_case)):.0%} of the pool idle")
+    return safe, (
+        f"set {safe}, not the requested {requested}: at {requested} the running sequences would fill "
+        f"{occupancy(requested):.0%} of the pool on average and the server would retract (recompute) some; "
+        f"{safe} keeps that under {lengths.retraction_risk:.0%} risk")
 
 
 def sequences_that_fit(kv_pool_tokens: int, tokens_per_sequence: int) -> int:
@@ -215,19 +318,29 @@ class CapacityPlan:
 def plan_capacity(config: str | os.PathLike | Mapping[str, Any], *, gpu_memory_bytes: int, memory_fraction: float,
                   weight_bytes: int, partitions: Sequence[Mapping[str, Any]], tensor_parallel: int = 1,
                   kv_dtype: str = "bf16", measured_requests_per_second: Mapping[str, float] | None = None,
-                  expected_total_tokens: int | None = None, hidden_state_dtype_bytes: int = 2) -> CapacityPlan:
+                  expected_total_tokens: int | None = None, hidden_state_dtype_bytes: int = 2,
+                  page_size: int = 1, retraction_risk: float = 0.01,
+                  kv_pool_tokens: int | None = None) -> CapacityPlan:
     """Plan a generation run on one server instance (tensor_parallel GPUs).
 
     partitions: mappings with "name", "prompts" (count), "prompt_tokens" (planning length, e.g. p95),
-    "max_tokens", and optionally "concurrency" (what params ask for; the plan caps it to what fits).
+    "max_tokens", and optionally "concurrency" (what params ask for), "prompt_lengths" and
+    "completion_lengths" (measured distributions; then the plan is made from them, see
+    `length_plan`) and "completion_source" (where those came from, for the report).
+    Without completion lengths the plan is the no-preemption worst case, capped at the request.
     measured_requests_per_second: per partition name, from a pilot run, for the ETA.
     expected_total_tokens: tokens stage 4 will capture (prompt + answer over all samples).
+    kv_pool_tokens: the server's KV pool in tokens when it is known (SGLang logs `max_total_num_tokens`;
+    the embedded server's `kv_cache_tokens`); it then replaces the estimate from GPU memory.
     """
     model = load_model_config(config)
     per_token = kv_cache_bytes_per_token(model, kv_dtype)
     per_token_per_rank = kv_cache_bytes_per_token(model, kv_dtype, tensor_parallel)
-    pool = kv_pool_bytes_per_rank(gpu_memory_bytes, memory_fraction, weight_bytes, tensor_parallel)
-    pool_tokens = pool // per_token_per_rank
+    if kv_pool_tokens is None:
+        pool = kv_pool_bytes_per_rank(gpu_memory_bytes, memory_fraction, weight_bytes, tensor_parallel)
+        pool_tokens = pool // per_token_per_rank
+    else:
+        pool_tokens, pool = int(kv_pool_tokens), int(kv_pool_tokens) * per_token_per_rank
     plans = []
     for index, partition in enumerate(partitions):
         for field in ("name", "prompts", "prompt_tokens", "max_tokens"):
@@ -236,14 +349,30 @@ def plan_capacity(config: str | os.PathLike | Mapping[str, Any], *, gpu_memory_b
         tokens_per_sequence = int(partition["prompt_tokens"]) + int(partition["max_tokens"])
         fit = sequences_that_fit(pool_tokens, tokens_per_sequence)
         requested = partition.get("concurrency")
-        recommended = fit if requested is None else min(fit, int(requested))
+        requested = None if requested is None else int(requested)
+        lengths = None
+        if partition.get("completion_lengths") is not None and len(partition["completion_lengths"]) \
+                and partition.get("prompt_lengths") is not None and len(partition["prompt_lengths"]):
+            # An answer never holds more than max_tokens, whatever the pilot's own budget was.
+            completions = np.minimum(np.asarray(partition["completion_lengths"]), int(partition["max_tokens"]))
+            lengths = length_plan(pool_tokens, partition["prompt_lengths"], completions, page_size=page_size,
+                                  retraction_risk=retraction_risk)
+        recommended, reason = _recommend(requested, fit, lengths, pool_tokens)
         rate = (measured_requests_per_second or {}).get(partition["name"])
         plans.append(PartitionPlan(
             partition=str(partition["name"]), prompts=int(partition["prompts"]),
             prompt_tokens=int(partition["prompt_tokens"]), max_tokens=int(partition["max_tokens"]),
             tokens_per_sequence=tokens_per_sequence, sequences_that_fit=fit,
-            recommended_concurrency=max(recommended, 0), requested_concurrency=None if requested is None else int(requested),
-            eta_seconds=None if not rate else eta_seconds(int(partition["prompts"]), requests_per_second=rate)))
+            recommended_concurrency=recommended, requested_concurrency=requested,
+            eta_seconds=None if not rate else eta_seconds(int(partition["prompts"]), requests_per_second=rate),
+            completion_source=str(partition.get("completion_source", "measured")) if lengths else
+            "max_tokens (worst case)",
+            mean_prompt_tokens=None if lengths is None else round(lengths.mean_prompt_tokens, 1),
+            mean_completion_tokens=None if lengths is None else round(lengths.mean_completion_tokens, 1),
+            expected_tokens_per_sequence=None if lengths is None else round(lengths.expected_tokens_per_sequence, 1),
+            expected_kv_occupancy=None if lengths is None or requested is None else
+            round(requested * lengths.expected_tokens_per_sequence / pool_tokens, 4),
+            retraction_concurrency=None if lengths is None else lengths.retraction_concurrency, reason=reason))
     etas = [plan.eta_seconds for plan in plans]
     hidden_per_token = hidden_state_bytes_per_token(model["hidden_size"], hidden_state_dtype_bytes)
     return CapacityPlan(

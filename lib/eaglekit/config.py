@@ -129,6 +129,10 @@ class CapacityPlanParams(Section):
     tensor_parallel: int = Field(default=1, gt=0)
     kv_dtype: Literal["fp16", "bf16", "fp8", "fp32"] = "bf16"
     weight_gb: float | None = Field(default=None, gt=0)  # total weight memory; None: parameters x 2 bytes
+    kv_pool_tokens: int | None = Field(default=None, gt=0)  # the server's KV pool when known (SGLang: max_total_num_tokens)
+    page_size: int = Field(default=1, gt=0)  # the server's KV page in tokens (SGLang: --page-size, default 1)
+    retraction_risk: float = Field(default=0.01, gt=0, lt=0.5)  # accepted chance that the running batch outgrows the pool
+    pilot_dir: str | None = None  # a pilot run's generation folder: completion lengths and the measured rate
 
 
 class GenerationParams(Section):
