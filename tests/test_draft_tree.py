@@ -7,7 +7,6 @@ import math
 import torch
 
 from eaglekit.draft_tree import TreeCandidates, accept_tree, grow_tree, path_to, select_tree, verification_mask
-from eaglekit.topology import Topology
 
 
 def _candidates(tokens, scores, parents, depths) -> TreeCandidates:
@@ -75,7 +74,7 @@ def test_grow_expands_the_top_k_by_cumulative_log_prob():
     draft = ScriptedDraft(table, vocab)
     first = torch.tensor([[log(.6), log(.4), log(1e-9), log(1e-9)]])
     keys = torch.zeros(1, 1, 3, 2)
-    candidates = grow_tree(draft, first, torch.zeros(1, 2), torch.tensor([2]), keys, keys, Topology.tree(3, 2, 6),
+    candidates = grow_tree(draft, first, torch.zeros(1, 2), torch.tensor([2]), keys, keys, 3, 2,
                            draft_to_target=torch.arange(vocab))
     scores = candidates.scores[0].exp()
     # Step 1 children: from 0: .33, .27; from 1: .36, .04. Best two to expand: (1->2) .36 and (0->2) .33.

@@ -376,3 +376,21 @@ def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts
     assert tau_offline >= pooled_accept_length(chain_counts(chain_arrays))
     tau_loop = 1 + float(np.mean(loop_accepted))
     assert tau_offline > 1.2 and abs(tau_loop - tau_offline) / tau_offline < 0.15, (tau_loop, tau_offline)
+
+
+def test_offline_grid_reads_every_topology_off_one_growth_per_top_k(target, fitted_draft, prompts, references):
+    """Slicing a deeper tree's candidates gives exactly the shallower tree's depths, for every S and T."""
+    from eaglekit.draft_tree import offline_tree_depths, offline_tree_depths_grid
+    from eaglekit.specdec import target_forward
+    from transformers import DynamicCache
+
+    sequence = torch.tensor(prompts[2] + references[2])
+    choices, aux = target_forward(target, sequence.view(1, -1), DynamicCache(config=target.config), list(fitted_draft.config.capture_layer_indices))
+    rows = torch.arange(len(prompts[2]) - 1, len(sequence) - 1 - 3)
+    topologies = [Topology.parse(text) for text in ("chain:1", "chain:3", "tree:2,2,3", "tree:2,2,6", "tree:3,2,5", "tree:3,3,12")]
+    with torch.inference_mode():
+        grid = offline_tree_depths_grid(fitted_draft, sequence, aux[0], choices, rows, topologies, rows_per_chunk=5)
+        for topology in topologies:
+            alone = offline_tree_depths(fitted_draft, sequence, aux[0], choices, rows, topology)
+            assert grid[topology].tolist() == alone.tolist(), topology
+    assert grid[Topology.chain(3)].max() >= 1  # the fitted draft accepts something here

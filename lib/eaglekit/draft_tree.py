@@ -113,15 +113,14 @@ def _forward_nodes(draft: nn.Module, tokens: torch.Tensor, states: torch.Tensor,
 
 def grow_tree(
     draft: nn.Module, first_logits: torch.Tensor, first_states: torch.Tensor, start_positions: torch.Tensor,
-    prefix_keys: torch.Tensor, prefix_values: torch.Tensor, topology: Topology, draft_to_target: torch.Tensor,
+    prefix_keys: torch.Tensor, prefix_values: torch.Tensor, steps: int, top_k: int, draft_to_target: torch.Tensor,
 ) -> TreeCandidates:
-    """Grow B trees at once (see the module docstring).
+    """Grow B trees of depth `steps` (S) and top-k `top_k` (K) at once (see the module docstring).
 
     first_logits (B, Vd): each start row's logits; first_states (B, H): its pre-norm state; start_positions
     (B,): its RoPE position, which is also the last prefix row its tree may see; prefix keys/values
     (1, KV, L, D): the draft's cache over the rows (the extend).
     """
-    steps, top_k = topology.steps, topology.top_k
     batch = first_logits.shape[0]
     device = first_logits.device
     log_probs = F.log_softmax(first_logits.float(), dim=-1)
@@ -251,25 +250,36 @@ def path_to(tree: DraftTree, node: int, index: int = 0) -> list[int]:
     return path[::-1]
 
 
+def slice_candidates(candidates: TreeCandidates, top_k: int, steps: int) -> TreeCandidates:
+    """The candidates of a shallower tree with the same K: growth is step by step, so the first
+    K + (S - 1) K^2 candidates of a deeper tree are exactly the S-step tree's."""
+    count = top_k + (steps - 1) * top_k ** 2
+    return TreeCandidates(tokens=candidates.tokens[:, :count], scores=candidates.scores[:, :count],
+                          parents=candidates.parents[:, :count], depths=candidates.depths[:, :count])
+
+
 @torch.no_grad()
-def offline_tree_depths(
+def offline_tree_depths_grid(
     draft: nn.Module, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, target_argmax: torch.Tensor,
-    start_rows: torch.Tensor, topology: Topology, rows_per_chunk: int = 128,
-) -> torch.Tensor:
-    """Accepted depth of SGLang's tree grown from each start row of one sequence, from captured features.
+    start_rows: torch.Tensor, topologies: list[Topology], rows_per_chunk: int = 128,
+) -> dict[Topology, torch.Tensor]:
+    """Accepted depth of SGLang's tree grown from each start row of one sequence, for several topologies,
+    from captured features. Each top-k is grown once to the deepest S asked for; shallower trees and every
+    T are read off the same candidates (`slice_candidates`).
 
     input_ids (T,): the sequence; aux_hidden_states (T, 3H): the target's features at each position;
     target_argmax (T,): the target's greedy next token after each position; start_rows (P,): rows t whose
-    tree is scored (t + S <= T - 1, so every depth has a target token). Row t carries token t + 1 (the
-    pending token, the root) at position t, as in the loop. A node of depth d proposes token t + 1 + d, so it
-    matches when it equals target_argmax[t + d] (the target's choice after its parent); it may be extended
-    only when it also equals the sequence's token t + 1 + d, because the target's choices below it were
-    computed on that token (teacher-forced data; on a greedy continuation both conditions are one).
-    on a greedy continuation both conditions are one). Returns (P,) accepted depths in 0..S.
+    tree is scored (t + S <= T - 1 for the deepest S, so every depth has a target token). Row t carries
+    token t + 1 (the pending token, the root) at position t, as in the loop. A node of depth d proposes
+    token t + 1 + d, so it matches when it equals target_argmax[t + d] (the target's choice after its
+    parent); it may be extended only when it also equals the sequence's token t + 1 + d, because the
+    target's choices below it were computed on that token (teacher-forced data; on a greedy continuation
+    both conditions are one). Returns {topology: (P,) accepted depths in 0..S}.
     """
     length = int(input_ids.shape[0])
-    if len(start_rows) and int(start_rows.max()) + topology.steps > length - 1:
-        raise ValueError(f"start rows up to {int(start_rows.max())} need {topology.steps} target tokens after them; "
+    deepest = max(topology.steps for topology in topologies)
+    if len(start_rows) and int(start_rows.max()) + deepest > length - 1:
+        raise ValueError(f"start rows up to {int(start_rows.max())} need {deepest} target tokens after them; "
                          f"the sequence has {length}")
     device = input_ids.device
     draft_to_target = draft.draft_to_target_ids().to(device)
@@ -277,15 +287,32 @@ def offline_tree_depths(
     extend_tokens = torch.cat([input_ids[1:], target_argmax[-1:]]).view(1, -1)
     cache = DraftKVCache()
     logits, prenorm = draft.extend(extend_tokens, aux_hidden_states.view(1, length, -1), 0, cache)
-    sequence_next = torch.cat([input_ids, input_ids.new_full((topology.steps + 2,), -1)])  # token t + 1 + d may run past the end
-    depths = []
+    sequence_next = torch.cat([input_ids, input_ids.new_full((deepest + 2,), -1)])  # token t + 1 + d may run past the end
+    depths: dict[Topology, list[torch.Tensor]] = {topology: [] for topology in topologies}
+    by_top_k: dict[int, list[Topology]] = {}
+    for topology in topologies:
+        by_top_k.setdefault(topology.top_k, []).append(topology)
     for begin in range(0, len(start_rows), rows_per_chunk):
         rows = start_rows[begin : begin + rows_per_chunk].to(device)
-        candidates = grow_tree(draft, logits[0, rows], prenorm[0, rows], rows, cache.keys, cache.values, topology, draft_to_target)
-        tree = select_tree(candidates, topology.draft_tokens, input_ids[rows + 1])
-        # (P, T): the target's choice where a node of depth d stands, target_argmax[t + d] (the root's is unused).
-        choice_at_parent = target_argmax[(rows[:, None] + tree.depths.clamp(min=1)).clamp(max=length - 1)]
-        consistent = tree.tokens == sequence_next[rows[:, None] + 1 + tree.depths]
-        accepted, _ = accept_tree(tree, choice_at_parent, consistent)
-        depths.append(accepted)
-    return torch.cat(depths) if depths else torch.zeros(0, dtype=torch.long, device=device)
+        for top_k, group in by_top_k.items():
+            grown_steps = max(topology.steps for topology in group)
+            grown = grow_tree(draft, logits[0, rows], prenorm[0, rows], rows, cache.keys, cache.values,
+                              grown_steps, top_k, draft_to_target)
+            for topology in group:
+                candidates = slice_candidates(grown, top_k, topology.steps)
+                tree = select_tree(candidates, topology.draft_tokens, input_ids[rows + 1])
+                # (P, T): the target's choice where a node of depth d stands, target_argmax[t + d] (the root's is unused).
+                choice_at_parent = target_argmax[(rows[:, None] + tree.depths.clamp(min=1)).clamp(max=length - 1)]
+                consistent = tree.tokens == sequence_next[rows[:, None] + 1 + tree.depths]
+                accepted, _ = accept_tree(tree, choice_at_parent, consistent)
+                depths[topology].append(accepted)
+    empty = torch.zeros(0, dtype=torch.long, device=device)
+    return {topology: torch.cat(parts) if parts else empty for topology, parts in depths.items()}
+
+
+def offline_tree_depths(
+    draft: nn.Module, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, target_argmax: torch.Tensor,
+    start_rows: torch.Tensor, topology: Topology, rows_per_chunk: int = 128,
+) -> torch.Tensor:
+    """`offline_tree_depths_grid` for one topology: (P,) accepted depths in 0..S."""
+    return offline_tree_depths_grid(draft, input_ids, aux_hidden_states, target_argmax, start_rows, [topology], rows_per_chunk)[topology]
