@@ -1,54 +1,79 @@
-"""Chat tokenization with a loss mask: the target's own chat template, one pass, linear in messages.
+"""Chat tokenization with a loss mask: the target's own chat template, one render per sample.
 
-`tokenize_conversation` renders the whole conversation once with the tokenizer's chat template,
-tokenizes that text once with character offsets, and marks as trainable (mask 1) every token whose
-first character lies inside an assistant turn's body: from the end of the template's assistant
-header to the end of that turn's end-of-turn token. That body is what the target generated after
-the generation prompt: reasoning (with its `<think>` wrapper where the template writes one), content,
-and the end-of-turn token. System, user and tool turns, headers, default system prompts and the
-newline after the end-of-turn token are 0.
+What is trained (the oracle, `tokenize_conversation_reference`): for assistant turn i, render the
+prompt P_i = messages[:i] with the generation prompt and the turn F_i = messages[:i+1]; the turn's
+span is F_i[len(P_i):] up to and including the template's first end-of-turn token. That span is what
+the target generated after the server sent it P_i: reasoning (with the `<think>` wrapper the template
+writes), content, tool calls and the end-of-turn token. Everything else is context (mask 0).
 
-`tokenize_conversation_reference` computes the same thing the slow, obvious way: for each assistant
-turn it renders the prompt (prefix + generation prompt) and the prefix including the turn, and takes
-the token diff up to the first end-of-turn token. It costs one render and tokenization per assistant
-turn (quadratic in messages) and is the correctness oracle in tests and the bench.
+Templates that rewrite history (Qwen3, Kimi thinking and DeepSeek drop or blank the reasoning of
+earlier turns; Qwen3 also drops the empty `<think></think>` of a turn once it is no longer last) make
+P_{i+1} stop extending F_i. No single sequence then holds every turn as the target produced it.
+`history="split"` (the default) cuts the conversation there: a sample ends at each such turn and
+holds the history as the template renders it plus the turns since the previous cut, each exactly as
+generated; every generated token is trained exactly once, in the context the server gave it.
+`history="visible"` keeps one sequence (the whole conversation as the template renders it) and masks
+only what the template shows of each turn; tokens the template hides are not trained, and
+`ConversationSamples.generated_tokens - trained_tokens` counts them.
 
-What the mask means when a template is not prefix-stable: thinking templates in the Qwen3 /
-DeepSeek-R1 style drop the reasoning of assistant turns that precede the last user message, so the
-rendering of a prefix is not a prefix of the full rendering. Here the mask is defined on the
-rendering of the whole conversation, i.e. the exact tokens the target is conditioned on when it sees
-this conversation: a turn whose reasoning the template drops contributes its content and
-end-of-turn token only; the last turns keep their reasoning. This equals the reference run on the
-conversation with the dropped reasoning removed beforehand (tested); the reference itself raises
-`NotPrefixStableError` on such input instead of guessing.
+The fast path (`tokenize_conversation`) renders each sample once and tokenizes it once. It learns
+each turn's span as generated from a small render (a probe user turn, plus the previous assistant
+turn and its tool results where the turn follows tools), then finds `header + span` in the full
+rendering left to right. Where that fails (a template whose turns depend on far context) it falls
+back to the oracle for that conversation and counts it in `ConversationSamples.fallback`; the
+property test in tests/test_templates.py checks both agree token for token on every fixture template.
 
-Message dicts follow the kit's schema: `{"role", "content", "reasoning"?}`. Reasoning is passed to
-the template as `reasoning_content` (the key Qwen3 and DeepSeek templates read). A template that
-never renders reasoning (SmolLM2's ChatML) gets it folded into the content as
-`<think>\\n{reasoning}\\n</think>\\n\\n{content}`, which is the text such a model generated before a
-server's reasoning parser split it off; nothing the target produced is silently dropped.
+Spans are character spans of the rendered text; the text is tokenized once, and a token is trained
+when its first character lies in a span.
 
-Tokenization uses `add_special_tokens=False`: the template writes its own BOS where it has one.
+Special-token text inside messages (a user quoting `<|im_start|>assistant`) is text, never a control
+token: before rendering, every control token inside message strings, tool calls and tool definitions
+is replaced by one private-use character; the template's own control tokens are then the only ones
+in the rendering, and each replaced token is tokenized as plain text.
+
+Reasoning (`reasoning` in the kit's schema) is placed where the target's template puts it, probed
+once per template (`TemplateLayout.reasoning`): "field" templates render `reasoning_content`
+(Qwen3, Kimi thinking); "fold" templates render content verbatim and get `<think>\\n{reasoning}\\n</think>\\n\\n{content}`
+(ChatML, Llama: the text such a model generated before a server's reasoning parser split it off);
+"splice" templates cut reasoning out even on the last turn (DeepSeek-R1/V3.1), so the last turn is
+written after the generation prompt as generated: `{reasoning}\\n</think>\\n\\n` (or `{reasoning}</think>`)
+following the prompt's opening `<think>`, then the rest of the turn as the template writes it.
+
+Tool calls stay structured (OpenAI shape: `tool_calls` of `{"id", "type": "function", "function":
+{"name", "arguments"}}`, `tool_call_id` on tool results) and are rendered only by the template, with
+`tools=` the record's tool definitions. Arguments go to the template as an object, or as a JSON string
+for templates that concatenate them (DeepSeek), probed once.
 """
 
 from __future__ import annotations
 
+import html
+import json
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+HistoryPolicy = Literal["split", "visible"]
+HISTORY_POLICIES = ("split", "visible")
 
 # Probe strings: plain ASCII words no template transforms and no tokenizer merges with neighbours.
 _PROBE_USER = "EAGLEKITPROBEUSER"
 _PROBE_ASSISTANT = "EAGLEKITPROBEASSISTANT"
 _PROBE_REASONING = "EAGLEKITPROBEREASONING"
+_PROBE_TOOL = "EAGLEKITPROBETOOL"
+_PROBE_CALL_ID = "call00001"  # 9 alphanumerics: Mistral's templates insist
+# One private-use character stands for each control token quoted inside a message (see module doc).
+_MARK_BASE = 0xF3000
+_MARK_RANGE = re.compile("[\U000F3000-\U000F3FFF]")
 
 
 class ChatTemplateError(ValueError):
-    """The tokenizer's chat template cannot be used for masked tokenization (says why and what to do)."""
+    """The chat template cannot render or mask this conversation (says why and what to do)."""
 
 
 class NotPrefixStableError(ChatTemplateError):
-    """Rendering a prefix of the conversation does not yield a prefix of the full token ids."""
+    """A turn's rendering does not extend the rendering of its prompt (the template rewrites it)."""
 
 
 @dataclass(frozen=True)
@@ -58,17 +83,50 @@ class TokenizedConversation:
 
 
 @dataclass(frozen=True)
+class ConversationSamples:
+    """The training samples of one conversation and what they keep of what the target generated."""
+
+    samples: list[TokenizedConversation]
+    generated_tokens: int  # tokens of every assistant turn as the target generated it
+    trained_tokens: int  # tokens with loss_mask 1 over all samples
+    fallback: bool = False  # the fast path handed this conversation to the oracle
+
+    @property
+    def split(self) -> bool:
+        return len(self.samples) > 1
+
+
+@dataclass(frozen=True)
 class TemplateLayout:
-    """What one probe of a chat template reveals; computed once per tokenizer and template."""
+    """What probing a chat template reveals; computed once per tokenizer, template and kwargs."""
 
-    assistant_header: str  # text before each assistant turn's body, e.g. "<|im_start|>assistant\n"
-    end_of_turn: str  # the special token closing an assistant turn, e.g. "<|im_end|>"
+    end_of_turn: str  # the control token closing an assistant turn, e.g. "<|im_end|>"
     end_of_turn_id: int
-    generation_prompt: str  # what add_generation_prompt=True appends
-    renders_reasoning: bool  # whether the template writes a message's `reasoning_content`
+    reasoning: Literal["field", "fold", "splice"]
+    tool_arguments: Literal["object", "string"]  # how the template wants `function.arguments`
+    tool_calls: Literal["template", "hermes-text"]  # hermes-text: the template renders no tool calls
+    # Whether a prompt's rendering stays a prefix when the conversation goes on, with a system prompt
+    # and with tool definitions (Mistral moves both to the last user turn): where not, the fast path
+    # hands such conversations to the oracle.
+    stable_with_system: bool
+    stable_with_tools: bool
+    control_tokens: tuple[str, ...]  # longest first: what is text when it appears inside a message
+    family: str
 
 
-_LAYOUT_CACHE: dict[tuple[int, str], TemplateLayout] = {}
+@dataclass
+class _Rendered:
+    """A marked rendering and the character spans [start, end) of the assistant turns it trains."""
+
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+_LAYOUT_CACHE: dict[tuple[int, str, str], TemplateLayout] = {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Template access
 
 
 def _chat_template_text(tokenizer: Any) -> str:
@@ -83,162 +141,660 @@ def _chat_template_text(tokenizer: Any) -> str:
     return template
 
 
-def _render_raw(tokenizer: Any, template_messages: list[dict], add_generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(template_messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list | None,
+            template_kwargs: dict) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             tools=tools or None, **template_kwargs)
+    except ChatTemplateError:
+        raise
+    except Exception as error:  # jinja's TemplateError, raise_exception(), a TypeError inside the template
+        raise ChatTemplateError(f"the chat template cannot render this conversation: {type(error).__name__}: "
+                                f"{error}") from None
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+def _control_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
+    """Special added tokens, plus non-special added tokens the template writes itself (as transformers does)."""
+    tokens = []
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        content = token.content
+        if content and not content.isspace() and (token.special or content in template):
+            tokens.append(content)
+    return tuple(sorted(set(tokens), key=len, reverse=True))
 
 
-def template_layout(tokenizer: Any) -> TemplateLayout:
-    """Probe the chat template once: assistant header, end-of-turn token, generation prompt, reasoning support."""
+def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> TemplateLayout:
+    """Probe the chat template once: end-of-turn token, where reasoning goes, tool-argument form, family."""
     template = _chat_template_text(tokenizer)
-    key = (id(tokenizer), template)
+    template_kwargs = dict(template_kwargs or {})
+    key = (id(tokenizer), template, json.dumps(template_kwargs, sort_keys=True, default=str))
     cached = _LAYOUT_CACHE.get(key)
     if cached is not None:
         return cached
+    control_tokens = _control_tokens(tokenizer, template)
     user = [{"role": "user", "content": _PROBE_USER}]
-    user_only = _render_raw(tokenizer, user, add_generation_prompt=False)
-    with_prompt = _render_raw(tokenizer, user, add_generation_prompt=True)
-    with_assistant = _render_raw(tokenizer, user + [{"role": "assistant", "content": _PROBE_ASSISTANT}], False)
-    if not with_assistant.startswith(user_only) or _PROBE_ASSISTANT not in with_assistant:
-        raise ChatTemplateError("chat template: rendering [user, assistant] does not extend rendering [user]")
-    tail = with_assistant[len(user_only):]
-    body_start = tail.index(_PROBE_ASSISTANT)
-    assistant_header = tail[:body_start]
-    closing = tail[body_start + len(_PROBE_ASSISTANT):]
-    special_ids = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    encoding = tokenizer(closing, add_special_tokens=False, return_offsets_mapping=True)
-    end_of_turn, end_of_turn_id = "", -1
-    for token_id, (start, end) in zip(encoding["input_ids"], encoding["offset_mapping"]):
-        if token_id in special_ids:
-            end_of_turn, end_of_turn_id = closing[start:end], token_id
-            break
+    assistant = {"role": "assistant", "content": _PROBE_ASSISTANT}
+    prompt = _render(tokenizer, user, True, None, template_kwargs)
+    turn = _render(tokenizer, user + [assistant], False, None, template_kwargs)
+    at = turn.find(_PROBE_ASSISTANT)
+    if at < 0:
+        raise ChatTemplateError("chat template: an assistant turn's content does not appear in its rendering")
+    closing = turn[at + len(_PROBE_ASSISTANT):]
+    end_of_turn = next((token for token in _tokens_in(closing, control_tokens)), "")
     if not end_of_turn:
         raise ChatTemplateError(
-            f"chat template closes an assistant turn with {closing!r}, which holds no special token: "
-            "the end-of-turn token cannot be located; use the target's own template"
+            f"chat template closes an assistant turn with {closing!r}, which holds no control token: the "
+            "end-of-turn token cannot be located; use the target's own template (with its special tokens added)"
         )
-    header_ids = _encode(tokenizer, assistant_header)
-    if not any(token_id in special_ids for token_id in header_ids):
-        raise ChatTemplateError(
-            f"assistant header {assistant_header!r} holds no special token, so it could also occur inside "
-            "message text; this template is not supported by the one-pass tokenizer"
-        )
-    with_reasoning = _render_raw(
-        tokenizer, user + [_template_message({"role": "assistant", "content": _PROBE_ASSISTANT,
-                                              "reasoning": _PROBE_REASONING}, fold_reasoning=False)], False
-    )
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": _PROBE_CALL_ID, "type": "function", "function": {"name": "probe", "arguments": {"x": _PROBE_TOOL}}}]}
+    tool_arguments = "object"
+    try:
+        _render(tokenizer, user + [call], False, None, template_kwargs)
+    except ChatTemplateError:
+        tool_arguments = "string"
+        call["tool_calls"][0]["function"]["arguments"] = json.dumps({"x": _PROBE_TOOL})
+    tool_calls = "template" if _PROBE_TOOL in _render(tokenizer, user + [call], False, None, template_kwargs) \
+        else "hermes-text"
+    reasoning_turns = [{**assistant, "reasoning_content": _PROBE_REASONING},
+                       {**call, "reasoning_content": _PROBE_REASONING}]
+    shown = all(_PROBE_REASONING in _render(tokenizer, user + [message], False, None, template_kwargs)
+                for message in reasoning_turns)
+    folded = _render(tokenizer, user + [{"role": "assistant", "content": _fold(_PROBE_REASONING, _PROBE_ASSISTANT)}],
+                     False, None, template_kwargs)
+    if shown:
+        reasoning = "field"
+    elif (turn.startswith(prompt) and not turn[len(prompt):].startswith("<think>") and folded.startswith(prompt)
+          and _fold(_PROBE_REASONING, _PROBE_ASSISTANT) in folded):
+        reasoning = "fold"  # content is written verbatim: the reasoning goes where the model wrote it
+    else:
+        reasoning = "splice"  # the template writes its own think block or cuts reasoning: place it ourselves
+    probe_tools = [{"type": "function", "function": {"name": "probe", "description": _PROBE_TOOL,
+                                                      "parameters": {"type": "object", "properties": {}}}}]
+    two_turns = [*user, assistant, {"role": "user", "content": _PROBE_USER + "2"}]
+
+    def stable(messages: list[dict], tools: list | None) -> bool:
+        try:
+            first = _render(tokenizer, messages[:-2], True, tools, template_kwargs)
+            later = _render(tokenizer, messages, True, tools, template_kwargs)
+        except ChatTemplateError:
+            return False
+        return later.startswith(_context_header(first))
+
     layout = TemplateLayout(
-        assistant_header=assistant_header,
+        stable_with_system=stable([{"role": "system", "content": _PROBE_REASONING}, *two_turns], None),
+        stable_with_tools=stable(two_turns, probe_tools),
         end_of_turn=end_of_turn,
-        end_of_turn_id=end_of_turn_id,
-        generation_prompt=with_prompt[len(user_only):] if with_prompt.startswith(user_only) else "",
-        renders_reasoning=_PROBE_REASONING in with_reasoning,
+        end_of_turn_id=tokenizer.convert_tokens_to_ids(end_of_turn),
+        reasoning=reasoning,
+        tool_arguments=tool_arguments,
+        tool_calls=tool_calls,
+        control_tokens=control_tokens,
+        family=_family(template, prompt, end_of_turn, reasoning),
     )
     _LAYOUT_CACHE[key] = layout
     return layout
 
 
-def _template_message(message: dict, fold_reasoning: bool) -> dict:
-    """Kit schema -> the dict chat templates read (`reasoning` becomes `reasoning_content`)."""
-    reasoning = message.get("reasoning") or ""
-    if message["role"] != "assistant" or not reasoning:
-        return {"role": message["role"], "content": message["content"]}
-    if fold_reasoning:
-        return {"role": "assistant", "content": f"<think>\n{reasoning}\n</think>\n\n{message['content']}"}
-    return {"role": "assistant", "content": message["content"], "reasoning_content": reasoning}
+def _tokens_in(text: str, control_tokens: Sequence[str]) -> list[str]:
+    if not control_tokens:
+        return []
+    return re.findall("|".join(map(re.escape, control_tokens)), text)
 
 
-def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """The chat-template text of `messages` (kit schema), reasoning passed or folded as the template needs."""
-    layout = template_layout(tokenizer)
-    fold = not layout.renders_reasoning
-    return _render_raw(tokenizer, [_template_message(m, fold) for m in messages], add_generation_prompt)
+def _family(template: str, prompt: str, end_of_turn: str, reasoning: str) -> str:
+    """A readable name for the template's family (reported, never used to decide anything)."""
+    thinking = "reasoning_content" in template or "<think>" in template
+    if "<|im_start|>" in prompt:
+        return "chatml-qwen3 (thinking)" if thinking else "chatml"
+    if "<|start_header_id|>" in prompt:
+        return "llama3"
+    if "<|im_assistant|>" in prompt:
+        return "kimi (thinking)" if thinking else "kimi"
+    if "<｜Assistant｜>" in prompt:
+        return "deepseek (thinking)" if "<think>" in template else "deepseek"
+    if "[INST]" in prompt:
+        return "mistral"
+    if "<start_of_turn>" in prompt:
+        return "gemma"
+    if "<|assistant|>" in prompt:
+        return "phi3" if end_of_turn == "<|end|>" else "zephyr"
+    return f"other (end of turn {end_of_turn}, reasoning {reasoning})"
 
 
-def prompt_token_count(tokenizer: Any, messages: Sequence[dict]) -> int:
-    """Tokens the target reads before answering: `messages` rendered with the generation prompt."""
-    return len(_encode(tokenizer, render_conversation(tokenizer, messages, add_generation_prompt=True)))
+def template_family(tokenizer: Any, template_kwargs: dict | None = None) -> str:
+    return template_layout(tokenizer, template_kwargs).family
 
 
-def _assistant_spans(text: str, layout: TemplateLayout, assistant_count: int) -> list[tuple[int, int]]:
-    """Character spans [start, end) of each assistant turn's body, found left to right in one scan."""
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    for turn in range(assistant_count):
-        header_at = text.find(layout.assistant_header, cursor)
-        if header_at < 0:
-            raise ChatTemplateError(
-                f"assistant turn {turn + 1} of {assistant_count}: the template did not render its header "
-                f"{layout.assistant_header!r}; the template drops or renames assistant turns"
-            )
-        start = header_at + len(layout.assistant_header)
-        end_at = text.find(layout.end_of_turn, start)
-        if end_at < 0:
-            raise ChatTemplateError(f"assistant turn {turn + 1}: no end-of-turn token {layout.end_of_turn!r} after it")
-        cursor = end_at + len(layout.end_of_turn)
-        spans.append((start, cursor))
-    if text.find(layout.assistant_header, cursor) >= 0:
-        raise ChatTemplateError(
-            f"the rendering holds more assistant headers than the conversation's {assistant_count} assistant "
-            "turns (does a message contain the template's special tokens as text?)"
-        )
-    return spans
+# ---------------------------------------------------------------------------------------------
+# Kit schema -> template messages (control tokens in message strings marked)
 
 
-def tokenize_conversation(tokenizer: Any, messages: Sequence[dict]) -> TokenizedConversation:
-    """`input_ids` and `loss_mask` of a conversation in one render and one tokenization.
+def _fold(reasoning: str, content: str) -> str:
+    return f"<think>\n{reasoning}\n</think>\n\n{content}"
 
-    messages: kit schema dicts `{"role", "content", "reasoning"?}`, N of them.
-    Returns (T,) ids and (T,) mask; cost is linear in the total text (and so in N).
+
+def _mark(value: Any, pattern: re.Pattern | None, index: dict[str, int]) -> Any:
+    """Replace each control token inside strings (recursively) by its private-use character."""
+    if isinstance(value, str):
+        value = _MARK_RANGE.sub("", value)  # a message cannot forge a mark
+        if pattern is None:
+            return value
+        return pattern.sub(lambda match: chr(_MARK_BASE + index[match.group(0)]), value)
+    if isinstance(value, dict):
+        return {key: _mark(item, pattern, index) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark(item, pattern, index) for item in value]
+    return value
+
+
+class _Marker:
+    def __init__(self, layout: TemplateLayout):
+        self.tokens = layout.control_tokens
+        self.index = {token: position for position, token in enumerate(self.tokens)}
+        self.pattern = re.compile("|".join(map(re.escape, self.tokens))) if self.tokens else None
+
+    def __call__(self, value: Any) -> Any:
+        return _mark(value, self.pattern, self.index)
+
+    def unmark(self, text: str) -> str:
+        return _MARK_RANGE.sub(lambda match: self.tokens[ord(match.group(0)) - _MARK_BASE], text)
+
+
+def format_tool_call(name: str, arguments: Any) -> str:
+    """One tool call as Hermes/Qwen text; `arguments` may be a JSON string or object."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+
+
+def _arguments(arguments: Any, form: str) -> Any:
+    if form == "string":
+        return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _template_messages(messages: Sequence[dict], layout: TemplateLayout, marker: _Marker) -> list[dict]:
+    """Kit schema -> the dicts chat templates read; reasoning placed per layout, strings marked."""
+    out = []
+    for message in messages:
+        role = message["role"]
+        content = marker(message.get("content") or "")
+        item: dict[str, Any] = {"role": role, "content": content}
+        reasoning = marker(message.get("reasoning") or "")
+        if role == "assistant" and reasoning:
+            if layout.reasoning == "field":
+                item["reasoning_content"] = reasoning
+            elif layout.reasoning == "fold":
+                item["content"] = _fold(reasoning, content)
+            else:  # the template may show it on some turns (Kimi's tool-call turns); _Renderer.last places the rest
+                item["reasoning_content"] = reasoning
+                item["_reasoning"] = reasoning
+        if role == "assistant" and message.get("tool_calls") and layout.tool_calls == "hermes-text":
+            # The template has no tool-call syntax (SmolLM2, Phi-3.5): the calls as Hermes text, the form
+            # such models were tuned on, so they are trained rather than silently dropped.
+            calls = [format_tool_call(marker(call["function"]["name"]), marker(call["function"].get("arguments", {})))
+                     for call in message["tool_calls"]]
+            item["content"] = "\n".join(([item["content"]] if item["content"] else []) + calls)
+        elif role == "assistant" and message.get("tool_calls"):
+            item["tool_calls"] = [
+                {"id": call.get("id") or _PROBE_CALL_ID, "type": "function",
+                 "function": {"name": marker(call["function"]["name"]),
+                              "arguments": marker(_arguments(call["function"].get("arguments", {}),
+                                                             layout.tool_arguments))}}
+                for call in message["tool_calls"]]
+        if role == "tool":
+            if message.get("tool_call_id"):
+                item["tool_call_id"] = message["tool_call_id"]
+            if message.get("name"):
+                item["name"] = marker(message["name"])
+        out.append(item)
+    return out
+
+
+def _strip_private(messages: list[dict]) -> list[dict]:
+    return [{key: value for key, value in message.items() if key != "_reasoning"} for message in messages]
+
+
+class _Renderer:
+    """Renders marked template messages for one tokenizer, layout, tool list and template kwargs."""
+
+    def __init__(self, tokenizer: Any, layout: TemplateLayout, tools: list | None, template_kwargs: dict):
+        self.tokenizer, self.layout, self.tools, self.kwargs = tokenizer, layout, tools, template_kwargs
+
+    def prompt(self, messages: list[dict]) -> str:
+        return _render(self.tokenizer, _strip_private(messages), True, self.tools, self.kwargs)
+
+    def last(self, messages: list[dict], prompt: str | None = None) -> str:
+        """messages ending in an assistant turn, that turn written as the target generated it.
+
+        Where the template's rendering of the turn does not extend its prompt (Mistral drops the system
+        prompt once the conversation ends in an assistant turn; DeepSeek-R1 renders a tool call after
+        tool output under another header), the turn as the template writes it in a small context is
+        appended to the prompt the server actually sent.
+        """
+        prompt = self.prompt(messages[:-1]) if prompt is None else prompt
+        try:
+            turn = self._last(messages, prompt)
+            if turn.startswith(prompt):
+                return turn
+        except NotPrefixStableError:
+            pass
+        context = _small_context(messages, len(messages) - 1)
+        if len(context) == len(messages) - 1:
+            raise NotPrefixStableError("the chat template's rendering of this turn does not extend its prompt")
+        small_prompt = self.prompt(context)
+        small = self._last(context + [messages[-1]], small_prompt)
+        if not small.startswith(small_prompt):
+            raise NotPrefixStableError("the chat template's rendering of this turn does not extend its prompt, "
+                                       "even in a two-message conversation")
+        return prompt + small[len(small_prompt):]
+
+    def _last(self, messages: list[dict], prompt: str) -> str:
+        full = _render(self.tokenizer, _strip_private(messages), False, self.tools, self.kwargs)
+        if self.layout.reasoning != "splice":
+            return full
+        reasoning = messages[-1].get("_reasoning", "")
+        if full.startswith(prompt):
+            rest = full[len(prompt):]
+            if not reasoning or f"<think>{reasoning}" in rest or f"<think>\n{reasoning}" in rest:
+                return full
+            # The template blanks the turn's think block (Kimi thinking on a final answer): fill it.
+            for empty, filled in (("<think></think>", f"<think>{reasoning}</think>"),
+                                  ("<think>\n\n</think>\n\n", f"<think>\n{reasoning}\n</think>\n\n")):
+                if rest.startswith(empty):
+                    return prompt + filled + rest[len(empty):]
+            if prompt.endswith("</think>"):
+                raise ChatTemplateError("this turn has reasoning but the template's generation prompt closes the "
+                                        "think block (thinking off): set the template's thinking flag in "
+                                        "prep.chat_template_kwargs")
+            # No think block and none opened by the prompt (DeepSeek-R1 after tool output): the model wrote it.
+            return prompt + _fold(reasoning, "") + rest
+        # The prompt opens a think block the template's history form does not have (DeepSeek-R1/V3.1).
+        if not prompt.rstrip("\n").endswith("<think>"):
+            raise NotPrefixStableError("the chat template's rendering of this turn does not extend its prompt")
+        common = prompt.rfind("<think>")
+        if full[:common] != prompt[:common]:
+            raise NotPrefixStableError("the chat template renders this turn's history differently from its prompt")
+        opened, rest = prompt[common:], full[common:]
+        if rest.startswith("</think>"):  # DeepSeek-V3.1 writes the non-thinking closer on history turns
+            rest = rest[len("</think>"):]
+        close = "\n</think>\n\n" if opened.endswith("\n") else "</think>"
+        return prompt + reasoning + close + rest
+
+
+def _small_context(template_messages: list[dict], index: int) -> list[dict]:
+    """The least context that renders turn `index` as in the conversation: a probe user turn, plus the
+    previous assistant turn (without reasoning) and the tool results since, where the turn follows tools."""
+    probe = {"role": "user", "content": _PROBE_USER}
+    caller = index - 1
+    while caller >= 0 and template_messages[caller]["role"] == "tool":
+        caller -= 1
+    if caller < index - 1:
+        keep_from = caller if caller >= 0 and template_messages[caller]["role"] == "assistant" else caller + 1
+        # Without their reasoning, so no template rewrites the context (Kimi blanks it once a final answer follows).
+        return [probe, *({key: value for key, value in message.items() if key not in ("reasoning_content", "_reasoning")}
+                         for message in template_messages[keep_from:index])]
+    return [probe]
+
+
+def _common_prefix(a: str, b: str) -> str:
+    limit = min(len(a), len(b))
+    index = 0
+    while index < limit and a[index] == b[index]:
+        index += 1
+    return a[:index]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization of a marked rendering
+
+
+def _tokenize_marked(tokenizer: Any, text: str, marker: _Marker) -> tuple[list[int], list[int]]:
+    """Token ids and each token's start offset (in `text`'s coordinates) of a marked rendering.
+
+    Without marks this is one tokenizer call. With marks, the text is cut at each mark: the pieces
+    between are tokenized as usual (the template's control tokens stay control tokens) and each
+    marked token as plain text (`split_special_tokens=True`), all of its tokens starting at the mark.
     """
-    layout = template_layout(tokenizer)
-    text = render_conversation(tokenizer, messages)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids = list(encoding["input_ids"])
-    offsets = encoding["offset_mapping"]
-    assistant_count = sum(1 for m in messages if m["role"] == "assistant")
-    spans = _assistant_spans(text, layout, assistant_count)
+    marks = [match.start() for match in _MARK_RANGE.finditer(text)]
+    if not marks:
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), [start for start, _ in encoding["offset_mapping"]]
+    pieces, starts, cursor = [], [], 0
+    for position in marks:
+        pieces.append(text[cursor:position])
+        starts.append(cursor)
+        cursor = position + 1
+    pieces.append(text[cursor:])
+    starts.append(cursor)
+    plain = tokenizer([piece for piece in pieces], add_special_tokens=False, return_offsets_mapping=True)
+    literal = tokenizer([marker.unmark(text[position]) for position in marks], add_special_tokens=False,
+                        split_special_tokens=True)
+    ids: list[int] = []
+    offsets: list[int] = []
+    for index, start in enumerate(starts):
+        ids += plain["input_ids"][index]
+        offsets += [start + offset for offset, _ in plain["offset_mapping"][index]]
+        if index < len(marks):
+            ids += literal["input_ids"][index]
+            offsets += [marks[index]] * len(literal["input_ids"][index])
+    return ids, offsets
+
+
+def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker) -> TokenizedConversation:
+    input_ids, starts = _tokenize_marked(tokenizer, rendered.text, marker)
     loss_mask = [0] * len(input_ids)
-    # Tokens and spans are both sorted by position: one merge-like walk, linear in T + spans.
+    spans = rendered.spans
     span_index = 0
-    for token_index, (token_start, _token_end) in enumerate(offsets):
-        while span_index < len(spans) and token_start >= spans[span_index][1]:
+    # Tokens and spans are both sorted by position: one merge-like walk, linear in T + spans.
+    for token_index, start in enumerate(starts):
+        while span_index < len(spans) and start >= spans[span_index][1]:
             span_index += 1
         if span_index == len(spans):
             break
-        if spans[span_index][0] <= token_start:
+        if spans[span_index][0] <= start:
             loss_mask[token_index] = 1
     return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)
 
 
-def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict]) -> TokenizedConversation:
-    """Reference: per assistant turn, diff the tokens of prefix+turn against prefix+generation prompt.
+def _span_end(text: str, start: int, end_of_turn: str, truncated: bool) -> int:
+    """End of the span starting at `start`: just after the first end-of-turn token (before it when the
+    answer was cut at max_tokens, which never produced one), or the end of the text."""
+    at = text.find(end_of_turn, start)
+    if at < 0:
+        return len(text)
+    return at if truncated else at + len(end_of_turn)
 
-    Quadratic in messages; raises NotPrefixStableError where a prefix's tokens are not a prefix of
-    the full conversation's tokens (thinking templates dropping earlier reasoning, token merges
-    across a turn boundary).
+
+# ---------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def _prepare(tokenizer: Any, messages: Sequence[dict], tools: list | None, template_kwargs: dict | None):
+    layout = template_layout(tokenizer, template_kwargs)
+    marker = _Marker(layout)
+    template_messages = _template_messages(messages, layout, marker)
+    renderer = _Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
+    assistant_indices = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    if not assistant_indices:
+        raise ChatTemplateError("the conversation has no assistant turn: nothing to train")
+    return layout, marker, template_messages, renderer, assistant_indices
+
+
+def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = False,
+                        tools: list | None = None, template_kwargs: dict | None = None) -> str:
+    """The chat-template text of `messages` (kit schema), reasoning and tool calls placed as the template needs."""
+    layout = template_layout(tokenizer, template_kwargs)
+    marker = _Marker(layout)
+    renderer = _Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
+    template_messages = _template_messages(messages, layout, marker)
+    if add_generation_prompt:
+        text = renderer.prompt(template_messages)
+    elif template_messages and template_messages[-1]["role"] == "assistant":
+        text = renderer.last(template_messages)
+    else:
+        text = _render(tokenizer, _strip_private(template_messages), False, renderer.tools, renderer.kwargs)
+    return marker.unmark(text)
+
+
+def prompt_token_ids(tokenizer: Any, messages: Sequence[dict], tools: list | None = None,
+                     template_kwargs: dict | None = None) -> list[int]:
+    """The tokens the target reads before answering: `messages` rendered with the generation prompt."""
+    layout = template_layout(tokenizer, template_kwargs)
+    marker = _Marker(layout)
+    renderer = _Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
+    return _tokenize_marked(tokenizer, renderer.prompt(_template_messages(messages, layout, marker)), marker)[0]
+
+
+def prompt_token_count(tokenizer: Any, messages: Sequence[dict], tools: list | None = None,
+                       template_kwargs: dict | None = None) -> int:
+    return len(prompt_token_ids(tokenizer, messages, tools, template_kwargs))
+
+
+def _finish(tokenizer: Any, rendered: list[_Rendered], marker: _Marker, bodies: list[str]) -> ConversationSamples:
+    samples = [_sample(tokenizer, item, marker) for item in rendered]
+    trained = sum(sum(sample.loss_mask) for sample in samples)
+    # What the target generated: each turn's text as generated, tokenized on its own (one batched call).
+    generated = sum(len(_tokenize_marked(tokenizer, body, marker)[0]) for body in bodies if body)
+    return ConversationSamples(samples, generated, trained)
+
+
+def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *, tools: list | None = None,
+                                    history: HistoryPolicy = "split", truncated: bool = False,
+                                    template_kwargs: dict | None = None) -> ConversationSamples:
+    """The oracle: per assistant turn, render its prompt and the turn; quadratic in messages.
+
+    Samples are cut where P_{i+1} stops extending F_i up to turn i's span (see the module doc).
+    history="visible" is only defined here for conversations the template does not rewrite: it raises
+    NotPrefixStableError otherwise. truncated: the last turn was cut at max_tokens (no end-of-turn token).
     """
-    layout = template_layout(tokenizer)
-    input_ids = _encode(tokenizer, render_conversation(tokenizer, messages))
-    loss_mask = [0] * len(input_ids)
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prompt_ids = _encode(tokenizer, render_conversation(tokenizer, messages[:index], add_generation_prompt=True))
-        turn_ids = _encode(tokenizer, render_conversation(tokenizer, messages[: index + 1]))
-        if turn_ids[: len(prompt_ids)] != prompt_ids:
-            raise NotPrefixStableError(f"message {index}: the generation prompt's tokens are not a prefix of the turn's")
-        if input_ids[: len(turn_ids)] != turn_ids:
-            raise NotPrefixStableError(
-                f"message {index}: tokens of the conversation up to this turn are not a prefix of the full "
-                "conversation's tokens (the template rewrites earlier turns, e.g. drops their reasoning)"
-            )
-        generated = turn_ids[len(prompt_ids):]
-        if layout.end_of_turn_id in generated:
-            generated = generated[: generated.index(layout.end_of_turn_id) + 1]
-        for position in range(len(prompt_ids), len(prompt_ids) + len(generated)):
-            loss_mask[position] = 1
-    return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)
+    layout, marker, template_messages, renderer, indices = _prepare(tokenizer, messages, tools, template_kwargs)
+    rendered: list[_Rendered] = []
+    bodies: list[str] = []
+    current: _Rendered | None = None
+    current_end = 0
+    for position, index in enumerate(indices):
+        last = position == len(indices) - 1
+        prompt = renderer.prompt(template_messages[:index])
+        turn = renderer.last(template_messages[: index + 1], prompt)
+        if not turn.startswith(prompt):
+            raise NotPrefixStableError(f"message {index}: the turn's rendering does not extend its prompt's")
+        start = len(prompt)
+        end = _span_end(turn, start, layout.end_of_turn, truncated and last)
+        bodies.append(turn[start:end])
+        if current is not None and not prompt.startswith(current.text[:current_end]):
+            if history == "visible":
+                raise NotPrefixStableError(f"message {index}: the template rewrites earlier turns")
+            rendered.append(current)
+            current = None
+        if current is None:
+            current = _Rendered(turn)
+        current.text = turn
+        current.spans.append((start, end))
+        current_end = end
+    assert current is not None
+    if truncated:
+        current.text = current.text[:current_end]
+    rendered.append(current)
+    return _finish(tokenizer, rendered, marker, bodies)
+
+
+def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: list | None = None,
+                          history: HistoryPolicy = "split", truncated: bool = False,
+                          template_kwargs: dict | None = None) -> ConversationSamples:
+    """Training samples of a conversation: `input_ids` and `loss_mask`, one render per sample.
+
+    messages: kit schema dicts `{"role", "content", "reasoning"?, "tool_calls"?, "tool_call_id"?}`;
+    messages after the last assistant turn are context for nothing and are dropped.
+    tools: the record's tool definitions (`meta.tools`), passed to the template as `tools=`.
+    history: "split" (default) or "visible" (see the module doc).
+    truncated: the last assistant turn was cut at max_tokens: its mask ends at its last generated
+        token and no end-of-turn token follows it.
+    Raises ChatTemplateError (with the reason) when the template cannot render the conversation.
+    """
+    if history not in HISTORY_POLICIES:
+        raise ValueError(f"history must be one of {HISTORY_POLICIES}, got {history!r}")
+    layout, marker, template_messages, renderer, indices = _prepare(tokenizer, messages, tools, template_kwargs)
+    unstable = (tools and not layout.stable_with_tools) or \
+        (not layout.stable_with_system and any(message["role"] == "system" for message in messages))
+    bodies = None if unstable else _generated_bodies(renderer, template_messages, indices, layout, truncated)
+    if bodies is None:
+        return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
+    if history == "visible":
+        full = renderer.last(template_messages[: indices[-1] + 1])
+        rendered = _locate_visible(full, bodies, layout, truncated)
+        groups = None if rendered is None else [rendered]
+    else:
+        groups = _split_groups(renderer, template_messages, messages, indices, bodies, layout)
+        if groups is not None and truncated:
+            groups[-1].text = groups[-1].text[: groups[-1].spans[-1][1]]
+    if groups is None:
+        return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
+    return _finish(tokenizer, groups, marker, [body for _, body in bodies])
+
+
+def _split_groups(renderer: _Renderer, template_messages: list[dict], messages: Sequence[dict], indices: list[int],
+                  bodies: list[tuple[str, str]], layout: TemplateLayout) -> list[_Rendered] | None:
+    """Samples of the split policy, cut where the oracle cuts; None when the spans cannot be found.
+
+    The whole conversation is tried first (one render: every template that does not rewrite history
+    ends here). Otherwise groups grow greedily over the turns before each user message (where Qwen3 and
+    DeepSeek drop reasoning) and close at the first turn no longer rendered as generated.
+    """
+    count = len(indices)
+
+    def attempt(first: int, last: int) -> _Rendered | int | None:
+        return _locate_group(renderer.last(template_messages[: indices[last] + 1]), bodies, first, last, layout)
+
+    whole = attempt(0, count - 1)
+    if isinstance(whole, _Rendered):
+        return [whole]
+    ends = [position for position in range(count - 1)
+            if any(message["role"] == "user" for message in messages[indices[position] + 1: indices[position + 1]])]
+    ends.append(count - 1)
+    groups: list[_Rendered] = []
+    start = 0
+    while start < count:
+        best: tuple[int, _Rendered] | None = None
+        for end in (end for end in ends if end >= start):
+            located = whole if (start, end) == (0, count - 1) else attempt(start, end)
+            if isinstance(located, _Rendered):
+                best = (end, located)
+                continue
+            if located is None:
+                return None
+            if best is None or located > best[0]:
+                # The turns up to `located` stay as generated past the previous end: close there.
+                closing = attempt(start, located) if located < end else None
+                if not isinstance(closing, _Rendered):
+                    return None
+                best = (located, closing)
+            break
+        if best is None:
+            return None
+        groups.append(best[1])
+        start = best[0] + 1
+    return groups
+
+
+def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -> ConversationSamples:
+    result = tokenize_conversation_reference(tokenizer, messages, tools=tools, history=history, truncated=truncated,
+                                             template_kwargs=template_kwargs)
+    return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, fallback=True)
+
+
+def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indices: list[int], layout: TemplateLayout,
+                      truncated: bool) -> list[tuple[str, str]] | None:
+    """Per assistant turn: (the header before it in any rendering, the turn as generated).
+
+    Rendered in a small context: a probe user turn, plus the previous assistant turn and the tool
+    results since, where the turn follows tools. None when the template does not extend the prompt.
+    """
+    bodies = []
+    for position, index in enumerate(indices):
+        context = _small_context(template_messages, index)
+        try:
+            prompt = renderer.prompt(context)
+            turn = renderer.last(context + [template_messages[index]], prompt)
+        except ChatTemplateError:
+            return None  # the small context is not legal for this template: the oracle decides
+        if not turn.startswith(prompt):
+            return None
+        end = _span_end(turn, len(prompt), layout.end_of_turn, truncated and position == len(indices) - 1)
+        bodies.append((_header(prompt, layout), turn[len(prompt): end]))
+    return bodies
+
+
+def _context_header(header: str) -> str:
+    """The header of a turn in its history form: without the think block the generation prompt opens."""
+    for opener in ("<think>\n", "<think>"):
+        if header.endswith(opener) and len(header) > len(opener):
+            return header[: -len(opener)]
+    return header
+
+
+def _header(prompt: str, layout: TemplateLayout) -> str:
+    """The end of a prompt from its last control token: what precedes a turn's body in any rendering."""
+    last = -1
+    body = prompt
+    for opener in ("<think>\n", "<think>"):
+        if prompt.endswith(opener):
+            body = prompt[: -len(opener)]
+            break
+    for token in layout.control_tokens:
+        at = body.rfind(token)
+        if at > last:
+            last = at
+    return prompt[last:] if last >= 0 else prompt[-16:]
+
+
+def _locate_group(text: str, bodies: list[tuple[str, str]], first: int, last: int,
+                  layout: TemplateLayout) -> _Rendered | int | None:
+    """Spans of turns first..last (as generated) in `text`; earlier turns are context, found by header.
+
+    Returns the rendering with its spans, or the position of the first turn not found as generated
+    (None when even the context turns cannot be followed).
+    """
+    cursor = 0
+    for position in range(first):
+        header = _context_header(bodies[position][0])
+        at = text.find(header, cursor)
+        if at < 0:
+            return None
+        start = at + len(header)
+        cursor = _span_end(text, start, layout.end_of_turn, False)
+    rendered = _Rendered(text)
+    for position in range(first, last + 1):
+        header, body = bodies[position]
+        at = text.find(header + body, cursor)
+        if at < 0:
+            return position
+        start = at + len(header)
+        rendered.spans.append((start, start + len(body)))
+        cursor = start + len(body)
+    return rendered
+
+
+def _locate_visible(text: str, bodies: list[tuple[str, str]], layout: TemplateLayout,
+                    truncated: bool) -> _Rendered | None:
+    """Spans of every turn as `text` shows it: as generated where it is, else header to end-of-turn."""
+    rendered = _Rendered(text)
+    cursor = 0
+    for position, (header, body) in enumerate(bodies):
+        at = text.find(header + body, cursor)
+        next_header = text.find(header, cursor)
+        if at >= 0 and at == next_header:
+            start, end = at + len(header), at + len(header) + len(body)
+        elif next_header >= 0:
+            start = next_header + len(header)
+            end = _span_end(text, start, layout.end_of_turn, truncated and position == len(bodies) - 1)
+        else:
+            return None
+        rendered.spans.append((start, end))
+        cursor = end
+    if truncated:
+        rendered.text = text[: rendered.spans[-1][1]]
+    return rendered
+
+
+def mask_html(tokenizer: Any, sample: TokenizedConversation, max_tokens: int = 600) -> str:
+    """A sample as HTML: trained tokens (loss_mask 1) highlighted, control tokens boxed."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    parts = []
+    for token_id, mask in list(zip(sample.input_ids, sample.loss_mask))[:max_tokens]:
+        text = html.escape(tokenizer.decode([token_id]))
+        style = "background:#c6f6c6;" if mask else ""
+        if token_id in special:
+            style += "border:1px solid #888;"
+        parts.append(f'<span style="{style}">{text}</span>' if style else text)
+    more = "" if len(sample.input_ids) <= max_tokens else f"… ({len(sample.input_ids) - max_tokens} more tokens)"
+    return ('<pre style="white-space:pre-wrap;font-size:11px">' + "".join(parts) + more + "</pre>")

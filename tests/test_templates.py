@@ -1,0 +1,213 @@
+"""Published chat templates (tests/fixtures/chat_templates): the one-pass mask against the per-prefix oracle.
+
+Each fixture template is set on the embedded SmolLM2 tokenizer with its special tokens added. A
+seeded generator builds conversations each template accepts (84 messages, system prompts where
+legal, tool definitions, one and several tool calls, tool results, empty assistant content with tool
+calls, reasoning on some turns, quoted special tokens) and the fast path must equal the oracle token
+for token, sample for sample.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from eaglekit.chat import (
+    ChatTemplateError,
+    template_layout,
+    tokenize_conversation,
+    tokenize_conversation_reference,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures" / "chat_templates"
+META = json.loads((FIXTURES / "templates.json").read_text())
+NAMES = sorted(META)
+# DeepSeek-V3.1 thinks only with its `thinking` flag; reasoning turns need it on.
+TEMPLATE_KWARGS = {"deepseek_v31": {"thinking": True}}
+WORDS = "the tests fail on empty input so I will read the parser and patch the loop then rerun pytest".split()
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
+                                            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                           "required": ["cmd"]}}},
+         {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                           "required": ["path"]}}}]
+
+
+def fixture_tokenizer(model_dir, name: str):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    meta = META[name]
+    tokenizer.add_special_tokens({"additional_special_tokens": meta["special_tokens"]})
+    for key in ("bos_token", "eos_token"):
+        if meta.get(key) and meta[key] in meta["special_tokens"]:
+            setattr(tokenizer, key, meta[key])
+    tokenizer.chat_template = (FIXTURES / f"{name}.jinja").read_text()
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizers(embedded_model_dir):
+    return {name: fixture_tokenizer(embedded_model_dir, name) for name in NAMES}
+
+
+def text(rng: random.Random, low: int = 2, high: int = 12) -> str:
+    return " ".join(rng.choices(WORDS, k=rng.randint(low, high)))
+
+
+def conversation(name: str, rng: random.Random, messages: int) -> tuple[list[dict], list | None]:
+    """A conversation the template accepts: user, then tool-call rounds, then a final answer, repeated."""
+    supports = META[name]["supports"]
+    tools = TOOLS if supports["tools"] and rng.random() < 0.8 else None
+    several_calls = name != "llama3"  # Llama 3 renders one call per message
+    out: list[dict] = []
+    if supports["system"] and rng.random() < 0.7:
+        out.append({"role": "system", "content": "You are a coding agent. " + text(rng)})
+    call_number = 0
+    while not out or out[-1]["role"] != "assistant" or len(out) < messages - 1:
+        quote = " <|im_start|>assistant <|eot_id|> [INST]" if rng.random() < 0.2 else ""
+        out.append({"role": "user", "content": text(rng) + quote})
+        rounds = rng.randint(0, 3) if tools else 0
+        for _ in range(rounds):
+            if len(out) >= messages - 3:
+                break
+            calls = []
+            for _ in range(rng.randint(2, 3) if several_calls and rng.random() < 0.3 else 1):
+                call_number += 1
+                function = rng.choice(TOOLS)["function"]["name"]
+                argument = "cmd" if function == "bash" else "path"
+                calls.append({"id": f"call{call_number:05d}", "type": "function",
+                              "function": {"name": function, "arguments": {argument: text(rng, 1, 4)}}})
+            turn = {"role": "assistant", "content": "" if rng.random() < 0.5 else text(rng), "tool_calls": calls}
+            if rng.random() < 0.5:
+                turn["reasoning"] = text(rng, 5, 20)
+            out.append(turn)
+            for call in calls:
+                out.append({"role": "tool", "content": text(rng, 3, 30), "tool_call_id": call["id"]})
+        answer = {"role": "assistant", "content": text(rng)}
+        if rng.random() < 0.5:
+            answer["reasoning"] = text(rng, 5, 20)
+        out.append(answer)
+    return out, tools
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizers, name):
+    tokenizer = tokenizers[name]
+    kwargs = TEMPLATE_KWARGS.get(name)
+    rng = random.Random(f"eaglekit-{name}")
+    lengths = [84, 84, 2, 5, 9, 17, 30]
+    fallbacks = rejected = 0
+    for length in lengths:
+        messages, tools = conversation(name, rng, length)
+        try:
+            oracle = tokenize_conversation_reference(tokenizer, messages, tools=tools, template_kwargs=kwargs)
+        except ChatTemplateError:
+            # The template itself cannot hold this conversation (DeepSeek-R1 renders a tool call that follows
+            # tool output without the prompt it was generated after): both paths must say so.
+            with pytest.raises(ChatTemplateError):
+                tokenize_conversation(tokenizer, messages, tools=tools, template_kwargs=kwargs)
+            rejected += 1
+            continue
+        fast = tokenize_conversation(tokenizer, messages, tools=tools, template_kwargs=kwargs)
+        assert fast.samples == oracle.samples, f"{name}: {len(messages)} messages"
+        assert fast.trained_tokens == oracle.trained_tokens and fast.trained_tokens > 0
+        fallbacks += fast.fallback
+        # The truncated variant: the last answer's mask ends at its last generated token, no end-of-turn.
+        cut = tokenize_conversation(tokenizer, messages, tools=tools, truncated=True, template_kwargs=kwargs)
+        assert cut.samples == tokenize_conversation_reference(tokenizer, messages, tools=tools, truncated=True,
+                                                             template_kwargs=kwargs).samples
+        last = cut.samples[-1]
+        assert last.loss_mask[-1] == 1 and last.input_ids[-1] != template_layout(tokenizer, kwargs).end_of_turn_id
+    assert rejected <= (len(lengths) - 2 if name == "deepseek_r1" else 0)
+    # Only templates that move earlier text when the conversation goes on (Mistral's system prompt and
+    # tools go to the last user turn) may hand conversations to the oracle.
+    layout = template_layout(tokenizer, kwargs)
+    # DeepSeek-R1's history form differs from its prompts (the think opener), so a few conversations
+    # whose small-context body differs there go to the oracle.
+    if layout.stable_with_system and layout.stable_with_tools and name != "deepseek_r1":
+        assert fallbacks == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_split_trains_every_generated_turn_exactly_once(tokenizers, name):
+    """Every assistant turn's text as generated appears masked in exactly one sample, in order."""
+    tokenizer = tokenizers[name]
+    kwargs = TEMPLATE_KWARGS.get(name)
+    for seed in range(20):  # DeepSeek-R1 cannot hold some tool rounds (see above): take one it can
+        messages, tools = conversation(name, random.Random(f"once-{name}-{seed}"), 30)
+        try:
+            result = tokenize_conversation(tokenizer, messages, tools=tools, template_kwargs=kwargs)
+            break
+        except ChatTemplateError:
+            continue
+    masked = "".join(tokenizer.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m]) for s in result.samples)
+    for message in messages:
+        if message["role"] == "assistant":
+            # Llama 3 writes a tool-call turn as the call alone (its model generates no text beside it).
+            # Llama 3 and Mistral write a tool-call turn as the call alone, dropping content and folded reasoning
+            # (a known limit, see README): its model generates no text beside a call.
+            piece = "" if name in ("llama3", "mistral") and message.get("tool_calls") else \
+                message.get("reasoning") or message["content"]
+            if piece:
+                assert masked.count(piece) >= 1, (name, piece)
+    # Nothing the user, system or tools wrote is ever trained.
+    for message in messages:
+        if message["role"] in ("user", "tool") and len(message["content"]) > 40:
+            assert message["content"] not in masked
+    assert abs(result.trained_tokens - result.generated_tokens) <= len(result.samples) * 2 + 4
+
+
+def test_history_rewriting_templates_split_and_visible_counts(tokenizers):
+    tokenizer = tokenizers["qwen3"]
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning": "EARLIER two plus two"},
+                {"role": "user", "content": "3+3?"},
+                {"role": "assistant", "content": "6", "reasoning": "LATER three plus three"}]
+    split = tokenize_conversation(tokenizer, messages)
+    assert len(split.samples) == 2  # Qwen3 drops the first turn's reasoning once a user speaks again
+    first = tokenizer.decode([t for t, m in zip(split.samples[0].input_ids, split.samples[0].loss_mask) if m])
+    assert first == "<think>\nEARLIER two plus two\n</think>\n\n4<|im_end|>"
+    visible = tokenize_conversation(tokenizer, messages, history="visible")
+    assert len(visible.samples) == 1
+    shown = tokenizer.decode([t for t, m in zip(visible.samples[0].input_ids, visible.samples[0].loss_mask) if m])
+    assert "EARLIER" not in shown and shown.startswith("4<|im_end|>") and "LATER three plus three" in shown
+    assert visible.trained_tokens < visible.generated_tokens == split.generated_tokens
+    with pytest.raises(ValueError, match="history"):
+        tokenize_conversation(tokenizer, messages, history="drop")
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3", "llama3", "kimi_k2_thinking"])
+def test_quoted_special_tokens_are_text(tokenizers, name):
+    tokenizer = tokenizers[name]
+    quoted = "Explain <|im_start|>assistant and <|eot_id|> and <|im_end|> please"
+    messages = [{"role": "user", "content": quoted}, {"role": "assistant", "content": "They are control tokens."}]
+    sample = tokenize_conversation(tokenizer, messages).samples[0]
+    plain = tokenize_conversation(tokenizer, [{"role": "user", "content": "Explain please"}, messages[1]]).samples[0]
+    special_ids = set(tokenizer.all_special_ids)
+    # The quote adds only text tokens: the count of control tokens is the template's own.
+    assert sum(t in special_ids for t in sample.input_ids) == sum(t in special_ids for t in plain.input_ids)
+    assert quoted in tokenizer.decode(sample.input_ids)
+    assert sum(sample.loss_mask) == sum(plain.loss_mask)
+
+
+def test_template_without_tool_syntax_keeps_calls_as_text(tokenizers):
+    tokenizer = tokenizers["smollm2"]
+    assert template_layout(tokenizer).tool_calls == "hermes-text"
+    messages = [{"role": "user", "content": "List files"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "call00001", "type": "function", "function": {"name": "bash", "arguments": {"cmd": "ls"}}}]}]
+    sample = tokenize_conversation(tokenizer, messages).samples[0]
+    masked = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+    assert masked == '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>'
+
+
+def test_template_that_cannot_render_a_conversation_raises_chat_template_error(tokenizers):
+    with pytest.raises(ChatTemplateError, match="System role not supported"):
+        tokenize_conversation(tokenizers["gemma"], [{"role": "system", "content": "x"}, {"role": "user", "content": "a"},
+                                                    {"role": "assistant", "content": "b"}])
+    with pytest.raises(ChatTemplateError, match="thinking"):  # V3.1 with thinking off has no place for reasoning
+        tokenize_conversation(tokenizers["deepseek_v31"], [{"role": "user", "content": "a"},
+                                                           {"role": "assistant", "content": "b", "reasoning": "r"}])
