@@ -521,11 +521,12 @@ def test_streaming_readers_agree_with_the_full_read(tmp_path):
     with open(tmp_path / "out" / "generations.jsonl", "a") as handle:
         handle.write('{"dataset": "ds", "id": "torn", "content": "cut off')  # a writer killed mid-line
     table = generation_table(tmp_path / "out")
-    assert {(row["dataset"], row["id"]) for row in table} == set(full)
-    for row in table:
+    rows = [dict(zip(table, values)) for values in zip(*table.values())]
+    assert {(row["dataset"], row["id"]) for row in rows} == set(full)
+    for row in rows:
         record = full[(row["dataset"], row["id"])]
         assert "content" not in row and "token_ids" not in row and row["endpoint"] == name
-        assert row == {key: value for key, value in record.items()
+        assert row == {key: tuple(value) if isinstance(value, list) else value for key, value in record.items()
                        if key not in ("content", "reasoning", "tool_calls", "prompt_token_ids", "token_ids")}
     with GenerationLog(tmp_path / "out") as log:
         assert len(log) == len(full) and all(log.get(key) == record for key, record in full.items())

@@ -310,18 +310,37 @@ def finished_keys(path: str | os.PathLike) -> set[tuple[str, str]]:
     return {(head["dataset"], head["id"]) for _, _, head in iter_record_heads(path)}
 
 
-def generation_table(output_dir: str | Path) -> list[dict[str, Any]]:
-    """One small row per answer (everything but text and token ids), for the notebook's tables and plots.
+def generation_table(output_dir: str | Path) -> dict[str, list[Any]]:
+    """Every answer's small fields (everything but text and token ids) as columns, for a DataFrame.
 
-    Reads the file once, one line at a time; a duplicated key (two writers) keeps its first record.
+    `pd.DataFrame(generation_table(folder))` gives one row per answer. Reads the file once, one line
+    at a time, and keeps columns with repeated strings shared (dataset, partition, endpoint, finish
+    reason, flags), so memory stays a small fraction of the file (bench/read_generations.py). A
+    duplicated key (two writers) keeps its first record. Fields missing from older records are None.
     """
-    rows, seen = [], set()
+    columns: dict[str, list[Any]] = {}
+    shared: dict[Any, Any] = {}
+    seen: set[tuple[str, str]] = set()
+    rows = 0
     for _, _, head in iter_record_heads(Path(output_dir) / GENERATIONS_FILE):
         key = (head["dataset"], head["id"])
-        if key not in seen:
-            seen.add(key)
-            rows.append(head)
-    return rows
+        if key in seen:
+            continue
+        seen.add(key)
+        for name, value in head.items():
+            column = columns.get(name)
+            if column is None:
+                column = columns[name] = [None] * rows
+            if isinstance(value, list):
+                value = tuple(value)
+            if isinstance(value, (str, tuple)) and name != "id":
+                value = shared.setdefault(value, value)
+            column.append(value)
+        rows += 1
+        for column in columns.values():
+            if len(column) < rows:
+                column.append(None)
+    return columns
 
 
 class GenerationLog:

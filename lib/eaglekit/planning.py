@@ -61,7 +61,8 @@ class MeasuredLengths:
 def pilot_lengths(generation_dir: str | Path) -> dict[str, MeasuredLengths]:
     """Per partition, the pilot's (prompt, completion) token counts as the server reported them, and
     its request rate: answers / (last finish - first start)."""
-    rows = [row for row in generation_table(generation_dir)
+    table = generation_table(generation_dir)
+    rows = [row for row in (dict(zip(table, values)) for values in zip(*table.values()))
             if isinstance(row.get("completion_tokens"), int) and isinstance(row.get("prompt_tokens"), int)]
     found: dict[str, MeasuredLengths] = {}
     for partition in sorted({row["partition"] for row in rows}):
