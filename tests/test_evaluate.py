@@ -30,8 +30,8 @@ def target(embedded_model_dir):
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory, embedded_model_dir, target):
-    """A draft overfitted for a few steps on the target's own greedy answers, exported in both formats."""
+def fitted(embedded_model_dir, target):
+    """A draft overfitted for a few steps on the target's own greedy answers; (draft, prompts, sequences)."""
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
     prompts = [list(p if isinstance(p, list) else p["input_ids"]) for p in prompts]
@@ -58,7 +58,13 @@ def exports(tmp_path_factory, embedded_model_dir, target):
                 loss = loss + F.cross_entropy(logits[0, rows], target_to_draft[ids[0, len(prompt) + 1 + step:]])
         loss.backward()
         optimizer.step()
-    draft.eval()
+    return draft.eval(), prompts, sequences
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, target, fitted):
+    """The fitted draft exported with the kit's own functions, in both formats."""
+    draft = fitted[0]
     root = tmp_path_factory.mktemp("exports")
     sglang = export_sglang(draft, target.config, root / "sglang")
     vllm = export_vllm(draft, target.config, root / "vllm", verifier_name_or_path="embedded")
@@ -135,3 +141,54 @@ def test_bad_prompts_and_topologies_fail_clearly(tmp_path, embedded_model_dir, e
     assert "with top-k 1 the tree is a chain" in capsys.readouterr().err
     assert main(["evaluate", "--target", str(embedded_model_dir), "--draft", str(exports[0]), "--prompts", str(path)]) == 1
     assert "only assistant turns" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def heldout_samples(target, fitted):
+    """The greedy sequences as capture stores them: features, final hidden states, loss mask on the answer."""
+    draft, prompts, sequences = fitted
+    samples = []
+    with torch.no_grad():
+        for index, (prompt, sequence) in enumerate(zip(prompts, sequences)):
+            hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+            samples.append({"id": f"s{index}", "dataset": "demo", "input_ids": torch.tensor(sequence),
+                            "loss_mask": torch.tensor([0] * len(prompt) + [1] * (len(sequence) - len(prompt))),
+                            "aux_hidden_states": torch.cat([hidden[i] for i in draft.config.capture_layer_indices], dim=-1)[0],
+                            "final_hidden_states": hidden[-1][0]})
+    return samples
+
+
+def test_tree_depths_from_captured_features_with_top_k_1_equal_the_chain_evaluation(embedded_model_dir, fitted, heldout_samples):
+    """K = 1 from shards-style samples gives training's chain agreement exactly (same rows, same leading agreements)."""
+    import numpy as np
+
+    from eaglekit.topology import Topology
+    from eaglekit.topology_sweep import tree_depths_by_dataset
+    from eaglekit.training import per_position_agreement
+
+    draft = fitted[0]
+    lm_head = load_target_head_weights(embedded_model_dir).lm_head
+    chain = per_position_agreement(draft, lm_head, heldout_samples, 2)
+    depths = tree_depths_by_dataset(draft, lm_head, heldout_samples, [Topology.chain(2), Topology.parse("tree:2,2,5")])
+    for sample, tree_depths in zip(chain, depths[Topology.chain(2)]["demo"]):
+        assert tree_depths.tolist() == np.logical_and.accumulate(sample.agreement, axis=1).sum(axis=1).tolist()
+    assert sum(int(array.sum()) for array in depths[Topology.chain(2)]["demo"]) > 0  # the draft accepts something
+
+
+def test_measured_topology_sweep(target, embedded_model_dir, exports, heldout_samples):
+    """Real step costs on this machine, a small grid scored on the held-out samples, a recommendation."""
+    from eaglekit.topology import Topology
+    from eaglekit.topology_sweep import measure_step_costs, pool_datasets, recommend, sweep_table, tree_depths_by_dataset
+
+    draft = load_draft_for_target(exports[0], target)
+    costs = measure_step_costs(target, draft, context_length=32, verify_tokens=(1, 8), draft_nodes=(1, 8), repeats=2)
+    assert costs.target_step_s > 0 and costs.verify_base_s > 0 and costs.draft_base_s > 0 and "cpu" in costs.source
+    grid = [Topology.chain(1), Topology.chain(2), Topology.parse("tree:2,2,4"), Topology.parse("tree:2,2,6")]
+    depths = tree_depths_by_dataset(draft, load_target_head_weights(embedded_model_dir).lm_head, heldout_samples, grid)
+    table = sweep_table({topology: pool_datasets(by_dataset) for topology, by_dataset in depths.items()}, costs, num_resamples=100)
+    assert set(table["topology"]) == {str(topology) for topology in grid}
+    # A tree that holds the chain's path with more tokens never accepts less on the same rows.
+    by_name = table.set_index("topology")
+    assert by_name.loc["tree:2,2,6", "tau"] >= by_name.loc["chain:2", "tau"] - 1e-9
+    choice = recommend(table, costs)
+    assert choice["sglang"]["topology"] in by_name.index and "vllm" in choice

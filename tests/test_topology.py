@@ -66,3 +66,60 @@ def test_parse_topologies_drops_duplicates_and_needs_one():
     assert [str(t) for t in parse_topologies(["chain:3", "tree:3,1,4", "tree:5,8,32"])] == ["chain:3", "tree:5,8,32"]
     with pytest.raises(ValueError, match="no topology"):
         parse_topologies([])
+
+
+# ---------------------------------------------------------------------------------------------------
+# the sweep's cost model, table and recommendation (pure numbers; the measured sweep runs in test_evaluate)
+# ---------------------------------------------------------------------------------------------------
+def test_cost_model_reduces_to_the_break_even_model_of_scaling():
+    from eaglekit.scaling import break_even_from_timings, speedup_from_timings
+    from eaglekit.topology_sweep import StepCosts
+
+    costs = StepCosts(target_step_s=0.011, verify_base_s=0.012, verify_token_s=0.0, draft_base_s=0.002, draft_node_s=0.0)
+    chain = Topology.chain(3)
+    assert costs.predicted_speedup(chain, 2.1) == pytest.approx(speedup_from_timings(2.1, 0.011, 0.012, 0.002, 3))
+    assert costs.break_even_accept_length(chain) == pytest.approx(break_even_from_timings(0.011, 0.012, 0.002, 3))
+    # Per-token verification and per-node draft costs make wide trees pay for their width.
+    costly = StepCosts(target_step_s=0.011, verify_base_s=0.012, verify_token_s=0.001, draft_base_s=0.002, draft_node_s=0.0005)
+    tree = Topology.parse("tree:5,8,32")
+    assert costly.cycle_s(tree, 3.0) == pytest.approx(0.012 + 31 * 0.001 + (0.002 + 2 * 0.0005) + 4 * (0.002 + 7 * 0.0005))
+    tau = costly.break_even_accept_length(tree)
+    assert costly.predicted_speedup(tree, tau) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="target_step_s"):
+        StepCosts(target_step_s=0, verify_base_s=1, verify_token_s=0, draft_base_s=1, draft_node_s=0)
+
+
+def test_sweep_table_and_recommendation():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import numpy as np
+
+    from eaglekit.topology_sweep import StepCosts, default_topology_grid, plot_topology_sweep, recommend, sweep_table
+
+    costs = StepCosts(target_step_s=0.010, verify_base_s=0.011, verify_token_s=0.0002, draft_base_s=0.001, draft_node_s=0.0001)
+    depths = {
+        Topology.chain(1): [np.array([1, 0, 1, 1]), np.array([0, 1])],
+        Topology.chain(3): [np.array([3, 0, 2, 1]), np.array([0, 3])],
+        Topology.parse("tree:3,2,6"): [np.array([3, 1, 2, 2]), np.array([1, 3])],
+    }
+    table = sweep_table(depths, costs, draft_dir="/d", num_resamples=200)
+    by_name = table.set_index("topology")
+    assert by_name.loc["chain:3", "tau"] == pytest.approx(1 + 9 / 6)  # 1 + mean accepted depth, pooled over rows
+    assert by_name.loc["tree:3,2,6", "tau"] == pytest.approx(1 + 12 / 6)
+    assert (table["tau_low"] <= table["tau"]).all() and (table["tau"] <= table["tau_high"]).all()
+    assert list(table["predicted_speedup"]) == sorted(table["predicted_speedup"], reverse=True)
+    assert by_name.loc["tree:3,2,6", "vllm_setting"] == "" and '"num_speculative_tokens": 3' in by_name.loc["chain:3", "vllm_setting"]
+    choice = recommend(table, costs)
+    assert choice["sglang"]["topology"] == table.iloc[0]["topology"]
+    assert choice["sglang"]["flags"] == Topology.parse(choice["sglang"]["topology"]).sglang_command_line
+    assert choice["vllm"]["topology"] in {"chain:1", "chain:3"} and choice["vllm"]["num_speculative_tokens"] in {1, 3}
+    assert choice["sglang"]["pays_off"] == (choice["sglang"]["predicted_speedup"] > 1)
+    figure = plot_topology_sweep(table, recommended=choice["sglang"]["topology"])
+    assert len(figure.axes) == 2
+    with pytest.raises(ValueError, match="no start rows"):
+        sweep_table({Topology.chain(2): [np.array([], dtype=int)]}, costs)
+    grid = default_topology_grid(max_steps=4, top_ks=(2, 4), draft_tokens=(4, 16, 64))
+    assert Topology.chain(4) in grid and Topology.parse("tree:2,2,4") in grid
+    assert all(topology.draft_tokens <= 1 + topology.candidates for topology in grid)
+    assert Topology.parse("tree:2,4,16") in grid and not any(str(t) == "tree:2,2,16" for t in grid)
