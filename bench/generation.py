@@ -10,6 +10,10 @@
    server is not what we measure). Goal: >= 1,000 requests/s on 2 cores.
 3. `--embedded`: the real embedded server (SmolLM2-135M on CPU) through the engine at concurrency
    1, 8, 32: completion tokens/s.
+4. `--capacity`: the capacity plan checked against the embedded server with a small KV cache: a
+   pilot measures prompt and completion lengths and the rate, `eaglekit.capacity` plans the
+   concurrency from them, then the same prompts run at the no-preemption worst case and at the
+   planned concurrency: errors, completion tokens/s, and the pilot-rate ETA against the wall time.
 
 The endpoint is tests/fault_endpoint.py in its own process (a separate interpreter, so its work does
 not share the client's GIL). Run: `python bench/generation.py [--requests N] [--embedded]`.
@@ -29,6 +33,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import openai
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,6 +171,57 @@ def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
                   f"{tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tokens/s")
 
 
+def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, requested: int) -> None:
+    from eaglekit.capacity import length_plan, sequences_that_fit
+    from eaglekit.models import resolve_model
+    from eaglekit.planning import pilot_lengths
+    from eaglekit.server import EmbeddedServer, ServerSettings
+
+    model_dir = resolve_model("embedded:smollm2-135m-instruct")
+    context = "Background: " + " ".join(f"fact {index} is about item {index * 7}." for index in range(40))
+    topics = ["a cat", "the sea", "rain", "a bridge", "bread", "a clock", "the moon", "a river"]
+
+    def prompts(name: str, count: int, offset: int) -> list[PromptSource]:
+        texts = [f"{context[: 80 + 37 * ((offset + index) % 11) * 4]}\nName one colour linked to "
+                 f"{topics[(offset + index) % len(topics)]}. One word." for index in range(count)]
+        return [PromptSource("bench", "short", write_prompts(workdir / f"{name}.jsonl", texts))]
+
+    settings = ServerSettings(kv_cache_tokens=kv_cache_tokens, cb_page_size=64)
+    with EmbeddedServer(model_dir, settings=settings, log_path=workdir / "capacity_server.log") as server:
+        endpoint = [EndpointSpec(server.base_url, model=server.model_name, name="embedded")]
+
+        def run(name: str, sources: list[PromptSource], concurrency: int) -> tuple[float, object]:
+            started = time.perf_counter()
+            summary = generate(sources, endpoint, workdir / name, [PartitionSettings("short", concurrency, max_tokens)],
+                               temperature=0.0, progress_bar=False, log_interval_s=3600)
+            return time.perf_counter() - started, summary
+
+        pilot_concurrency = 4
+        run("pilot", prompts("pilot", 16, 0), pilot_concurrency)
+        pilot = pilot_lengths(workdir / "pilot")["short"]
+        prompt_p95 = int(np.quantile(pilot.prompt_tokens, 0.95))
+        worst = sequences_that_fit(kv_cache_tokens, prompt_p95 + max_tokens)
+        plan = length_plan(kv_cache_tokens, pilot.prompt_tokens, pilot.completion_tokens, page_size=64)
+        planned = min(requested, plan.retraction_concurrency)
+        print(f"[4] capacity plan, embedded SmolLM2-135M, KV cache {kv_cache_tokens} tokens (pages of 64), "
+              f"max_tokens {max_tokens}: pilot of 16 at concurrency {pilot_concurrency}: prompt mean "
+              f"{np.mean(pilot.prompt_tokens):.0f} (p95 {prompt_p95}), completion mean "
+              f"{np.mean(pilot.completion_tokens):.1f} tokens, {pilot.requests_per_second:.2f} req/s")
+        print(f"    no-preemption worst case {worst}; from lengths: {plan.expected_tokens_per_sequence:.0f} tokens per "
+              f"running sequence, retractions likely above {plan.retraction_concurrency}; requested {requested} -> "
+              f"planned {planned} (expected occupancy {planned * plan.expected_tokens_per_sequence / kv_cache_tokens:.0%})")
+        count = 48
+        for label, concurrency in (("worst case", max(1, worst)), ("planned", planned)):
+            sources = prompts(f"run_{concurrency}", count, 100)
+            wall, summary = run(f"run_{concurrency}", sources, concurrency)
+            counts = summary.datasets["bench"]
+            tokens = counts.completion_tokens
+            eta = count / pilot.requests_per_second
+            print(f"    {label:10s} concurrency {concurrency:>3}: {counts.done}/{count} answered, {counts.errors} errors, "
+                  f"{wall:.1f} s, {count / wall:.2f} req/s, {tokens / wall:.1f} completion tok/s "
+                  f"(pilot-rate ETA {eta:.1f} s, at the pilot's concurrency {pilot_concurrency})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=4000, help="requests in the long-tail bench")
@@ -175,11 +231,18 @@ def main() -> None:
     parser.add_argument("--instant-requests", type=int, default=5000)
     parser.add_argument("--embedded", action="store_true", help="also measure the embedded server (minutes on CPU)")
     parser.add_argument("--embedded-max-tokens", type=int, default=32)
+    parser.add_argument("--capacity", action="store_true", help="only [4]: the capacity plan against the embedded server")
+    parser.add_argument("--capacity-kv-tokens", type=int, default=4096)
+    parser.add_argument("--capacity-max-tokens", type=int, default=256)
+    parser.add_argument("--capacity-requested", type=int, default=32)
     args = parser.parse_args()
     import logging
     logging.getLogger("eaglekit").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
+        if args.capacity:
+            bench_capacity(workdir, args.capacity_kv_tokens, args.capacity_max_tokens, args.capacity_requested)
+            return
         bench_scheduling(workdir, args.requests, args.concurrency, args.median_ms / 1000, args.sigma)
         bench_overhead(workdir, args.instant_requests, 256)
         if args.embedded:

@@ -367,6 +367,25 @@ def test_a_paused_endpoint_gets_no_requests_while_another_serves():
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # a date in the past: no wait
 
 
+def test_a_failing_write_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    from eaglekit.generation import GenerationEngine
+
+    original, calls = GenerationEngine._record_answer, []
+
+    def disk_full(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationEngine, "_record_answer", disk_full)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.01" for i in range(40)])
+    with FaultEndpoint() as endpoint, pytest.raises(OSError, match="No space left"):
+        within(30, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
+               tmp_path / "out", [PartitionSettings("short", 2, 16)], **FAST)
+    assert len(finished_keys(tmp_path / "out" / "generations.jsonl")) < 40
+
+
 # -------------------------------------------------------------------------------------------------
 # Resume: errors once per session with their history, cumulative counters, progress lines
 

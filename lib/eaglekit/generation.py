@@ -768,6 +768,7 @@ class GenerationEngine:
         return summary
 
     def _background_ended(self, task: asyncio.Task) -> None:
+        """A task of the run ended with an exception: stop the run and raise it from `run`."""
         if not task.cancelled() and task.exception() is not None:
             self._fail_run(task.exception())
 
@@ -785,8 +786,10 @@ class GenerationEngine:
             # The backstop: a task that ends holding its slot (cancelled before it first ran, or a
             # bug) gives it back, so no path can leave a slot taken and the run waiting for ever.
             task.add_done_callback(lambda _task, slot=slot: slot.release())
+            # A task that fails (a full disk while recording) stops the run: nothing is lost silently.
+            task.add_done_callback(self._background_ended)
             tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            task.add_done_callback(tasks.discard)  # finished tasks are not kept: 80,000 of them add up
         await self._drain(tasks)
         progress.ended_at = time.monotonic()
 
