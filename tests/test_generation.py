@@ -29,7 +29,6 @@ from eaglekit.endpoints import (  # noqa: E402
 from eaglekit.generation import (  # noqa: E402
     GenerationLog, PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, generation_table,
     has_repetition_loop, quality_flags, read_generations, summarize_generations)
-from eaglekit.tokenized import build_tokenized_data  # noqa: E402
 from eaglekit.io import read_jsonl  # noqa: E402
 
 FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
@@ -165,31 +164,6 @@ def test_token_ids_and_reasoning_fields_as_servers_send_them(tmp_path, dialect, 
         completion_text = (record["reasoning"] or "") + record["content"]
         assert record["token_ids"] == [ord(character) for character in completion_text] + [0]
         assert record["prompt_token_ids"] == [ord(character) for character in "Be brief.hello"]
-        tokenized = build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok")
-        sample = next(iter(read_jsonl(tokenized.files["ds"])))[1]
-        assert sample["input_ids"] == record["prompt_token_ids"] + record["token_ids"]
-        assert sample["loss_mask"] == [0] * len(record["prompt_token_ids"]) + [1] * len(record["token_ids"])
-        assert sample["meta"]["token_source"] == "target" and sample["meta"]["n"] == 0
-        assert tokenized.from_token_ids == 2 and tokenized.compared == 0
-    else:
-        with pytest.raises(ValueError, match="pass the target's tokenizer"):
-            build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok")
-
-
-def test_truncated_and_flag_policies_when_building_training_data(tmp_path):
-    prompts = write_prompts(tmp_path / "prompts.jsonl", ["fine", "cut #fault:length", "looping #fault:loop", "bad #fault:400"])
-    source = [PromptSource("ds", "short", prompts)]
-    with FaultEndpoint(FaultOptions(token_ids="sglang")) as endpoint:
-        generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "out", [PartitionSettings("short", 2, 16)], **FAST)
-    keep = build_tokenized_data(tmp_path / "out", source, tmp_path / "keep")
-    assert keep.written == {"ds": 3} and keep.missing == {"ds": 1}
-    samples = {record["id"]: record for _, record in read_jsonl(keep.files["ds"])}
-    assert samples["p1"]["meta"]["truncated"] and "repetition_loop" in samples["p2"]["meta"]["flags"]
-    drop = build_tokenized_data(tmp_path / "out", source, tmp_path / "drop", truncated_policy="drop",
-                                drop_flags=["repetition_loop"])
-    assert drop.written == {"ds": 1} and drop.dropped == {"ds": {"truncated": 1, "repetition_loop": 1}}
-    with pytest.raises(ValueError, match="truncated_policy"):
-        build_tokenized_data(tmp_path / "out", source, tmp_path / "x", truncated_policy="retry")
 
 
 def test_quality_flags():
@@ -665,8 +639,6 @@ def test_client_killed_mid_run_resumes_exactly_once(tmp_path, how):
 
 @pytest.mark.slow
 def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server, embedded_model_dir):
-    from transformers import AutoTokenizer
-
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["What is 2+2?", "Name a colour.", "Say hi."])
     source = [PromptSource("tiny", "short", prompts)]
     summary = generate(source, [EndpointSpec(embedded_server.base_url, model=embedded_server.model_name)],
@@ -675,14 +647,7 @@ def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server
     assert summary.endpoints[0]["rejects_unknown_fields"]  # transformers serve 422s return_token_ids
     records = read_generations(tmp_path / "out")
     assert all(record["completion_tokens"] and record["finish_reason"] in ("stop", "length") for record in records.values())
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
-    tokenized = build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer)
-    assert tokenized.written == {"tiny": 3} and tokenized.from_chat_template == 3
-    for _, sample in read_jsonl(tokenized.files["tiny"]):
-        record = records[("tiny", sample["id"])]
-        generated = [token for token, mask in zip(sample["input_ids"], sample["loss_mask"]) if mask]
-        answer_ids = tokenizer.encode(record["content"], add_special_tokens=False)
-        assert generated[:len(answer_ids)] == answer_ids  # the answer (then <|im_end|> unless truncated)
+    # build_tokenized_data over these answers (and the server's usage): tests/test_tokenized.py
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ def test_prep_writes_contract_files_with_stable_ids_dedup_and_partitions(tokeniz
     first_messages = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
                       {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}]
     assert tokenized[0]["id"] == conversation_id("chat_a", content_hash(first_messages))
-    expected = tokenize_conversation(tokenizer, first_messages)
+    expected = tokenize_conversation(tokenizer, first_messages).samples[0]
     assert tokenized[0]["input_ids"] == expected.input_ids and tokenized[0]["loss_mask"] == expected.loss_mask
     # Class B, first_user: record 3 keeps its system prompt and first user turn, so it does not
     # duplicate record 2 (same first question, different system prompt).
@@ -109,11 +109,11 @@ def test_interrupted_prep_keeps_the_previous_output_whole(tokenizer, tmp_path, m
     calls = {"n": 0}
     real = prep.tokenize_conversation
 
-    def crash_on_second(tokenizer_, messages):
+    def crash_on_second(tokenizer_, messages, **kwargs):
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(tokenizer_, messages)
+        return real(tokenizer_, messages, **kwargs)
 
     monkeypatch.setattr(prep, "tokenize_conversation", crash_on_second)
     with pytest.raises(KeyboardInterrupt):

@@ -519,7 +519,26 @@ def _span_end(text: str, start: int, end_of_turn: str, truncated: bool) -> int:
 # Public entry points
 
 
+def normalize_tools(tools: Any) -> list[dict] | None:
+    """Tool definitions as templates take them: a list of `{"type": "function", "function": {...}}`.
+
+    Accepts a JSON string (Glaive stores them so) and bare function schemas."""
+    if not tools:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise ChatTemplateError("meta.tools is a string that is not JSON") from None
+    if isinstance(tools, dict):
+        tools = [tools]
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise ChatTemplateError("meta.tools must be a list of tool definitions (objects)")
+    return [tool if "function" in tool else {"type": "function", "function": tool} for tool in tools] or None
+
+
 def _prepare(tokenizer: Any, messages: Sequence[dict], tools: list | None, template_kwargs: dict | None):
+    tools = normalize_tools(tools)
     layout = template_layout(tokenizer, template_kwargs)
     marker = _Marker(layout)
     template_messages = _template_messages(messages, layout, marker)
@@ -533,6 +552,7 @@ def _prepare(tokenizer: Any, messages: Sequence[dict], tools: list | None, templ
 def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = False,
                         tools: list | None = None, template_kwargs: dict | None = None) -> str:
     """The chat-template text of `messages` (kit schema), reasoning and tool calls placed as the template needs."""
+    tools = normalize_tools(tools)
     layout = template_layout(tokenizer, template_kwargs)
     marker = _Marker(layout)
     renderer = _Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
@@ -549,6 +569,7 @@ def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation
 def prompt_token_ids(tokenizer: Any, messages: Sequence[dict], tools: list | None = None,
                      template_kwargs: dict | None = None) -> list[int]:
     """The tokens the target reads before answering: `messages` rendered with the generation prompt."""
+    tools = normalize_tools(tools)
     layout = template_layout(tokenizer, template_kwargs)
     marker = _Marker(layout)
     renderer = _Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))

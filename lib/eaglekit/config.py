@@ -113,6 +113,8 @@ class PrepParams(Section):
     long_prompt_threshold: int = Field(default=256, gt=0)  # prompt tokens above this go to the `long` partition
     bad_input: Literal["skip", "fail"] = "skip"  # skip: count and list in rejects.jsonl; fail: stop at the first
     original_answers: bool = True  # also tokenize class-B datasets' own answers (the ablation's baseline)
+    history: Literal["split", "visible"] = "split"  # templates that rewrite earlier turns: one sample per stretch rendered as generated, or one sequence masking what the template shows
+    chat_template_kwargs: dict[str, Any] = {}  # passed to the target's chat template, e.g. {thinking: true} (DeepSeek-V3.1)
 
 
 class PartitionParams(Section):
@@ -154,6 +156,8 @@ class GenerationParams(Section):
     truncated_policy: Literal["keep", "drop"] = "keep"  # truncated answers in training data: keep (flagged) or drop
     drop_flags: list[Literal["empty", "truncated", "repetition_loop", "reasoning_without_answer"]] = []
     use_token_ids: bool = True  # train on the server's raw token ids when it returns them
+    max_usage_disagreement: float = Field(default=0.0, ge=0, le=1)  # share of a dataset's answers whose token counts may differ from the server's usage
+    bad_answer: Literal["skip", "fail"] = "skip"  # an answer the chat template cannot tokenize: rejects.jsonl, or stop
     plan: CapacityPlanParams = CapacityPlanParams()
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
@@ -31,7 +32,7 @@ from typing import IO, Any, Literal
 
 import pandas as pd
 
-from eaglekit.chat import prompt_token_count, tokenize_conversation
+from eaglekit.chat import ChatTemplateError, HistoryPolicy, prompt_token_count, template_family, tokenize_conversation
 from eaglekit.io import InputError
 from eaglekit.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
 
@@ -41,7 +42,9 @@ PARTITIONS = ("short", "long")
 
 def content_hash(messages: Sequence[dict]) -> str:
     """sha256 hex of the canonical JSON of (role, content, reasoning) per message."""
-    canonical = [[m["role"], m["content"], m.get("reasoning", "")] for m in messages]
+    canonical = [[m["role"], m["content"], m.get("reasoning", "")]
+                 + ([m.get("tool_calls"), m.get("tool_call_id")] if m.get("tool_calls") or m.get("tool_call_id") else [])
+                 for m in messages]
     return hashlib.sha256(json.dumps(canonical, ensure_ascii=False, separators=(",", ":")).encode("utf-8")).hexdigest()
 
 
@@ -65,6 +68,11 @@ class SourceCounts:
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     partitions: dict[str, int] = field(default_factory=dict)  # class B: short/long counts
     tokens: int = 0  # class A: tokens written; class B: prompt tokens
+    split: int = 0  # class A conversations written as several samples (the template rewrites history)
+    samples: int = 0  # class A samples written
+    generated_tokens: int = 0  # class A: tokens the target generated (every assistant turn as generated)
+    trained_tokens: int = 0  # class A: tokens with loss_mask 1 (equal to generated under history "split")
+    template_family: str = ""
 
 
 @dataclass
@@ -81,7 +89,10 @@ class PrepSummary:
             rows.append({"source": counts.source, "class": counts.data_class, "read": counts.read, "kept": counts.kept,
                          "duplicates": counts.duplicates, "rejected": counts.rejected,
                          "short": counts.partitions.get("short", 0), "long": counts.partitions.get("long", 0),
-                         "tokens": counts.tokens})
+                         "tokens": counts.tokens, "template": counts.template_family, "split": counts.split,
+                         "samples": counts.samples,
+                         "trained/generated": (round(counts.trained_tokens / counts.generated_tokens, 4)
+                                               if counts.generated_tokens else None)})
         return pd.DataFrame(rows)
 
     def rejects_by_reason(self) -> pd.DataFrame:
@@ -113,6 +124,28 @@ class _Outputs:
         self.handles.clear()
 
 
+def _remove_stale_staging(out_dir: Path) -> None:
+    """Remove staging and old folders that a killed prep left beside `out_dir` (their process is gone)."""
+    for path in out_dir.parent.glob(f".{out_dir.name}.*"):
+        match = re.search(r"\.(?:staging|old)-(\d+)", path.name)
+        if match is None or not path.is_dir():
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid() and _alive(pid):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _swap_into_place(staging: Path, out_dir: Path) -> None:
     """Replace `out_dir` by the finished staging folder (rename; the old output is removed after)."""
     previous = None
@@ -133,6 +166,8 @@ def prepare_sources(
     long_prompt_threshold: int,
     bad_input: BadInputPolicy = "skip",
     original_answers: bool = True,
+    history: HistoryPolicy = "split",
+    chat_template_kwargs: dict | None = None,
 ) -> PrepSummary:
     """Run prompt prep over `specs` with the target's tokenizer and write the stage folder atomically.
 
@@ -143,6 +178,12 @@ def prepare_sources(
         InputError (file, line, field) and writes nothing.
     original_answers: for class B, also tokenize the dataset's own answer to each kept prompt into
         `<source>/original_tokenized_data.jsonl` (same ids), for the original-vs-regenerated ablation.
+    history: class A conversations whose template rewrites earlier turns: "split" into one sample per
+        stretch the template renders as generated (ids `<id>.<k>`), or "visible" (one sample, only what
+        the template shows is trained). See eaglekit.chat.
+    chat_template_kwargs: passed to the template (e.g. {"thinking": true} for DeepSeek-V3.1).
+    A conversation the template cannot render is a rejected record (file, line, reason), never a
+    failed stage, under bad_input "skip".
     """
     if bad_input not in ("skip", "fail"):
         raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
@@ -151,13 +192,15 @@ def prepare_sources(
         raise ValueError(f"source names must be unique (they name output folders): {names}")
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-", dir=out_dir.parent))
+    _remove_stale_staging(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-{os.getpid()}-", dir=out_dir.parent))
+    family = template_family(tokenizer, chat_template_kwargs)
     outputs = _Outputs(staging)
     seen: set[bytes] = set()
     all_counts: list[SourceCounts] = []
     try:
         for spec in specs:
-            counts = SourceCounts(source=spec.name, data_class=spec.data_class)
+            counts = SourceCounts(source=spec.name, data_class=spec.data_class, template_family=family)
             all_counts.append(counts)
             rejected_by_reason: Counter[str] = Counter()
 
@@ -175,13 +218,14 @@ def prepare_sources(
                     continue
                 _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject,
                                 context_length=context_length, long_prompt_threshold=long_prompt_threshold,
-                                original_answers=original_answers)
+                                original_answers=original_answers, history=history,
+                                template_kwargs=chat_template_kwargs)
             counts.rejected_by_reason = dict(rejected_by_reason)
         outputs.close()
         summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
         with open(staging / "summary.json", "w", encoding="utf-8") as handle:
             json.dump({"context_length": context_length, "long_prompt_threshold": long_prompt_threshold,
-                       "bad_input": bad_input, "sources": [asdict(c) for c in all_counts]}, handle, indent=2)
+                       "bad_input": bad_input, "history": history, "template_family": family, "sources": [asdict(c) for c in all_counts]}, handle, indent=2)
             handle.write("\n")
             handle.flush()
             os.fsync(handle.fileno())
@@ -195,8 +239,10 @@ def prepare_sources(
 
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
                     outputs: _Outputs, reject, *, context_length: int, long_prompt_threshold: int,
-                    original_answers: bool = False) -> None:
+                    original_answers: bool = False, history: HistoryPolicy = "split",
+                    template_kwargs: dict | None = None) -> None:
     location = item.location
+    tools = item.meta.get("tools")
     if spec.data_class == "A":
         if not any(m["role"] == "assistant" for m in item.messages):
             reject(InputError(location.path, location.line, "messages", "no assistant turn (class A needs one)"),
@@ -212,20 +258,37 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
         return
     record_id = conversation_id(spec.name, digest)
     if spec.data_class == "A":
-        tokenized = tokenize_conversation(tokenizer, kept_messages)
-        if len(tokenized.input_ids) > context_length:
+        try:
+            result = tokenize_conversation(tokenizer, kept_messages, tools=tools, history=history,
+                                           template_kwargs=template_kwargs)
+        except ChatTemplateError as error:
+            reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
+            return
+        longest = max(len(sample.input_ids) for sample in result.samples)
+        if longest > context_length:
             reject(InputError(location.path, location.line, "messages",
-                              f"longer than the context ({len(tokenized.input_ids)} tokens > {context_length})"),
+                              f"longer than the context ({longest} tokens > {context_length})"),
                    location.record)
             return
         seen.add(key)
         counts.kept += 1
-        counts.tokens += len(tokenized.input_ids)
-        outputs.write(f"{spec.name}/tokenized_data.jsonl", {
-            "id": record_id, "input_ids": tokenized.input_ids, "loss_mask": tokenized.loss_mask,
-            "source": spec.name, "meta": item.meta})
+        counts.split += result.split
+        counts.samples += len(result.samples)
+        counts.generated_tokens += result.generated_tokens
+        counts.trained_tokens += result.trained_tokens
+        for index, sample in enumerate(result.samples):
+            counts.tokens += len(sample.input_ids)
+            sample_meta = item.meta if not result.split else {**item.meta, "sample": index,
+                                                               "samples": len(result.samples)}
+            outputs.write(f"{spec.name}/tokenized_data.jsonl", {
+                "id": record_id if not result.split else f"{record_id}.{index}", "input_ids": sample.input_ids,
+                "loss_mask": sample.loss_mask, "source": spec.name, "meta": sample_meta})
         return
-    prompt_tokens = prompt_token_count(tokenizer, kept_messages)
+    try:
+        prompt_tokens = prompt_token_count(tokenizer, kept_messages, tools=tools, template_kwargs=template_kwargs)
+    except ChatTemplateError as error:
+        reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
+        return
     if prompt_tokens >= context_length:
         reject(InputError(location.path, location.line, "messages",
                           f"longer than the context (prompt of {prompt_tokens} tokens >= {context_length})"),
@@ -240,7 +303,13 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
     outputs.write(f"{spec.name}/prompts.{partition}.jsonl",
                   {"id": record_id, "source": spec.name, "messages": kept_messages, "meta": meta})
     if original_answers and original_answer is not None:
-        original = tokenize_conversation(tokenizer, [*kept_messages, original_answer])
+        try:
+            original = tokenize_conversation(tokenizer, [*kept_messages, original_answer], tools=tools,
+                                             template_kwargs=template_kwargs).samples[-1]
+        except ChatTemplateError as error:
+            reject(InputError(location.path, location.line, "messages", f"chat template (dataset answer): {error}"),
+                   location.record)
+            return
         outputs.write(f"{spec.name}/original_tokenized_data.jsonl", {
             "id": record_id, "input_ids": original.input_ids[:context_length],
             "loss_mask": original.loss_mask[:context_length], "source": spec.name,
@@ -254,3 +323,16 @@ def read_summary(out_dir: Path) -> dict:
         raise FileNotFoundError(f"{path} missing: prep has not finished in {out_dir}; run prepare_sources first")
     return json.loads(path.read_text(encoding="utf-8"))
 
+
+
+def first_sample(out_dir: Path):
+    """The first class-A sample written by a finished prep (for display), or None."""
+    from eaglekit.chat import TokenizedConversation
+
+    for path in sorted(Path(out_dir).glob("*/tokenized_data.jsonl")):
+        with open(path, encoding="utf-8") as handle:
+            line = handle.readline()
+        if line.strip():
+            record = json.loads(line)
+            return TokenizedConversation(record["input_ids"], record["loss_mask"])
+    return None
