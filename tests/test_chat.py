@@ -1,9 +1,9 @@
-"""Chat tokenization: one-pass mask against the per-prefix reference on four chat templates.
+"""Chat tokenization on small hand-written templates (the published ones: tests/test_templates.py).
 
 Templates: the embedded SmolLM2's ChatML (default system prompt) and three written here in the
 styles of common families, set on the embedded tokenizer with their special tokens added:
-Llama-3 header tokens with <|eot_id|>; a Qwen3 / DeepSeek-R1 style thinking template that drops the
-reasoning of turns before the last user message; a Zephyr-style template with a default system prompt.
+Llama-3 header tokens with <|eot_id|>; a thinking template that drops the reasoning of turns before
+the last user message; a Zephyr-style template with a default system prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +17,12 @@ from eaglekit.chat import (
     tokenize_conversation,
     tokenize_conversation_reference,
 )
+
+
+def one(result):
+    """The single sample of a conversation the template does not rewrite."""
+    assert len(result.samples) == 1
+    return result.samples[0]
 
 # Llama 3 puts "\n\n" after <|end_header_id|>; SmolLM2's BPE tokenizes a trailing "\n\n" differently
 # from "\n\n" followed by text, so a per-prefix diff would not be an oracle there (the real Llama-3
@@ -115,8 +121,8 @@ def masked_text(tokenizer, tokenized) -> str:
 def test_one_pass_matches_per_prefix_reference(tokenizers, template, conversation):
     tokenizer = tokenizers[template]
     messages = CONVERSATIONS[conversation]
-    fast = tokenize_conversation(tokenizer, messages)
-    reference = tokenize_conversation_reference(tokenizer, messages)
+    fast = one(tokenize_conversation(tokenizer, messages))
+    reference = one(tokenize_conversation_reference(tokenizer, messages))
     assert fast == reference
     rendered = tokenizer.apply_chat_template(
         [{"role": m["role"], "content": m["content"]} for m in messages], tokenize=False)
@@ -129,7 +135,7 @@ def test_one_pass_matches_per_prefix_reference(tokenizers, template, conversatio
 def test_mask_is_exactly_assistant_bodies_and_end_of_turn(tokenizers, template):
     tokenizer = tokenizers[template]
     layout = template_layout(tokenizer)
-    tokenized = tokenize_conversation(tokenizer, TOOL_TURNS)
+    tokenized = one(tokenize_conversation(tokenizer, TOOL_TURNS))
     expected = "".join(m["content"] + layout.end_of_turn for m in TOOL_TURNS if m["role"] == "assistant")
     assert masked_text(tokenizer, tokenized) == expected
     # Nothing of the system, user or tool turns is trainable (the seed's shortcut would train on them).
@@ -143,23 +149,22 @@ def test_mask_is_exactly_assistant_bodies_and_end_of_turn(tokenizers, template):
 
 def test_template_layouts(tokenizers):
     assert template_layout(tokenizers["chatml"]).end_of_turn == "<|im_end|>"
-    assert template_layout(tokenizers["llama3"]).assistant_header == "<|start_header_id|>assistant<|end_header_id|>\n"
     assert template_layout(tokenizers["llama3"]).end_of_turn == "<|eot_id|>"
     assert template_layout(tokenizers["default_system"]).end_of_turn == "</s>"
-    assert template_layout(tokenizers["thinking"]).renders_reasoning
-    assert not template_layout(tokenizers["chatml"]).renders_reasoning
+    assert template_layout(tokenizers["thinking"]).reasoning == "field"
+    assert template_layout(tokenizers["chatml"]).reasoning == "fold"
 
 
 def test_default_system_prompt_is_not_trainable(tokenizers):
     for name, text in (("chatml", "You are a helpful AI assistant named SmolLM"),
                        ("default_system", "You are a friendly assistant who answers briefly.")):
         tokenizer = tokenizers[name]
-        tokenized = tokenize_conversation(tokenizer, MULTI_TURN)
+        tokenized = one(tokenize_conversation(tokenizer, MULTI_TURN))
         assert text in tokenizer.decode(tokenized.input_ids)
         assert text not in masked_text(tokenizer, tokenized)
 
 
-def test_thinking_template_drops_earlier_reasoning_and_mask_follows_the_full_rendering(tokenizers):
+def test_thinking_template_drops_earlier_reasoning_split_and_visible(tokenizers):
     tokenizer = tokenizers["thinking"]
     messages = [
         {"role": "user", "content": "2+2?"},
@@ -168,25 +173,35 @@ def test_thinking_template_drops_earlier_reasoning_and_mask_follows_the_full_ren
         {"role": "assistant", "content": "6", "reasoning": "LATER-REASONING three plus three"},
     ]
     with pytest.raises(NotPrefixStableError):
-        tokenize_conversation_reference(tokenizer, messages)
-    tokenized = tokenize_conversation(tokenizer, messages)
-    text = masked_text(tokenizer, tokenized)
-    assert "EARLIER-REASONING" not in tokenizer.decode(tokenized.input_ids)  # the template dropped it
+        tokenize_conversation_reference(tokenizer, messages, history="visible")
+    # split (default): two samples, each turn trained once with its reasoning, in the context it had.
+    split = tokenize_conversation(tokenizer, messages)
+    assert split.samples == tokenize_conversation_reference(tokenizer, messages).samples
+    assert [masked_text(tokenizer, sample) for sample in split.samples] == [
+        "<think>\nEARLIER-REASONING two plus two\n</think>\n\n4<|im_end|>",
+        "<think>\nLATER-REASONING three plus three\n</think>\n\n6<|im_end|>"]
+    assert "EARLIER" not in tokenizer.decode(split.samples[1].input_ids)  # the history the server sent
+    assert split.trained_tokens == split.generated_tokens
+    # visible: one sequence; the dropped reasoning is not trained, and the counts say so.
+    visible = tokenize_conversation(tokenizer, messages, history="visible")
+    text = masked_text(tokenizer, one(visible))
+    assert "EARLIER-REASONING" not in tokenizer.decode(one(visible).input_ids)
     assert "<think>\nLATER-REASONING three plus three\n</think>\n\n6<|im_end|>" in text
     assert text.startswith("4<|im_end|>")
-    # Defined meaning: equals the reference on the conversation with the dropped reasoning removed.
+    assert visible.trained_tokens < visible.generated_tokens
+    # Its meaning: the reference on the conversation with the dropped reasoning removed beforehand.
     without_dropped = [dict(m) for m in messages]
     without_dropped[1].pop("reasoning")
-    assert tokenized == tokenize_conversation_reference(tokenizer, without_dropped)
+    assert one(visible) == one(tokenize_conversation_reference(tokenizer, without_dropped, history="visible"))
 
 
 def test_generation_engine_call_with_reasoning_on_a_template_without_reasoning(tokenizers):
     """The generation engine calls tokenize_conversation(tokenizer, messages + [answer with reasoning])."""
     tokenizer = tokenizers["chatml"]
     answer = {"role": "assistant", "content": "The answer is 42.", "reasoning": "6 times 7 is 42."}
-    tokenized = tokenize_conversation(tokenizer, MULTI_TURN[:1] + [answer])
+    tokenized = one(tokenize_conversation(tokenizer, MULTI_TURN[:1] + [answer]))
     assert masked_text(tokenizer, tokenized) == "<think>\n6 times 7 is 42.\n</think>\n\nThe answer is 42.<|im_end|>"
-    assert tokenized == tokenize_conversation_reference(tokenizer, MULTI_TURN[:1] + [answer])
+    assert tokenized == one(tokenize_conversation_reference(tokenizer, MULTI_TURN[:1] + [answer]))
 
 
 def test_long_agent_conversation_matches_reference(tokenizers):
@@ -196,4 +211,5 @@ def test_long_agent_conversation_matches_reference(tokenizers):
                      {"role": "tool", "content": f"output of step {step - 1}: {'ok ' * step}"},
                      {"role": "assistant", "content": f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "pytest -k {step}"}}}}\n</tool_call>'}]
     for name in ("chatml", "llama3"):
-        assert tokenize_conversation(tokenizers[name], messages) == tokenize_conversation_reference(tokenizers[name], messages)
+        assert tokenize_conversation(tokenizers[name], messages).samples == \
+            tokenize_conversation_reference(tokenizers[name], messages).samples
