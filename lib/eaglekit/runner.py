@@ -502,7 +502,7 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
     if errors:
         status = f"done with {errors} errors"
         _record(run_dir, state, stage.label, status, errors=errors, detail=outcome.get("detail", ""), seconds=seconds)
-        logger.warning("stage %s: %s in %.1fs%s; --resume retries them: %s", stage.label, status, seconds,
+        logger.warning("stage %s: %s in %.1fs%s; continue with: %s", stage.label, status, seconds,
                        f" ({outcome['detail']})" if outcome.get("detail") else "", resume_command)
     else:
         _record(run_dir, state, stage.label, "done", errors=0, seconds=seconds)
