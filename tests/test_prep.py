@@ -148,3 +148,94 @@ def test_survey_statistics_plots_and_saved_tables(tokenizer, tmp_path):
     assert all(p.stat().st_size > 1000 for p in figures)
     saved = save_survey(result, tmp_path)
     assert all(p.exists() for p in saved)
+
+
+def test_prep_killed_mid_run_leaves_no_staging_folder_after_the_next_run(tokenizer, tmp_path, embedded_model_dir):
+    """kill -9 during prep leaves its staging folder; the next prep removes it (its process is dead)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "prep"
+    script = f"""
+import time
+import eaglekit.prep as prep
+from transformers import AutoTokenizer
+from eaglekit.sources import SourceSpec
+real = prep.tokenize_conversation
+def slow(*args, **kwargs):
+    time.sleep(30)
+    return real(*args, **kwargs)
+prep.tokenize_conversation = slow
+spec = SourceSpec(name="chat_a", format="sharegpt", path={str(DATA / "sharegpt.jsonl")!r}, data_class="A")
+prep.prepare_sources([spec], AutoTokenizer.from_pretrained({str(embedded_model_dir)!r}), {str(out)!r},
+                     context_length=256, long_prompt_threshold=40)
+"""
+    process = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob(".prep.staging-*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    staged = list(tmp_path.glob(".prep.staging-*"))
+    process.send_signal(signal.SIGKILL)
+    process.wait(10)
+    assert staged and all(path.exists() for path in staged)  # what kill -9 leaves behind
+    prepare_sources(SPECS[:1], tokenizer, out, context_length=256, long_prompt_threshold=40)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["prep"]
+    assert read_summary(out)["sources"][0]["kept"] == 3
+
+
+def test_a_conversation_the_template_cannot_render_is_a_located_reject_not_a_failed_stage(tmp_path, embedded_model_dir):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_templates import fixture_tokenizer
+
+    gemma = fixture_tokenizer(embedded_model_dir, "gemma")  # refuses system prompts
+    path = tmp_path / "a.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+            {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello"}]}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    spec = SourceSpec(name="a", format="openai", path=str(path), data_class="A")
+    summary = prepare_sources([spec], gemma, tmp_path / "prep", context_length=256, long_prompt_threshold=40)
+    assert summary.table().iloc[0]["kept"] == 1 and summary.table().iloc[0]["template"] == "gemma"
+    rejects = read_lines(tmp_path / "prep" / "rejects.jsonl")
+    assert [(r["file"], r["line"], r["record"]) for r in rejects] == [(str(path), 2, 2)]
+    assert "System role not supported" in rejects[0]["reason"]
+    with pytest.raises(InputError, match=r"a.jsonl:2: field 'messages': chat template"):
+        prepare_sources([spec], gemma, tmp_path / "prep2", context_length=256, long_prompt_threshold=40,
+                        bad_input="fail")
+
+
+def test_class_a_with_reasoning_and_tool_calls_on_a_thinking_template_split_and_counted(tmp_path, embedded_model_dir):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_templates import fixture_tokenizer
+
+    qwen3 = fixture_tokenizer(embedded_model_dir, "qwen3")
+    record = {"tools": [{"type": "function", "function": {"name": "bash", "parameters": {"type": "object"}}}],
+              "messages": [
+                  {"role": "user", "content": "Fix the test."},
+                  {"role": "assistant", "content": "", "reasoning_content": "Run it first.",
+                   "tool_calls": [{"id": "c1", "type": "function",
+                                   "function": {"name": "bash", "arguments": "{\"cmd\": \"pytest\"}"}}]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "1 failed"},
+                  {"role": "assistant", "content": "Fixed.", "reasoning_content": "Patch the loop."},
+                  {"role": "user", "content": "Thanks"},
+                  {"role": "assistant", "content": "Welcome.", "reasoning_content": "Be polite."}]}
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    spec = SourceSpec(name="swe", format="openai", path=str(path), data_class="A")
+    for history, samples in (("split", 2), ("visible", 1)):
+        out = tmp_path / history
+        summary = prepare_sources([spec], qwen3, out, context_length=1024, long_prompt_threshold=40, history=history)
+        written = read_lines(out / "swe" / "tokenized_data.jsonl")
+        assert len(written) == samples
+        text = "".join(qwen3.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]) for r in written)
+        assert ("Run it first." in text and "Patch the loop." in text) == (history == "split")
+        assert '"name": "bash"' in text and "Be polite." in text
+        counts = read_summary(out)["sources"][0]
+        assert (counts["trained_tokens"] == counts["generated_tokens"]) == (history == "split")
+        assert summary.table().iloc[0]["split"] == (history == "split")

@@ -43,10 +43,12 @@ def test_sharegpt_from_value_with_system_and_glaive_tool_turns():
     assert good[1].messages[0] == {"role": "system", "content": "You are terse."}
     assert "🎨" in good[1].messages[1]["content"]
     assert roles(good[2]) == ["user", "assistant", "tool", "assistant"]
-    call = good[2].messages[1]["content"]
-    assert call.startswith("<tool_call>\n") and json.loads(call.split("\n")[1]) == {
-        "name": "search_recipes", "arguments": {"ingredients": ["rice"]}}
-    assert good[2].meta["tools"]
+    # Glaive's function_call turn becomes a structured call; its observation answers it by id.
+    assert good[2].messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call00001", "type": "function",
+         "function": {"name": "search_recipes", "arguments": {"ingredients": ["rice"]}}}]}
+    assert good[2].messages[2]["tool_call_id"] == "call00001"
+    assert isinstance(good[2].meta["tools"], list)  # Glaive's JSON text parsed
 
 
 def test_openai_tool_calls_tool_turns_content_parts_and_reasoning():
@@ -54,7 +56,9 @@ def test_openai_tool_calls_tool_turns_content_parts_and_reasoning():
     assert not bad
     assert roles(good[0]) == ["system", "user", "assistant", "tool", "assistant"]
     assert good[0].messages[0]["content"] == ""  # empty system prompt is kept
-    assert json.loads(good[0].messages[2]["content"].split("\n")[1])["arguments"] == {"city": "Paris"}
+    assert good[0].messages[2]["content"] == "" and good[0].messages[2]["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert good[0].messages[3]["tool_call_id"] == "c1"
     assert good[1].messages[0]["role"] == "system" and good[1].messages[1]["content"] == "Say hi"
     assert good[1].messages[2] == {"role": "assistant", "content": "hi", "reasoning": "The user wants a greeting."}
 
@@ -219,3 +223,85 @@ def test_missing_llamafactory_data_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="fetch-llamafactory"):
         packaged_files("llamafactory_alpaca")
+
+
+def test_hermes_text_tool_calls_are_parsed_into_the_structure():
+    from eaglekit.sources import structure_tool_calls
+
+    messages = structure_tool_calls([
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                                         '\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": '
+                                         '\\"Rome\\"}"}\n</tool_call>'},
+        {"role": "tool", "content": "18"}, {"role": "tool", "content": "25"},
+        {"role": "assistant", "content": "<tool_call>not json</tool_call>"}])
+    assert messages[1]["content"] == "Checking."
+    assert [(c["id"], c["function"]["arguments"]) for c in messages[1]["tool_calls"]] == [
+        ("call00001", {"city": "Paris"}), ("call00002", {"city": "Rome"})]
+    assert [m["tool_call_id"] for m in messages[2:4]] == ["call00001", "call00002"]
+    assert messages[4] == {"role": "assistant", "content": "<tool_call>not json</tool_call>"}  # kept as text
+
+
+# -------------------------------------------------------------------------------------------------
+# Every source failure is a located reject under `skip` (issue 13)
+
+def test_truncated_jsonl_gz_keeps_records_before_the_tear_and_names_the_file(tmp_path):
+    import gzip
+
+    lines = "".join(json.dumps({"instruction": f"Say {i}", "output": str(i)}) + "\n" for i in range(400))
+    whole = gzip.compress(lines.encode())
+    path = tmp_path / "cut.jsonl.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    good, bad = records(SourceSpec(name="gz", format="alpaca", path=str(path)))
+    assert 0 < len(good) < 400 and [g.meta["line"] for g in good] == list(range(1, len(good) + 1))
+    assert len(bad) == 1 and bad[0].error.path == str(path) and "truncated or corrupt" in bad[0].error.reason
+
+
+def test_corrupt_parquet_is_a_per_file_reject_and_the_next_file_is_read(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist([{"instruction": "a", "output": "b"}]), folder / "a.parquet")
+    (folder / "b.parquet").write_bytes(b"PAR1 this is not parquet at all PAR1")
+    pq.write_table(pa.Table.from_pylist([{"instruction": "c", "output": "d"}]), folder / "c.parquet")
+    good, bad = records(SourceSpec(name="pq", format="alpaca", path=str(folder)))
+    assert [g.messages[0]["content"] for g in good] == ["a", "c"]
+    assert len(bad) == 1 and bad[0].error.path == str(folder / "b.parquet")
+    assert "unreadable Parquet file" in bad[0].error.reason
+
+
+def test_reasoning_record_with_an_unexpected_key_is_a_record_reject(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({"items": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}) + "\n"
+                    + json.dumps({"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}],
+                                  "system": 5}) + "\n"
+                    + json.dumps({"conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]})
+                    + "\n")
+    good, bad = records(SourceSpec(name="r", format="reasoning", path=str(path)))
+    assert [g.messages[0]["content"] for g in good] == ["Hi", "Q2"]
+    assert len(bad) == 1 and bad[0].error.line == 2 and bad[0].error.field == "system"
+
+
+def test_an_adapter_crash_is_a_record_reject_naming_file_and_line(tmp_path, monkeypatch):
+    import eaglekit.sources as sources
+
+    def broken(record, location):
+        if record["instruction"] == "boom":
+            raise KeyError("conversations")
+        return sources.adapt_alpaca(record, location)
+
+    monkeypatch.setitem(sources.ADAPTERS, "alpaca", broken)
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"instruction": text, "output": "x"}) + "\n" for text in ("a", "boom", "c")))
+    good, bad = records(SourceSpec(name="a", format="alpaca", path=str(path)))
+    assert [g.messages[0]["content"] for g in good] == ["a", "c"]
+    assert bad[0].error.line == 2 and "unexpected record shape for format 'alpaca'" in bad[0].error.reason
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_a_byte_order_mark_loses_nothing(tmp_path, suffix):
+    rows = [{"instruction": f"Say {i}", "output": str(i)} for i in range(3)]
+    text = json.dumps(rows) if suffix == ".json" else "".join(json.dumps(row) + "\n" for row in rows)
+    path = tmp_path / f"bom{suffix}"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    good, bad = records(SourceSpec(name="b", format="alpaca", path=str(path)))
+    assert not bad and [g.messages[1]["content"] for g in good] == ["0", "1", "2"]

@@ -10,10 +10,17 @@ the torn tail), Parquet batch by batch, and hub datasets with `streaming=True`. 
 its file, line and record number, and bad input is yielded as a located `InputError` value so the
 caller's policy (skip or fail) decides.
 
-Tool calls have no field of their own in the schema: an assistant tool call is written into the
-assistant content in the Hermes/Qwen form `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`,
-one block per call, and tool results become `tool` messages. Tool definitions (where a record has
-them) are kept in `meta["tools"]`.
+Tool calls stay structured, in the OpenAI shape: an assistant message carries `tool_calls`
+(`[{"id", "type": "function", "function": {"name", "arguments"}}]`, arguments a JSON object where
+they parse) and each tool result is a `tool` message with the `tool_call_id` it answers (ids the
+source lacks are given as `call00001`, ...: nine alphanumerics, which Mistral's template requires).
+Glaive's `function_call` turns and Hermes `<tool_call>{...}</tool_call>` text in assistant content
+are parsed into that structure. Only the target's chat template turns them into text
+(`eaglekit.chat`). Tool definitions (where a record has them) are kept in `meta["tools"]`.
+
+Every source failure is a located reject, never a failed stage under `bad_input: skip`: a torn
+`.jsonl.gz` (the records before the tear are kept), an unreadable Parquet file, an adapter that
+trips over an unexpected record shape. A UTF-8 byte-order mark at the start of a file is skipped.
 
 Command line: `python -m eaglekit.sources fetch-llamafactory [DEST]` fetches LLaMA-Factory's sample
 data at setup.
@@ -25,6 +32,7 @@ import codecs
 import gzip
 import json
 import re
+import zlib
 import shutil
 import subprocess
 import sys
@@ -88,23 +96,33 @@ _CHUNK_CHARS = 1 << 20
 
 
 def iter_jsonl_records(path: Path) -> Iterator[RawItem]:
-    """JSONL (optionally .gz): one record per non-blank line; a bad line is yielded as an error and skipped."""
+    """JSONL (optionally .gz): one record per non-blank line; a bad line is yielded as an error and skipped.
+
+    A compressed file cut short (or corrupt) yields its complete lines, then one error for the tear.
+    """
     opener = gzip.open if path.suffix == ".gz" else open
     record = 0
-    with opener(path, "rb") as handle:
-        for line_number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            record += 1
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                yield InputError(path, line_number, None, f"not UTF-8 ({error.reason} at byte {error.start})")
-                continue
-            try:
-                yield RecordLocation(str(path), line_number, record), json.loads(text)
-            except json.JSONDecodeError as error:
-                yield InputError(path, line_number, None, f"malformed JSON: {error.msg} (column {error.colno})")
+    line_number = 0
+    try:
+        with opener(path, "rb") as handle:
+            for line_number, raw in enumerate(handle, start=1):
+                if line_number == 1 and raw.startswith(codecs.BOM_UTF8):
+                    raw = raw[len(codecs.BOM_UTF8):]
+                if not raw.strip():
+                    continue
+                record += 1
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    yield InputError(path, line_number, None, f"not UTF-8 ({error.reason} at byte {error.start})")
+                    continue
+                try:
+                    yield RecordLocation(str(path), line_number, record), json.loads(text)
+                except json.JSONDecodeError as error:
+                    yield InputError(path, line_number, None, f"malformed JSON: {error.msg} (column {error.colno})")
+    except (EOFError, gzip.BadGzipFile, zlib.error, OSError) as error:
+        yield InputError(path, line_number + 1, None, f"unreadable file (truncated or corrupt compressed data: "
+                         f"{type(error).__name__}: {error}) after {record} records")
 
 
 def iter_json_records(path: Path) -> Iterator[RawItem]:
@@ -163,6 +181,11 @@ def iter_json_records(path: Path) -> Iterator[RawItem]:
             if not skip_whitespace():
                 yield InputError(path, 1, None, "empty file: expected a JSON array or object of records")
                 return
+            if buffer[position] == "\ufeff":  # a byte-order mark (Windows editors write one)
+                position += 1
+                if not skip_whitespace():
+                    yield InputError(path, 1, None, "empty file: expected a JSON array or object of records")
+                    return
             opening = buffer[position]
             if opening not in "[{":
                 yield InputError(path, line, None, "expected a JSON array or object of records")
@@ -206,20 +229,25 @@ def iter_json_records(path: Path) -> Iterator[RawItem]:
 
 
 def iter_parquet_records(path: Path, batch_rows: int = 1024) -> Iterator[RawItem]:
-    """Parquet rows as dicts, read in batches (never the whole table)."""
+    """Parquet rows as dicts, read in batches (never the whole table); an unreadable file or batch is an error."""
+    import pyarrow as arrow
     import pyarrow.parquet as parquet
 
     row = 0
-    for batch in parquet.ParquetFile(path).iter_batches(batch_size=batch_rows):
-        for record in batch.to_pylist():
-            row += 1
-            yield RecordLocation(str(path), row, row), record
+    try:
+        for batch in parquet.ParquetFile(path).iter_batches(batch_size=batch_rows):
+            for record in batch.to_pylist():
+                row += 1
+                yield RecordLocation(str(path), row, row), record
+    except (arrow.ArrowException, OSError) as error:
+        yield InputError(path, row + 1 if row else None, None,
+                         f"unreadable Parquet file ({type(error).__name__}: {error}) after {row} rows")
 
 
 def iter_document_record(path: Path, record: int = 1) -> Iterator[RawItem]:
     """A small .json file that is itself one record (ToolTalk stores one conversation per file)."""
     try:
-        value = json.loads(path.read_bytes().decode("utf-8"))
+        value = json.loads(path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8"))
     except UnicodeDecodeError as error:
         yield InputError(path, None, None, f"not UTF-8 ({error.reason} at byte {error.start})")
         return
@@ -298,14 +326,89 @@ def _text(value: Any, location: RecordLocation, field_name: str) -> str:
     raise _fail(location, field_name, f"wrong type: expected a string, got {type(value).__name__}")
 
 
-def format_tool_call(name: str, arguments: Any) -> str:
-    """One tool call as assistant text (Hermes/Qwen form); `arguments` may be a JSON string or object."""
+def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
+    """One structured tool call (OpenAI shape); `arguments` parsed from JSON text where it parses."""
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            parsed = json.loads(arguments)
         except json.JSONDecodeError:
-            pass
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+            parsed = None
+        if isinstance(parsed, dict):
+            arguments = parsed
+    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    return {"id": call_id, **call} if call_id else call
+
+
+def tool_definitions(tools: Any) -> Any:
+    """A record's tool definitions as a list (Glaive stores them as JSON text)."""
+    if isinstance(tools, str):
+        try:
+            return json.loads(tools)
+        except json.JSONDecodeError:
+            return tools
+    return tools
+
+
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_hermes_tool_calls(content: str) -> tuple[str, list[dict]]:
+    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks in assistant text -> (text left, calls).
+
+    Blocks that are not a JSON object with a string `name` are left in the text (nothing is dropped)."""
+    calls: list[dict] = []
+
+    def take(match: re.Match) -> str:
+        try:
+            value = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return match.group(0)
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return match.group(0)
+        calls.append(tool_call(value["name"], value.get("arguments", value.get("parameters", {}))))
+        return ""
+
+    rest = _HERMES_CALL.sub(take, content)
+    return (rest.strip() if calls else content), calls
+
+
+def structure_tool_calls(messages: list[dict]) -> list[dict]:
+    """Parse Hermes text calls into `tool_calls` and give every call and tool result an id that links them.
+
+    Ids a source lacks are `call00001`, `call00002`, ... in record order; a tool result without a
+    `tool_call_id` answers the earliest unanswered call of the assistant turn before it.
+    """
+    out: list[dict] = []
+    pending: list[str] = []
+    number = 0
+    used = {call.get("id") for m in messages for call in (m.get("tool_calls") or []) if call.get("id")}
+    for message in messages:
+        message = dict(message)
+        if message["role"] == "assistant":
+            if not message.get("tool_calls") and "<tool_call>" in message.get("content", ""):
+                message["content"], calls = parse_hermes_tool_calls(message["content"])
+                if calls:
+                    message["tool_calls"] = calls
+            if message.get("tool_calls"):
+                calls = []
+                for call in message["tool_calls"]:
+                    if not call.get("id"):
+                        number += 1
+                        while f"call{number:05d}" in used:
+                            number += 1
+                        call = {"id": f"call{number:05d}", **call}
+                    calls.append(call)
+                message["tool_calls"] = calls
+                pending = [call["id"] for call in calls]
+            else:
+                pending = []
+        elif message["role"] == "tool":
+            if not message.get("tool_call_id") and pending:
+                message["tool_call_id"] = pending[0]
+            if message.get("tool_call_id") in pending:
+                pending.remove(message["tool_call_id"])
+        out.append(message)
+    return out
 
 
 _THINK = re.compile(r"^\s*(?:<think>|<\|begin_of_thought\|>)(.*?)(?:</think>|<\|end_of_thought\|>)\s*(.*)$", re.S)
@@ -347,13 +450,15 @@ def adapt_sharegpt(record: Any, location: RecordLocation) -> Adapted:
         if speaker == "function_call":
             try:
                 call = json.loads(value)
-                value = format_tool_call(call["name"], call.get("arguments", {}))
+                messages.append({"role": "assistant", "content": "",
+                                 "tool_calls": [tool_call(call["name"], call.get("arguments", {}))]})
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise _fail(location, prefix + "value", "function_call is not a JSON object with a name") from None
+            continue
         messages.append({"role": role, "content": value})
     meta = {"record_id": record["id"]} if isinstance(record.get("id"), str) else {}
     if record.get("tools"):
-        meta["tools"] = record["tools"]
+        meta["tools"] = tool_definitions(record["tools"])
     return Adapted(messages, meta)
 
 
@@ -388,9 +493,14 @@ def _openai_messages(turns: list, location: RecordLocation, key: str) -> list[di
                 function = call.get("function", call) if isinstance(call, dict) else None
                 if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                     raise _fail(location, f"{prefix}tool_calls[{call_index}].function.name", "missing tool name")
-                calls.append(format_tool_call(function["name"], function.get("arguments", {})))
+                call_id = call.get("id") if isinstance(call.get("id"), str) else None
+                calls.append(tool_call(function["name"], function.get("arguments", {}), call_id))
             if calls:
-                message["content"] = "\n".join(([message["content"]] if message["content"] else []) + calls)
+                message["tool_calls"] = calls
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if isinstance(turn.get(key), str) and turn[key]:
+                    message[key] = turn[key]
         messages.append(message)
     return messages
 
@@ -400,7 +510,7 @@ def adapt_openai(record: Any, location: RecordLocation) -> Adapted:
     messages = _openai_messages(_get(record, "messages", list, location), location, "messages")
     meta = {"record_id": record["id"]} if isinstance(record.get("id"), str) else {}
     if record.get("tools"):
-        meta["tools"] = record["tools"]
+        meta["tools"] = tool_definitions(record["tools"])
     return Adapted(messages, meta)
 
 
@@ -440,13 +550,16 @@ def adapt_reasoning(record: Any, location: RecordLocation) -> Adapted:
     if isinstance(record, dict) and "messages" in record:
         messages = _openai_messages(_get(record, "messages", list, location), location, "messages")
     else:
+        key = "items" if "items" in record else "conversations"
         messages = adapt_sharegpt({k: v for k, v in record.items() if k != "system"}, location).messages
+        if len(messages) != len(record[key]):  # a system field inside the turns shifts nothing we can map
+            raise _fail(location, key, "turns do not map one to one onto messages")
         for index, message in enumerate(messages):
-            if message["role"] == "assistant":
-                turn = record["conversations"][index]
+            if message["role"] == "assistant" and not message.get("tool_calls"):
+                turn = record[key][index]
                 reasoning = turn.get("reasoning") or turn.get("reasoning_content") or ""
                 if not isinstance(reasoning, str):
-                    raise _fail(location, f"conversations[{index}].reasoning", "wrong type: expected a string")
+                    raise _fail(location, f"{key}[{index}].reasoning", "wrong type: expected a string")
                 if not reasoning:
                     reasoning, message["content"] = split_reasoning(message["content"])
                 if reasoning:
@@ -534,7 +647,8 @@ def adapt_tooltalk(record: Any, location: RecordLocation) -> Adapted:
         for call_index, api in enumerate(turn.get("apis") or []):
             request = _get(api, "request", dict, location, prefix=f"{prefix}apis[{call_index}].")
             name = _get(request, "api_name", str, location, prefix=f"{prefix}apis[{call_index}].request.")
-            messages.append({"role": "assistant", "content": format_tool_call(name, request.get("parameters", {}))})
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": [tool_call(name, request.get("parameters", {}))]})
             result = {"response": api.get("response"), "exception": api.get("exception")}
             messages.append({"role": "tool", "content": json.dumps(result, ensure_ascii=False)})
         messages.append({"role": role, "content": _get(turn, "text", str, location, prefix=prefix)})
@@ -583,8 +697,15 @@ def validate_messages(messages: list[dict], location: RecordLocation) -> None:
             raise _fail(location, f"messages[{index}].role", f"unknown role {role!r}")
         if not isinstance(content, str):
             raise _fail(location, f"messages[{index}].content", "wrong type: expected a string")
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(call, dict) and isinstance(call.get("function"), dict)
+                    and isinstance(call["function"].get("name"), str) for call in calls):
+                raise _fail(location, f"messages[{index}].tool_calls",
+                            "expected a list of {function: {name, arguments}} on an assistant turn")
         # An empty system prompt is legitimate; an empty turn from anyone else is a broken record.
-        if role != "system" and not content.strip() and not (message.get("reasoning") or "").strip():
+        if role != "system" and not content.strip() and not (message.get("reasoning") or "").strip() and not calls:
             raise _fail(location, f"messages[{index}].content", f"empty content ({role} turn)")
         if role == "user" and previous_role == "user":
             raise _fail(location, f"messages[{index}].role", "two user turns in a row")
@@ -601,6 +722,9 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
         reasoning = (message.get("reasoning") or "").replace("\r\n", "\n").strip()
         if reasoning:
             out["reasoning"] = reasoning
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if message.get(key):
+                out[key] = message[key]
         normalized.append(out)
     return normalized
 
@@ -782,12 +906,18 @@ def iter_source(spec: SourceSpec) -> Iterator[SourceRecord | Reject]:
         location, record = item
         try:
             adapted = adapter(record, location)
-            validate_messages(adapted.messages, location)
+            messages = structure_tool_calls(adapted.messages)
+            validate_messages(messages, location)
         except InputError as error:
             yield Reject(error, location.record)
             continue
+        except Exception as error:  # an adapter tripping over a shape it does not expect: this record only
+            yield Reject(InputError(location.path, location.line, None,
+                                    f"unexpected record shape for format {format_name!r} "
+                                    f"({type(error).__name__}: {error})"), location.record)
+            continue
         meta = {**adapted.meta, "file": location.path, "line": location.line, "record": location.record}
-        yield SourceRecord(location, normalize_messages(adapted.messages), meta)
+        yield SourceRecord(location, normalize_messages(messages), meta)
 
 
 def prompt_messages(messages: list[dict], policy: MultiTurnPolicy) -> tuple[list[dict], dict | None]:
