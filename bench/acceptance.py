@@ -3,6 +3,7 @@
     python bench/acceptance.py                       # embedded SmolLM2, untrained draft, k = 3, 4 prompts x 32 tokens
     python bench/acceptance.py --steps 1 3 5 --prompts 8 --max-new-tokens 64
     python bench/acceptance.py --draft-checkpoint outputs/<run>/draft/checkpoint.pt
+    python bench/acceptance.py --steps 3 --topology tree:3,2,6 tree:5,8,32 --fit-iterations 20
 
 One process, one thread by default (CPU timings on a shared machine are noisy; say so when quoting them).
 Lines printed per k:
@@ -10,6 +11,11 @@ Lines printed per k:
 - greedy: plain greedy loop with KV cache; generate: transformers' generate(do_sample=False) on the same prompts
 - loop: the speculative loop with the draft, accept length the way a server counts it, offline tau, and the ratio
 - oracle: the same loop with proposals forced right (what this loop gives at its ceiling accept length)
+Lines per --topology (chains or SGLang trees, through `eaglekit.evaluate`): tau of the loop (accepted + bonus per
+verification), as a server counts it, and offline on the greedy continuations, each with a bootstrap interval over
+prompts; the lossless check; tokens/s against greedy; then the oracle tree loop.
+--fit-iterations N overfits the untrained draft for N Adam steps on the target's greedy answers to these very prompts
+(so that drafts accept something and loop and offline tau can be compared; not a held-out measurement).
 An untrained draft accepts almost nothing, so its loop is slower than plain decoding: that is the honest result.
 """
 
@@ -24,7 +30,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglekit.draft import DraftConfig, Eagle3DraftModel, build_draft_from_target, load_target_head_weights
 from eaglekit.models import resolve_model
-from eaglekit.specdec import OracleDraft, evaluate_speculative_loop, greedy_decode, speculative_decode
+from eaglekit.evaluate import evaluate_draft
+from eaglekit.specdec import OracleDraft, evaluate_speculative_loop, greedy_decode, speculative_decode, tree_speculative_decode
+from eaglekit.topology import Topology
 from eaglekit.vocab import default_draft_vocab_size, select_draft_vocab
 
 QUESTIONS = [
@@ -48,6 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps a shared machine's timings sane)")
     parser.add_argument("--skip-generate", action="store_true", help="do not time transformers' generate")
+    parser.add_argument("--topology", nargs="*", default=[], help="chain:k / tree:S,K,T topologies through eaglekit.evaluate")
+    parser.add_argument("--fit-iterations", type=int, default=0, help="overfit the draft on the prompts' greedy answers first")
     return parser.parse_args(argv)
 
 
@@ -101,6 +111,11 @@ def main(argv: list[str]) -> int:
     draft = load_draft(model_dir, args.draft_checkpoint, references, target.config.vocab_size)
     print(f"draft: {'checkpoint ' + args.draft_checkpoint if args.draft_checkpoint else 'untrained (random layer, target lm_head rows)'}, "
           f"draft vocab {draft.config.draft_vocab_size}")
+    if args.fit_iterations:
+        started = time.perf_counter()
+        fit_draft(draft, target, [prompt + reference for prompt, reference in zip(prompts, references)], [len(p) for p in prompts],
+                  args.fit_iterations)
+        print(f"draft overfitted on these prompts' greedy answers: {args.fit_iterations} Adam steps, {time.perf_counter() - started:.1f} s")
 
     if not args.skip_generate:
         generate_tokens, generate_seconds = time_generate(target, prompts, args.max_new_tokens, eos)
@@ -140,7 +155,59 @@ def main(argv: list[str]) -> int:
         oracle_rate, greedy_again = oracle_tokens / oracle_seconds, oracle_tokens / greedy_seconds
         print(f"oracle loop    {oracle_rate:8.2f} tok/s  speedup {oracle_rate / greedy_again:.2f}x over greedy {greedy_again:.2f} tok/s "
               f"timed alongside  tau {oracle_tokens / max(oracle_verifications, 1):.3f} (ceiling k+1 = {steps + 1})")
+    for text in args.topology:
+        topology = Topology.parse(text)
+        record = evaluate_draft(target, draft, prompts, [topology], args.max_new_tokens, eos, num_resamples=500).records()[0]
+        print(f"--- {topology.label} (SGLang {topology.sglang_command_line})")
+        for name in ("tau_loop", "tau_server", "tau_offline"):
+            low, high = record[f"{name}_interval"]
+            print(f"{name:<14} {record[name]:8.3f}  [{low:.3f}, {high:.3f}]")
+        print(f"offline vs loop {100 * record['tau_offline_vs_loop']:+.1f}%  ({record['offline_positions']} offline start rows, "
+              f"{record['verification_steps']} verifications)  outputs equal greedy: {record['outputs_equal']}")
+        print(f"loop           {record['tokens_per_s']:8.2f} tok/s  vs greedy {record['greedy_tokens_per_s']:.2f}  speedup {record['speedup']:.2f}x")
+        oracle_tokens, oracle_steps, oracle_seconds, greedy_seconds = 0, 0, 0.0, 0.0
+        for prompt, reference in zip(prompts, references):
+            oracle = OracleDraft(draft, prompt + reference, len(prompt))
+            greedy = greedy_decode(target, prompt, args.max_new_tokens, eos)
+            result = tree_speculative_decode(target, oracle, prompt, topology, args.max_new_tokens, eos)
+            if result.output_ids != greedy.output_ids:
+                raise RuntimeError(f"oracle tree loop output differs from greedy on prompt {prompt[:8]}...: a bug in the loop")
+            oracle_tokens += len(result.output_ids)
+            oracle_steps += result.verification_steps
+            oracle_seconds += result.seconds
+            greedy_seconds += greedy.seconds
+        print(f"oracle loop    {oracle_tokens / oracle_seconds:8.2f} tok/s  speedup {greedy_seconds / oracle_seconds:.2f}x  "
+              f"tau {oracle_tokens / max(oracle_steps, 1):.3f} (ceiling S+1 = {topology.ceiling})")
     return 0
+
+
+def fit_draft(draft: Eagle3DraftModel, target, sequences: list[list[int]], prompt_lengths: list[int], iterations: int,
+              steps: int = 3) -> None:
+    """Overfit the draft on the given sequences (TTT unroll, hard labels): a draft that accepts something."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        features = []
+        for sequence in sequences:
+            hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
+            features.append(torch.cat([hidden[i] for i in draft.config.capture_layer_indices], dim=-1).clone())
+    # Draft id of each target token; -1 outside the draft vocab (those labels are skipped).
+    target_to_draft = torch.where(draft.t2d, torch.cumsum(draft.t2d.long(), 0) - 1, torch.full_like(draft.t2d, -1, dtype=torch.long))
+    keep = [(torch.tensor([s]), f, n) for s, f, n in zip(sequences, features, prompt_lengths)]
+    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
+    draft.train()
+    for _ in range(iterations):
+        optimizer.zero_grad()
+        loss = 0.0
+        for ids, aux, prompt_length in keep:
+            for step, logits in enumerate(draft(ids, aux, steps)):
+                rows = slice(prompt_length - 1, ids.shape[1] - 2 - step)
+                labels = target_to_draft[ids[0, prompt_length + 1 + step:]]
+                in_vocab = labels >= 0
+                loss = loss + F.cross_entropy(logits[0, rows][in_vocab], labels[in_vocab])
+        loss.backward()
+        optimizer.step()
+    draft.eval()
 
 
 if __name__ == "__main__":
