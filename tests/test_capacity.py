@@ -204,3 +204,9 @@ def test_plan_generation_measures_lengths_from_a_pilot_else_the_datasets_answers
     assert short.expected_tokens_per_sequence == 25 + 51 / 2
     assert short.eta_seconds == pytest.approx(40 / (10 / 10.0))  # 10 answers in 10 s
     assert short.sequences_that_fit == 4096 // (58 + 64)
+    # Under the runner the embedded server arrives as an endpoint named "embedded": still its own pool.
+    sections["endpoints"] = [{"url": "http://127.0.0.1:8000/v1", "name": "embedded"}]
+    assert plan_generation(params_from_sections(sections), files).kv_pool_tokens == 4096
+    sections["endpoints"] = [{"url": "http://gpu-node:30000/v1", "name": "sglang"}]
+    sections["generation"]["plan"].update(gpu_memory_gb=80.0, memory_fraction=0.9, weight_gb=2.0)
+    assert plan_generation(params_from_sections(sections), files).kv_pool_tokens == int(80e9 * 0.9 - 2e9) // 23_040

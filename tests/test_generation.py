@@ -447,7 +447,7 @@ def test_progress_lines_in_the_log_with_endpoint_names_and_whole_session_final_r
     assert abs(last["requests_per_s"] - measured) / measured < 0.25, (last["requests_per_s"], measured)
 
 
-@pytest.mark.parametrize("grace, sleep, recorded", [(3.0, 1.0, 2), (0.3, 4.0, 0)])
+@pytest.mark.parametrize("grace, sleep, recorded", [(6.0, 1.0, 2), (0.3, 5.0, 0)])
 def test_sigterm_gives_in_flight_requests_exactly_the_grace_then_exits_143(tmp_path, grace, sleep, recorded):
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:{sleep}" for i in range(6)])
     output = tmp_path / "out"
@@ -469,7 +469,7 @@ def test_sigterm_gives_in_flight_requests_exactly_the_grace_then_exits_143(tmp_p
     if recorded:
         assert stopped_in < grace  # finished within the grace: no need to wait it out
     else:
-        assert grace <= stopped_in < grace + 1.5, stopped_in
+        assert grace <= stopped_in < grace + 3.0, stopped_in  # abandoned at the grace, not the request's end
 
 
 # -------------------------------------------------------------------------------------------------

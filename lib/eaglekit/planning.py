@@ -130,8 +130,11 @@ def plan_generation(params: Params, prompts: list[tuple[str, str, Path]], planni
         len(lengths[partition["name"]]) * partition["max_tokens"] for partition in partitions
     )
     pool_tokens = settings.kv_pool_tokens
-    if pool_tokens is None and not params.endpoints and params.server.embedded:
-        pool_tokens = params.server.kv_cache_tokens  # the embedded server's own, bounded pool
+    # The embedded server's pool is its own bounded `kv_cache_tokens`, not a GPU's memory: with no
+    # endpoints in params, or with the one the runner started for it (`serving_endpoints` names it).
+    embedded = params.server.embedded and all(endpoint.name == "embedded" for endpoint in params.endpoints)
+    if pool_tokens is None and embedded:
+        pool_tokens = params.server.kv_cache_tokens
     rates = {name: found.requests_per_second for name, found in measured.items() if found.requests_per_second}
     return plan_capacity(
         target_config(params), gpu_memory_bytes=int(settings.gpu_memory_gb * 1e9),
