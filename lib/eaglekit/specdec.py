@@ -27,6 +27,14 @@ step, and counts as a completion token there too, so a request's tau is (1 + sum
 
 `offline_chain_agreement` computes DESIGN's offline tau on the same sequence (the draft unrolled by its
 training-time-test forward over the target's own greedy continuation), so the two can be compared.
+
+Trees (SGLang's `--speculative-eagle-topk K > 1`, `topology.Topology`): `tree_speculative_decode` replaces
+propose/verify/accept/rollback with their tree forms (`draft_tree`): the draft grows SGLang's tree from the
+pending row (its tree keys live apart from the draft cache, so the draft's rollback is to drop them), the
+target verifies the T tree tokens in one forward under a 4-D ancestor mask (transformers passes a 4-D mask
+to the attention unchanged) at positions cached + depth, the deepest matching root path is accepted, and
+the target cache keeps only that path's rows (`keep_target_cache_rows`). `offline_tree_acceptance` is the
+offline estimate for any topology; with K = 1 it equals the chain's. `decode_with_topology` picks the loop.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eaglekit.acceptance import CHAIN, chain_counts, depth_agreement, pooled_accept_length, server_accept_length
+from eaglekit.acceptance import chain_counts, depth_agreement, pooled_accept_length, server_accept_length
 from eaglekit.capture import LayerInputCapture, base_model_of, validate_capture_layer_ids
 from eaglekit.draft import DraftConfig, DraftKVCache, Eagle3DraftModel
 from eaglekit.draft_tree import DraftTree, accept_tree, grow_tree, offline_tree_depths, path_to, select_tree, verification_mask
@@ -609,10 +617,7 @@ def summarize(
     """One flat record: topology beside every tau (DESIGN), loop tau vs offline tau, tokens/s side by side."""
     verified = [result for result in speculative if result.verification_steps > 0]
     record: dict = {
-        "topology": CHAIN,
-        "steps": steps,
-        "top_k": 1,
-        "draft_tokens": steps + 1,  # SGLang's speculative_num_draft_tokens: the pending token + k drafts
+        **Topology.chain(steps).to_dict(),  # topology, steps, top_k 1, draft_tokens k + 1 (SGLang's num_draft_tokens)
         "requests": len(speculative),
         "requests_without_verification": len(speculative) - len(verified),
         "outputs_equal": all(s.output_ids == g.output_ids for s, g in zip(speculative, greedy)),
@@ -639,8 +644,10 @@ def summarize(
 def result_record(result: SpeculativeResult) -> dict:
     """A JSON-ready record of one request (for metrics.jsonl)."""
     record = asdict(result)
+    topology = result.topology or Topology.chain(result.steps)
     record.update(verification_steps=result.verification_steps, accept_length=result.accept_length,
-                  tokens_per_second=result.tokens_per_second, topology=CHAIN)
+                  loop_accept_length=result.loop_accept_length, tokens_per_second=result.tokens_per_second,
+                  **topology.to_dict())
     return record
 
 
