@@ -344,3 +344,56 @@ def test_online_samples_by_index_equal_the_shards(tiny_model, data_files, clean_
         reference = stored[(sample["dataset"], sample["id"])]
         assert torch.equal(sample["input_ids"], reference["input_ids"])
         torch.testing.assert_close(sample["aux_hidden_states"].float(), reference["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2)
+
+
+def test_resume_verifies_shards_and_captures_a_truncated_ones_samples_again(tiny_model, data_files, clean_run, tmp_path, monkeypatch):
+    clean_dir, _ = clean_run
+    base_model = base_model_of(tiny_model)
+    real_forward = base_model.forward
+    calls = {"count": 0}
+
+    def forward_then_die(*args, **kwargs):
+        calls["count"] += 1
+        if calls["count"] > 8:
+            raise KeyboardInterrupt("simulated kill")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(base_model, "forward", forward_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        capture_to_shards(tiny_model, data_files, tmp_path, **RUN_SETTINGS)
+    monkeypatch.undo()
+    indexed = [json.loads(line) for line in (tmp_path / rank_index_name(0)).read_text().splitlines()]
+    shards = sorted({record["shard"] for record in indexed})
+    assert len(shards) >= 2
+    broken = tmp_path / shards[0]
+    with open(broken, "r+b") as handle:  # the shard is cut short after it was indexed
+        handle.truncate(broken.stat().st_size // 2)
+    in_broken = sum(record["shard"] == shards[0] for record in indexed)
+
+    report = capture_to_shards(tiny_model, data_files, tmp_path, **RUN_SETTINGS)
+    assert report.resumed_samples == len(indexed) - in_broken
+    assert report.captured_samples == 50 - len(indexed) + in_broken
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    assert shards[0] not in index["shards"]
+    resumed, clean = read_all(tmp_path), read_all(clean_dir)
+    assert [(item["dataset"], item["id"]) for item in resumed] == [(item["dataset"], item["id"]) for item in clean]
+    for got, want in zip(resumed, clean, strict=True):
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states"):
+            assert torch.equal(got[name], want[name]), (got["id"], name)
+
+
+def test_capture_logs_progress_lines_and_a_final_line(tiny_model, data_files, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="eaglekit.capture")
+    report = capture_to_shards(tiny_model, data_files, tmp_path, **{**RUN_SETTINGS, "log_interval_s": 1e-9})
+    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.capture"]
+    progress = [line for line in lines if line.startswith("progress capture")]
+    final = [line for line in lines if line.startswith("final capture")]
+    assert len(progress) >= 3 and len(final) == 1
+    total_tokens = sum(dataset["tokens"] for dataset in report.datasets.values())
+    for line in progress + final:
+        assert "/50 |" in line and f"/{total_tokens:,} |" in line and "tok/s" in line and "ETA" in line
+    assert f"samples 50/50 | tokens {total_tokens:,}/{total_tokens:,}" in final[0] and "ETA 0 s" in final[0]
+    done = [int(line.split("samples ")[1].split("/")[0]) for line in progress]
+    assert done == sorted(done) and done[0] < 50

@@ -124,3 +124,26 @@ def test_stored_bytes_per_token_is_the_planner_formula_plus_ids_and_mask():
     assert stored_bytes_per_token(576) == 4 * 576 * 2 + 9
     sample = make_sample("x", 7, seed=0)
     assert sample.nbytes() == 7 * stored_bytes_per_token(HIDDEN_SIZE)
+
+
+def test_a_truncated_or_replaced_shard_is_not_done_and_reading_it_names_the_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from eaglekit.shards import CorruptShardError
+
+    writer = ShardWriter(tmp_path, rank=0, max_shard_bytes=1)  # one shard per sample
+    for number, name in enumerate("abc"):
+        writer.add(make_sample(name, 6, seed=number))
+    writer.close()
+    write_merged_index(tmp_path, HEADER, [("d", name) for name in "abc"])
+    first, second, _ = sorted(tmp_path.glob("shard-*.safetensors"))
+    with open(first, "r+b") as handle:  # a copy or a full disk cut the file short
+        handle.truncate(first.stat().st_size - 40)
+    sample = make_sample("b", 3, seed=9)  # a shorter shard under the same name: fewer tokens than indexed
+    save_file({"aux_hidden_states": sample.aux_hidden_states, "final_hidden_states": sample.final_hidden_states,
+               "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}, second)
+    assert completed_sample_keys(tmp_path) == {("d", "c")}
+    dataset = ShardDataset(tmp_path)
+    with pytest.raises(CorruptShardError, match=f"shard {first}: cannot be read .*incomplete metadata"):
+        dataset[0]
+    assert dataset[2]["id"] == "c"

@@ -20,6 +20,7 @@ Entry points: `plan_capture_storage` (bytes vs free disk: offline or online), `c
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import shutil
@@ -44,6 +45,8 @@ from eaglekit.shards import (
     write_config_once,
     write_merged_index,
 )
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024
 
@@ -468,6 +471,40 @@ class InsufficientDiskError(RuntimeError):
     pass
 
 
+class _CaptureProgress:
+    """Progress lines through the `eaglekit` logger every `interval_s` (they reach run.log and the
+    runner's output), and a final line with whole-run rates: samples and tokens done of this rank's
+    share, tokens/s since this session started, ETA."""
+
+    def __init__(self, total_samples: int, total_tokens: int, done_samples: int, done_tokens: int,
+                 interval_s: float, rank: int, world_size: int):
+        self.total_samples, self.total_tokens = total_samples, total_tokens
+        self.samples, self.tokens = done_samples, done_tokens
+        self.resumed_tokens = done_tokens
+        self.interval_s = interval_s
+        self.where = f"rank {rank} of {world_size}" if world_size > 1 else "capture"
+        self.started = self.last_logged = time.monotonic()
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        now = time.monotonic()
+        if now - self.last_logged >= self.interval_s:
+            self.last_logged = now
+            logger.info("progress %s", self.line(now))
+
+    def line(self, now: float) -> str:
+        elapsed = max(now - self.started, 1e-9)
+        rate = (self.tokens - self.resumed_tokens) / elapsed  # this session's tokens over its whole span
+        left = self.total_tokens - self.tokens
+        eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
+        return (f"{self.where} {elapsed:.0f} s | samples {self.samples}/{self.total_samples} | "
+                f"tokens {self.tokens:,}/{self.total_tokens:,} | {rate:,.0f} tok/s | ETA {eta}")
+
+    def finish(self) -> None:
+        logger.info("final %s", self.line(time.monotonic()))
+
+
 def check_disk_space(output_dir: Path, planned_bytes: int) -> int:
     """Refuse to start when the planned shard bytes exceed the free space; returns the free bytes."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -503,8 +540,12 @@ def capture_to_shards(
     max_tokens_per_batch: int = 16384,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
+    log_interval_s: float = 60.0,
 ) -> CaptureReport:
     """Capture every sample of `data_files` ({dataset: tokenized_data.jsonl}) into shards in `output_dir`.
+
+    `progress` shows a tqdm bar; every `log_interval_s` a progress line (samples and tokens done,
+    tok/s, ETA) goes to the `eaglekit.capture` logger, and a final one at the end.
 
     Resumable: samples already indexed are skipped (their batch is recomputed whole so the features
     are bit-identical to an uninterrupted run). Under torchrun (process group initialized) batch i
@@ -568,8 +609,12 @@ def capture_to_shards(
 
     batches = plan_batches([len(sample.input_ids) for sample in samples], max_tokens_per_batch)
     my_batches = [batch for number, batch in enumerate(batches) if number % world_size == rank]
+    mine = [samples[position] for batch in my_batches for position in batch]  # this rank's share, done or not
     my_batches = [batch for batch in my_batches if any(samples[position].key not in done for position in batch)]
     writer = ShardWriter(output_dir, rank, max_shard_bytes)
+    mine_done = [sample for sample in mine if sample.key in done]
+    tracker = _CaptureProgress(len(mine), sum(len(sample.input_ids) for sample in mine), len(mine_done),
+                               sum(len(sample.input_ids) for sample in mine_done), log_interval_s, rank, world_size)
     try:
         batch_iterator: Any = my_batches
         if progress and rank == 0:
@@ -578,18 +623,19 @@ def capture_to_shards(
             batch_iterator = tqdm(my_batches, desc=f"capture (rank 0 of {world_size})", unit="batch")
         batch_samples = ([samples[position] for position in batch] for batch in batch_iterator)
         for captured_batch in capture_batches(model, batch_samples, layer_ids):
-            for captured in captured_batch:
-                if (captured.dataset, captured.id) in done:
-                    continue
+            new = [captured for captured in captured_batch if (captured.dataset, captured.id) not in done]
+            for captured in new:
                 writer.add(captured)
                 report.captured_samples += 1
                 report.captured_tokens += captured.length
+            tracker.add(len(new), sum(captured.length for captured in new))
     except BaseException:
         # Only a clean finish flushes the partial last shard: a resume then rewrites it exactly as an
         # uninterrupted run would have, so shard boundaries never depend on where a run stopped.
         writer.abandon()
         raise
     writer.close()
+    tracker.finish()
     report.shards_written = writer.shards_written
     report.bytes_written = writer.bytes_written
     _barrier()

@@ -19,6 +19,7 @@ sample id: at worst it rewrites one shard that was renamed but not yet indexed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -27,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from eaglekit.capacity import hidden_state_bytes_per_token
 from eaglekit.io import AppendLog, atomic_write, write_json
+
+logger = logging.getLogger(__name__)
 
 INDEX_FILE = "index.json"
 CONFIG_FILE = "capture_config.json"
@@ -101,14 +104,70 @@ def read_rank_indexes(output_dir: Path) -> dict[int, list[dict]]:
     return records_by_rank
 
 
+class CorruptShardError(RuntimeError):
+    """A shard file that cannot be read as written (truncated, overwritten): names the file."""
+
+
+SHARD_TENSORS = ("aux_hidden_states", "final_hidden_states", "input_ids", "loss_mask")
+
+
+def open_shard(path: str | os.PathLike) -> Any:
+    """`safe_open` a shard; a file safetensors cannot read raises CorruptShardError naming it."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as error:
+        raise CorruptShardError(f"shard {path}: cannot be read ({error}); rerun the capture to resume: it "
+                                "verifies every shard and captures the samples of an unreadable one again") from None
+
+
+def verify_shard(path: Path, records: list[dict]) -> str | None:
+    """Why the shard at `path` cannot serve `records` (its index lines), or None when it can.
+
+    Checks what a kill or a full disk can break without touching the tensors' bytes: the file
+    exists, safetensors reads its header and finds the data it declares (a truncated file fails
+    here), the four tensors are there with one row per token, covering every indexed sample.
+    """
+    if not path.exists():
+        return "missing"
+    try:
+        handle = open_shard(path)
+        keys = set(handle.keys())
+        if not keys >= set(SHARD_TENSORS):
+            return f"tensors {sorted(set(SHARD_TENSORS) - keys)} missing"
+        rows = {name: handle.get_slice(name).get_shape()[0] for name in SHARD_TENSORS}
+    except CorruptShardError as error:
+        return str(error).split(": ", 1)[1]
+    if len(set(rows.values())) != 1:
+        return f"tensors disagree on the token count: {rows}"
+    needed = max((record["offset"] + record["length"] for record in records), default=0)
+    if needed > rows["input_ids"]:
+        return f"holds {rows['input_ids']} tokens, its index lines need {needed}"
+    return None
+
+
+def _valid_records(output_dir: Path) -> tuple[list[dict], dict[str, str]]:
+    """Every index record whose shard verifies, in log order, and {shard: why} for the others."""
+    records = [record for rank_records in read_rank_indexes(output_dir).values() for record in rank_records]
+    by_shard: dict[str, list[dict]] = {}
+    for record in records:
+        by_shard.setdefault(record["shard"], []).append(record)
+    bad = {name: why for name, shard_records in by_shard.items()
+           if (why := verify_shard(output_dir / name, shard_records)) is not None}
+    return [record for record in records if record["shard"] not in bad], bad
+
+
 def completed_sample_keys(output_dir: Path) -> set[tuple[str, str]]:
-    """(dataset, id) of every sample already in a shard on disk, from all ranks' index logs."""
-    done: set[tuple[str, str]] = set()
-    for records in read_rank_indexes(Path(output_dir)).values():
-        for record in records:
-            if (Path(output_dir) / record["shard"]).exists():
-                done.add((record["dataset"], record["id"]))
-    return done
+    """(dataset, id) of every sample already in a readable shard, from all ranks' index logs.
+
+    Each shard a resume would build on is verified (`verify_shard`): the samples of a truncated or
+    missing shard are not done, so the capture computes them again into a new shard.
+    """
+    output_dir = Path(output_dir)
+    records, bad = _valid_records(output_dir)
+    for name, why in sorted(bad.items()):
+        if why != "missing":
+            logger.warning("%s: shard %s is unusable (%s); its samples will be captured again", output_dir, name, why)
+    return {(record["dataset"], record["id"]) for record in records}
 
 
 class ShardWriter:
@@ -204,9 +263,9 @@ def write_merged_index(output_dir: str | os.PathLike, header: dict[str, Any], sa
     """
     output_dir = Path(output_dir)
     by_key: dict[tuple[str, str], dict] = {}
-    for records in read_rank_indexes(output_dir).values():
-        for record in records:
-            by_key[(record["dataset"], record["id"])] = record
+    records, _ = _valid_records(output_dir)  # a sample captured again after its shard broke: the readable copy
+    for record in records:
+        by_key[(record["dataset"], record["id"])] = record
     missing = [key for key in sample_order if key not in by_key]
     if missing:
         raise RuntimeError(
@@ -272,7 +331,7 @@ class ShardDataset(torch.utils.data.Dataset):
     def _shard(self, name: str) -> Any:
         # Samples are stored shard by shard, so keeping the last shard open serves sequential reads.
         if name != self._open_name:
-            self._open_handle = safe_open(str(self.output_dir / name), framework="pt")
+            self._open_handle = open_shard(self.output_dir / name)
             self._open_name = name
         return self._open_handle
 
@@ -280,14 +339,18 @@ class ShardDataset(torch.utils.data.Dataset):
         record = self.samples[position]
         shard = self._shard(record["shard"])
         start, stop = record["offset"], record["offset"] + record["length"]
-        return {
-            "id": record["id"],
-            "dataset": record["dataset"],
-            "input_ids": shard.get_slice("input_ids")[start:stop].to(torch.long),
-            "loss_mask": shard.get_slice("loss_mask")[start:stop].to(torch.long),
-            "aux_hidden_states": shard.get_slice("aux_hidden_states")[start:stop],
-            "final_hidden_states": shard.get_slice("final_hidden_states")[start:stop],
-        }
+        try:
+            return {
+                "id": record["id"],
+                "dataset": record["dataset"],
+                "input_ids": shard.get_slice("input_ids")[start:stop].to(torch.long),
+                "loss_mask": shard.get_slice("loss_mask")[start:stop].to(torch.long),
+                "aux_hidden_states": shard.get_slice("aux_hidden_states")[start:stop],
+                "final_hidden_states": shard.get_slice("final_hidden_states")[start:stop],
+            }
+        except SafetensorError as error:
+            raise CorruptShardError(f"shard {self.output_dir / record['shard']}: sample {record['dataset']}/{record['id']} "
+                                    f"cannot be read ({error})") from None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for position in range(len(self)):
