@@ -167,6 +167,7 @@ class CaptureParams(Section):
     max_seq_len: int = Field(default=2048, gt=0)  # longer samples are truncated, counted and reported
     max_tokens_per_batch: int = Field(default=8192, gt=0)  # token budget of a length-sorted batch
     max_shard_mb: int = Field(default=256, gt=0)
+    log_interval_s: float = Field(default=60.0, gt=0)  # a progress line (samples, tokens, tok/s, ETA) this often
 
 
 class TrainingParams(Section):
