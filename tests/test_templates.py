@@ -98,7 +98,7 @@ def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizer
     tokenizer = tokenizers[name]
     kwargs = TEMPLATE_KWARGS.get(name)
     rng = random.Random(f"eaglekit-{name}")
-    lengths = [84, 84, 2, 5, 9, 17, 30]
+    lengths = [84, 3, 9, 30]
     fallbacks = rejected = 0
     for length in lengths:
         messages, tools = conversation(name, rng, length)
@@ -115,13 +115,21 @@ def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizer
         assert fast.samples == oracle.samples, f"{name}: {len(messages)} messages"
         assert fast.trained_tokens == oracle.trained_tokens and fast.trained_tokens > 0
         fallbacks += fast.fallback
+        # The oracle checks every turn's trained tokens against its own per-prefix token difference;
+        # only a BPE merge across the header's end may skip that (SmolLM2's tokenizer joins Llama 3's
+        # "\n\n" after <|end_header_id|>, and "\n" + "\n" of an empty think block after the "<think>\n"
+        # prompt of Qwen3 Thinking and DeepSeek-R1); no other template may.
+        if name not in ("llama3", "qwen3_thinking", "deepseek_r1"):
+            assert oracle.boundary_merges == 0
+        if length == 84:
+            continue
         # The truncated variant: the last answer's mask ends at its last generated token, no end-of-turn.
         cut = tokenize_conversation(tokenizer, messages, tools=tools, truncated=True, template_kwargs=kwargs)
         assert cut.samples == tokenize_conversation_reference(tokenizer, messages, tools=tools, truncated=True,
                                                              template_kwargs=kwargs).samples
         last = cut.samples[-1]
         assert last.loss_mask[-1] == 1 and last.input_ids[-1] != template_layout(tokenizer, kwargs).end_of_turn_id
-    assert rejected <= (len(lengths) - 2 if name == "deepseek_r1" else 0)
+    assert rejected <= (len(lengths) - 1 if name == "deepseek_r1" else 0)
     # Only templates that move earlier text when the conversation goes on (Mistral's system prompt and
     # tools go to the last user turn) may hand conversations to the oracle.
     layout = template_layout(tokenizer, kwargs)

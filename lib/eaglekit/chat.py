@@ -90,6 +90,7 @@ class ConversationSamples:
     generated_tokens: int  # tokens of every assistant turn as the target generated it
     trained_tokens: int  # tokens with loss_mask 1 over all samples
     fallback: bool = False  # the fast path handed this conversation to the oracle
+    boundary_merges: int = 0  # oracle only: turns whose prompt tokens are not a token prefix of the turn's
 
     @property
     def split(self) -> bool:
@@ -592,15 +593,22 @@ def _finish(tokenizer: Any, rendered: list[_Rendered], marker: _Marker, bodies: 
 def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *, tools: list | None = None,
                                     history: HistoryPolicy = "split", truncated: bool = False,
                                     template_kwargs: dict | None = None) -> ConversationSamples:
-    """The oracle: per assistant turn, render its prompt and the turn; quadratic in messages.
+    """The oracle: per assistant turn, render and tokenize its prompt and the turn; quadratic in messages.
 
-    Samples are cut where P_{i+1} stops extending F_i up to turn i's span (see the module doc).
+    The turn's span is the text difference (to the first end-of-turn token); samples are cut where
+    P_{i+1} stops extending F_i up to turn i's span (see the module doc). Each sample is tokenized
+    whole, and every turn is then checked at the token level: where the prompt's own tokens are a
+    prefix of the turn's own tokens, the turn's trained tokens must equal the token difference, or
+    NotPrefixStableError is raised. Where they are not (the tokenizer merges across the boundary,
+    e.g. SmolLM2's BPE on Llama 3's "\\n\\n" header end) the whole-sample tokenization stands and the
+    turn is counted in `boundary_merges`.
     history="visible" is only defined here for conversations the template does not rewrite: it raises
     NotPrefixStableError otherwise. truncated: the last turn was cut at max_tokens (no end-of-turn token).
     """
     layout, marker, template_messages, renderer, indices = _prepare(tokenizer, messages, tools, template_kwargs)
     rendered: list[_Rendered] = []
     bodies: list[str] = []
+    token_diffs: list[tuple[int, int, list[int] | None]] = []  # (sample, span index, expected trained tokens)
     current: _Rendered | None = None
     current_end = 0
     for position, index in enumerate(indices):
@@ -622,11 +630,27 @@ def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *,
         current.text = turn
         current.spans.append((start, end))
         current_end = end
+        prompt_ids = _tokenize_marked(tokenizer, prompt, marker)[0]
+        turn_ids = _tokenize_marked(tokenizer, turn[:end], marker)[0]
+        expected = turn_ids[len(prompt_ids):] if turn_ids[: len(prompt_ids)] == prompt_ids else None
+        token_diffs.append((len(rendered), len(current.spans) - 1, expected))
     assert current is not None
     if truncated:
         current.text = current.text[:current_end]
     rendered.append(current)
-    return _finish(tokenizer, rendered, marker, bodies)
+    result = _finish(tokenizer, rendered, marker, bodies)
+    merges = 0
+    for sample_index, span_index, expected in token_diffs:
+        if expected is None:
+            merges += 1
+            continue
+        span_start, span_end = rendered[sample_index].spans[span_index]
+        ids, starts = _tokenize_marked(tokenizer, rendered[sample_index].text, marker)
+        trained = [token for token, start in zip(ids, starts) if span_start <= start < span_end]
+        if trained != expected:
+            raise NotPrefixStableError(f"turn {span_index + 1} of sample {sample_index + 1}: the trained tokens differ "
+                                       "from the per-prefix token difference")
+    return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, False, merges)
 
 
 def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: list | None = None,
@@ -710,7 +734,8 @@ def _split_groups(renderer: _Renderer, template_messages: list[dict], messages: 
 def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -> ConversationSamples:
     result = tokenize_conversation_reference(tokenizer, messages, tools=tools, history=history, truncated=truncated,
                                              template_kwargs=template_kwargs)
-    return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, fallback=True)
+    return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, fallback=True,
+                               boundary_merges=result.boundary_merges)
 
 
 def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indices: list[int], layout: TemplateLayout,
