@@ -1,137 +1,244 @@
-"""Training throughput of the kit's TTT step against a naive unroll that recomputes earlier steps.
+"""Training-step throughput, side by side in one run: the kit's step against the naive recompute reference.
 
-The kit's step keeps every TTT step's keys (TrainingTimeTestKeyValues), so step i costs one layer pass.
-The naive version reaches step i by rerunning steps 0..i from the features each time (i+1 layer passes),
-which is what a trainer without the diagonal-attention trick does. Both compute the same loss; the
-script checks that before timing.
+Three implementations of the same training step (teacher, TTT unroll, loss, backward) on the same
+variable-length samples:
 
-Dimensions default to the embedded target's (SmolLM2-135M: H=576, 9 heads, 3 KV heads, vocab 49,152,
-draft vocab 32,000) with random weights. On CUDA (`--device cuda`) it runs under bf16 autocast and
-prints achieved TFLOP/s against the device's dense bf16 peak.
+- naive recompute: right-padded batches; TTT step i reached by rerunning steps 0..i from the features
+  (i+1 layer passes), what a trainer without the diagonal-attention trick does; full-vocab teacher
+  logits and all (T x Vd) logits of every step materialized (eaglekit.training.ttt_loss).
+- padded TTT (the kit before packing): padded batches, one layer pass per TTT step with the kept keys,
+  the same full-logit loss.
+- kit: samples packed into fixed `--pack-tokens` rows with a document mask (eaglekit.packing), the
+  head and loss chunked over the rows that can count (eaglekit.head_loss), teacher chunked.
 
-    python bench/train_step.py                       # CPU, short
-    python bench/train_step.py --device cuda --seq-len 2048 --batch 4
+All three must give the same loss (checked and printed). Per implementation it prints tokens/s over
+real (non-padding) tokens, achieved model TFLOP/s (model FLOPs: fc once, one layer pass and the head
+per TTT step, attention over each sample's own causal block; forward + backward = 3x forward) and
+its share of the device's dense bf16 peak (CUDA; unknown for a CPU), the ratio to the naive
+reference, and memory per token: on CUDA the peak allocated bytes of the step, everywhere the bytes
+autograd keeps for backward (distinct storages, measured with saved-tensor hooks).
+Timings are the median of `--repeats` steps after one warmup, with min-max spread.
+
+    python bench/train_step.py                                   # CPU, SmolLM2-135M-shaped draft
+    python bench/train_step.py --device cuda --preset llama8b --pack-tokens 4096 --samples 16 --skip-naive
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from eaglekit.draft import DraftConfig, Eagle3DraftModel, TrainingTimeTestKeyValues, shift_left
-from eaglekit.training import TargetSignals, ttt_loss
+from eaglekit.head_loss import chunked_ttt_loss
+from eaglekit.packing import packed_micro_batches, padding_share
+from eaglekit.training import Batch, collate, eligible_rows, target_signals, ttt_loss
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from vendor data sheets, matched on the device name.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0, "RTX 4090": 165.0}
 
+# Draft shapes: one layer of the target (hidden, intermediate, heads, KV heads, head_dim, target vocab).
+PRESETS = {
+    "smollm2": dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49_152),
+    "llama8b": dict(hidden=4096, intermediate=14_336, heads=32, kv_heads=8, head_dim=128, vocab=128_256),
+}
 
-def naive_unroll(model: Eagle3DraftModel, input_ids: torch.Tensor, aux: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+
+def naive_unroll(model: Eagle3DraftModel, batch: Batch, ttt_steps: int) -> list[torch.Tensor]:
     """Step i's logits by rerunning steps 0..i from scratch: O(k^2) layer passes instead of O(k)."""
-    batch, length = input_ids.shape
-    positions = torch.arange(length, device=input_ids.device).expand(batch, length)
     logits = []
     for last in range(ttt_steps):
-        key_values = TrainingTimeTestKeyValues()
-        hidden = model.project_features(aux)
+        key_values = TrainingTimeTestKeyValues(batch.document_ids, "eager")
+        hidden = model.project_features(batch.aux_hidden_states)
         for step in range(last + 1):
-            hidden = model.step(shift_left(input_ids, 1 + step), hidden, positions + step, key_values)
+            tokens = shift_left(batch.input_ids, 1 + step, document_ids=batch.document_ids)
+            hidden = model.step(tokens, hidden, batch.position_ids + step, key_values)
         logits.append(model.logits(hidden))
     return logits
 
 
-def make_inputs(config: DraftConfig, batch: int, length: int, ttt_steps: int, device: torch.device):
-    generator = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(0, config.vocab_size, (batch, length), generator=generator).to(device)
-    aux = torch.randn(batch, length, 3 * config.hidden_size, generator=generator).to(device, torch.bfloat16)
-    probs = torch.softmax(torch.randn(batch, length, config.draft_vocab_size, generator=generator), -1).to(device)
-    argmax = torch.randint(0, config.draft_vocab_size, (batch, length), generator=generator).to(device)
-    targets = TargetSignals(probs=probs, argmax=argmax, in_draft=torch.ones(batch, length, dtype=torch.bool, device=device))
-    eligible = torch.ones(ttt_steps, batch, length, dtype=torch.bool, device=device)
-    return input_ids, aux, targets, eligible
+def padded_step(model, batch, eligible, counts, head, ttt_steps, naive: bool):
+    targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=1 << 30)
+    logits = naive_unroll(model, batch, ttt_steps) if naive else model(batch.input_ids, batch.aux_hidden_states, ttt_steps)
+    return ttt_loss(logits, targets, eligible.to(batch.input_ids.device), counts, 0.8, model.draft_to_target_ids())[0]
 
 
-def time_step(unroll, model, inputs, ttt_steps: int, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Seconds per training step (forward + backward), best of `repeats` after one warmup; and the loss."""
-    input_ids, aux, targets, eligible = inputs
-    counts = eligible.sum(dim=(1, 2)).float()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    best, loss_value = float("inf"), 0.0
+def packed_step(model, batch, eligible, counts, head, ttt_steps):
+    targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d)
+    states = model(batch.input_ids, batch.aux_hidden_states, ttt_steps, batch.position_ids, batch.document_ids, return_normed_states=True)
+    return chunked_ttt_loss(model, states, targets, eligible, counts, 0.8)[0]
+
+
+def make_samples(count: int, max_length: int, config: DraftConfig, seed: int) -> list[dict]:
+    """Chat-like samples: lengths log-uniform in [max_length/8, max_length], the first 10-50% a prompt (loss_mask 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(count):
+        length = int(torch.exp(torch.empty(1).uniform_(0, 1, generator=generator) * torch.log(torch.tensor(8.0))) * max_length / 8)
+        prompt = int(length * (0.1 + 0.4 * float(torch.rand(1, generator=generator))))
+        loss_mask = torch.zeros(length, dtype=torch.int64)
+        loss_mask[prompt:] = 1
+        samples.append({
+            "id": f"bench-{index}", "input_ids": torch.randint(0, config.vocab_size, (length,), generator=generator), "loss_mask": loss_mask,
+            "aux_hidden_states": torch.randn(length, 3 * config.hidden_size, generator=generator).to(torch.bfloat16),
+            "final_hidden_states": torch.randn(length, config.hidden_size, generator=generator).to(torch.bfloat16),
+        })
+    return samples
+
+
+def model_flops(config: DraftConfig, lengths: list[int], counted_rows: int, ttt_steps: int) -> float:
+    """Model FLOPs of one training step over samples of `lengths` (forward + backward = 3x forward).
+
+    Per token and TTT step: q/k/v (2H inputs), o, SwiGLU MLP, attention over its own causal block
+    plus one diagonal key per earlier step; fc once per token; the draft head on the rows that count
+    (`counted_rows`, all steps); the teacher (full target vocab) once per token, forward only.
+    """
+    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    per_token_layer = 2 * hidden * heads * head_dim + 2 * 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden + 3 * hidden * config.intermediate_size
+    tokens = sum(lengths)
+    multiply_adds = tokens * 3 * hidden * hidden + counted_rows * hidden * config.draft_vocab_size
+    for step in range(ttt_steps):
+        attention_pairs = sum(length * (length + 1) / 2 for length in lengths) + step * tokens
+        multiply_adds += tokens * per_token_layer + 2 * heads * head_dim * attention_pairs
+    teacher = tokens * hidden * config.vocab_size
+    return 3 * 2 * multiply_adds + 2 * teacher
+
+
+@dataclass
+class Measurement:
+    seconds: list[float]
+    loss: float
+    saved_bytes: int
+    peak_bytes: int | None
+
+
+def saved_for_backward_bytes(run) -> tuple[torch.Tensor, int]:
+    """Run `run()` (returns a loss) and count the distinct storages autograd keeps for backward."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = run()
+    return loss, sum(storages.values())
+
+
+def measure(step_fn, model, batches, head, ttt_steps: int, repeats: int, device: torch.device, bf16: bool) -> Measurement:
+    """One optimizer step's worth of micro-batches (forward + backward each), timed `repeats` times after a warmup."""
+    eligible = [eligible_rows(batch, ttt_steps) for batch in batches]
+    counts = torch.stack([rows.sum(dim=(1, 2)) for rows in eligible]).sum(0).float().to(device)
+    batches = [batch.to(device) for batch in batches]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    seconds, loss_total, saved, peak = [], 0.0, 0, None
     for attempt in range(repeats + 1):
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            baseline = torch.cuda.memory_allocated()
         started = time.perf_counter()
-        with autocast:
-            logits = unroll(model, input_ids, aux, ttt_steps)
-            loss, _ = ttt_loss(logits, targets, eligible, counts, 0.8, model.draft_to_target_ids())
-        loss.backward()
+        loss_total = 0.0
+        for batch, rows in zip(batches, eligible):
+            with autocast:
+                if attempt == 0:  # the warmup also measures what autograd keeps
+                    loss, micro_saved = saved_for_backward_bytes(lambda: step_fn(model, batch, rows, counts, head, ttt_steps))
+                    saved = max(saved, micro_saved)
+                else:
+                    loss = step_fn(model, batch, rows, counts, head, ttt_steps)
+            loss.backward()
+            loss_total += float(loss.detach())
         if device.type == "cuda":
             torch.cuda.synchronize()
-        elapsed = time.perf_counter() - started
-        loss_value = float(loss.detach())
-        if attempt > 0:  # the first run warms allocators and kernels
-            best = min(best, elapsed)
-    return best, loss_value
-
-
-def training_flops(config: DraftConfig, batch: int, length: int, ttt_steps: int) -> float:
-    """FLOPs of one kit TTT training step (forward + backward = 3x forward matmul FLOPs)."""
-    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    per_token_layer = 2 * hidden * heads * head_dim + 2 * 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden + 3 * hidden * config.intermediate_size
-    per_token_head = hidden * config.draft_vocab_size
-    tokens = batch * length
-    multiply_adds = tokens * 3 * hidden * hidden  # fc, once
-    for step in range(ttt_steps):
-        attention = heads * head_dim * 2 * (length / 2 + step)  # causal block (average T/2 keys) + step diagonals
-        multiply_adds += tokens * (per_token_layer + per_token_head + attention)
-    return 3 * 2 * multiply_adds
+            peak = max(peak or 0, torch.cuda.max_memory_allocated() - baseline)
+        if attempt > 0:
+            seconds.append(time.perf_counter() - started)
+    return Measurement(seconds, loss_total, saved, peak)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--ttt-steps", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--vocab", type=int, default=49_152)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2")
     parser.add_argument("--draft-vocab", type=int, default=32_000)
-    parser.add_argument("--skip-naive", action="store_true", help="time only the kit's step (large GPU runs)")
+    parser.add_argument("--samples", type=int, default=6, help="samples per optimizer step")
+    parser.add_argument("--max-length", type=int, default=192, help="longest sample; lengths are log-uniform in [max/8, max]")
+    parser.add_argument("--pack-tokens", type=int, default=None, help="pack budget (default: --max-length rounded up to 128)")
+    parser.add_argument("--micro-batch", type=int, default=2, help="samples per padded micro-batch")
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--skip-naive", action="store_true", help="skip the naive recompute reference (large GPU runs)")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    config = DraftConfig(hidden_size=args.hidden, intermediate_size=args.intermediate, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads, vocab_size=args.vocab,
-                         draft_vocab_size=args.draft_vocab, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, target_num_hidden_layers=30,
-                         capture_layer_indices=(2, 15, 27))
-    torch.manual_seed(0)
+    shape = PRESETS[args.preset]
+    config = DraftConfig(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
+                         num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], vocab_size=shape["vocab"],
+                         draft_vocab_size=args.draft_vocab, max_position_embeddings=131_072, rms_norm_eps=1e-5,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500_000.0}, target_num_hidden_layers=32,
+                         capture_layer_indices=(2, 16, 29))
+    torch.manual_seed(args.seed)
     model = Eagle3DraftModel(config)
-    model.set_draft_vocab(torch.zeros(args.draft_vocab, dtype=torch.int64), torch.arange(args.vocab) < args.draft_vocab)
+    model.set_draft_vocab(torch.zeros(args.draft_vocab, dtype=torch.int64), torch.arange(config.vocab_size) < args.draft_vocab)
     model.to(device)
-    inputs = make_inputs(config, args.batch, args.seq_len, args.ttt_steps, device)
-    tokens = args.batch * args.seq_len
-    print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{torch.get_num_threads()} CPU threads'}) "
-          f"H={args.hidden} vocab={args.vocab} draft_vocab={args.draft_vocab} batch={args.batch} seq_len={args.seq_len} ttt_steps={args.ttt_steps}")
-
-    kit_seconds, kit_loss = time_step(lambda m, i, a, k: m(i, a, k), model, inputs, args.ttt_steps, args.repeats, device)
-    print(f"kit   TTT step : {kit_seconds * 1e3:9.1f} ms  {tokens / kit_seconds:10.1f} tokens/s  loss {kit_loss:.6f}")
-    if not args.skip_naive:
-        naive_seconds, naive_loss = time_step(naive_unroll, model, inputs, args.ttt_steps, args.repeats, device)
-        print(f"naive recompute: {naive_seconds * 1e3:9.1f} ms  {tokens / naive_seconds:10.1f} tokens/s  loss {naive_loss:.6f}")
-        print(f"speedup kit / naive: {naive_seconds / kit_seconds:.2f}x  (same loss: |diff| = {abs(kit_loss - naive_loss):.2e})")
+    head = (torch.randn(config.vocab_size, config.hidden_size) * config.hidden_size**-0.5).to(device)
+    samples = make_samples(args.samples, args.max_length, config, args.seed)
+    pack_tokens = args.pack_tokens or -(-args.max_length // 128) * 128
+    padded = [collate(samples[start : start + args.micro_batch], args.max_length) for start in range(0, len(samples), args.micro_batch)]
+    packs = packed_micro_batches(samples, pack_tokens, args.max_length)
+    lengths = [min(len(sample["input_ids"]), args.max_length) for sample in samples]
+    tokens = sum(lengths)
+    counted = int(sum(eligible_rows(batch, args.ttt_steps).sum() for batch in packs))
+    flops = model_flops(config, lengths, counted, args.ttt_steps)
     if device.type == "cuda":
-        achieved = training_flops(config, args.batch, args.seq_len, args.ttt_steps) / kit_seconds / 1e12
         name = torch.cuda.get_device_name(device)
         peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
-        share = f"{100 * achieved / peak:.1f}% of {peak:.0f} TFLOP/s dense bf16 peak" if peak else "peak unknown for this device"
-        print(f"kit TTT step achieved {achieved:.1f} TFLOP/s ({share})")
+        where = f"{name}, bf16 autocast, fp32 master weights"
+    else:
+        peak, where = None, f"CPU, {torch.get_num_threads()} threads, fp32"
+    print(f"device {device} ({where}); {args.preset}-shaped draft H={config.hidden_size} draft vocab {args.draft_vocab:,} "
+          f"target vocab {config.vocab_size:,}; TTT steps {args.ttt_steps}")
+    print(f"one step = {len(samples)} samples, {tokens:,} tokens (lengths {min(lengths)}-{max(lengths)}); "
+          f"padded: {len(padded)} micro-batches of {args.micro_batch}, {padding_share(padded):.0%} padding rows; "
+          f"packed: {len(packs)} packs of {pack_tokens}, {padding_share(packs):.0%} pack-tail rows; model {flops / 1e12:.3f} TFLOP/step")
+
+    # On CUDA every variant runs under bf16 autocast (fp32 master weights). On a CPU they run in fp32, as
+    # the kit trains there; one extra row shows the kit under CPU bf16 autocast (not what training uses).
+    cuda = device.type == "cuda"
+    variants = {}
+    if not args.skip_naive:
+        variants["naive recompute (padded)"] = (lambda m, b, r, c, h, k: padded_step(m, b, r, c, h, k, naive=True), padded, cuda)
+    variants["padded TTT (kit before)"] = (lambda m, b, r, c, h, k: padded_step(m, b, r, c, h, k, naive=False), padded, cuda)
+    variants["kit: packed + chunked"] = (packed_step, packs, cuda)
+    if not cuda:
+        variants["kit, CPU bf16 autocast"] = (packed_step, packs, True)
+    results = {name: measure(step_fn, model, batches, head, args.ttt_steps, args.repeats, device, bf16)
+               for name, (step_fn, batches, bf16) in variants.items()}
+
+    reference_name = next(iter(results))
+    reference = statistics.median(results[reference_name].seconds)
+    print(f"\n{'':28s} {'ms/step (min-max)':>24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>14s} {'vs ' + reference_name.split(' (')[0]:>18s} "
+          f"{'saved B/token':>14s} {'peak B/token':>13s}  loss")
+    for name, result in results.items():
+        median = statistics.median(result.seconds)
+        achieved = flops / median / 1e12
+        mfu = f"{100 * achieved / peak:.1f}% of {peak:.0f}" if peak else "peak unknown"
+        peak_per_token = f"{result.peak_bytes / tokens:13,.0f}" if result.peak_bytes is not None else f"{'n/a (CPU)':>13s}"
+        print(f"{name:28s} {median * 1e3:9.0f} ({min(result.seconds) * 1e3:.0f}-{max(result.seconds) * 1e3:.0f}) {tokens / median:10.1f} "
+              f"{achieved:8.3f} {mfu:>14s} {reference / median:17.2f}x {result.saved_bytes / tokens:14,.0f} {peak_per_token}  {result.loss:.6f}")
+    same_precision = [result.loss for name, result in results.items() if "CPU bf16" not in name]
+    spread = max(same_precision) - min(same_precision)
+    ok = spread <= 1e-4 * max(abs(value) for value in same_precision)
+    print(f"\nsame loss across implementations: max |diff| = {spread:.2e} ({'ok' if ok else 'MISMATCH'})")
+    if "kit, CPU bf16 autocast" in results:
+        relative = abs(results["kit, CPU bf16 autocast"].loss - results["kit: packed + chunked"].loss) / abs(results["kit: packed + chunked"].loss)
+        print(f"CPU bf16 autocast loss differs from fp32 by {relative:.1e} (relative)")
 
 
 if __name__ == "__main__":

@@ -241,6 +241,8 @@ class TrainingTimeTestKeyValues:
     def _attend_flex(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         batch, _, length, _ = query.shape
         keys, values = torch.cat(self.keys, dim=2), torch.cat(self.values, dim=2)  # (B, KV, (i+1) T, D)
+        if query.device.type == "meta":  # a memory dry run (eaglekit.training_memory): no mask to build
+            return flex_attention_kernel(query.device)(query, keys, values)
         block_mask = ttt_block_mask(self.document_ids, batch, length, len(self.keys), query.device)
         return flex_attention_kernel(query.device)(query, keys, values, block_mask=block_mask, scale=scale, enable_gqa=True)
 
@@ -273,10 +275,29 @@ def ttt_block_mask(document_ids: torch.Tensor | None, batch: int, length: int, s
 _COMPILED_FLEX: dict[str, object] = {}
 
 
+class _FlexMemoryStandIn(torch.autograd.Function):
+    """Shape-only stand-in for flex_attention on the meta device: keeps for backward what the fused
+    kernel keeps (query, keys, values, output, logsumexp), so eaglekit.training_memory can count a
+    flex step's activations with a dry run (flex attention itself does not run on meta tensors)."""
+
+    @staticmethod
+    def forward(ctx, query, keys, values):
+        output = torch.empty_like(query)
+        logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(query, keys, values, output, logsumexp)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        raise NotImplementedError("a memory stand-in: dry runs only")
+
+
 def flex_attention_kernel(device: torch.device):
     """flex_attention, compiled where it has a fused kernel (CUDA); eager elsewhere (forward only on CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if device.type == "meta":
+        return lambda query, keys, values, **_: _FlexMemoryStandIn.apply(query, keys, values)
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _COMPILED_FLEX:

@@ -48,11 +48,12 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             probs = teacher_probs.index_select(0, teacher_rows[start:stop])  # (c, Vd)
             probs_sum = probs.sum(-1)
             log_normalizer = torch.logsumexp(logits, dim=-1)  # (c,)
-            cross_entropy[start:stop] = probs_sum * log_normalizer - (probs * logits).sum(-1)
+            cross_entropy[start:stop] = probs_sum * log_normalizer - torch.linalg.vecdot(probs, logits)
             draft_argmax[start:stop] = logits.argmax(-1)
-            # d CE / d logits = softmax(z) * sum(p) - p, then the row weight; reuse `logits` as the buffer.
-            grad_logits = logits.sub_(log_normalizer[:, None]).exp_().mul_(probs_sum[:, None]).sub_(probs)
-            grad_logits.mul_(row_weights[start:stop, None])
+            # d CE / d logits = softmax(z) * sum(p) - p, times the row weight w; in place in `logits`
+            # (few passes over (c, Vd): on a CPU these elementwise passes cost as much as the matmul).
+            weights = row_weights[start:stop, None]
+            grad_logits = logits.sub_(log_normalizer[:, None]).exp_().mul_(probs_sum[:, None] * weights).addcmul_(probs, weights, value=-1.0)
             grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             grad_weight += (grad_logits.T.to(chunk.dtype) @ chunk).float()
         loss = (cross_entropy * row_weights).sum()
