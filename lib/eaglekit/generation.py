@@ -1058,6 +1058,8 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
     retry_errors: on rerun, request again prompts that failed for good before.
     shutdown_grace_s: after Ctrl-C/SIGTERM, how long in-flight requests may finish (a second Ctrl-C
     abandons them). Then outputs are flushed and KeyboardInterrupt (or SystemExit 143) is raised.
+    An endpoint that refuses the key (401/403) raises EndpointAuthError at once, with no prompt
+    marked failed; a failure to write the outputs stops the run with its error.
 
     The engine runs on its own event loop in a worker thread, so this works the same in a terminal
     and inside Jupyter (whose own loop is already running).
