@@ -239,3 +239,24 @@ def test_class_a_with_reasoning_and_tool_calls_on_a_thinking_template_split_and_
         counts = read_summary(out)["sources"][0]
         assert (counts["trained_tokens"] == counts["generated_tokens"]) == (history == "split")
         assert summary.table().iloc[0]["split"] == (history == "split")
+
+
+def test_a_dataset_answer_the_template_cannot_render_keeps_its_prompt_and_is_listed(tmp_path, embedded_model_dir):
+    """The ablation's original answers fail per record too: DeepSeek-V3.1 (thinking off) has no place for reasoning."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_templates import fixture_tokenizer
+
+    v31 = fixture_tokenizer(embedded_model_dir, "deepseek_v31")
+    path = tmp_path / "ps.jsonl"
+    path.write_text(json.dumps({"problem": "2+2?", "solution": "<think>two and two</think>4"}) + "\n"
+                    + json.dumps({"problem": "3+3?", "solution": "6"}) + "\n")
+    spec = SourceSpec(name="ps", format="problem_solution", path=str(path))
+    summary = prepare_sources([spec], v31, tmp_path / "prep", context_length=256, long_prompt_threshold=40)
+    assert summary.table().iloc[0]["kept"] == 2 and summary.sources[0].original_rejected == 1
+    assert len(read_lines(tmp_path / "prep" / "ps" / "original_tokenized_data.jsonl")) == 1
+    rejects = read_lines(tmp_path / "prep" / "rejects.jsonl")
+    assert [(r["line"], r["reason"].split(":")[0]) for r in rejects] == [(1, "chat template (dataset answer, prompt kept)")]
+    with pytest.raises(InputError, match="ps.jsonl:1: .*dataset answer"):
+        prepare_sources([spec], v31, tmp_path / "prep2", context_length=256, long_prompt_threshold=40, bad_input="fail")

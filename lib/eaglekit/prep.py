@@ -73,6 +73,7 @@ class SourceCounts:
     generated_tokens: int = 0  # class A: tokens the target generated (every assistant turn as generated)
     trained_tokens: int = 0  # class A: tokens with loss_mask 1 (equal to generated under history "split")
     template_family: str = ""
+    original_rejected: int = 0  # class B: dataset answers the template cannot render (listed in rejects.jsonl)
 
 
 @dataclass
@@ -211,6 +212,12 @@ def prepare_sources(
                 rejected_by_reason[Reject(error, record).reason_kind] += 1
                 outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
 
+            def reject_answer(error: InputError, record: int | None) -> None:
+                if bad_input == "fail":
+                    raise error
+                counts.original_rejected += 1
+                outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
+
             for item in iter_source(spec):
                 counts.read += 1
                 if isinstance(item, Reject):
@@ -219,7 +226,7 @@ def prepare_sources(
                 _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject,
                                 context_length=context_length, long_prompt_threshold=long_prompt_threshold,
                                 original_answers=original_answers, history=history,
-                                template_kwargs=chat_template_kwargs)
+                                template_kwargs=chat_template_kwargs, reject_answer=reject_answer)
             counts.rejected_by_reason = dict(rejected_by_reason)
         outputs.close()
         summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
@@ -240,7 +247,7 @@ def prepare_sources(
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
                     outputs: _Outputs, reject, *, context_length: int, long_prompt_threshold: int,
                     original_answers: bool = False, history: HistoryPolicy = "split",
-                    template_kwargs: dict | None = None) -> None:
+                    template_kwargs: dict | None = None, reject_answer=None) -> None:
     location = item.location
     tools = item.meta.get("tools")
     if spec.data_class == "A":
@@ -307,8 +314,11 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
             original = tokenize_conversation(tokenizer, [*kept_messages, original_answer], tools=tools,
                                              template_kwargs=template_kwargs).samples[-1]
         except ChatTemplateError as error:
-            reject(InputError(location.path, location.line, "messages", f"chat template (dataset answer): {error}"),
-                   location.record)
+            # The prompt is kept for regeneration; only the ablation loses this answer (listed, counted).
+            if reject_answer is None:
+                raise
+            reject_answer(InputError(location.path, location.line, "messages",
+                                     f"chat template (dataset answer, prompt kept): {error}"), location.record)
             return
         outputs.write(f"{spec.name}/original_tokenized_data.jsonl", {
             "id": record_id, "input_ids": original.input_ids[:context_length],

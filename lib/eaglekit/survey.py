@@ -16,6 +16,8 @@ class B by prompt tokens (no room left to answer).
 
 from __future__ import annotations
 
+import json
+
 from array import array
 from collections import Counter
 from collections.abc import Sequence
@@ -26,7 +28,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from eaglekit.chat import render_conversation
+from eaglekit.chat import ChatTemplateError, render_conversation
 from eaglekit.io import atomic_write, write_json
 from eaglekit.prep import content_hash, partition_of
 from eaglekit.sources import Reject, SourceSpec, iter_source, prompt_messages
@@ -94,12 +96,21 @@ def survey_sources(
                 continue
             seen.add(key)
             prompt, answer = prompt_messages(item.messages, spec.multi_turn)
-            response = "" if answer is None else "\n".join(filter(None, [answer.get("reasoning", ""), answer["content"]]))
+            response = "" if answer is None else "\n".join(filter(None, [
+                answer.get("reasoning", ""), answer["content"],
+                json.dumps(answer["tool_calls"], ensure_ascii=False) if answer.get("tool_calls") else ""]))
             stats.turns.append(len(item.messages))
             # The whole conversation is rendered for class A only: class B is judged by its prompt, and
             # skipping the full render makes a survey of long chat logs several times cheaper.
-            conversation = render_conversation(tokenizer, item.messages) if spec.data_class == "A" else ""
-            pending.append((render_conversation(tokenizer, prompt, add_generation_prompt=True), response, conversation))
+            tools = item.meta.get("tools")
+            try:
+                conversation = render_conversation(tokenizer, item.messages, tools=tools) \
+                    if spec.data_class == "A" else ""
+                prompt_text = render_conversation(tokenizer, prompt, add_generation_prompt=True, tools=tools)
+            except ChatTemplateError:  # the target's template cannot hold it: prep rejects it, with the reason
+                stats.rejects["chat template"] += 1
+                continue
+            pending.append((prompt_text, response, conversation))
             if len(pending) >= _BATCH:
                 flush()
         flush()
