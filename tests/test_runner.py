@@ -266,3 +266,45 @@ def test_library_progress_lines_reach_the_runner_output_and_run_log(tmp_path):
     notebook = nbformat.read(run_dir / "07_progress.ipynb", as_version=4)
     shown = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
     assert "progress 3/3 items" in shown  # and the executed notebook still shows them
+
+
+def test_a_stage_that_ignores_the_stop_is_killed_after_the_grace_and_the_margin(tmp_path, monkeypatch):
+    import os
+    import signal
+    import threading
+    import time
+
+    import nbformat
+
+    from eaglekit import runner as runner_module
+    from eaglekit.runner import RunInterrupted
+
+    monkeypatch.setattr(runner_module, "KILL_MARGIN_S", 1.0)
+    params = scenario(tmp_path, "generation:\n  shutdown_grace_s: 2.0\n")
+    run_dir = tmp_path / "outputs" / "hung"
+    run_dir.mkdir(parents=True)
+    (run_dir / "hang").touch()  # the fixture's in-flight work never finishes
+    sent = {}
+
+    def stop_when_busy() -> None:
+        while not (run_dir / "busy").exists():
+            time.sleep(0.05)
+        time.sleep(0.5)
+        sent["at"] = time.monotonic()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=stop_when_busy, daemon=True).start()
+    with pytest.raises(RunInterrupted) as caught:
+        run_pipeline(params, stages=["busy"], run_id="hung", resume=True, notebooks_dir=FIXTURE_NOTEBOOKS)
+    waited = time.monotonic() - sent["at"]
+    assert caught.value.exit_status == 143
+    assert 3.0 <= waited < 3.0 + 5.0  # killed after grace + margin (3 s), not before, and not much after
+    kernel_pid = int((run_dir / "busy").read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(kernel_pid, 0)
+    assert not (run_dir / "finished_in_flight").exists()
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["failed"] == "05_busy" and state["stages"]["05_busy"]["status"] == "interrupted"
+    notebook = nbformat.read(run_dir / "05_busy.ipynb", as_version=4)
+    waiting = next(cell for cell in notebook.cells if "time.sleep(300)" in cell.source)
+    assert waiting.metadata.papermill["status"] == "failed" and waiting.outputs[-1]["ename"] == "KernelKilled"
