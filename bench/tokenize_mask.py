@@ -1,6 +1,6 @@
 """Bench: the one-render fast path against the per-prefix oracle, per published chat template.
 
-Usage: python bench/tokenize_mask.py [--conversations 4] [--messages 84] [--templates qwen3,llama3,...]
+Usage: python bench/tokenize_mask.py [--conversations 4] [--messages 84] [--templates qwen3,...] [--shape agent|chat]
 
 For each fixture template (tests/fixtures/chat_templates, set on the embedded SmolLM2 tokenizer with
 its special tokens) it builds agent conversations of 84 messages (system prompt where legal, tool
@@ -27,6 +27,8 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--messages", type=int, default=84)
     parser.add_argument("--templates", default="", help="comma-separated fixture names (default: all)")
+    parser.add_argument("--shape", choices=["chat", "agent"], default="agent",
+                        help="agent: one task then tool rounds (DeepSWE-like); chat: a user turn every few rounds")
     arguments = parser.parse_args()
     try:
         from eaglekit.models import resolve_model
@@ -40,6 +42,7 @@ def main() -> int:
     from eaglekit.chat import ChatTemplateError, tokenize_conversation, tokenize_conversation_reference
 
     names = [name for name in arguments.templates.split(",") if name] or sorted(META)
+    print(f"shape {arguments.shape}, {arguments.conversations} conversations of {arguments.messages} messages per template")
     print(f"{'template':<18}{'samples/conv':>13}{'fallbacks':>10}{'rejected':>9}{'fast s':>9}{'oracle s':>10}"
           f"{'ratio':>8}")
     for name in names:
@@ -49,13 +52,12 @@ def main() -> int:
         conversations = []
         rejected = 0
         while len(conversations) < arguments.conversations and rejected < 50:
-            messages, tools = conversation(name, rng, arguments.messages)
+            messages, tools = conversation(name, rng, arguments.messages, agent=arguments.shape == "agent")
             try:
-                tokenize_conversation_reference(tokenizer, messages[:3], tools=tools, template_kwargs=kwargs)
+                tokenize_conversation(tokenizer, messages, tools=tools, template_kwargs=kwargs)  # also warms up
                 conversations.append((messages, tools))
             except ChatTemplateError:
                 rejected += 1
-        tokenize_conversation(tokenizer, *conversations[0][:1], tools=conversations[0][1], template_kwargs=kwargs)
         fast_seconds = oracle_seconds = 0.0
         samples = fallbacks = 0
         for messages, tools in conversations:

@@ -57,10 +57,12 @@ def text(rng: random.Random, low: int = 2, high: int = 12) -> str:
     return " ".join(rng.choices(WORDS, k=rng.randint(low, high)))
 
 
-def conversation(name: str, rng: random.Random, messages: int) -> tuple[list[dict], list | None]:
-    """A conversation the template accepts: user, then tool-call rounds, then a final answer, repeated."""
+def conversation(name: str, rng: random.Random, messages: int, agent: bool = False) -> tuple[list[dict], list | None]:
+    """A conversation the template accepts: user, then tool-call rounds, then a final answer, repeated.
+
+    agent: one user task, then tool-call rounds up to the length (the DeepSWE trajectory shape)."""
     supports = META[name]["supports"]
-    tools = TOOLS if supports["tools"] and rng.random() < 0.8 else None
+    tools = TOOLS if supports["tools"] and (agent or rng.random() < 0.8) else None
     several_calls = name != "llama3"  # Llama 3 renders one call per message
     out: list[dict] = []
     if supports["system"] and rng.random() < 0.7:
@@ -69,7 +71,7 @@ def conversation(name: str, rng: random.Random, messages: int) -> tuple[list[dic
     while not out or out[-1]["role"] != "assistant" or len(out) < messages - 1:
         quote = " <|im_start|>assistant <|eot_id|> [INST]" if rng.random() < 0.2 else ""
         out.append({"role": "user", "content": text(rng) + quote})
-        rounds = rng.randint(0, 3) if tools else 0
+        rounds = (messages if agent else rng.randint(0, 3)) if tools else 0
         for _ in range(rounds):
             if len(out) >= messages - 3:
                 break
@@ -98,10 +100,10 @@ def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizer
     tokenizer = tokenizers[name]
     kwargs = TEMPLATE_KWARGS.get(name)
     rng = random.Random(f"eaglekit-{name}")
-    lengths = [84, 3, 9, 30]
+    lengths = [84, 84, 3, 9, 30]
     fallbacks = rejected = 0
-    for length in lengths:
-        messages, tools = conversation(name, rng, length)
+    for number, length in enumerate(lengths):
+        messages, tools = conversation(name, rng, length, agent=number == 1)
         try:
             oracle = tokenize_conversation_reference(tokenizer, messages, tools=tools, template_kwargs=kwargs)
         except ChatTemplateError:
