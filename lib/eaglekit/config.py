@@ -195,6 +195,10 @@ class TrainingParams(Section):
     eval_interval: int = Field(default=25, gt=0)
     device: str = "cpu"
     parallel: Literal["none", "ddp", "fsdp"] = "none"
+    # Processes on this machine; > 1 runs stage 5 under torchrun (notebook 05 launches it, README "Multi-GPU training").
+    nproc_per_node: int = Field(default=1, gt=0)
+    pack_tokens: int | None = Field(default=None, gt=0)  # pack samples into rows of this many tokens (>= max_length); None: pad
+    attention: Literal["auto", "eager", "flex"] = "auto"  # TTT attention: auto = flex on CUDA, eager on CPU
     speculative_tokens: int = Field(default=3, gt=0)  # written into the vLLM export's config
 
     @model_validator(mode="after")
@@ -202,6 +206,14 @@ class TrainingParams(Section):
         if (self.schedule == "equal_epochs") != (self.num_epochs is not None):
             raise ValueError(f"num_epochs is for schedule 'equal_epochs' only and that schedule needs it "
                              f"(schedule {self.schedule!r}, num_epochs {self.num_epochs!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _processes_and_packs(self) -> "TrainingParams":
+        if self.nproc_per_node > 1 and self.parallel == "none":
+            raise ValueError(f"nproc_per_node {self.nproc_per_node} needs parallel 'ddp' (or 'fsdp' on GPUs), not 'none'")
+        if self.pack_tokens is not None and self.pack_tokens < self.max_length:
+            raise ValueError(f"pack_tokens {self.pack_tokens} < max_length {self.max_length}: a pack must hold the longest sample")
         return self
 
 

@@ -120,7 +120,8 @@ class TrainSettings:
             grad_accumulation_steps=training.grad_accumulation_steps, grad_clip=training.grad_clip,
             weight_decay=training.weight_decay, max_length=training.max_length, eval_interval=training.eval_interval,
             eval_chain_steps=params.analysis.chain_steps, seed=params.run.seed, device=training.device,
-            parallel=training.parallel, log_interval_s=training.log_interval_s,
+            parallel=training.parallel, log_interval_s=training.log_interval_s, pack_tokens=training.pack_tokens,
+            attention=training.attention,
         )
 
     def resolved_max_steps(self, num_samples: int, world_size: int) -> int:
@@ -894,3 +895,9 @@ def iterate_metrics(path: str | Path, split: str) -> Iterator[dict]:
     for _, record in read_jsonl(path):
         if record.get("split") == split:
             yield record
+
+
+if __name__ == "__main__":  # python -m eaglekit.training, or under torchrun: stage 5 from params (eaglekit.training_stage)
+    from eaglekit.training_stage import main
+
+    raise SystemExit(main())

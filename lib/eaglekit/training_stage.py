@@ -1,0 +1,280 @@
+"""Stage 5 as one library call, in one process or under torchrun, and the launcher that starts torchrun.
+
+`run_training_stage(params, run_dir)` does what notebook 05 computes, without the plots: reads the
+capture (offline shards or online), picks the draft vocab from the largest training subset, trains
+one draft per data size (`train_size_sweep`), exports the largest size's best draft for SGLang and
+vLLM, trains the ablation pair when configured, and writes `training/sweep.json` (the same fields
+notebook 05 writes) and the stage's metrics events. Every rank runs it; training is data parallel
+(`training.parallel`: ddp, or fsdp on GPUs); rank 0 alone writes exports, metrics and sweep.json.
+
+    torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R           # the whole sweep
+    torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R --sizes 5000   # one size
+
+Each size resumes from its `last.pt`, so rerunning the same command after a kill continues every
+loss curve where its last checkpoint left it. `--sizes` trains those sizes only (the split and the
+draft vocab are those of the whole sweep) and writes no sweep.json; a later run without `--sizes`
+finds them trained and only evaluates the rest.
+
+`launch_training_stage(params, run_dir, nproc_per_node)` starts that command as a subprocess (what
+notebook 05 does when `training.nproc_per_node > 1`), hands each output line to a callback as it
+arrives (the `eaglekit.training` progress lines), and returns the sweep.json it wrote. Interrupting
+the caller (Ctrl-C, a stopped kernel) stops the whole torchrun process group; the next launch resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglekit.config import Params, dump_params, load_params, repo_path
+from eaglekit.io import write_json
+from eaglekit.runs import Metrics, stage_dir, tokenized_data_files
+
+SWEEP_FILE = "sweep.json"
+LAUNCH_PARAMS_FILE = "launch_params.yaml"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _training_device(params: Params) -> str:
+    """Under torchrun each process takes the GPU of its LOCAL_RANK; otherwise the configured device."""
+    device = params.training.device
+    if device.startswith("cuda") and params.training.parallel != "none":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    return device
+
+
+def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequence[int] | None = None) -> dict[str, Any] | None:
+    """Stage 5 without plots: the data-size sweep, exports, ablation and `training/sweep.json`.
+
+    sizes: train only these sizes of `training.data_sizes` (no exports, no ablation, no sweep.json).
+    Returns the sweep record (rank 0; None on other ranks and with `sizes`).
+    """
+    from eaglekit.draft import build_draft_from_target, load_target_head_weights
+    from eaglekit.models import resolve_model
+    from eaglekit.training import IndexedSubset, TrainSettings, nested_subsets, split_heldout, train_draft, train_size_sweep
+    from eaglekit.vocab import count_generated_tokens, default_draft_vocab_size, select_draft_vocab
+
+    out = Path(run_dir)
+    relative = lambda path: str(Path(path).relative_to(out))  # paths in sweep.json are relative to the run folder
+    capture_dir, training_dir = stage_dir(out, "capture"), stage_dir(out, "training")
+    plan_path = capture_dir / "plan.json"
+    if not plan_path.exists():
+        raise FileNotFoundError(f"{plan_path} not found: run stage 4 (capture) first")
+    capture_plan = json.loads(plan_path.read_text())
+    selected = list(params.training.data_sizes) if sizes is None else sorted(int(size) for size in sizes)
+    unknown = sorted(set(selected) - set(params.training.data_sizes))
+    if unknown:
+        raise ValueError(f"--sizes {unknown} are not in training.data_sizes {params.training.data_sizes}: the split and the draft "
+                         "vocab come from the whole sweep, so train one of its sizes")
+    model_dir = resolve_model(params.target.model, revision=params.target.revision)
+    target_weights = load_target_head_weights(model_dir)
+    settings = dataclasses.replace(TrainSettings.from_params(params), device=_training_device(params))
+    is_main = _rank() == 0
+    metrics = Metrics(out, "training") if is_main else None
+
+    if capture_plan["mode"] == "offline":
+        from eaglekit.shards import ShardDataset
+
+        samples = ShardDataset(capture_dir)
+        keys = [(record["dataset"], record["id"]) for record in samples.samples]
+        generated = lambda index: {"id": keys[index][1], "input_ids": samples[index]["input_ids"], "loss_mask": samples[index]["loss_mask"]}
+    else:
+        from eaglekit.capture import OnlineCaptureSamples, load_target
+
+        target_model = load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype))
+        samples = OnlineCaptureSamples(target_model, tokenized_data_files(out), capture_layer_ids=params.target.capture_layers,
+                                       max_seq_len=params.capture.max_seq_len)
+        keys = [sample.key for sample in samples.samples]
+        generated = lambda index: {"id": samples.samples[index].id, "input_ids": samples.samples[index].input_ids,
+                                   "loss_mask": samples.samples[index].loss_mask}
+    capture_layer_ids = samples.capture_layer_ids
+    datasets = [dataset for dataset, _ in keys]
+
+    # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
+    heldout_indices, train_order = split_heldout(datasets, params.training.heldout_size, params.run.seed)
+    largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
+    vocab_size = target_weights.config.vocab_size
+    token_counts = count_generated_tokens((generated(index) for index in largest_subset), vocab_size)
+    vocab = select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
+    if metrics is not None:
+        metrics.log(event="draft_vocab", size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens)
+
+    capture_layer_indices = tuple(capture_layer_ids)
+    build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed)
+    sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
+                                  training_dir, settings, split_seed=params.run.seed, datasets=datasets)
+    if metrics is not None:
+        for row in sweep_rows:
+            metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})
+    if sizes is not None:
+        if metrics is not None:
+            metrics.close()
+        return None
+
+    ablation = []
+    original_dir = capture_dir / "original"
+    if params.analysis.ablation and (original_dir / "index.json").exists():
+        from eaglekit.shards import ShardDataset
+
+        original = ShardDataset(original_dir)
+        position_of_key = {key: index for index, key in enumerate(keys)}
+        pairs = [(index, position_of_key[(record["dataset"], record["id"])]) for index, record in enumerate(original.samples)
+                 if (record["dataset"], record["id"]) in position_of_key]
+        variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
+                    "regenerated answers": IndexedSubset(samples, [r for _, r in pairs])}
+        for variant, train_samples in variants.items():
+            result = train_draft(build_model(), target_weights.lm_head, train_samples, IndexedSubset(samples, heldout_indices),
+                                 training_dir / "ablation" / variant.split()[0], settings)
+            ablation.append({"variant": variant, "size": len(pairs), "best_step": result.best_step,
+                             "best_accept_length": result.best_accept_length, "best_checkpoint": relative(result.best_checkpoint),
+                             "metrics_path": relative(result.metrics_path)})
+            if metrics is not None:
+                metrics.log(event="ablation", **ablation[-1])
+    if not is_main:
+        return None
+
+    from transformers import AutoConfig
+
+    from eaglekit.export import export_sglang, export_vllm, validate_export
+    from eaglekit.training import load_checkpoint, load_draft_weights
+
+    largest = max(sweep_rows, key=lambda row: row["size"])
+    draft = build_model()
+    load_draft_weights(draft, load_checkpoint(largest["best_checkpoint"]))
+    target_config = AutoConfig.from_pretrained(model_dir)
+    export_dirs = {
+        "sglang": export_sglang(draft, target_config, training_dir / "export" / "sglang"),
+        "vllm": export_vllm(draft, target_config, training_dir / "export" / "vllm", verifier_name_or_path=str(model_dir),
+                            speculative_tokens=params.training.speculative_tokens),
+    }
+    for folder in export_dirs.values():
+        validate_export(folder, target_config)
+    sweep = {
+        "sizes": [row["size"] for row in sweep_rows],
+        "runs": [{**row, "best_checkpoint": relative(row["best_checkpoint"]), "metrics_path": relative(row["metrics_path"])} for row in sweep_rows],
+        "heldout": [list(keys[index]) for index in heldout_indices],
+        "topology": {"kind": "chain", "draft_steps": params.analysis.chain_steps, "top_k": 1},
+        "draft_vocab": {"size": vocab.size, "coverage": vocab.coverage, "counted_tokens": vocab.counted_tokens},
+        "capture_dir": relative(capture_dir), "capture_mode": capture_plan["mode"], "capture_layer_ids": list(capture_layer_ids),
+        "split_seed": params.run.seed,
+        "export": {name: relative(folder) for name, folder in export_dirs.items()},
+        "ablation": ablation,  # [] when not trained
+    }
+    write_json(training_dir / SWEEP_FILE, sweep)
+    metrics.close()
+    return sweep
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchrun: the command, and a launcher that streams it
+# ---------------------------------------------------------------------------------------------------
+def torchrun_command(params_path: str | os.PathLike, run_dir: str | os.PathLike, nproc_per_node: int,
+                     sizes: Sequence[int] | None = None) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m eaglekit.training --params P --run-dir D [--sizes ...]`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+               "-m", "eaglekit.training", "--params", str(params_path), "--run-dir", str(run_dir)]
+    if sizes:
+        command += ["--sizes", *(str(size) for size in sizes)]
+    return command
+
+
+class TrainingLaunchError(RuntimeError):
+    """torchrun exited non-zero: the message carries its exit code and last output lines."""
+
+
+def launch_training_stage(
+    params: Params,
+    run_dir: str | os.PathLike,
+    nproc_per_node: int | None = None,
+    on_line: Callable[[str], None] = print,
+    sizes: Sequence[int] | None = None,
+    environment: dict[str, str] | None = None,
+) -> dict[str, Any] | None:
+    """Run stage 5 under torchrun in a subprocess, streaming its output lines to `on_line`.
+
+    Writes the resolved params next to the results (training/launch_params.yaml) for the subprocess.
+    Returns the sweep.json record it wrote (None with `sizes`). If this call is interrupted (an
+    exception in `on_line`, Ctrl-C), the whole torchrun process group is stopped before re-raising.
+    """
+    run_dir = Path(run_dir)
+    nproc_per_node = nproc_per_node or params.training.nproc_per_node
+    if params.training.parallel == "none" and nproc_per_node > 1:
+        raise ValueError(f"{nproc_per_node} processes with training.parallel 'none': set training.parallel to 'ddp' (or 'fsdp' on GPUs)")
+    params_path = stage_dir(run_dir, "training") / LAUNCH_PARAMS_FILE
+    params_path.write_text(dump_params(params), encoding="utf-8")
+    env = {**os.environ, **(environment or {}), "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; stated so it does not warn
+    process = subprocess.Popen(torchrun_command(params_path, run_dir, nproc_per_node, sizes), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True)
+    tail: deque[str] = deque(maxlen=40)
+    try:
+        for line in process.stdout:
+            tail.append(line.rstrip("\n"))
+            on_line(line.rstrip("\n"))
+        code = process.wait()
+    except BaseException:
+        _stop_group(process)
+        raise
+    if code != 0:
+        raise TrainingLaunchError(f"torchrun exited with code {code}; last lines:\n" + "\n".join(tail) +
+                                  f"\nrerun to resume: {' '.join(torchrun_command(params_path, run_dir, nproc_per_node, sizes))}")
+    if sizes:
+        return None
+    return json.loads((stage_dir(run_dir, "training") / SWEEP_FILE).read_text())
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to torchrun's process group (it forwards to the workers), then SIGKILL after 30 s."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command line (python -m eaglekit.training)
+# ---------------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eaglekit.training", description="Stage 5 (draft training) from params; "
+                                     "run it under torchrun for several processes: torchrun --nproc-per-node N -m eaglekit.training ...")
+    parser.add_argument("--params", required=True, help="params YAML (the run's params.yaml, or a scenario)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-id", help="run folder outputs/<run-id> (run.outputs_dir), holding the capture of stage 4")
+    where.add_argument("--run-dir", help="run folder path")
+    parser.add_argument("--sizes", type=int, nargs="+", help="train only these data sizes (of training.data_sizes)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    params = load_params(args.params)
+    run_dir = Path(args.run_dir) if args.run_dir else repo_path(params.run.outputs_dir) / args.run_id
+    if not run_dir.is_dir():
+        raise SystemExit(f"run folder {run_dir} not found: pass the run id of a run whose stage 4 (capture) finished")
+    try:
+        sweep = run_training_stage(params, run_dir, args.sizes)
+        if sweep is not None:
+            print(f"wrote {stage_dir(run_dir, 'training') / SWEEP_FILE}: sizes {sweep['sizes']}, best held-out tau "
+                  f"{[round(run['best_accept_length'], 4) for run in sweep['runs']]}", flush=True)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
