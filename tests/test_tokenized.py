@@ -209,3 +209,15 @@ def test_embedded_server_answers_tokenized_and_checked_against_its_usage(tmp_pat
     checked = tokenized.usage_checked["tiny"]
     print(f"embedded server usage check: {checked} checked, {tokenized.usage_disagreements['tiny']} disagree",
           tokenized.usage_examples)
+
+
+def test_raw_token_ids_stand_when_the_template_cannot_render_the_conversation(tmp_path, embedded_model_dir):
+    gemma = fixture_tokenizer(embedded_model_dir, "gemma")
+    prompts = conversation_file(tmp_path / "prompts.jsonl", [[{"role": "system", "content": "Be brief."},
+                                                             {"role": "user", "content": "Hello"}]])
+    write_answers(tmp_path / "out", prompts, {"p0": {"content": "Hi", "prompt_token_ids": [1, 2, 3],
+                                                     "token_ids": [4, 5], "prompt_tokens": 3, "completion_tokens": 2}})
+    summary = build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok",
+                                   tokenizer=gemma, bad_input="fail")
+    sample = next(iter(read_jsonl(summary.files["ds"])))[1]
+    assert sample["input_ids"] == [1, 2, 3, 4, 5] and summary.compared == 0 and summary.usage_disagreements == {"ds": 0}

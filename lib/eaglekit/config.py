@@ -156,7 +156,7 @@ class GenerationParams(Section):
     truncated_policy: Literal["keep", "drop"] = "keep"  # truncated answers in training data: keep (flagged) or drop
     drop_flags: list[Literal["empty", "truncated", "repetition_loop", "reasoning_without_answer"]] = []
     use_token_ids: bool = True  # train on the server's raw token ids when it returns them
-    max_usage_disagreement: float = Field(default=0.0, ge=0, le=1)  # share of a dataset's answers whose token counts may differ from the server's usage
+    max_usage_disagreement: float = Field(default=0.01, ge=0, le=1)  # share of a dataset's answers whose token counts may differ from the server's usage (quoted special tokens, which servers read as control tokens, differ)
     bad_answer: Literal["skip", "fail"] = "skip"  # an answer the chat template cannot tokenize: rejects.jsonl, or stop
     plan: CapacityPlanParams = CapacityPlanParams()
 

@@ -132,12 +132,16 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
                 retokenized = _retokenize(tokenizer, conversation, record, template_kwargs) \
                     if tokenizer is not None else None
             except ChatTemplateError as error:
-                where = InputError(path, line, "messages", f"{dataset}/{conversation['id']}: chat template: {error}")
-                if bad_input == "fail":
-                    raise where from None
-                rejected["chat template"] += 1
-                rejects.append({"dataset": dataset, "id": conversation["id"], **where.as_record()})
-                continue
+                if raw_ids:  # the server's own ids stand; only the comparison with the template is lost
+                    retokenized = None
+                else:
+                    where = InputError(path, line, "messages",
+                                       f"{dataset}/{conversation['id']}: chat template: {error}")
+                    if bad_input == "fail":
+                        raise where from None
+                    rejected["chat template"] += 1
+                    rejects.append({"dataset": dataset, "id": conversation["id"], **where.as_record()})
+                    continue
             if raw_ids:
                 prompt_ids, completion_ids = list(record["prompt_token_ids"]), list(record["token_ids"])
                 input_ids = prompt_ids + completion_ids
