@@ -85,3 +85,24 @@ def test_grow_expands_the_top_k_by_cumulative_log_prob():
     assert candidates.depths[0].tolist() == [1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
     tree = select_tree(candidates, 6, torch.tensor([9]))
     assert tree.tokens[0, 0] == 9 and tree.size == 6
+
+
+def test_draft_attention_slots_versus_ancestors():
+    """SGLang's per-slot KV: after the slots swap parents, slot j still reads slot j's earlier key; "ancestors"
+    reads the true parent's. Checked on the attention output itself."""
+    from eaglekit.draft_tree import ANCESTORS, SGLANG_SLOTS, TreeKeyValues
+
+    prefix = torch.zeros(1, 1, 1, 2)  # one prefix row with a zero key and value
+    step_one_keys = torch.tensor([[[[4.0, 0.0], [0.0, 4.0]]]])  # slot 0 and slot 1 keys (1, KV, N, D)
+    step_one_values = torch.tensor([[[[1.0, 0.0], [0.0, 1.0]]]])
+    query = torch.tensor([[[[1.0, 0.0], [1.0, 0.0]]]])
+    outputs = {}
+    for mode in (SGLANG_SLOTS, ANCESTORS):
+        key_values = TreeKeyValues(prefix, prefix, torch.zeros(2, dtype=torch.long), mode)
+        key_values.attend(query, step_one_keys, step_one_values, scale=1.0)
+        key_values.follow(torch.tensor([1, 1]))  # both next nodes are children of slot 1
+        outputs[mode] = key_values.attend(query, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), scale=1.0)[0, 0]
+    # ancestors: both nodes see slot 1's key/value; slots: node 0 sees slot 0's (a large score on dimension 0).
+    assert torch.allclose(outputs[ANCESTORS][0], outputs[ANCESTORS][1])
+    assert outputs[SGLANG_SLOTS][0, 0] > 0.5 and outputs[ANCESTORS][0, 0] < 0.01
+    assert torch.allclose(outputs[SGLANG_SLOTS][1], outputs[ANCESTORS][1])  # slot 1's parent is slot 1 in both

@@ -342,6 +342,18 @@ def test_tree_oracle_accepts_deep_paths_and_stops_mid_block(target, random_draft
     assert result.output_ids == expected_output(reference, MAX_NEW_TOKENS, eos) and result.stop_reason == "eos"
 
 
+def test_tree_loop_with_true_ancestor_attention_is_lossless_and_matches_its_offline(target, fitted_draft, prompts, references, eos_token_id):
+    """The other draft-attention choice ("ancestors", EAGLE's tree mask): lossless, and loop == offline at visited rows."""
+    topology = Topology.parse("tree:3,3,8")
+    prompt, reference = prompts[2], references[2]
+    result = tree_speculative_decode(target, fitted_draft, prompt, topology, MAX_NEW_TOKENS, [eos_token_id], draft_attention="ancestors")
+    assert result.output_ids == reference
+    offline = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), topology, draft_attention="ancestors")
+    by_row = dict(zip(offline.start_rows.tolist(), offline.accepted_depths.tolist()))
+    visited = [(row, accepted) for row, accepted in zip(result.chain_start_rows, result.accepted_per_step) if row in by_row]
+    assert visited and all(accepted == by_row[row] for row, accepted in visited)
+
+
 def test_offline_tree_with_top_k_1_is_the_offline_chain(target, fitted_draft, prompts, references):
     """K = 1: the tree's accepted depth at every start row is the chain's leading agreement count there."""
     for prompt, reference in zip(prompts, references):

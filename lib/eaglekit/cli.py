@@ -87,7 +87,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         records = run_evaluate(args.target, args.draft, args.prompts, topologies, args.max_new_tokens, json_path=args.json,
-                               limit=args.limit, device=args.device, dtype=args.dtype, num_resamples=args.resamples)
+                               limit=args.limit, device=args.device, dtype=args.dtype, num_resamples=args.resamples,
+                               draft_attention=args.draft_attention)
     except (InputError, FileNotFoundError, ValueError) as error:
         print(f"eaglekit evaluate: {error}", file=sys.stderr)
         return 1
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     evaluate.add_argument("--threads", type=int, help="torch CPU threads")
     evaluate.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the intervals")
+    evaluate.add_argument("--draft-attention", default="sglang", choices=["sglang", "ancestors"],
+                          help="tree draft steps attend each top-k slot's earlier keys as SGLang's kernels do (default), "
+                               "or each node's true ancestors (EAGLE's tree mask)")
     evaluate.set_defaults(handler=_evaluate)
 
     args = parser.parse_args(argv)

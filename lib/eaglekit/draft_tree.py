@@ -24,8 +24,14 @@ score never exceeds its parent's, so a chosen node's parent is chosen too (excep
 whose parent was not chosen is unreachable, as in SGLang's kernel, and never accepted). With K = 1 the
 tree is the greedy chain of S steps.
 
-Draft attention note: each node attends its true ancestors (EAGLE's tree mask). SGLang's multi-step draft
-kernels index the draft KV per top-k slot; where a slot changes parent between steps this can differ.
+Draft attention, two choices (`draft_attention`):
+- "sglang" (default): what SGLang's kernels do. Its draft KV for a tree step is laid out per top-k slot
+  (`assign_draft_cache_locs`: out_cache_loc (bs, topk, num_steps)), and `generate_draft_decode_kv_indices`
+  gives the node in slot j at step i the prefix plus slot j's own keys of the earlier steps, even when
+  `select_top_k_tokens` took that node's parent from another slot (only the hidden state follows the parent).
+- "ancestors": EAGLE's reference tree mask, each node attends its true ancestors.
+Both agree for K = 1 and on the first tree step; tokens, scores, hidden states and positions follow the
+parent either way, so the loop stays lossless with both (only the proposals differ).
 """
 
 from __future__ import annotations
@@ -41,25 +47,36 @@ from eaglekit.draft import DraftKVCache
 from eaglekit.topology import Topology
 
 
+SGLANG_SLOTS = "sglang"
+ANCESTORS = "ancestors"
+DRAFT_ATTENTIONS = (SGLANG_SLOTS, ANCESTORS)
+
+
 class TreeKeyValues:
     """Draft attention for tree nodes. A node sees prefix rows 0..limit (its tree's start row) and the keys
     of its own ancestors from earlier draft steps, plus its own: the chain's decode pattern, per branch.
 
     prefix_keys/values (1, KV, L, D): the extend rows; limits (N,): last visible prefix row per node.
-    `follow(parents)` re-points every node's ancestry when the next step's nodes are chosen.
+    `follow(parents)` re-points every node's ancestry when the next step's nodes are chosen ("ancestors"),
+    or keeps each top-k slot's own earlier keys ("sglang", see the module docstring).
     """
 
-    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, limits: torch.Tensor):
+    def __init__(self, prefix_keys: torch.Tensor, prefix_values: torch.Tensor, limits: torch.Tensor,
+                 draft_attention: str = SGLANG_SLOTS):
+        if draft_attention not in DRAFT_ATTENTIONS:
+            raise ValueError(f"draft_attention {draft_attention!r}: use one of {list(DRAFT_ATTENTIONS)}")
         self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
         self.limits = limits
+        self.draft_attention = draft_attention
         self.step_keys: list[torch.Tensor] = []  # per draft step (1, KV, N, D)
         self.step_values: list[torch.Tensor] = []
         self.ancestors: list[torch.Tensor] = []  # per stored step (N,): index of each current node's ancestor there
 
     def follow(self, parents: torch.Tensor) -> None:
-        """The next nodes' parents (N,), indices into the current nodes; ancestry follows them."""
-        self.ancestors = [ancestor[parents] for ancestor in self.ancestors]
-        self.limits = self.limits[parents]
+        """The next nodes' parents (N,), indices into the current nodes (of the same tree)."""
+        if self.draft_attention == ANCESTORS:
+            self.ancestors = [ancestor[parents] for ancestor in self.ancestors]
+        self.limits = self.limits[parents]  # a tree's nodes share its start row either way
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
         """query (1, Hq, N, D), key/value (1, KV, N, D) -> (1, Hq, N, D)."""
@@ -114,6 +131,7 @@ def _forward_nodes(draft: nn.Module, tokens: torch.Tensor, states: torch.Tensor,
 def grow_tree(
     draft: nn.Module, first_logits: torch.Tensor, first_states: torch.Tensor, start_positions: torch.Tensor,
     prefix_keys: torch.Tensor, prefix_values: torch.Tensor, steps: int, top_k: int, draft_to_target: torch.Tensor,
+    draft_attention: str = SGLANG_SLOTS,
 ) -> TreeCandidates:
     """Grow B trees of depth `steps` (S) and top-k `top_k` (K) at once (see the module docstring).
 
@@ -131,7 +149,7 @@ def grow_tree(
     candidate_depths = [torch.ones(batch, top_k, dtype=torch.long, device=device)]
     node_index = torch.arange(top_k, device=device).expand(batch, top_k)  # candidate index of each expanded node
     states = first_states[:, None, :].expand(batch, top_k, first_states.shape[-1])  # (B, K, H)
-    key_values = TreeKeyValues(prefix_keys, prefix_values, start_positions.repeat_interleave(top_k))
+    key_values = TreeKeyValues(prefix_keys, prefix_values, start_positions.repeat_interleave(top_k), draft_attention)
     offset = top_k
     tree_of_node = torch.arange(batch, device=device).repeat_interleave(top_k)  # (B K,)
     for step in range(1, steps):
@@ -261,7 +279,7 @@ def slice_candidates(candidates: TreeCandidates, top_k: int, steps: int) -> Tree
 @torch.no_grad()
 def offline_tree_depths_grid(
     draft: nn.Module, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, target_argmax: torch.Tensor,
-    start_rows: torch.Tensor, topologies: list[Topology], rows_per_chunk: int = 128,
+    start_rows: torch.Tensor, topologies: list[Topology], rows_per_chunk: int = 128, draft_attention: str = SGLANG_SLOTS,
 ) -> dict[Topology, torch.Tensor]:
     """Accepted depth of SGLang's tree grown from each start row of one sequence, for several topologies,
     from captured features. Each top-k is grown once to the deepest S asked for; shallower trees and every
@@ -297,7 +315,7 @@ def offline_tree_depths_grid(
         for top_k, group in by_top_k.items():
             grown_steps = max(topology.steps for topology in group)
             grown = grow_tree(draft, logits[0, rows], prenorm[0, rows], rows, cache.keys, cache.values,
-                              grown_steps, top_k, draft_to_target)
+                              grown_steps, top_k, draft_to_target, draft_attention)
             for topology in group:
                 candidates = slice_candidates(grown, top_k, topology.steps)
                 tree = select_tree(candidates, topology.draft_tokens, input_ids[rows + 1])
@@ -312,7 +330,8 @@ def offline_tree_depths_grid(
 
 def offline_tree_depths(
     draft: nn.Module, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, target_argmax: torch.Tensor,
-    start_rows: torch.Tensor, topology: Topology, rows_per_chunk: int = 128,
+    start_rows: torch.Tensor, topology: Topology, rows_per_chunk: int = 128, draft_attention: str = SGLANG_SLOTS,
 ) -> torch.Tensor:
     """`offline_tree_depths_grid` for one topology: (P,) accepted depths in 0..S."""
-    return offline_tree_depths_grid(draft, input_ids, aux_hidden_states, target_argmax, start_rows, [topology], rows_per_chunk)[topology]
+    return offline_tree_depths_grid(draft, input_ids, aux_hidden_states, target_argmax, start_rows, [topology], rows_per_chunk,
+                                    draft_attention)[topology]

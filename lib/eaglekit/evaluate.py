@@ -34,6 +34,7 @@ from torch import nn
 
 from eaglekit.acceptance import bootstrap_accept_length, bootstrap_weights, chain_counts, percentile_interval, pooled_accept_length
 from eaglekit.draft import Eagle3DraftModel
+from eaglekit.draft_tree import SGLANG_SLOTS
 from eaglekit.io import InputError, read_jsonl, write_json
 from eaglekit.specdec import (
     GreedyResult,
@@ -144,8 +145,10 @@ def evaluate_draft(
     target: nn.Module, draft: nn.Module, prompts: Sequence[Sequence[int]], topologies: Sequence[Topology],
     max_new_tokens: int, eos_token_ids: Sequence[int] = (), prompt_names: Sequence[str] | None = None,
     warmup: bool = True, num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
+    draft_attention: str = SGLANG_SLOTS,
 ) -> Evaluation:
-    """Greedy, then each topology's loop, per prompt; then the offline estimate on the greedy continuations."""
+    """Greedy, then each topology's loop, per prompt; then the offline estimate on the greedy continuations.
+    draft_attention: how tree nodes attend earlier draft keys (`draft_tree`; SGLang's per-slot layout by default)."""
     if not prompts:
         raise ValueError("no prompts given")
     if not topologies:
@@ -154,17 +157,19 @@ def evaluate_draft(
     if warmup:  # first-call costs (allocations, kernels) out of the timings
         greedy_decode(target, prompts[0], min(max_new_tokens, 4), eos_token_ids)
         for topology in topologies:
-            decode_with_topology(target, draft, prompts[0], topology, min(max_new_tokens, 4), eos_token_ids)
+            decode_with_topology(target, draft, prompts[0], topology, min(max_new_tokens, 4), eos_token_ids, draft_attention)
     results = [TopologyEvaluation(topology) for topology in topologies]
     greedy_results = []
     for prompt in prompts:
         greedy = greedy_decode(target, prompt, max_new_tokens, eos_token_ids)
         greedy_results.append(greedy)
         for item in results:
-            item.speculative.append(decode_with_topology(target, draft, prompt, item.topology, max_new_tokens, eos_token_ids))
+            item.speculative.append(decode_with_topology(target, draft, prompt, item.topology, max_new_tokens, eos_token_ids,
+                                                         draft_attention))
     for prompt, greedy in zip(prompts, greedy_results):
         for item in results:
-            item.offline.append(offline_tree_acceptance(target, draft, list(prompt) + greedy.output_ids, len(prompt), item.topology))
+            item.offline.append(offline_tree_acceptance(target, draft, list(prompt) + greedy.output_ids, len(prompt), item.topology,
+                                                        draft_attention))
     names = list(prompt_names) if prompt_names is not None else [str(index) for index in range(len(prompts))]
     return Evaluation(prompt_ids=names, prompt_tokens=[len(prompt) for prompt in prompts], greedy=greedy_results,
                       topologies=results, num_resamples=num_resamples, confidence=confidence, seed=seed)
@@ -280,7 +285,7 @@ def format_report(records: Sequence[dict]) -> str:
 def run_evaluate(
     target_spec: str, draft_dir: str | Path, prompts_path: str | Path, topologies: Sequence[Topology], max_new_tokens: int,
     json_path: str | Path | None = None, limit: int | None = None, device: str = "cpu", dtype: str = "float32",
-    num_resamples: int = 1000, seed: int = 0,
+    num_resamples: int = 1000, seed: int = 0, draft_attention: str = SGLANG_SLOTS,
 ) -> list[dict]:
     """What `eaglekit evaluate` does: load target (a folder or `embedded:NAME`), draft export and prompts; evaluate;
     write `--json` ({"target", "draft", "prompts_file", "max_new_tokens", "topologies": [...]}). Returns the records."""
@@ -298,11 +303,12 @@ def run_evaluate(
     token_lists = [prompt_ids(tokenizer, prompt) for prompt in prompts]
     started = time.perf_counter()
     evaluation = evaluate_draft(target, draft, token_lists, topologies, max_new_tokens, eos_token_ids,
-                                prompt_names=[prompt.id for prompt in prompts], num_resamples=num_resamples, seed=seed)
+                                prompt_names=[prompt.id for prompt in prompts], num_resamples=num_resamples, seed=seed,
+                                draft_attention=draft_attention)
     records = evaluation.records()
     if json_path is not None:
         write_json(json_path, {"target": str(target_spec), "draft": str(draft_dir), "prompts_file": str(prompts_path),
-                               "max_new_tokens": max_new_tokens, "device": device, "dtype": dtype,
+                               "max_new_tokens": max_new_tokens, "device": device, "dtype": dtype, "draft_attention": draft_attention,
                                "seconds": time.perf_counter() - started, "topologies": records})
     return records
 

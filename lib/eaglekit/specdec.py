@@ -53,7 +53,7 @@ from transformers import DynamicCache
 from eaglekit.acceptance import chain_counts, depth_agreement, pooled_accept_length, server_accept_length
 from eaglekit.capture import LayerInputCapture, base_model_of, validate_capture_layer_ids
 from eaglekit.draft import DraftConfig, DraftKVCache, Eagle3DraftModel
-from eaglekit.draft_tree import DraftTree, accept_tree, grow_tree, offline_tree_depths, path_to, select_tree, verification_mask
+from eaglekit.draft_tree import SGLANG_SLOTS, DraftTree, accept_tree, grow_tree, offline_tree_depths, path_to, select_tree, verification_mask
 from eaglekit.topology import Topology
 
 STOP_LENGTH = "length"
@@ -360,7 +360,7 @@ def keep_target_cache_rows(cache: DynamicCache, cached: int, kept: Sequence[int]
 
 def propose_tree(
     draft: DraftModel, first_logits: torch.Tensor, last_state: torch.Tensor, last_row: int, pending_token: int,
-    cache: DraftKVCache, topology: Topology, draft_to_target: torch.Tensor,
+    cache: DraftKVCache, topology: Topology, draft_to_target: torch.Tensor, draft_attention: str = SGLANG_SLOTS,
 ) -> DraftTree:
     """SGLang's draft tree from the row carrying the pending token (`draft_tree.grow_tree`, `select_tree`).
 
@@ -369,7 +369,8 @@ def propose_tree(
     so the draft's rollback is to drop them.
     """
     start = torch.tensor([last_row], device=first_logits.device)
-    candidates = grow_tree(draft, first_logits, last_state[:, -1], start, cache.keys, cache.values, topology.steps, topology.top_k, draft_to_target)
+    candidates = grow_tree(draft, first_logits, last_state[:, -1], start, cache.keys, cache.values, topology.steps, topology.top_k, draft_to_target,
+                           draft_attention)
     return select_tree(candidates, topology.draft_tokens, torch.tensor([pending_token], device=first_logits.device))
 
 
@@ -388,7 +389,7 @@ def verify_tree(
 @torch.inference_mode()
 def tree_speculative_decode(
     target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], topology: Topology, max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
+    eos_token_ids: Sequence[int] = (), draft_attention: str = SGLANG_SLOTS,
 ) -> SpeculativeResult:
     """Greedy speculative decoding of one prompt with SGLang's draft tree (any topology; a chain topology runs
     the chain through the tree code, which tests compare with `speculative_decode`).
@@ -424,7 +425,7 @@ def tree_speculative_decode(
         processed = target_cache.get_seq_length()
         last_row = processed - 1
         tree = propose_tree(draft, draft_logits[:, -1], draft_states[:, -1:], last_row, pending_token, draft_cache,
-                            topology, draft_to_target)
+                            topology, draft_to_target, draft_attention)
         target_choices, aux_hidden_states = verify_tree(target, tree, target_cache, capture_layer_ids)
         choice_at_parent = target_choices[tree.parents[0].clamp(min=0)].view(1, -1)
         accepted_depth, accepted_node = accept_tree(tree, choice_at_parent)
@@ -450,12 +451,12 @@ def tree_speculative_decode(
 
 def decode_with_topology(
     target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], topology: Topology, max_new_tokens: int,
-    eos_token_ids: Sequence[int] = (),
+    eos_token_ids: Sequence[int] = (), draft_attention: str = SGLANG_SLOTS,
 ) -> SpeculativeResult:
     """The chain loop for a chain, the tree loop for a tree; the result carries the topology."""
     if topology.is_chain:
         return speculative_decode(target, draft, prompt_ids, topology.steps, max_new_tokens, eos_token_ids)
-    return tree_speculative_decode(target, draft, prompt_ids, topology, max_new_tokens, eos_token_ids)
+    return tree_speculative_decode(target, draft, prompt_ids, topology, max_new_tokens, eos_token_ids, draft_attention)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -533,7 +534,8 @@ class OfflineTreeAcceptance:
 
 @torch.inference_mode()
 def offline_tree_acceptance(
-    target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int], prompt_length: int, topology: Topology
+    target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int], prompt_length: int, topology: Topology,
+    draft_attention: str = SGLANG_SLOTS,
 ) -> OfflineTreeAcceptance:
     """The offline estimate for any topology on one sequence (prompt + the target's greedy continuation):
     one target forward for features and argmax, then `draft_tree.offline_tree_depths` from every start row
@@ -550,7 +552,7 @@ def offline_tree_acceptance(
     target_argmax, aux_hidden_states = target_forward(target, input_ids.view(1, -1), DynamicCache(config=target.config), capture_layer_ids)
     first_row, last_row = prompt_length - 1, length - 1 - topology.steps
     start_rows = torch.arange(first_row, max(last_row + 1, first_row), device=device)
-    depths = offline_tree_depths(draft, input_ids, aux_hidden_states[0], target_argmax, start_rows, topology)
+    depths = offline_tree_depths(draft, input_ids, aux_hidden_states[0], target_argmax, start_rows, topology, draft_attention=draft_attention)
     return OfflineTreeAcceptance(accepted_depths=depths.cpu().numpy(), start_rows=start_rows.cpu().numpy(), topology=topology,
                                  tokens=length, seconds=time.perf_counter() - started)
 

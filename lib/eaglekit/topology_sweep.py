@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from eaglekit.acceptance import bootstrap_accept_length, chain_counts, depth_agreement, percentile_interval, pooled_accept_length
-from eaglekit.draft_tree import TreeKeyValues, offline_tree_depths_grid
+from eaglekit.draft_tree import SGLANG_SLOTS, TreeKeyValues, offline_tree_depths_grid
 from eaglekit.topology import Topology
 
 
@@ -182,7 +182,7 @@ def default_topology_grid(max_steps: int = 6, top_ks: Sequence[int] = (2, 4, 8),
 @torch.no_grad()
 def tree_depths_by_dataset(
     draft: nn.Module, target_lm_head: torch.Tensor, samples: Sequence[dict], topologies: Sequence[Topology],
-    max_length: int = 2048, device: str | torch.device = "cpu",
+    max_length: int = 2048, device: str | torch.device = "cpu", draft_attention: str = SGLANG_SLOTS,
 ) -> dict[Topology, dict[str, list[np.ndarray]]]:
     """Held-out accepted depths for every topology, grouped by dataset in sample order.
 
@@ -209,7 +209,7 @@ def tree_depths_by_dataset(
         target_argmax = (torch.as_tensor(sample["final_hidden_states"])[:length].to(device).float() @ lm_head.T).argmax(-1)
         rows = [t for t in range(0, length - 1 - deepest) if bool(loss_mask[t + 2 : t + 2 + deepest].all())]
         start_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        depths = offline_tree_depths_grid(draft, input_ids, aux, target_argmax, start_rows, list(topologies))
+        depths = offline_tree_depths_grid(draft, input_ids, aux, target_argmax, start_rows, list(topologies), draft_attention=draft_attention)
         dataset = str(sample.get("dataset", ""))
         for topology in topologies:
             result[topology].setdefault(dataset, []).append(depths[topology].cpu().numpy())
