@@ -105,3 +105,15 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
     launch_training_stage(parallel_params, killed_dir, on_line=lambda line: None)
     for size in SIZES:
         assert train_losses(killed_dir, size) == train_losses(parallel_dir, size)
+
+
+def test_params_and_sizes_are_checked_before_training(captured_run, tmp_path):
+    from eaglekit.config import ParamsError
+
+    run_dir, target_dir = captured_run
+    with pytest.raises(ParamsError, match="nproc_per_node 2 needs parallel"):
+        load_params(write_params(tmp_path / "a.yaml", target_dir, nproc_per_node=2))
+    with pytest.raises(ParamsError, match="pack_tokens 32 < max_length 48"):
+        load_params(write_params(tmp_path / "b.yaml", target_dir, pack_tokens=32))
+    with pytest.raises(ValueError, match=r"--sizes \[5\] are not in training.data_sizes"):
+        run_training_stage(load_params(write_params(tmp_path / "c.yaml", target_dir)), run_dir, sizes=[5])
