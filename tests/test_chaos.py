@@ -133,7 +133,8 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
                     ("kernel", None, False), ("runner", None, False), ("kernel", None, False)]
         started = time.monotonic()
         for victim, kill_endpoint, second_resume in sessions:
-            print(f"{time.monotonic() - started:6.1f} s: session ending with a kill of the {victim}, endpoint {kill_endpoint}")
+            print(f"{time.monotonic() - started:6.1f} s: {records_on_file(run_dir)} records; next session ends with "
+                  f"a kill of the {victim} (endpoint: {kill_endpoint or 'left alone'})")
             before = records_on_file(run_dir)
             runner = subprocess.Popen(resume, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             if second_resume:  # started once the first holds the run folder, while its kernel starts
@@ -164,7 +165,7 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
             runner.stdout.close()
             assert records_on_file(run_dir) < TOTAL - 10, "the run finished before the kills: make it longer"
 
-        print(f"{time.monotonic() - started:6.1f} s: final session")
+        print(f"{time.monotonic() - started:6.1f} s: {records_on_file(run_dir)} records; the last session")
         final = subprocess.run(resume, capture_output=True, text=True, timeout=300)
         print(f"{time.monotonic() - started:6.1f} s: done")
     finally:
