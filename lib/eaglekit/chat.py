@@ -123,7 +123,7 @@ class _Rendered:
     spans: list[tuple[int, int]] = field(default_factory=list)
 
 
-_LAYOUT_CACHE: dict[tuple[int, str, str], TemplateLayout] = {}
+_LAYOUT_CACHE: dict[tuple[int, int, str, str], TemplateLayout] = {}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +168,8 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
     """Probe the chat template once: end-of-turn token, where reasoning goes, tool-argument form, family."""
     template = _chat_template_text(tokenizer)
     template_kwargs = dict(template_kwargs or {})
-    key = (id(tokenizer), template, json.dumps(template_kwargs, sort_keys=True, default=str))
+    # len(tokenizer) counts added tokens: a tokenizer given more special tokens is probed again.
+    key = (id(tokenizer), len(tokenizer), template, json.dumps(template_kwargs, sort_keys=True, default=str))
     cached = _LAYOUT_CACHE.get(key)
     if cached is not None:
         return cached
