@@ -123,3 +123,13 @@ def test_sweep_table_and_recommendation():
     assert Topology.chain(4) in grid and Topology.parse("tree:2,2,4") in grid
     assert all(topology.draft_tokens <= 1 + topology.candidates for topology in grid)
     assert Topology.parse("tree:2,4,16") in grid and not any(str(t) == "tree:2,2,16" for t in grid)
+
+
+def test_cost_line_fit_is_robust_to_noise():
+    from eaglekit.topology_sweep import _fit_line
+
+    assert _fit_line([1, 5, 9], [1.0, 1.4, 1.8]) == pytest.approx((1.0, 0.1))
+    assert _fit_line([1, 5, 9], [1.2, 1.0, 1.1]) == pytest.approx((1.1, 0.0))  # no size effect measured: flat
+    base, per_item = _fit_line([1, 2, 9], [0.01, 0.02, 4.0])  # the least-squares intercept is negative
+    assert base == pytest.approx(0.01) and per_item == pytest.approx((4.0 - 0.01) / 8)
+    assert _fit_line([4, 4], [2.0, 4.0]) == (3.0, 0.0)

@@ -110,7 +110,7 @@ def load_draft_for_target(draft_dir: str | Path, target: nn.Module) -> Eagle3Dra
     check_against_target(draft, target.config)
     cast_weights(draft, embed.dtype)
     with torch.no_grad():
-        draft.embed_tokens.weight.copy_(embed.to(embed.dtype).cpu())
+        draft.embed_tokens.weight.copy_(embed.cpu())  # full precision, not the export dtype load_export used
     return draft.to(embed.device).eval()
 
 

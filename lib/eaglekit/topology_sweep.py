@@ -89,9 +89,14 @@ def _fit_line(sizes: Sequence[int], seconds: Sequence[float]) -> tuple[float, fl
     """Least-squares seconds = base + (size - 1) per_item; returns (base, per_item), per_item >= 0."""
     x = np.asarray(sizes, dtype=np.float64) - 1.0
     y = np.asarray(seconds, dtype=np.float64)
-    per_item, base = np.polyfit(x, y, 1) if len(set(sizes)) > 1 else (0.0, float(y.mean()))
-    per_item = max(float(per_item), 0.0)
-    return float(max(base, y.min())) if per_item == 0 else float(base), per_item
+    if len(set(sizes)) < 2:
+        return float(y.mean()), 0.0
+    per_item, base = (float(value) for value in np.polyfit(x, y, 1))
+    if per_item <= 0:  # noise hid a size effect: a flat cost
+        return float(y.mean()), 0.0
+    if base <= 0:  # noise pushed the intercept below zero: keep the smallest measured time as the base
+        return float(y.min()), float((y.max() - y.min()) / (x.max() - x.min()))
+    return base, per_item
 
 
 @torch.inference_mode()
