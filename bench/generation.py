@@ -171,18 +171,18 @@ def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
                   f"{tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tokens/s")
 
 
-def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, requested: int) -> None:
+def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, requested: int, count: int) -> None:
     from eaglekit.capacity import length_plan, sequences_that_fit
     from eaglekit.models import resolve_model
     from eaglekit.planning import pilot_lengths
     from eaglekit.server import EmbeddedServer, ServerSettings
 
     model_dir = resolve_model("embedded:smollm2-135m-instruct")
-    context = "Background: " + " ".join(f"fact {index} is about item {index * 7}." for index in range(40))
+    context = "Background: " + " ".join(f"fact {index} is about item {index * 7}." for index in range(20))
     topics = ["a cat", "the sea", "rain", "a bridge", "bread", "a clock", "the moon", "a river"]
 
     def prompts(name: str, count: int, offset: int) -> list[PromptSource]:
-        texts = [f"{context[: 80 + 37 * ((offset + index) % 11) * 4]}\nName one colour linked to "
+        texts = [f"{context[: 40 + 70 * ((offset + index) % 11)]}\nName one colour linked to "
                  f"{topics[(offset + index) % len(topics)]}. One word." for index in range(count)]
         return [PromptSource("bench", "short", write_prompts(workdir / f"{name}.jsonl", texts))]
 
@@ -197,20 +197,20 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
             return time.perf_counter() - started, summary
 
         pilot_concurrency = 4
-        run("pilot", prompts("pilot", 16, 0), pilot_concurrency)
+        run("pilot", prompts("pilot", count, 0), pilot_concurrency)
         pilot = pilot_lengths(workdir / "pilot")["short"]
         prompt_p95 = int(np.quantile(pilot.prompt_tokens, 0.95))
         worst = sequences_that_fit(kv_cache_tokens, prompt_p95 + max_tokens)
         plan = length_plan(kv_cache_tokens, pilot.prompt_tokens, pilot.completion_tokens, page_size=64)
         planned = min(requested, plan.retraction_concurrency)
         print(f"[4] capacity plan, embedded SmolLM2-135M, KV cache {kv_cache_tokens} tokens (pages of 64), "
-              f"max_tokens {max_tokens}: pilot of 16 at concurrency {pilot_concurrency}: prompt mean "
+              f"max_tokens {max_tokens}: pilot of {count} at concurrency {pilot_concurrency}: prompt mean "
               f"{np.mean(pilot.prompt_tokens):.0f} (p95 {prompt_p95}), completion mean "
               f"{np.mean(pilot.completion_tokens):.1f} tokens, {pilot.requests_per_second:.2f} req/s")
         print(f"    no-preemption worst case {worst}; from lengths: {plan.expected_tokens_per_sequence:.0f} tokens per "
               f"running sequence, retractions likely above {plan.retraction_concurrency}; requested {requested} -> "
-              f"planned {planned} (expected occupancy {planned * plan.expected_tokens_per_sequence / kv_cache_tokens:.0%})")
-        count = 48
+              f"planned {planned} (expected occupancy {planned * plan.expected_tokens_per_sequence / kv_cache_tokens:.0%})",
+              flush=True)
         for label, concurrency in (("worst case", max(1, worst)), ("planned", planned)):
             sources = prompts(f"run_{concurrency}", count, 100)
             wall, summary = run(f"run_{concurrency}", sources, concurrency)
@@ -219,7 +219,7 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
             eta = count / pilot.requests_per_second
             print(f"    {label:10s} concurrency {concurrency:>3}: {counts.done}/{count} answered, {counts.errors} errors, "
                   f"{wall:.1f} s, {count / wall:.2f} req/s, {tokens / wall:.1f} completion tok/s "
-                  f"(pilot-rate ETA {eta:.1f} s, at the pilot's concurrency {pilot_concurrency})")
+                  f"(pilot-rate ETA {eta:.1f} s, at the pilot's concurrency {pilot_concurrency})", flush=True)
 
 
 def main() -> None:
@@ -232,8 +232,9 @@ def main() -> None:
     parser.add_argument("--embedded", action="store_true", help="also measure the embedded server (minutes on CPU)")
     parser.add_argument("--embedded-max-tokens", type=int, default=32)
     parser.add_argument("--capacity", action="store_true", help="only [4]: the capacity plan against the embedded server")
-    parser.add_argument("--capacity-kv-tokens", type=int, default=4096)
-    parser.add_argument("--capacity-max-tokens", type=int, default=256)
+    parser.add_argument("--capacity-kv-tokens", type=int, default=2048)
+    parser.add_argument("--capacity-max-tokens", type=int, default=128)
+    parser.add_argument("--capacity-prompts", type=int, default=16, help="prompts in the pilot and in each run")
     parser.add_argument("--capacity-requested", type=int, default=32)
     args = parser.parse_args()
     import logging
@@ -241,7 +242,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
         if args.capacity:
-            bench_capacity(workdir, args.capacity_kv_tokens, args.capacity_max_tokens, args.capacity_requested)
+            bench_capacity(workdir, args.capacity_kv_tokens, args.capacity_max_tokens, args.capacity_requested,
+                           args.capacity_prompts)
             return
         bench_scheduling(workdir, args.requests, args.concurrency, args.median_ms / 1000, args.sigma)
         bench_overhead(workdir, args.instant_requests, 256)
