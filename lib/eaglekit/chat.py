@@ -113,6 +113,10 @@ class TemplateLayout:
     stable_with_tools: bool
     control_tokens: tuple[str, ...]  # longest first: what is text when it appears inside a message
     family: str
+    # Whether tokenizing text in pieces cut before a control token gives the same tokens as a whole
+    # (byte-level BPE: yes; SentencePiece with a prefix space: no). Split samples then reuse the tokens
+    # of the text they share with the previous sample.
+    splits_at_control_tokens: bool = False
 
 
 @dataclass
@@ -233,9 +237,17 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
         tool_calls=tool_calls,
         control_tokens=control_tokens,
         family=_family(template, prompt, end_of_turn, reasoning),
+        splits_at_control_tokens=_splits_at_control_tokens(tokenizer, end_of_turn),
     )
     _LAYOUT_CACHE[key] = layout
     return layout
+
+
+def _splits_at_control_tokens(tokenizer: Any, control_token: str) -> bool:
+    before, after = " Hello world\n\n ", f"{control_token}\n\n  Hi there"
+    whole = tokenizer(before + after, add_special_tokens=False)["input_ids"]
+    parts = tokenizer([before, after], add_special_tokens=False)["input_ids"]
+    return whole == parts[0] + parts[1]
 
 
 def _tokens_in(text: str, control_tokens: Sequence[str]) -> list[str]:
@@ -492,8 +504,9 @@ def _tokenize_marked(tokenizer: Any, text: str, marker: _Marker) -> tuple[list[i
     return ids, offsets
 
 
-def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker) -> TokenizedConversation:
-    input_ids, starts = _tokenize_marked(tokenizer, rendered.text, marker)
+def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker,
+            tokens: tuple[list[int], list[int]] | None = None) -> TokenizedConversation:
+    input_ids, starts = tokens if tokens is not None else _tokenize_marked(tokenizer, rendered.text, marker)
     loss_mask = [0] * len(input_ids)
     spans = rendered.spans
     span_index = 0
@@ -506,6 +519,33 @@ def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker) -> TokenizedCo
         if spans[span_index][0] <= start:
             loss_mask[token_index] = 1
     return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)
+
+
+def _samples_sharing_prefixes(tokenizer: Any, rendered: list[_Rendered], marker: _Marker,
+                              layout: TemplateLayout) -> list[TokenizedConversation]:
+    """Split samples share their history with the previous sample up to the first rewritten turn. The
+    tokenizer splits text at control tokens before anything else (checked per tokenizer), so the tokens
+    before a shared control token are reused and only the rest is tokenized: linear, not quadratic."""
+    control_ids = {tokenizer.convert_tokens_to_ids(token) for token in layout.control_tokens}
+    samples = []
+    previous_text, previous_ids, previous_starts = "", [], []
+    for item in rendered:
+        common = len(_common_prefix(previous_text, item.text))
+        # The last token of the previous sample that is a control token starting inside the shared text.
+        keep = 0
+        for index in range(len(previous_starts) - 1, -1, -1):
+            start = previous_starts[index]
+            if previous_ids[index] in control_ids and start < common and \
+                    (index + 1 == len(previous_starts) or previous_starts[index + 1] <= common):
+                keep = index
+                break
+        cut = previous_starts[keep] if keep else 0
+        rest_ids, rest_starts = _tokenize_marked(tokenizer, item.text[cut:], marker)
+        ids = previous_ids[:keep] + rest_ids
+        starts = previous_starts[:keep] + [cut + start for start in rest_starts]
+        samples.append(_sample(tokenizer, item, marker, (ids, starts)))
+        previous_text, previous_ids, previous_starts = item.text, ids, starts
+    return samples
 
 
 def _span_end(text: str, start: int, end_of_turn: str, truncated: bool) -> int:
@@ -583,8 +623,13 @@ def prompt_token_count(tokenizer: Any, messages: Sequence[dict], tools: list | N
     return len(prompt_token_ids(tokenizer, messages, tools, template_kwargs))
 
 
-def _finish(tokenizer: Any, rendered: list[_Rendered], marker: _Marker, bodies: list[str]) -> ConversationSamples:
-    samples = [_sample(tokenizer, item, marker) for item in rendered]
+def _finish(tokenizer: Any, rendered: list[_Rendered], marker: _Marker, bodies: list[str],
+            layout: TemplateLayout | None = None) -> ConversationSamples:
+    """Tokenize the samples (reusing shared prefixes where `layout` allows) and count what they train."""
+    if layout is not None and layout.splits_at_control_tokens and len(rendered) > 1:
+        samples = _samples_sharing_prefixes(tokenizer, rendered, marker, layout)
+    else:
+        samples = [_sample(tokenizer, item, marker) for item in rendered]
     trained = sum(sum(sample.loss_mask) for sample in samples)
     # What the target generated: each turn's text as generated, tokenized on its own (one batched call).
     generated = sum(len(_tokenize_marked(tokenizer, body, marker)[0]) for body in bodies if body)
@@ -685,7 +730,7 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
             groups[-1].text = groups[-1].text[: groups[-1].spans[-1][1]]
     if groups is None:
         return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
-    return _finish(tokenizer, groups, marker, [body for _, body in bodies])
+    return _finish(tokenizer, groups, marker, [body for _, body in bodies], layout)
 
 
 def _split_groups(renderer: _Renderer, template_messages: list[dict], messages: Sequence[dict], indices: list[int],
@@ -697,9 +742,12 @@ def _split_groups(renderer: _Renderer, template_messages: list[dict], messages: 
     DeepSeek drop reasoning) and close at the first turn no longer rendered as generated.
     """
     count = len(indices)
+    texts: dict[int, str] = {}  # one render per sample end: a failed attempt's rendering serves the next group
 
     def attempt(first: int, last: int) -> _Rendered | int | None:
-        return _locate_group(renderer.last(template_messages[: indices[last] + 1]), bodies, first, last, layout)
+        if last not in texts:
+            texts[last] = renderer.last(template_messages[: indices[last] + 1])
+        return _locate_group(texts[last], bodies, first, last, layout)
 
     whole = attempt(0, count - 1)
     if isinstance(whole, _Rendered):
