@@ -4,27 +4,36 @@ What is trained (the oracle, `tokenize_conversation_reference`): for assistant t
 prompt P_i = messages[:i] with the generation prompt and the turn F_i = messages[:i+1]; the turn's
 span is F_i[len(P_i):] up to and including the template's first end-of-turn token. That span is what
 the target generated after the server sent it P_i: reasoning (with the `<think>` wrapper the template
-writes), content, tool calls and the end-of-turn token. Everything else is context (mask 0).
+writes), content, tool calls and the end-of-turn token. Everything else is context (mask 0). The
+oracle also tokenizes P_i and F_i and checks each turn's trained tokens against their token
+difference (see its docstring for the one exception, a BPE merge across the boundary).
+
+Where a template's F_i does not extend P_i (Mistral drops the system prompt once the conversation ends
+in an assistant turn; Kimi thinking blanks earlier tool-call reasoning once a final answer follows;
+DeepSeek-R1 writes a tool call after tool output under another header), F_i is P_i followed by the
+turn as the template writes it in a small context (a probe user turn, plus the call and results the
+turn answers): the prompt the server sent, then what the target generated.
 
 Templates that rewrite history (Qwen3, Kimi thinking and DeepSeek drop or blank the reasoning of
-earlier turns; Qwen3 also drops the empty `<think></think>` of a turn once it is no longer last) make
-P_{i+1} stop extending F_i. No single sequence then holds every turn as the target produced it.
-`history="split"` (the default) cuts the conversation there: a sample ends at each such turn and
-holds the history as the template renders it plus the turns since the previous cut, each exactly as
-generated; every generated token is trained exactly once, in the context the server gave it.
-`history="visible"` keeps one sequence (the whole conversation as the template renders it) and masks
-only what the template shows of each turn; tokens the template hides are not trained, and
-`ConversationSamples.generated_tokens - trained_tokens` counts them.
+earlier turns; Qwen3 also drops the empty `<think></think>` of a turn once it is no longer last;
+Mistral moves the system prompt and tools to the last user turn) make P_{i+1} stop extending F_i.
+No single sequence then holds every turn as the target produced it. `history="split"` (the default)
+cuts the conversation there: a sample ends at each such turn and holds the history as the template
+renders it plus the turns since the previous cut, each exactly as generated; every generated token
+is trained exactly once, in the context the server gave it. `history="visible"` keeps one sequence
+(the whole conversation as the template renders it) and masks only what the template shows of each
+turn; `ConversationSamples.generated_tokens - trained_tokens` counts what it does not train.
 
-The fast path (`tokenize_conversation`) renders each sample once and tokenizes it once. It learns
-each turn's span as generated from a small render (a probe user turn, plus the previous assistant
-turn and its tool results where the turn follows tools), then finds `header + span` in the full
-rendering left to right. Where that fails (a template whose turns depend on far context) it falls
-back to the oracle for that conversation and counts it in `ConversationSamples.fallback`; the
-property test in tests/test_templates.py checks both agree token for token on every fixture template.
+The fast path (`tokenize_conversation`) learns each turn's span as generated from the small render
+above, renders each sample once, finds `header + span` in it left to right and tokenizes it once
+(split samples reuse the tokens of the history they share, for tokenizers that split text at control
+tokens first, as byte-level BPE does). Where that fails (a template that moves text it wrote earlier,
+Mistral with a system prompt or tools) the conversation goes to the oracle, counted in
+`ConversationSamples.fallback`. tests/test_templates.py checks both paths agree token for token,
+sample for sample, on every published template in tests/fixtures/chat_templates.
 
-Spans are character spans of the rendered text; the text is tokenized once, and a token is trained
-when its first character lies in a span.
+Spans are character spans of the rendered text; a token is trained when its first character lies in
+a span.
 
 Special-token text inside messages (a user quoting `<|im_start|>assistant`) is text, never a control
 token: before rendering, every control token inside message strings, tool calls and tool definitions
@@ -32,17 +41,20 @@ is replaced by one private-use character; the template's own control tokens are 
 in the rendering, and each replaced token is tokenized as plain text.
 
 Reasoning (`reasoning` in the kit's schema) is placed where the target's template puts it, probed
-once per template (`TemplateLayout.reasoning`): "field" templates render `reasoning_content`
-(Qwen3, Kimi thinking); "fold" templates render content verbatim and get `<think>\\n{reasoning}\\n</think>\\n\\n{content}`
-(ChatML, Llama: the text such a model generated before a server's reasoning parser split it off);
-"splice" templates cut reasoning out even on the last turn (DeepSeek-R1/V3.1), so the last turn is
-written after the generation prompt as generated: `{reasoning}\\n</think>\\n\\n` (or `{reasoning}</think>`)
-following the prompt's opening `<think>`, then the rest of the turn as the template writes it.
+once per template (`TemplateLayout.reasoning`): "field" templates render `reasoning_content` on
+every last turn (Qwen3); "fold" templates render content verbatim and get
+`<think>\\n{reasoning}\\n</think>\\n\\n{content}` (ChatML, Llama: the text such a model generated before a
+server's reasoning parser split it off); "splice" templates drop it on some last turns: Kimi thinking's
+blank `<think></think>` is filled, and after a generation prompt that opens `<think>` (DeepSeek-R1,
+V3.1 with `thinking`) the turn is written as generated: `{reasoning}\\n</think>\\n\\n` (or
+`{reasoning}</think>`), then the rest of the turn as the template writes it.
 
 Tool calls stay structured (OpenAI shape: `tool_calls` of `{"id", "type": "function", "function":
 {"name", "arguments"}}`, `tool_call_id` on tool results) and are rendered only by the template, with
 `tools=` the record's tool definitions. Arguments go to the template as an object, or as a JSON string
-for templates that concatenate them (DeepSeek), probed once.
+for templates that concatenate them (DeepSeek), probed once. A template with no tool-call syntax
+(SmolLM2, Phi-3.5, Gemma) gets the calls as Hermes `<tool_call>` text in the content, so they are
+trained rather than silently dropped.
 """
 
 from __future__ import annotations
