@@ -194,7 +194,6 @@ def test_a_dead_kernel_is_a_failed_stage_with_the_resume_command(tmp_path):
 
 def test_one_writer_per_run_folder_and_a_dead_runners_lock_is_taken_over(tmp_path):
     import os
-    import signal
     import time
 
     params = scenario(tmp_path)

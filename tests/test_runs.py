@@ -27,10 +27,8 @@ def test_stage_outcome_is_never_half_written(tmp_path):
     # A writer killed mid-write leaves the previous verdict whole (temp file + rename), never a torn JSON.
     record_stage_outcome(tmp_path, "capture", errors=1)
     code = (
-        "import os, sys\n"
-        "from eaglekit import io\n"
-        "real = os.replace\n"
-        "os.replace = lambda *a: os.kill(os.getpid(), 9)\n"
+        "import os\n"
+        "os.replace = lambda *args: os.kill(os.getpid(), 9)  # killed between the temp file's fsync and its rename\n"
         "from eaglekit.runs import record_stage_outcome\n"
         f"record_stage_outcome({str(tmp_path)!r}, 'capture', errors=7, detail='x' * 100000)\n"
     )

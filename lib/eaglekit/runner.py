@@ -29,8 +29,14 @@ import nbformat
 from eaglekit.config import Params, dump_params, load_params, repo_path
 from eaglekit.io import atomic_write, write_json
 from eaglekit.paths import NOTEBOOKS_DIR
-from eaglekit.runs import (RunFolderLock, RunLockedError, clear_stage_outcome, new_run_id, read_stage_outcome,
-                           write_environment)
+from eaglekit.runs import (
+    RunFolderLock,
+    RunLockedError,
+    clear_stage_outcome,
+    new_run_id,
+    read_stage_outcome,
+    write_environment,
+)
 
 STAGE_FILE = re.compile(r"^(\d\d)_([a-z0-9_]+)\.ipynb$")
 
@@ -358,13 +364,13 @@ def run_pipeline(
     except RunLockedError as error:
         raise RunError(str(error)) from None
     try:
-        return _run_locked(params, params_path, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name)
+        return _run_locked(params, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name)
     finally:
         lock.release()
 
 
-def _run_locked(params: Params, params_path: str | Path, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool,
-                resume_command: str, lock: RunFolderLock, kernel_name: str) -> Path:
+def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
+                lock: RunFolderLock, kernel_name: str) -> Path:
     from traitlets.config import Config
 
     from eaglekit.server import serving_endpoints
