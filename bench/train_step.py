@@ -15,11 +15,12 @@ All three must give the same loss (checked and printed). Per implementation it p
 real (non-padding) tokens, achieved model TFLOP/s (model FLOPs: fc once, one layer pass and the head
 per TTT step, attention over each sample's own causal block; forward + backward = 3x forward) and
 its share of the device's dense bf16 peak (CUDA; unknown for a CPU), the ratio to the naive
-reference, and memory per token: on CUDA the peak allocated bytes of the step, everywhere the bytes
+reference, and memory per token: on CUDA the peak allocated bytes of the step; on a CPU the bytes
 autograd keeps for backward (distinct storages, measured with saved-tensor hooks).
-Timings are the median of `--repeats` steps after one warmup, with min-max spread.
+Timings are the median of `--repeats` rounds after one warmup, with min-max spread; each round times
+every implementation once, in turn, so load from other processes hits all of them alike.
 
-    python bench/train_step.py                                   # CPU, SmolLM2-135M-shaped draft
+    python bench/train_step.py --threads 1                       # CPU, SmolLM2-135M-shaped draft (1 thread on a shared machine)
     python bench/train_step.py --device cuda --preset llama8b --pack-tokens 4096 --samples 16 --skip-naive
 """
 
@@ -129,36 +130,53 @@ def saved_for_backward_bytes(run) -> tuple[torch.Tensor, int]:
     return loss, sum(storages.values())
 
 
-def measure(step_fn, model, batches, head, ttt_steps: int, repeats: int, device: torch.device, bf16: bool) -> Measurement:
-    """One optimizer step's worth of micro-batches (forward + backward each), timed `repeats` times after a warmup."""
-    eligible = [eligible_rows(batch, ttt_steps) for batch in batches]
-    counts = torch.stack([rows.sum(dim=(1, 2)) for rows in eligible]).sum(0).float().to(device)
-    batches = [batch.to(device) for batch in batches]
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-    seconds, loss_total, saved, peak = [], 0.0, 0, None
-    for attempt in range(repeats + 1):
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
+class Variant:
+    """One implementation on its micro-batches: one optimizer step's worth (forward + backward each)."""
+
+    def __init__(self, step_fn, model, batches, head, ttt_steps: int, device: torch.device, bf16: bool):
+        self.step_fn, self.model, self.head, self.ttt_steps, self.device = step_fn, model, head, ttt_steps, device
+        self.eligible = [eligible_rows(batch, ttt_steps) for batch in batches]
+        self.counts = torch.stack([rows.sum(dim=(1, 2)) for rows in self.eligible]).sum(0).float().to(device)
+        self.batches = [batch.to(device) for batch in batches]
+        self.autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+        self.result = Measurement([], 0.0, 0, None)
+
+    def run(self, timed: bool) -> None:
+        cuda = self.device.type == "cuda"
+        self.model.zero_grad(set_to_none=True)
+        if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             baseline = torch.cuda.memory_allocated()
         started = time.perf_counter()
         loss_total = 0.0
-        for batch, rows in zip(batches, eligible):
-            with autocast:
-                if attempt == 0:  # the warmup also measures what autograd keeps
-                    loss, micro_saved = saved_for_backward_bytes(lambda: step_fn(model, batch, rows, counts, head, ttt_steps))
-                    saved = max(saved, micro_saved)
+        for batch, rows in zip(self.batches, self.eligible):
+            step = lambda: self.step_fn(self.model, batch, rows, self.counts, self.head, self.ttt_steps)
+            with self.autocast():
+                if not timed and not cuda:  # the CPU warmup also counts what autograd keeps (compiled kernels skip hooks)
+                    loss, saved = saved_for_backward_bytes(step)
+                    self.result.saved_bytes = max(self.result.saved_bytes, saved)
                 else:
-                    loss = step_fn(model, batch, rows, counts, head, ttt_steps)
+                    loss = step()
             loss.backward()
             loss_total += float(loss.detach())
-        if device.type == "cuda":
+        if cuda:
             torch.cuda.synchronize()
-            peak = max(peak or 0, torch.cuda.max_memory_allocated() - baseline)
-        if attempt > 0:
-            seconds.append(time.perf_counter() - started)
-    return Measurement(seconds, loss_total, saved, peak)
+            self.result.peak_bytes = max(self.result.peak_bytes or 0, torch.cuda.max_memory_allocated() - baseline)
+        if timed:
+            self.result.seconds.append(time.perf_counter() - started)
+        self.result.loss = loss_total
+
+
+def measure_interleaved(variants: dict[str, Variant], repeats: int) -> dict[str, Measurement]:
+    """A warmup each, then `repeats` rounds that time every variant once, in turn: on a shared machine a
+    change of load then hits every variant alike instead of whichever ran during it."""
+    for variant in variants.values():
+        variant.run(timed=False)
+    for _ in range(repeats):
+        for variant in variants.values():
+            variant.run(timed=True)
+    return {name: variant.result for name, variant in variants.items()}
 
 
 def main() -> None:
@@ -166,15 +184,18 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2")
     parser.add_argument("--draft-vocab", type=int, default=32_000)
-    parser.add_argument("--samples", type=int, default=6, help="samples per optimizer step")
-    parser.add_argument("--max-length", type=int, default=192, help="longest sample; lengths are log-uniform in [max/8, max]")
-    parser.add_argument("--pack-tokens", type=int, default=None, help="pack budget (default: --max-length rounded up to 128)")
+    parser.add_argument("--samples", type=int, default=8, help="samples per optimizer step")
+    parser.add_argument("--max-length", type=int, default=128, help="longest sample; lengths are log-uniform in [max/8, max]")
+    parser.add_argument("--pack-tokens", type=int, default=512, help="pack budget (>= --max-length)")
     parser.add_argument("--micro-batch", type=int, default=2, help="samples per padded micro-batch")
     parser.add_argument("--ttt-steps", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-naive", action="store_true", help="skip the naive recompute reference (large GPU runs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's); 1 on a busy shared machine")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     shape = PRESETS[args.preset]
@@ -189,7 +210,7 @@ def main() -> None:
     model.to(device)
     head = (torch.randn(config.vocab_size, config.hidden_size) * config.hidden_size**-0.5).to(device)
     samples = make_samples(args.samples, args.max_length, config, args.seed)
-    pack_tokens = args.pack_tokens or -(-args.max_length // 128) * 128
+    pack_tokens = args.pack_tokens
     padded = [collate(samples[start : start + args.micro_batch], args.max_length) for start in range(0, len(samples), args.micro_batch)]
     packs = packed_micro_batches(samples, pack_tokens, args.max_length)
     lengths = [min(len(sample["input_ids"]), args.max_length) for sample in samples]
@@ -211,15 +232,16 @@ def main() -> None:
     # On CUDA every variant runs under bf16 autocast (fp32 master weights). On a CPU they run in fp32, as
     # the kit trains there; one extra row shows the kit under CPU bf16 autocast (not what training uses).
     cuda = device.type == "cuda"
+    padded_ttt = lambda m, b, r, c, h, k: padded_step(m, b, r, c, h, k, naive=False)
     variants = {}
     if not args.skip_naive:
-        variants["naive recompute (padded)"] = (lambda m, b, r, c, h, k: padded_step(m, b, r, c, h, k, naive=True), padded, cuda)
-    variants["padded TTT (kit before)"] = (lambda m, b, r, c, h, k: padded_step(m, b, r, c, h, k, naive=False), padded, cuda)
-    variants["kit: packed + chunked"] = (packed_step, packs, cuda)
+        naive = lambda m, b, r, c, h, k: padded_step(m, b, r, c, h, k, naive=True)
+        variants["naive recompute (padded)"] = Variant(naive, model, padded, head, args.ttt_steps, device, cuda)
+    variants["padded TTT (kit before)"] = Variant(padded_ttt, model, padded, head, args.ttt_steps, device, cuda)
+    variants["kit: packed + chunked"] = Variant(packed_step, model, packs, head, args.ttt_steps, device, cuda)
     if not cuda:
-        variants["kit, CPU bf16 autocast"] = (packed_step, packs, True)
-    results = {name: measure(step_fn, model, batches, head, args.ttt_steps, args.repeats, device, bf16)
-               for name, (step_fn, batches, bf16) in variants.items()}
+        variants["kit, CPU bf16 autocast"] = Variant(packed_step, model, packs, head, args.ttt_steps, device, True)
+    results = measure_interleaved(variants, args.repeats)
 
     reference_name = next(iter(results))
     reference = statistics.median(results[reference_name].seconds)
@@ -230,8 +252,9 @@ def main() -> None:
         achieved = flops / median / 1e12
         mfu = f"{100 * achieved / peak:.1f}% of {peak:.0f}" if peak else "peak unknown"
         peak_per_token = f"{result.peak_bytes / tokens:13,.0f}" if result.peak_bytes is not None else f"{'n/a (CPU)':>13s}"
+        saved_per_token = f"{result.saved_bytes / tokens:14,.0f}" if result.saved_bytes else f"{'n/a (CUDA)':>14s}"
         print(f"{name:28s} {median * 1e3:9.0f} ({min(result.seconds) * 1e3:.0f}-{max(result.seconds) * 1e3:.0f}) {tokens / median:10.1f} "
-              f"{achieved:8.3f} {mfu:>14s} {reference / median:17.2f}x {result.saved_bytes / tokens:14,.0f} {peak_per_token}  {result.loss:.6f}")
+              f"{achieved:8.3f} {mfu:>14s} {reference / median:17.2f}x {saved_per_token} {peak_per_token}  {result.loss:.6f}")
     same_precision = [result.loss for name, result in results.items() if "CPU bf16" not in name]
     spread = max(same_precision) - min(same_precision)
     ok = spread <= 1e-4 * max(abs(value) for value in same_precision)

@@ -83,6 +83,7 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
     assert sweep == json.loads((parallel_dir / "training" / "sweep.json").read_text())
     for key in ("sizes", "heldout", "draft_vocab", "capture_layer_ids", "topology", "export"):
         assert sweep[key] == single[key], key
+    assert sweep["draft_vocab"]["coverage_curve"][-1] == [300, 1.0] and [run["size"] for run in sweep["runs"]] == SIZES
     for size in SIZES:
         one = load_checkpoint(single_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]
         two = load_checkpoint(parallel_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]

@@ -301,7 +301,7 @@ def flex_attention_kernel(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _COMPILED_FLEX:
-        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention, dynamic=False)
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention)  # packs: one shape; padded batches: dynamic after a recompile
     return _COMPILED_FLEX["cuda"]
 
 
@@ -436,9 +436,10 @@ class Eagle3DraftModel(nn.Module):
 
     # -- training-time test --------------------------------------------------------------------------
     def resolved_attention_backend(self, device: torch.device) -> str:
-        """"flex" on CUDA unless set to "eager"; "eager" on CPU (flex attention has no CPU backward)."""
+        """"auto": flex when training on CUDA; eager on CPU (flex attention has no CPU backward) and
+        without gradients (held-out evaluation: variable padded lengths would recompile the kernel)."""
         if self.attention_backend == "auto":
-            return "flex" if device.type == "cuda" else "eager"
+            return "flex" if device.type == "cuda" and torch.is_grad_enabled() else "eager"
         return self.attention_backend
 
     def unroll(

@@ -67,7 +67,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     from eaglekit.draft import build_draft_from_target, load_target_head_weights
     from eaglekit.models import resolve_model
     from eaglekit.training import IndexedSubset, TrainSettings, nested_subsets, split_heldout, train_draft, train_size_sweep
-    from eaglekit.vocab import count_generated_tokens, default_draft_vocab_size, select_draft_vocab
+    from eaglekit.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
 
     out = Path(run_dir)
     relative = lambda path: str(Path(path).relative_to(out))  # paths in sweep.json are relative to the run folder
@@ -111,6 +111,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     vocab_size = target_weights.config.vocab_size
     token_counts = count_generated_tokens((generated(index) for index in largest_subset), vocab_size)
     vocab = select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
+    coverage_grid = sorted({2**power for power in range(6, 17) if 2**power < vocab_size} | {vocab.size, vocab_size})
     if metrics is not None:
         metrics.log(event="draft_vocab", size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens)
 
@@ -169,7 +170,9 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
         "runs": [{**row, "best_checkpoint": relative(row["best_checkpoint"]), "metrics_path": relative(row["metrics_path"])} for row in sweep_rows],
         "heldout": [list(keys[index]) for index in heldout_indices],
         "topology": {"kind": "chain", "draft_steps": params.analysis.chain_steps, "top_k": 1},
-        "draft_vocab": {"size": vocab.size, "coverage": vocab.coverage, "counted_tokens": vocab.counted_tokens},
+        "draft_vocab": {"size": vocab.size, "coverage": vocab.coverage, "counted_tokens": vocab.counted_tokens,
+                        # [[vocab size, share of generated tokens covered], ...]: notebook 05's coverage figure
+                        "coverage_curve": [[size, share] for size, share in coverage_curve(token_counts, coverage_grid).items()]},
         "capture_dir": relative(capture_dir), "capture_mode": capture_plan["mode"], "capture_layer_ids": list(capture_layer_ids),
         "split_seed": params.run.seed,
         "export": {name: relative(folder) for name, folder in export_dirs.items()},
