@@ -221,3 +221,28 @@ def test_template_that_cannot_render_a_conversation_raises_chat_template_error(t
     with pytest.raises(ChatTemplateError, match="thinking"):  # V3.1 with thinking off has no place for reasoning
         tokenize_conversation(tokenizers["deepseek_v31"], [{"role": "user", "content": "a"},
                                                            {"role": "assistant", "content": "b", "reasoning": "r"}])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_visible_policy_is_one_sequence_that_trains_only_assistant_text(tokenizers, name):
+    tokenizer = tokenizers[name]
+    kwargs = TEMPLATE_KWARGS.get(name)
+    for seed in range(20):
+        messages, tools = conversation(name, random.Random(f"visible-{name}-{seed}"), 30, agent=seed % 2 == 1)
+        try:
+            split = tokenize_conversation(tokenizer, messages, tools=tools, template_kwargs=kwargs)
+        except ChatTemplateError:
+            continue
+        visible = tokenize_conversation(tokenizer, messages, tools=tools, history="visible", template_kwargs=kwargs)
+        assert len(visible.samples) == 1
+        assert visible.trained_tokens <= visible.generated_tokens == split.generated_tokens
+        if len(split.samples) == 1:  # nothing rewritten: both policies are the same sample
+            assert visible.samples == split.samples
+        sample = visible.samples[0]
+        masked = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
+        for message in messages:
+            if message["role"] in ("user", "tool", "system") and len(message["content"]) > 40:
+                assert message["content"] not in masked
+        assert masked.count(template_layout(tokenizer, kwargs).end_of_turn) == sum(
+            message["role"] == "assistant" for message in messages)
+        break

@@ -415,7 +415,7 @@ class _Renderer:
         except NotPrefixStableError:
             pass
         context = _small_context(messages, len(messages) - 1)
-        if len(context) == len(messages) - 1:
+        if context == messages[:-1]:  # already the smallest context: nothing else to try
             raise NotPrefixStableError("the chat template's rendering of this turn does not extend its prompt")
         small_prompt = self.prompt(context)
         small = self._last(context + [messages[-1]], small_prompt)
@@ -729,7 +729,9 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     layout, marker, template_messages, renderer, indices = _prepare(tokenizer, messages, tools, template_kwargs)
     unstable = (tools and not layout.stable_with_tools) or \
         (not layout.stable_with_system and any(message["role"] == "system" for message in messages))
-    bodies = None if unstable else _generated_bodies(renderer, template_messages, indices, layout, truncated)
+    # "visible" reads one rendering as it is, so a template that moves earlier text needs no oracle there.
+    bodies = None if unstable and history == "split" else \
+        _generated_bodies(renderer, template_messages, indices, layout, truncated)
     if bodies is None:
         return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
     if history == "visible":
@@ -742,11 +744,11 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
             groups[-1].text = groups[-1].text[: groups[-1].spans[-1][1]]
     if groups is None:
         return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
-    return _finish(tokenizer, groups, marker, [body for _, body in bodies], layout)
+    return _finish(tokenizer, groups, marker, [body for _, body, _ in bodies], layout)
 
 
 def _split_groups(renderer: _Renderer, template_messages: list[dict], messages: Sequence[dict], indices: list[int],
-                  bodies: list[tuple[str, str]], layout: TemplateLayout) -> list[_Rendered] | None:
+                  bodies: list[tuple[str, str, int]], layout: TemplateLayout) -> list[_Rendered] | None:
     """Samples of the split policy, cut where the oracle cuts; None when the spans cannot be found.
 
     The whole conversation is tried first (one render: every template that does not rewrite history
@@ -800,7 +802,7 @@ def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -
 
 
 def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indices: list[int], layout: TemplateLayout,
-                      truncated: bool) -> list[tuple[str, str]] | None:
+                      truncated: bool) -> list[tuple[str, str, int]] | None:
     """Per assistant turn: (the header before it in any rendering, the turn as generated).
 
     Rendered in a small context: a probe user turn, plus the previous assistant turn and the tool
@@ -812,12 +814,22 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
         try:
             prompt = renderer.prompt(context)
             turn = renderer.last(context + [template_messages[index]], prompt)
+            without = _render(renderer.tokenizer, _strip_private(context), False, renderer.tools, renderer.kwargs)
+            results_from = len(_render(renderer.tokenizer, _strip_private(context[:2]), False, renderer.tools,
+                                       renderer.kwargs)) if len(context) > 2 else 0
         except ChatTemplateError:
             return None  # the small context is not legal for this template: the oracle decides
         if not turn.startswith(prompt):
             return None
         end = _span_end(turn, len(prompt), layout.end_of_turn, truncated and position == len(indices) - 1)
-        bodies.append((_header(prompt, layout), turn[len(prompt): end]))
+        # The header is what the generation prompt adds (`<|im_assistant|>assistant<|im_middle|>`), which
+        # tells an assistant turn from any other; else the prompt's tail from its last control token.
+        added = prompt[len(without):] if prompt.startswith(without) else ""
+        header = added if _tokens_in(_context_header(added), layout.control_tokens) else _header(prompt, layout)
+        # Where the header is a tool result's closing (DeepSeek, Mistral), each result writes one: the
+        # turn starts after the last, so a scan skips the ones before it.
+        skip = max(prompt.count(_context_header(header), results_from) - 1, 0) if results_from else 0
+        bodies.append((header, turn[len(prompt): end], skip))
     return bodies
 
 
@@ -844,7 +856,7 @@ def _header(prompt: str, layout: TemplateLayout) -> str:
     return prompt[last:] if last >= 0 else prompt[-16:]
 
 
-def _locate_group(text: str, bodies: list[tuple[str, str]], first: int, last: int,
+def _locate_group(text: str, bodies: list[tuple[str, str, int]], first: int, last: int,
                   layout: TemplateLayout) -> _Rendered | int | None:
     """Spans of turns first..last (as generated) in `text`; earlier turns are context, found by header.
 
@@ -854,14 +866,14 @@ def _locate_group(text: str, bodies: list[tuple[str, str]], first: int, last: in
     cursor = 0
     for position in range(first):
         header = _context_header(bodies[position][0])
-        at = text.find(header, cursor)
+        at = _find_nth(text, header, cursor, bodies[position][2])
         if at < 0:
             return None
         start = at + len(header)
         cursor = _span_end(text, start, layout.end_of_turn, False)
     rendered = _Rendered(text)
     for position in range(first, last + 1):
-        header, body = bodies[position]
+        header, body, _ = bodies[position]
         at = text.find(header + body, cursor)
         if at < 0:
             return position
@@ -871,18 +883,29 @@ def _locate_group(text: str, bodies: list[tuple[str, str]], first: int, last: in
     return rendered
 
 
-def _locate_visible(text: str, bodies: list[tuple[str, str]], layout: TemplateLayout,
+def _find_nth(text: str, needle: str, start: int, skip: int) -> int:
+    """Position of the (skip+1)-th occurrence of `needle` at or after `start`, or -1."""
+    at = text.find(needle, start)
+    for _ in range(skip):
+        if at < 0:
+            return -1
+        at = text.find(needle, at + len(needle))
+    return at
+
+
+def _locate_visible(text: str, bodies: list[tuple[str, str, int]], layout: TemplateLayout,
                     truncated: bool) -> _Rendered | None:
     """Spans of every turn as `text` shows it: as generated where it is, else header to end-of-turn."""
     rendered = _Rendered(text)
     cursor = 0
-    for position, (header, body) in enumerate(bodies):
+    for position, (header, body, skip) in enumerate(bodies):
+        context_header = _context_header(header)  # a history turn has no think opener before it
         at = text.find(header + body, cursor)
-        next_header = text.find(header, cursor)
+        next_header = _find_nth(text, context_header, cursor, skip)
         if at >= 0 and at == next_header:
             start, end = at + len(header), at + len(header) + len(body)
         elif next_header >= 0:
-            start = next_header + len(header)
+            start = next_header + len(context_header)
             end = _span_end(text, start, layout.end_of_turn, truncated and position == len(bodies) - 1)
         else:
             return None
