@@ -236,6 +236,8 @@ def test_class_a_with_reasoning_and_tool_calls_on_a_thinking_template_split_and_
         summary = prepare_sources([spec], qwen3, out, context_length=1024, long_prompt_threshold=40, history=history)
         written = read_lines(out / "swe" / "tokenized_data.jsonl")
         assert len(written) == samples
+        if samples > 1:
+            assert {r["meta"]["conversation_id"] for r in written} == {written[0]["id"].rsplit(".", 1)[0]}
         text = "".join(qwen3.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]) for r in written)
         assert ("Run it first." in text and "Patch the loop." in text) == (history == "split")
         assert ('"name": "bash"' if template == "qwen3" else '{"cmd": "pytest"}') in text and "Be polite." in text

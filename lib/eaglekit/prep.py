@@ -11,7 +11,14 @@ nothing) and never a half-written file:
     <out_dir>/summary.json                     per-source counts and the settings used (written last)
 
 Ids are `<source>-<first 16 hex of sha256>` over the normalized messages that are kept (the whole
-conversation for class A, the prompt for class B), so they survive reordering and re-runs.
+conversation for class A, the prompt for class B), so they survive reordering and re-runs. A class-A
+conversation whose chat template rewrites history is written as several samples under `history:
+split` (`<id>.0`, `<id>.1`, ... with `meta.conversation_id`, `meta.sample` and `meta.samples`; see
+eaglekit.chat).
+
+A conversation the target's chat template cannot render is a rejected record (file, line, the
+template's reason) like any other bad input; under `bad_input: fail` it stops the stage with that
+message. A killed prep's staging folder is removed by the next prep (its process is gone).
 Deduplication is global over sources in the given order: a later copy counts as a duplicate of its
 own source and is not written.
 """
@@ -41,7 +48,7 @@ PARTITIONS = ("short", "long")
 
 
 def content_hash(messages: Sequence[dict]) -> str:
-    """sha256 hex of the canonical JSON of (role, content, reasoning) per message."""
+    """sha256 hex of the canonical JSON of (role, content, reasoning[, tool_calls, tool_call_id]) per message."""
     canonical = [[m["role"], m["content"], m.get("reasoning", "")]
                  + ([m.get("tool_calls"), m.get("tool_call_id")] if m.get("tool_calls") or m.get("tool_call_id") else [])
                  for m in messages]
@@ -285,8 +292,9 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
         counts.trained_tokens += result.trained_tokens
         for index, sample in enumerate(result.samples):
             counts.tokens += len(sample.input_ids)
-            sample_meta = item.meta if not result.split else {**item.meta, "sample": index,
-                                                               "samples": len(result.samples)}
+            # Split samples name their conversation, so held-out selection can keep them together.
+            sample_meta = item.meta if not result.split else {**item.meta, "conversation_id": record_id,
+                                                               "sample": index, "samples": len(result.samples)}
             outputs.write(f"{spec.name}/tokenized_data.jsonl", {
                 "id": record_id if not result.split else f"{record_id}.{index}", "input_ids": sample.input_ids,
                 "loss_mask": sample.loss_mask, "source": spec.name, "meta": sample_meta})
