@@ -217,3 +217,29 @@ def test_flex_backend_on_cuda_equals_eager_forward_and_backward(world):
         torch.testing.assert_close(flex, eager, rtol=2e-3, atol=2e-3)
     for name, grad in results["eager"][1].items():
         torch.testing.assert_close(results["flex"][1][name], grad, rtol=2e-2, atol=1e-4, msg=name)
+
+
+@pytest.mark.gpu
+def test_packed_micro_batch_makes_no_host_sync_on_cuda(world):
+    """Forward, chunked loss and backward of a packed micro-batch under CUDA's sync debug mode "error"."""
+    target, samples, _ = world
+    device = torch.device("cuda")
+    model = tiny_draft(target, samples).to(device).train()
+    head = target.lm_head.weight.detach().float().to(device)
+    batch = pack_samples(samples[:4], 256, max_length=64)
+    eligible = eligible_rows(batch, TTT_STEPS)
+    counts = eligible.sum(dim=(1, 2)).float().to(device)
+    for checked in (False, True):  # the first pass compiles the flex kernel and warms the allocator
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            on_device = batch.to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                targets = target_signals(on_device.final_hidden_states, head, model.draft_to_target_ids(), model.t2d)
+                states = model(on_device.input_ids, on_device.aux_hidden_states, TTT_STEPS, on_device.position_ids,
+                               on_device.document_ids, return_normed_states=True)
+                loss, _ = chunked_ttt_loss(model, states, targets, eligible, counts, 0.8)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss)

@@ -125,8 +125,12 @@ class SelectedRows:
         return cls(torch.cat(rows), torch.cat(teacher_rows), torch.cat(step_ids), eligible_by_step)
 
     def to(self, device: torch.device) -> "SelectedRows":
-        return SelectedRows(*(tensor.to(device, non_blocking=True) for tensor in (self.rows, self.teacher_rows, self.steps)),
-                            self.eligible_by_step)
+        """Pinned, non-blocking copies on CUDA (a pageable copy would wait for the GPU to drain)."""
+        if device.type == "cuda":
+            moved = (tensor.pin_memory().to(device, non_blocking=True) for tensor in (self.rows, self.teacher_rows, self.steps))
+        else:
+            moved = (tensor.to(device) for tensor in (self.rows, self.teacher_rows, self.steps))
+        return SelectedRows(*moved, self.eligible_by_step)
 
 
 def chunked_ttt_loss(
