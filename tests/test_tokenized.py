@@ -221,3 +221,18 @@ def test_raw_token_ids_stand_when_the_template_cannot_render_the_conversation(tm
                                    tokenizer=gemma, bad_input="fail")
     sample = next(iter(read_jsonl(summary.files["ds"])))[1]
     assert sample["input_ids"] == [1, 2, 3, 4, 5] and summary.compared == 0 and summary.usage_disagreements == {"ds": 0}
+
+
+def test_a_multi_turn_prompt_trains_only_the_regenerated_answer(tmp_path, tokenizer):
+    """With `multi_turn: last_user` the prompt holds the dataset's earlier answers: context, never trained."""
+    history = [{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "DATASET-ANSWER Paris"},
+               {"role": "user", "content": "And Germany?"}]
+    prompts = conversation_file(tmp_path / "prompts.jsonl", [history])
+    write_answers(tmp_path / "out", prompts, {"p0": {"content": "Berlin."}})
+    tokenized = build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok",
+                                     tokenizer=tokenizer)
+    sample = next(iter(read_jsonl(tokenized.files["ds"])))[1]
+    assert masked(tokenizer, sample) == "Berlin.<|im_end|>"
+    assert sample["input_ids"][: prompt_token_count(tokenizer, history)] == \
+        tokenizer(tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True),
+                  add_special_tokens=False)["input_ids"]

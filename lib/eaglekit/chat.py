@@ -648,6 +648,21 @@ def _finish(tokenizer: Any, rendered: list[_Rendered], marker: _Marker, bodies: 
     return ConversationSamples(samples, generated, trained)
 
 
+def tokenize_answer(tokenizer: Any, messages: Sequence[dict], answer: dict, *, tools: list | None = None,
+                    truncated: bool = False, template_kwargs: dict | None = None) -> tuple[int, TokenizedConversation]:
+    """A class-B sample: the prompt `messages` as the server rendered it, then `answer`, trained alone.
+
+    Earlier assistant turns inside the prompt (multi-turn context) are the dataset's, not the target's:
+    mask 0. Returns (prompt token count, the sample). truncated: the answer was cut at max_tokens.
+    """
+    layout, marker, template_messages, renderer, _ = _prepare(tokenizer, [*messages, answer], tools, template_kwargs)
+    prompt = renderer.prompt(template_messages[:-1])
+    turn = renderer.last(template_messages, prompt)
+    end = _span_end(turn, len(prompt), layout.end_of_turn, truncated)
+    rendered = _Rendered(turn[:end] if truncated else turn, [(len(prompt), end)])
+    return len(_tokenize_marked(tokenizer, prompt, marker)[0]), _sample(tokenizer, rendered, marker)
+
+
 def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *, tools: list | None = None,
                                     history: HistoryPolicy = "split", truncated: bool = False,
                                     template_kwargs: dict | None = None) -> ConversationSamples:

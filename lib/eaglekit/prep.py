@@ -39,7 +39,14 @@ from typing import IO, Any, Literal
 
 import pandas as pd
 
-from eaglekit.chat import ChatTemplateError, HistoryPolicy, prompt_token_count, template_family, tokenize_conversation
+from eaglekit.chat import (
+    ChatTemplateError,
+    HistoryPolicy,
+    prompt_token_count,
+    template_family,
+    tokenize_answer,
+    tokenize_conversation,
+)
 from eaglekit.io import InputError
 from eaglekit.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
 
@@ -319,8 +326,8 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
                   {"id": record_id, "source": spec.name, "messages": kept_messages, "meta": meta})
     if original_answers and original_answer is not None:
         try:
-            original = tokenize_conversation(tokenizer, [*kept_messages, original_answer], tools=tools,
-                                             template_kwargs=template_kwargs).samples[-1]
+            _, original = tokenize_answer(tokenizer, kept_messages, original_answer, tools=tools,
+                                          template_kwargs=template_kwargs)
         except ChatTemplateError as error:
             # The prompt is kept for regeneration; only the ablation loses this answer (listed, counted).
             if reject_answer is None:

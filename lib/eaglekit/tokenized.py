@@ -59,18 +59,16 @@ def _conversation_messages(conversation: dict) -> list[dict]:
 
 def _retokenize(tokenizer, conversation: dict, record: dict, template_kwargs: dict | None):
     """(prompt token count, the sample) of conversation + answer by the target's chat template."""
-    from eaglekit.chat import prompt_token_count, tokenize_conversation  # the chat module owns templates
+    from eaglekit.chat import tokenize_answer  # the chat module owns templates
 
-    messages = _conversation_messages(conversation)
-    tools = (conversation.get("meta") or {}).get("tools")
     answer = {"role": "assistant", "content": record.get("content") or ""}
     if record.get("reasoning"):
         answer["reasoning"] = record["reasoning"]
     if record.get("tool_calls"):
         answer["tool_calls"] = record["tool_calls"]
-    result = tokenize_conversation(tokenizer, [*messages, answer], tools=tools, truncated=bool(record.get("truncated")),
-                                   template_kwargs=template_kwargs)
-    return prompt_token_count(tokenizer, messages, tools=tools, template_kwargs=template_kwargs), result.samples[-1]
+    return tokenize_answer(tokenizer, _conversation_messages(conversation), answer,
+                           tools=(conversation.get("meta") or {}).get("tools"), truncated=bool(record.get("truncated")),
+                           template_kwargs=template_kwargs)
 
 
 def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource], tokenized_dir: str | Path,
