@@ -5,12 +5,18 @@ from __future__ import annotations
 import math
 
 import torch
-
-from eaglekit.draft_tree import TreeCandidates, accept_tree, grow_tree, path_to, select_tree, verification_mask
+from eaglekit.draft_tree import (
+    TreeCandidates,
+    accept_tree,
+    grow_tree,
+    path_to,
+    select_tree,
+    verification_mask,
+)
 
 
 def _candidates(tokens, scores, parents, depths) -> TreeCandidates:
-    as_long = lambda values: torch.tensor([values], dtype=torch.long)  # noqa: E731
+    as_long = lambda values: torch.tensor([values], dtype=torch.long)
     return TreeCandidates(tokens=as_long(tokens), scores=torch.tensor([scores]), parents=as_long(parents), depths=as_long(depths))
 
 

@@ -8,8 +8,6 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
 from eaglekit.cli import main
 from eaglekit.draft import build_draft_from_target, load_target_head_weights
 from eaglekit.evaluate import load_draft_for_target, read_prompts
@@ -17,6 +15,7 @@ from eaglekit.export import export_sglang, export_vllm
 from eaglekit.io import InputError
 from eaglekit.specdec import greedy_decode
 from eaglekit.vocab import select_draft_vocab
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -161,7 +160,6 @@ def heldout_samples(target, fitted):
 def test_tree_depths_from_captured_features_with_top_k_1_equal_the_chain_evaluation(embedded_model_dir, fitted, heldout_samples):
     """K = 1 from shards-style samples gives training's chain agreement exactly (same rows, same leading agreements)."""
     import numpy as np
-
     from eaglekit.topology import Topology
     from eaglekit.topology_sweep import tree_depths_by_dataset
     from eaglekit.training import per_position_agreement
@@ -178,7 +176,13 @@ def test_tree_depths_from_captured_features_with_top_k_1_equal_the_chain_evaluat
 def test_measured_topology_sweep(target, embedded_model_dir, exports, heldout_samples):
     """Real step costs on this machine, a small grid scored on the held-out samples, a recommendation."""
     from eaglekit.topology import Topology
-    from eaglekit.topology_sweep import measure_step_costs, pool_datasets, recommend, sweep_table, tree_depths_by_dataset
+    from eaglekit.topology_sweep import (
+        measure_step_costs,
+        pool_datasets,
+        recommend,
+        sweep_table,
+        tree_depths_by_dataset,
+    )
 
     draft = load_draft_for_target(exports[0], target)
     costs = measure_step_costs(target, draft, context_length=32, verify_tokens=(1, 8), draft_nodes=(1, 8), repeats=2)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from eaglekit.topology import Topology, parse_topologies
 
 
@@ -94,8 +93,13 @@ def test_sweep_table_and_recommendation():
 
     matplotlib.use("Agg")
     import numpy as np
-
-    from eaglekit.topology_sweep import StepCosts, default_topology_grid, plot_topology_sweep, recommend, sweep_table
+    from eaglekit.topology_sweep import (
+        StepCosts,
+        default_topology_grid,
+        plot_topology_sweep,
+        recommend,
+        sweep_table,
+    )
 
     costs = StepCosts(target_step_s=0.010, verify_base_s=0.011, verify_token_s=0.0002, draft_base_s=0.001, draft_node_s=0.0001)
     depths = {

@@ -46,7 +46,6 @@ from transformers.models.llama.modeling_llama import repeat_kv
 from eaglekit.draft import DraftKVCache
 from eaglekit.topology import Topology
 
-
 SGLANG_SLOTS = "sglang"
 ANCESTORS = "ancestors"
 DRAFT_ATTENTIONS = (SGLANG_SLOTS, ANCESTORS)

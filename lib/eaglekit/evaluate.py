@@ -32,7 +32,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from eaglekit.acceptance import bootstrap_accept_length, bootstrap_weights, chain_counts, percentile_interval, pooled_accept_length
+from eaglekit.acceptance import (
+    bootstrap_accept_length,
+    bootstrap_weights,
+    chain_counts,
+    percentile_interval,
+    pooled_accept_length,
+)
 from eaglekit.draft import Eagle3DraftModel
 from eaglekit.draft_tree import SGLANG_SLOTS
 from eaglekit.io import InputError, read_jsonl, write_json
@@ -270,8 +276,8 @@ def format_report(records: Sequence[dict]) -> str:
             + (f"; vLLM num_speculative_tokens {record['steps']})" if record["kind"] == "chain" else "; vLLM: chains only)"),
             f"   tau loop    {record['tau_loop']:.3f}  [{low:.3f}, {high:.3f}]   (accepted + bonus per verification, {record['verification_steps']} steps)",
             f"   tau server  {record['tau_server']:.3f}  [{server_low:.3f}, {server_high:.3f}]   (completion tokens / verification steps, as SGLang counts)",
-            f"   tau offline {record['tau_offline']:.3f}  [{offline_low:.3f}, {offline_high:.3f}]   ({record['offline_positions']} start rows of the greedy continuations;"
-            f" {100 * record['tau_offline_vs_loop']:+.1f}% vs loop)",
+            (f"   tau offline {record['tau_offline']:.3f}  [{offline_low:.3f}, {offline_high:.3f}]   ({record['offline_positions']} start rows of the "
+             f"greedy continuations; {100 * record['tau_offline_vs_loop']:+.1f}% vs loop)"),
             f"   lossless    {'yes: every output equals plain greedy decoding' if record['outputs_equal'] else 'NO: some outputs differ from plain greedy decoding'}",
             f"   tokens/s    {record['tokens_per_s']:.2f} speculative vs {record['greedy_tokens_per_s']:.2f} greedy ({record['speedup']:.2f}x)",
             "   prompt                 tokens  out  steps  tau_loop  tau_server  tau_offline  equal",

@@ -404,7 +404,7 @@ def tree_speculative_decode(
     capture_layer_ids = check_draft_fits_target(target, draft)
     _check_budget(target, len(prompt_ids), max_new_tokens, topology.steps)
     device = _device_of(target)
-    eos = set(int(token) for token in eos_token_ids)
+    eos = {int(token) for token in eos_token_ids}
     draft_to_target = draft.draft_to_target_ids().to(device)
     result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=topology.steps, topology=topology)
     started = time.perf_counter()

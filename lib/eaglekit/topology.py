@@ -49,26 +49,26 @@ class Topology:
 
     # -- constructors --------------------------------------------------------------------------------
     @classmethod
-    def chain(cls, steps: int) -> "Topology":
+    def chain(cls, steps: int) -> Topology:
         """A greedy chain of k draft steps (SGLang top-k 1, k + 1 draft tokens; vLLM num_speculative_tokens k)."""
         return cls(steps=steps)
 
     @classmethod
-    def tree(cls, steps: int, top_k: int, draft_tokens: int) -> "Topology":
+    def tree(cls, steps: int, top_k: int, draft_tokens: int) -> Topology:
         return cls(steps=steps, top_k=top_k, draft_tokens=draft_tokens)
 
     @classmethod
-    def from_vllm(cls, num_speculative_tokens: int) -> "Topology":
+    def from_vllm(cls, num_speculative_tokens: int) -> Topology:
         """vLLM's EAGLE-3 proposer drafts a chain of `num_speculative_tokens` tokens."""
         return cls.chain(num_speculative_tokens)
 
     @classmethod
-    def from_sglang(cls, num_steps: int, eagle_topk: int, num_draft_tokens: int) -> "Topology":
+    def from_sglang(cls, num_steps: int, eagle_topk: int, num_draft_tokens: int) -> Topology:
         """From SGLang's three server arguments; top-k 1 is a chain whatever T says (SGLang overrides it)."""
         return cls.chain(num_steps) if eagle_topk == 1 else cls.tree(num_steps, eagle_topk, num_draft_tokens)
 
     @classmethod
-    def parse(cls, text: str) -> "Topology":
+    def parse(cls, text: str) -> Topology:
         """"chain:3" or "tree:5,8,32" (S, K, T). A tree with K = 1 must say T = S + 1 and is a chain."""
         kind, _, rest = text.strip().partition(":")
         try:
@@ -124,7 +124,7 @@ class Topology:
         return {"topology": self.kind, "steps": self.steps, "top_k": self.top_k, "draft_tokens": self.draft_tokens}
 
     @classmethod
-    def from_dict(cls, record: dict) -> "Topology":
+    def from_dict(cls, record: dict) -> Topology:
         missing = [key for key in ("topology", "steps") if key not in record]
         if missing:
             raise ValueError(f"topology record {record!r} lacks {missing}; expected keys topology, steps, top_k, draft_tokens")

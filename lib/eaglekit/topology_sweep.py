@@ -31,7 +31,13 @@ import pandas as pd
 import torch
 from torch import nn
 
-from eaglekit.acceptance import bootstrap_accept_length, chain_counts, depth_agreement, percentile_interval, pooled_accept_length
+from eaglekit.acceptance import (
+    bootstrap_accept_length,
+    chain_counts,
+    depth_agreement,
+    percentile_interval,
+    pooled_accept_length,
+)
 from eaglekit.draft_tree import SGLANG_SLOTS, TreeKeyValues, offline_tree_depths_grid
 from eaglekit.topology import Topology
 
@@ -110,7 +116,12 @@ def measure_step_costs(
     from transformers import DynamicCache
 
     from eaglekit.draft import DraftKVCache
-    from eaglekit.specdec import _device_of, check_draft_fits_target, crop_target_cache, target_forward
+    from eaglekit.specdec import (
+        _device_of,
+        check_draft_fits_target,
+        crop_target_cache,
+        target_forward,
+    )
 
     capture_layer_ids = check_draft_fits_target(target, draft)
     device = _device_of(target)
@@ -212,7 +223,7 @@ def tree_depths_by_dataset(
         loss_mask = torch.as_tensor(sample["loss_mask"])[:length].bool().to(device)
         aux = torch.as_tensor(sample["aux_hidden_states"])[:length].to(device).to(draft.fc.weight.dtype)
         target_argmax = (torch.as_tensor(sample["final_hidden_states"])[:length].to(device).float() @ lm_head.T).argmax(-1)
-        rows = [t for t in range(0, length - 1 - deepest) if bool(loss_mask[t + 2 : t + 2 + deepest].all())]
+        rows = [t for t in range(length - 1 - deepest) if bool(loss_mask[t + 2 : t + 2 + deepest].all())]
         start_rows = torch.tensor(rows, dtype=torch.long, device=device)
         depths = offline_tree_depths_grid(draft, input_ids, aux, target_argmax, start_rows, list(topologies), draft_attention=draft_attention)
         dataset = str(sample.get("dataset", ""))
