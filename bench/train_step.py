@@ -151,7 +151,7 @@ class Variant:
         started = time.perf_counter()
         loss_total = 0.0
         for batch, rows in zip(self.batches, self.eligible):
-            step = lambda: self.step_fn(self.model, batch, rows, self.counts, self.head, self.ttt_steps)
+            step = lambda batch=batch, rows=rows: self.step_fn(self.model, batch, rows, self.counts, self.head, self.ttt_steps)
             with self.autocast():
                 if not timed and not cuda:  # the CPU warmup also counts what autograd keeps (compiled kernels skip hooks)
                     loss, saved = saved_for_backward_bytes(step)

@@ -54,7 +54,7 @@ def _training_device(params: Params) -> str:
     """Under torchrun each process takes the GPU of its LOCAL_RANK; otherwise the configured device."""
     device = params.training.device
     if device.startswith("cuda") and params.training.parallel != "none":
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return device
 
 
