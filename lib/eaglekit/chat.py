@@ -824,14 +824,19 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
     results since, where the turn follows tools. None when the template does not extend the prompt.
     """
     bodies = []
+    contexts: dict[str, tuple[str, str, int]] = {}  # every turn after a user turn shares the probe context
     for position, index in enumerate(indices):
         context = _small_context(template_messages, index)
         try:
-            prompt = renderer.prompt(context)
+            key = json.dumps(context, sort_keys=True, default=str)
+            if key not in contexts:
+                without = _render(renderer.tokenizer, _strip_private(context), False, renderer.tools,
+                                  renderer.kwargs)
+                results_from = len(_render(renderer.tokenizer, _strip_private(context[:2]), False, renderer.tools,
+                                           renderer.kwargs)) if len(context) > 2 else 0
+                contexts[key] = (renderer.prompt(context), without, results_from)
+            prompt, without, results_from = contexts[key]
             turn = renderer.last(context + [template_messages[index]], prompt)
-            without = _render(renderer.tokenizer, _strip_private(context), False, renderer.tools, renderer.kwargs)
-            results_from = len(_render(renderer.tokenizer, _strip_private(context[:2]), False, renderer.tools,
-                                       renderer.kwargs)) if len(context) > 2 else 0
         except ChatTemplateError:
             return None  # the small context is not legal for this template: the oracle decides
         if not turn.startswith(prompt):
