@@ -188,7 +188,7 @@ def test_plan_generation_measures_lengths_from_a_pilot_else_the_datasets_answers
         for index in range(10):  # ten answers of 50 tokens, one finished every second from t = 1000
             handle.write(json.dumps({"dataset": "ds", "id": f"p{index}", "partition": "short", "endpoint": "e",
                                      "latency_s": 1.0, "prompt_tokens": 25, "completion_tokens": 50,
-                                     "finished_at": 1001.0 + index, "content": "x"}) + "\n")
+                                     "finished_at": 1001.0 + index, "truncated": index == 0, "content": "x"}) + "\n")
     sections = {"target": {"model": "embedded:smollm2-135m-instruct", "config": SMOLLM2_135M},
                 "server": {"kv_cache_tokens": 4096},
                 "generation": {"partitions": [{"name": "short", "concurrency": 8, "max_tokens": 64}]}}
@@ -201,6 +201,7 @@ def test_plan_generation_measures_lengths_from_a_pilot_else_the_datasets_answers
     short = plan.partitions[0]
     assert plan.kv_pool_tokens == 4096  # the embedded server's bounded pool
     assert short.completion_source.startswith("pilot") and short.mean_completion_tokens == 50
+    assert "10% cut at the pilot's max_tokens: lengths are a lower bound" in short.completion_source
     assert short.expected_tokens_per_sequence == 25 + 51 / 2
     assert short.eta_seconds == pytest.approx(40 / (10 / 10.0))  # 10 answers in 10 s
     assert short.sequences_that_fit == 4096 // (58 + 64)

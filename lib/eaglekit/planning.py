@@ -69,9 +69,12 @@ def pilot_lengths(generation_dir: str | Path) -> dict[str, MeasuredLengths]:
         chosen = [row for row in rows if row["partition"] == partition]
         started = min(row["finished_at"] - row["latency_s"] for row in chosen)
         span = max(row["finished_at"] for row in chosen) - started
+        truncated = sum(bool(row.get("truncated")) for row in chosen) / len(chosen)
+        # Answers cut at the pilot's own max_tokens are lower bounds of what the run will generate.
+        caveat = f"; {truncated:.0%} cut at the pilot's max_tokens: lengths are a lower bound" if truncated > 0.05 else ""
         found[partition] = MeasuredLengths(
             [row["prompt_tokens"] for row in chosen], [row["completion_tokens"] for row in chosen],
-            f"pilot {Path(generation_dir).name} ({len(chosen)} answers)",
+            f"pilot {Path(generation_dir).parent.name or Path(generation_dir).name} ({len(chosen)} answers{caveat})",
             requests_per_second=len(chosen) / span if span > 0 else None)
     return found
 
