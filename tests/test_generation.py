@@ -501,6 +501,22 @@ def test_tools_and_tool_calls_sent_in_openai_shape_and_answers_kept(tmp_path):
     assert summary.datasets["ds"].flags["empty"] == 0 and "reasoning_without_answer" not in record["flags"]
 
 
+@pytest.mark.parametrize("conversation, field", [
+    ({"meta": {"tools": [{"parameters": {}}]}, "messages": [{"role": "user", "content": "q"}]}, r"meta.tools\[0\]"),
+    ({"meta": {"tools": "not json"}, "messages": [{"role": "user", "content": "q"}]}, "meta.tools"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+                                                      "tool_calls": [{"function": {}}]},
+                   {"role": "tool", "content": "r"}]}, r"messages\[1\].tool_calls\[0\].function.name"),
+])
+def test_bad_tools_name_file_line_and_field(tmp_path, conversation, field):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "ok", "messages": [{"role": "user", "content": "q"}]}) + "\n"
+                    + json.dumps({"id": "bad", **conversation}) + "\n")
+    with pytest.raises(ValueError, match=rf"prompts.jsonl:2: field '{field}'"):
+        generate([PromptSource("ds", "short", path)], [EndpointSpec("http://127.0.0.1:9/v1")], tmp_path / "out",
+                 [PartitionSettings("short", 1, 8)], **FAST)
+
+
 # -------------------------------------------------------------------------------------------------
 # Reading the log with bounded memory
 
