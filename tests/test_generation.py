@@ -234,6 +234,27 @@ def test_malformed_200s_are_retried_then_recorded_and_never_hang_the_run(tmp_pat
     assert (summary.datasets["ds"].done, summary.datasets["ds"].errors) == (len(MALFORMED_200S) + 1, 2)
 
 
+def test_a_client_bug_costs_one_prompt_never_the_slot(tmp_path, monkeypatch):
+    import eaglekit.endpoints as endpoints_module
+
+    real_parse = endpoints_module.parse_chat_response
+
+    def buggy(data):
+        if "boom" in json.dumps(data):
+            raise ZeroDivisionError("a bug in the client")
+        return real_parse(data)
+
+    monkeypatch.setattr(endpoints_module, "parse_chat_response", buggy)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["a", "boom", "b", "boom again", "c"])
+    with FaultEndpoint() as endpoint:
+        summary = within(30, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
+                         tmp_path / "out", [PartitionSettings("short", 1, 16)], **FAST)
+    errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert set(errors) == {"p1", "p3"} and errors["p1"]["kind"] == "client_error"
+    assert "ZeroDivisionError" in errors["p1"]["message"]
+    assert (summary.datasets["ds"].done, summary.datasets["ds"].errors) == (3, 2)
+
+
 def test_status_classes_only_request_faults_are_terminal_for_a_prompt(tmp_path):
     texts = ["a #fault:413", "b #fault:422", "c #fault:404x2", "d #fault:500x1", "e #fault:400"]
     prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
