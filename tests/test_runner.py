@@ -194,7 +194,10 @@ def test_a_dead_kernel_is_a_failed_stage_with_the_resume_command(tmp_path):
 
 def test_one_writer_per_run_folder_and_a_dead_runners_lock_is_taken_over(tmp_path):
     import os
+    import signal
     import time
+
+    from eaglekit.runs import RunFolderLock, RunLockedError
 
     params = scenario(tmp_path)
     first = start_runner(params, "--stages", "busy", "--run-id", "shared")
@@ -207,8 +210,17 @@ def test_one_writer_per_run_folder_and_a_dead_runners_lock_is_taken_over(tmp_pat
     assert f"in use by another eaglekit process (pid {first.pid} on" in second.stderr, second.stderr
     assert not (run_dir / "hello.txt").exists()  # the second runner wrote nothing
 
-    first.kill()  # kill -9 of the runner: its kernel (which shares the lock) outlives it for a moment
-    first.communicate()
+    # kill -9 of the runner while its kernel is held still: the kernel shares the lock, so the folder
+    # stays locked until it is gone too (it exits by itself once it runs and sees its parent gone).
+    os.kill(kernel_pid, signal.SIGSTOP)
+    try:
+        first.kill()
+        first.wait()  # not communicate(): the stopped kernel still holds the runner's output pipes
+        with pytest.raises(RunLockedError, match="still locked although its runner .* is gone: a stage kernel"):
+            RunFolderLock(run_dir).acquire(wait_for_orphans_s=0.5)
+    finally:
+        os.kill(kernel_pid, signal.SIGCONT)
+    first.communicate(timeout=30)  # the kernel sees its parent gone and exits, closing the pipes
     third = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello", "--run-id", "shared", "--resume")
     assert third.returncode == 0, third.stderr
     assert (run_dir / "hello.txt").read_text() == "fixture"
