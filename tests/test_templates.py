@@ -132,12 +132,10 @@ def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizer
         last = cut.samples[-1]
         assert last.loss_mask[-1] == 1 and last.input_ids[-1] != template_layout(tokenizer, kwargs).end_of_turn_id
     assert rejected <= (len(lengths) - 1 if name == "deepseek_r1" else 0)
-    # Only templates that move earlier text when the conversation goes on (Mistral's system prompt and
-    # tools go to the last user turn) may hand conversations to the oracle.
+    # Only a template that moves text it wrote earlier (Mistral: the system prompt while a user turn is
+    # last, the tools before the last user turn) hands conversations to the oracle.
     layout = template_layout(tokenizer, kwargs)
-    # DeepSeek-R1's history form differs from its prompts (the think opener), so a few conversations
-    # whose small-context body differs there go to the oracle.
-    if layout.stable_with_system and layout.stable_with_tools and name != "deepseek_r1":
+    if layout.stable_with_system and layout.stable_with_tools:
         assert fallbacks == 0
 
 

@@ -744,7 +744,9 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     layout, marker, template_messages, renderer, indices = _prepare(tokenizer, messages, tools, template_kwargs)
     unstable = (tools and not layout.stable_with_tools) or \
         (not layout.stable_with_system and any(message["role"] == "system" for message in messages))
-    # "visible" reads one rendering as it is, so a template that moves earlier text needs no oracle there.
+    # A template that moves text it wrote earlier (Mistral: the system prompt, only while a user turn is
+    # last; the tools, before the last user turn) changes the context of earlier turns in ways the
+    # spans do not show: the oracle decides those splits. "visible" reads one rendering as it is.
     bodies = None if unstable and history == "split" else \
         _generated_bodies(renderer, template_messages, indices, layout, truncated)
     if bodies is None:
