@@ -204,6 +204,8 @@ def test_local_slope_recovers_a_known_slope_per_doubling_and_counts_doublings():
     assert "5.0 more doublings" in text and "32x the largest" in text and "lower bound on the data needed" in text
     assert "320 samples were still improving" in slope.statement()
     assert slope.doublings_to(1.0) == (0.0, 0.0, 0.0)
+    far = slope.doublings_statement(1.34 + 0.06 * 25, "break-even")  # 25 doublings at +0.06
+    assert "25 more doublings" in far and "not a way to get there" in far and "x the largest" not in far
     flat = local_slope(sizes, np.full(5, 1.2), _paired_replicates(np.full(5, 1.2), rng))
     assert flat.slope == pytest.approx(0.0, abs=1e-12) and flat.doublings_to(2.0)[0] == math.inf
     assert "not shown to get there" in flat.doublings_statement(2.0)

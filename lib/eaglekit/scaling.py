@@ -425,6 +425,10 @@ def _slope_per_doubling(log2_sizes: np.ndarray, accept_lengths: np.ndarray) -> n
     return (accept_lengths - accept_lengths.mean(axis=-1, keepdims=True)) @ centered / float(centered @ centered)
 
 
+# Beyond this many doublings (a millionfold the data) a doublings count is reported as out of reach.
+FAR_DOUBLINGS = 20
+
+
 @dataclass(frozen=True)
 class LocalSlope:
     """Held-out tau gained per doubling of training data over the measured sizes, with a paired bootstrap.
@@ -490,6 +494,10 @@ class LocalSlope:
             return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g}: the measured slope is not "
                     "positive, so more data of this kind is not shown to get there.")
         upper = "never, within the interval (the slope's interval reaches zero)" if not math.isfinite(high) else f"{high:.1f}"
+        if point > FAR_DOUBLINGS:
+            return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take {point:.0f} more doublings "
+                    f"of data at the measured slope ({self.confidence:.0%} interval {low:.0f} to {upper}): more than {FAR_DOUBLINGS} doublings, "
+                    "over a millionfold the largest size. At this slope, more data of this kind is not a way to get there.")
         return (
             f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take {point:.1f} more doublings of "
             f"data at the measured slope ({self.confidence:.0%} interval {low:.1f} to {upper}), i.e. about {2.0 ** point:.3g}x the largest "
@@ -780,7 +788,7 @@ def plot_accept_length_vs_data_size(
                               arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.4})
     if benchmark is not None and len(benchmark):
         bench = benchmark.sort_values(size_column)
-        line = axes.plot(bench[size_column], bench["tau"], marker="s", linestyle="-.", color="tab:brown", linewidth=1.8, label=benchmark_label)[0]
+        line = axes.plot(bench[size_column], bench["tau"], marker="s", linestyle="-.", color="tab:cyan", linewidth=1.8, label=benchmark_label)[0]
         axes.fill_between(bench[size_column], bench["tau_low"], bench["tau_high"], color=line.get_color(), alpha=0.12)
     if slope is not None:
         grid = np.geomspace(float(slope.data_sizes[0]), float(slope.data_sizes[-1]), 50)
