@@ -272,7 +272,8 @@ def test_library_progress_lines_reach_the_runner_output_and_run_log(tmp_path):
     assert run_log.index("progress 3/3") < run_log.index("stage 07_progress: done")
     notebook = nbformat.read(run_dir / "07_progress.ipynb", as_version=4)
     shown = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
-    assert "progress 3/3 items" in shown  # and the executed notebook still shows them
+    assert shown.count("progress 3/3 items") == 1  # the executed notebook still shows them, once
+    assert result.stderr.count("progress 3/3 items") == 1 and run_log.count("progress 3/3 items") == 1
 
 
 def test_a_stage_that_ignores_the_stop_is_killed_after_the_grace_and_the_margin(tmp_path, monkeypatch):
