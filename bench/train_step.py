@@ -68,7 +68,7 @@ def padded_step(model, batch, eligible, counts, head, ttt_steps, naive: bool):
 
 
 def packed_step(model, batch, eligible, counts, head, ttt_steps):
-    targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d)
+    targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, lengths=batch.lengths.tolist())
     states = model(batch.input_ids, batch.aux_hidden_states, ttt_steps, batch.position_ids, batch.document_ids, return_normed_states=True)
     return chunked_ttt_loss(model, states, targets, eligible, counts, 0.8)[0]
 
@@ -212,7 +212,7 @@ def main() -> None:
     samples = make_samples(args.samples, args.max_length, config, args.seed)
     pack_tokens = args.pack_tokens
     padded = [collate(samples[start : start + args.micro_batch], args.max_length) for start in range(0, len(samples), args.micro_batch)]
-    packs = packed_micro_batches(samples, pack_tokens, args.max_length)
+    packs = packed_micro_batches(samples, pack_tokens, args.max_length, fixed_length=device.type == "cuda")
     lengths = [min(len(sample["input_ids"]), args.max_length) for sample in samples]
     tokens = sum(lengths)
     counted = int(sum(eligible_rows(batch, args.ttt_steps).sum() for batch in packs))

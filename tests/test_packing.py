@@ -113,7 +113,7 @@ def test_flex_attention_mask_equals_eager(world):
             torch.testing.assert_close(flex.attend(query, key, value, 0.25), eager.attend(query, key, value, 0.25), rtol=1e-4, atol=1e-5)
 
 
-def _loss_and_grads(model, batches, loss_fn, target):
+def _loss_and_grads(model, batches, loss_fn, target, lengths: bool = False):
     """Sum of a step's micro-batch losses and the parameter gradients, with global counts as training uses."""
     head = target.lm_head.weight.detach()
     eligible = [eligible_rows(batch, TTT_STEPS) for batch in batches]
@@ -121,7 +121,8 @@ def _loss_and_grads(model, batches, loss_fn, target):
     model.zero_grad(set_to_none=True)
     total, stats = torch.zeros(()), torch.zeros(TTT_STEPS, 4, dtype=torch.float64)
     for batch, rows in zip(batches, eligible):
-        targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=7)
+        targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=7,
+                                 lengths=batch.lengths.tolist() if lengths else None)
         loss, micro_stats = loss_fn(batch, targets, rows, counts)
         loss.backward()
         total, stats = total + loss.detach(), stats + micro_stats
@@ -171,6 +172,10 @@ def test_packing_gives_the_same_loss_and_gradients_as_padding(world):
     packs = packed_micro_batches(samples, 64, 64)
     assert len(packs) >= 2 and sum(int(pack.lengths.sum()) for pack in packs) == sum(len(sample["input_ids"]) for sample in samples)
     _assert_same(_loss_and_grads(model, packs, chunked_loss(model, 16), target), padded)
+    # Packs cut after their last sample (the CPU layout) and a teacher computed on real tokens only: the same.
+    trimmed = packed_micro_batches(samples, 64, 64, fixed_length=False)
+    assert all(pack.input_ids.shape[1] % 64 == 0 for pack in trimmed)
+    _assert_same(_loss_and_grads(model, trimmed, chunked_loss(model, 16), target, lengths=True), padded)
     # An empty pack (FSDP's placeholder) counts nothing and adds no gradient.
     empty = _loss_and_grads(model, [empty_pack(packs[0])], chunked_loss(model, 16), target)
     assert float(empty[0]) == 0.0 and all(float(grad.abs().sum()) == 0.0 for grad in empty[2].values())

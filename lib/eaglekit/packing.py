@@ -98,10 +98,19 @@ def empty_pack(like: Batch) -> Batch:
     )
 
 
-def packed_micro_batches(samples: Sequence[dict], pack_tokens: int, max_length: int) -> list[Batch]:
-    """One optimizer step's samples (this rank's share) as packs of pack_tokens: one Batch (1, pack_tokens) each."""
+def packed_micro_batches(samples: Sequence[dict], pack_tokens: int, max_length: int, fixed_length: bool = True) -> list[Batch]:
+    """One optimizer step's samples (this rank's share) as packs of pack_tokens: one Batch (1, pack_tokens) each.
+
+    fixed_length=False cuts each pack after its last sample, rounded up to a multiple of 64: the
+    tail's rows are not computed. That pays in eager mode (CPU); compiled GPU kernels want one shape.
+    """
     lengths = [sample_length(sample, max_length) for sample in samples]
-    return [pack_samples([samples[index] for index in pack], pack_tokens, max_length) for pack in assign_packs(lengths, pack_tokens)]
+    packs = []
+    for pack in assign_packs(lengths, pack_tokens):
+        used = sum(lengths[index] for index in pack)
+        row_tokens = pack_tokens if fixed_length else min(pack_tokens, -(-used // 64) * 64)
+        packs.append(pack_samples([samples[index] for index in pack], row_tokens, max_length))
+    return packs
 
 
 def padding_share(batches: Sequence[Batch]) -> float:

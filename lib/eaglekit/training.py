@@ -229,21 +229,26 @@ class TargetSignals:
 
 @torch.no_grad()
 def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, t2d: torch.Tensor,
-                   chunk_rows: int = 1024) -> TargetSignals:
+                   chunk_rows: int = 1024, lengths: Sequence[int] | None = None) -> TargetSignals:
     """final (B, T, H) @ lm_head (V, H)^T -> draft-vocab teacher, `chunk_rows` rows at a time.
 
     The full-vocab logits exist for one chunk only ((chunk, V) instead of (B, T, V): 2.7 GB for a 4K
-    pack of a 163,840-token vocab). Pass an fp32 head to skip a per-call cast.
+    pack of a 163,840-token vocab). Pass an fp32 head to skip a per-call cast. lengths (host ints, one
+    per row): only each row's first lengths[b] positions are computed (padding and pack tails are no
+    target of any counted row); the rest hold zeros.
     """
     batch, length, hidden = final_hidden_states.shape
     head = target_lm_head.float()
     flat = final_hidden_states.reshape(batch * length, hidden)
-    probs = torch.empty(batch * length, draft_to_target.shape[0], dtype=torch.float32, device=flat.device)
-    argmax = torch.empty(batch * length, dtype=torch.int64, device=flat.device)
-    for start in range(0, batch * length, chunk_rows):
-        logits = flat[start : start + chunk_rows].float() @ head.T  # (chunk, V)
-        argmax[start : start + chunk_rows] = logits.argmax(-1)
-        probs[start : start + chunk_rows] = torch.softmax(logits[:, draft_to_target], dim=-1)
+    probs = torch.zeros(batch * length, draft_to_target.shape[0], dtype=torch.float32, device=flat.device)
+    argmax = torch.zeros(batch * length, dtype=torch.int64, device=flat.device)
+    for row in range(batch):
+        stop = row * length + (length if lengths is None else int(lengths[row]))
+        for start in range(row * length, stop, chunk_rows):
+            end = min(start + chunk_rows, stop)
+            logits = flat[start:end].float() @ head.T  # (chunk, V)
+            argmax[start:end] = logits.argmax(-1)
+            probs[start:end] = torch.softmax(logits[:, draft_to_target], dim=-1)
     argmax = argmax.view(batch, length)
     return TargetSignals(probs=probs.view(batch, length, -1), argmax=argmax, in_draft=t2d[argmax])
 
@@ -508,7 +513,7 @@ def rank_packs(samples: Sequence[dict], settings: TrainSettings, device: torch.d
     """
     from eaglekit.packing import empty_pack, packed_micro_batches  # packing builds Batches: imported here to avoid a cycle
 
-    packs = packed_micro_batches(samples, settings.pack_tokens, settings.max_length)
+    packs = packed_micro_batches(samples, settings.pack_tokens, settings.max_length, fixed_length=device.type == "cuda")
     if settings.parallel == "fsdp":
         count = torch.tensor([len(packs)], device=device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -780,8 +785,9 @@ def train_draft(
         stats = torch.zeros(settings.ttt_steps, 4, dtype=torch.float64, device=device)
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         for micro, (batch, rows) in enumerate(zip(micro_batches, eligible)):
+            lengths = batch.lengths.tolist()  # host ints: the teacher skips padding without a device sync
             batch = batch.to(device)  # rows stay on the host: the loss picks its rows there (eaglekit.head_loss)
-            targets = target_signals(batch.final_hidden_states, target_lm_head, draft_to_target, t2d)
+            targets = target_signals(batch.final_hidden_states, target_lm_head, draft_to_target, t2d, lengths=lengths)
             last_micro = micro == len(micro_batches) - 1
             with _gradient_sync(wrapped, settings.parallel, last_micro), _autocast(device):
                 step_states = wrapped(batch.input_ids, batch.aux_hidden_states, settings.ttt_steps, batch.position_ids,
