@@ -512,9 +512,9 @@ def test_tools_and_tool_calls_sent_in_openai_shape_and_answers_kept(tmp_path):
         request = endpoint.server.last_request
     assert request["tools"] == [tools[0], {"type": "function", "function": tools[1]}]
     assistant, tool = request["messages"][1], request["messages"][2]
-    assert assistant["tool_calls"] == [{"id": "call_1_0", "type": "function",
+    assert assistant["tool_calls"] == [{"id": "call00100", "type": "function",
                                         "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]
-    assert tool == {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call_1_0"}
+    assert tool == {"role": "tool", "content": "{\"temp\": 21}", "tool_call_id": "call00100"}
     record = read_generations(tmp_path / "out")[("ds", "t0")]
     assert record["tool_calls"][0]["function"]["name"] == "get_weather" and record["content"] == ""
     assert record["reasoning"] == "Let me think." and record["reasoning_field"] == "reasoning_content"

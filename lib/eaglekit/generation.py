@@ -147,8 +147,9 @@ def _request_messages(messages: list[Any], path: Path, line: int) -> list[dict[s
         if tool_calls:
             if message["role"] != "assistant" or not isinstance(tool_calls, list):
                 raise InputError(path, line, f"{where}.tool_calls", "only an assistant message carries a list of tool calls")
+            # Fallback ids are 9 alphanumerics, the shape Mistral's template insists on (as prep writes them).
             out["tool_calls"] = [_tool_call_request(call, path, line, f"{where}.tool_calls[{number}]",
-                                                    f"call_{index}_{number}")
+                                                    f"call{index:03d}{number:02d}")
                                  for number, call in enumerate(tool_calls)]
         if message["role"] == "tool":
             for key in ("tool_call_id", "name"):

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglekit.generation import QUALITY_FLAGS, TRUNCATED_POLICIES, PromptSource, read_generations
+from eaglekit.generation import QUALITY_FLAGS, TRUNCATED_POLICIES, GenerationLog, PromptSource
 from eaglekit.io import InputError, read_jsonl, write_jsonl
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
     drop_flags = set(drop_flags)
     if unknown := drop_flags - set(QUALITY_FLAGS):
         raise ValueError(f"unknown drop_flags {sorted(unknown)}; known: {QUALITY_FLAGS}")
-    records = read_generations(output_dir)
+    records = GenerationLog(output_dir)  # byte offsets only: a multi-GB log is never held in memory
     tokenized_dir = Path(tokenized_dir)
     summary = TokenizedDataSummary(files={}, written={}, dropped={}, missing={}, from_token_ids=0,
                                    from_chat_template=0, compared=0, disagreements=0, disagreement_examples=[],
@@ -187,6 +187,7 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
         summary.rejected[dataset] = dict(rejected)
         summary.usage_checked[dataset] = checked
         summary.usage_disagreements[dataset] = disagree
+    records.close()
     write_jsonl(tokenized_dir / "rejects.jsonl", rejects)
     for dataset, checked in summary.usage_checked.items():
         disagree = summary.usage_disagreements[dataset]
