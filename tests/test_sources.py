@@ -10,14 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from eaglekit.io import InputError
+from eaglekit.packaged_datasets import fetch_llamafactory_data, packaged_files
+from eaglekit.record_readers import iter_json_records
 from eaglekit.sources import (
     Reject,
     SourceRecord,
     SourceSpec,
-    fetch_llamafactory_data,
-    iter_json_records,
     iter_source,
-    packaged_files,
     prompt_messages,
 )
 
@@ -101,7 +100,8 @@ def test_packaged_schemas_on_fixtures_chitchat_tooltalk_humaneval_asdiv():
     assert [g.meta["conversation_id"] for g in good] == ["conv-a", "conv-b"]
     assert good[0].messages[0] == {"role": "user", "content": "Hello\nHow are you?"}
     assert roles(good[0]) == ["user", "assistant", "user"]
-    from eaglekit.sources import RecordLocation, adapt_tooltalk
+    from eaglekit.format_adapters import adapt_tooltalk
+    from eaglekit.record_readers import RecordLocation
     document = json.loads((DATA / "tooltalk_conversation.json").read_text())
     adapted = adapt_tooltalk(document, RecordLocation("x", 1, 1))
     assert [m["role"] for m in adapted.messages] == ["user", "assistant", "tool", "assistant", "user"]
@@ -127,8 +127,8 @@ def test_truncated_json_yields_complete_records_and_reports_torn_tail():
 
 
 def test_json_reader_survives_chunk_boundaries(tmp_path, monkeypatch):
-    import eaglekit.sources as sources
-    monkeypatch.setattr(sources, "_CHUNK_CHARS", 7)  # every record, string and \\u escape spans chunks
+    import eaglekit.record_readers as record_readers
+    monkeypatch.setattr(record_readers, "_CHUNK_CHARS", 7)  # every record, string and \\u escape spans chunks
     values = [{"text": "caf\u00e9 \\u00e9 \"quoted\"", "n": i, "emoji": "🎉"} for i in range(20)]
     path = tmp_path / "a.json"
     path.write_text(json.dumps(values, indent=1), encoding="utf-8")
@@ -226,7 +226,7 @@ def test_missing_llamafactory_data_says_how_to_fetch(tmp_path, monkeypatch):
 
 
 def test_hermes_text_tool_calls_are_parsed_into_the_structure():
-    from eaglekit.sources import structure_tool_calls
+    from eaglekit.format_adapters import structure_tool_calls
 
     messages = structure_tool_calls([
         {"role": "user", "content": "Weather in Paris and Rome?"},
@@ -282,14 +282,14 @@ def test_reasoning_record_with_an_unexpected_key_is_a_record_reject(tmp_path):
 
 
 def test_an_adapter_crash_is_a_record_reject_naming_file_and_line(tmp_path, monkeypatch):
-    import eaglekit.sources as sources
+    import eaglekit.format_adapters as format_adapters
 
     def broken(record, location):
         if record["instruction"] == "boom":
             raise KeyError("conversations")
-        return sources.adapt_alpaca(record, location)
+        return format_adapters.adapt_alpaca(record, location)
 
-    monkeypatch.setitem(sources.ADAPTERS, "alpaca", broken)
+    monkeypatch.setitem(format_adapters.ADAPTERS, "alpaca", broken)
     path = tmp_path / "a.jsonl"
     path.write_text("".join(json.dumps({"instruction": text, "output": "x"}) + "\n" for text in ("a", "boom", "c")))
     good, bad = records(SourceSpec(name="a", format="alpaca", path=str(path)))

@@ -48,7 +48,7 @@ def _resolve(args: argparse.Namespace) -> int:
 def _fetch_data(args: argparse.Namespace) -> int:
     """Set-up step: convert the embedded model once and fetch the data that ships only in sdists."""
     from eaglekit.models import resolve_model
-    from eaglekit.sources import fetch_llamafactory_data
+    from eaglekit.packaged_datasets import fetch_llamafactory_data
 
     print(f"embedded model: {resolve_model('embedded:smollm2-135m-instruct')}")
     print(f"llamafactory data: {fetch_llamafactory_data()}")
