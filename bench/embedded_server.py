@@ -13,7 +13,7 @@ import time
 import openai
 
 from eaglekit.models import resolve_model
-from eaglekit.server import EmbeddedServer, ServerSettings
+from eaglekit.embedded_server import EmbeddedServer, ServerSettings
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a Python function that reverses a list.",

@@ -39,7 +39,7 @@ import openai
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from eaglekit.endpoints import EndpointSpec  # noqa: E402
+from eaglekit.endpoint_client import EndpointSpec  # noqa: E402
 from eaglekit.generation import PartitionSettings, PromptSource, generate, read_generations  # noqa: E402
 
 
@@ -151,7 +151,7 @@ def bench_overhead(workdir: Path, requests: int, concurrency: int) -> None:
 def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
     try:
         from eaglekit.models import resolve_model
-        from eaglekit.server import EmbeddedServer
+        from eaglekit.embedded_server import EmbeddedServer
         model_dir = resolve_model("embedded:smollm2-135m-instruct")
     except Exception as error:  # the embedded model is optional for this bench
         print(f"[3] embedded server skipped: {type(error).__name__}: {error}")
@@ -175,7 +175,7 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
     from eaglekit.capacity import length_plan, sequences_that_fit
     from eaglekit.models import resolve_model
     from eaglekit.planning import pilot_lengths
-    from eaglekit.server import EmbeddedServer, ServerSettings
+    from eaglekit.embedded_server import EmbeddedServer, ServerSettings
 
     model_dir = resolve_model("embedded:smollm2-135m-instruct")
     context = "Background: " + " ".join(f"fact {index} is about item {index * 7}." for index in range(20))

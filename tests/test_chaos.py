@@ -183,7 +183,7 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
     reference_port = free_port()
     reference_endpoint = start_endpoint(reference_port)
     try:
-        from eaglekit.endpoints import EndpointSpec
+        from eaglekit.endpoint_client import EndpointSpec
 
         reference = generate(source, [EndpointSpec(f"http://127.0.0.1:{reference_port}/v1", model="fault-model", name="fault")],
                              tmp_path / "reference", partitions, temperature=0.0, retry=retry, log_interval_s=60.0,

@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 
-from eaglekit.endpoints import (  # noqa: E402
+from eaglekit.endpoint_client import (  # noqa: E402
     Endpoint, EndpointAuthError, EndpointPool, EndpointSpec, TransientError, parse_chat_response, parse_retry_after)
 from eaglekit.generation import (  # noqa: E402
     GenerationLog, PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, generation_table,
@@ -235,7 +235,7 @@ def test_malformed_200s_are_retried_then_recorded_and_never_hang_the_run(tmp_pat
 
 
 def test_a_client_bug_costs_one_prompt_never_the_slot(tmp_path, monkeypatch):
-    import eaglekit.endpoints as endpoints_module
+    import eaglekit.endpoint_client as endpoints_module
 
     real_parse = endpoints_module.parse_chat_response
 
@@ -689,7 +689,7 @@ def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server
 
 @pytest.mark.slow
 def test_embedded_server_stopped_and_restarted_mid_run(tmp_path, embedded_model_dir):
-    from eaglekit.server import EmbeddedServer
+    from eaglekit.embedded_server import EmbeddedServer
 
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"Give one word for the number {i}." for i in range(6)])
     server = EmbeddedServer(embedded_model_dir, log_path=tmp_path / "server.log").start()

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from eaglekit.server import EmbeddedServer, ServerError
+from eaglekit.embedded_server import EmbeddedServer, ServerError
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_server_dies_with_a_killed_parent(embedded_model_dir, tmp_path):
     import time
 
     code = (
-        "import sys, time; from eaglekit.server import EmbeddedServer;"
+        "import sys, time; from eaglekit.embedded_server import EmbeddedServer;"
         "s = EmbeddedServer(sys.argv[1]).start(); print(s._process.pid, flush=True); time.sleep(600)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code, str(embedded_model_dir)], stdout=subprocess.PIPE, text=True)

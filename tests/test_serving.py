@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from fixtures.serving import replay_server as replay
-from eaglekit.serving import (
+from eaglekit.live_serving import (
     get_sglang_server_info,
     measure_sglang,
     measure_vllm,

@@ -19,7 +19,7 @@ from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 from test_templates import fixture_tokenizer  # noqa: E402
 
 from eaglekit.chat import prompt_token_count, tokenize_conversation  # noqa: E402
-from eaglekit.endpoints import EndpointSpec  # noqa: E402
+from eaglekit.endpoint_client import EndpointSpec  # noqa: E402
 from eaglekit.generation import PartitionSettings, PromptSource, RetryPolicy, generate, read_generations  # noqa: E402
 from eaglekit.io import InputError, read_jsonl  # noqa: E402
 from eaglekit.tokenized import UsageMismatchError, build_tokenized_data  # noqa: E402

@@ -57,7 +57,7 @@ def _fetch_data(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from eaglekit.models import resolve_model
-    from eaglekit.server import EmbeddedServer
+    from eaglekit.embedded_server import EmbeddedServer
 
     with EmbeddedServer(resolve_model(args.model), port=args.port) as server:
         print(f"serving {args.model} at {server.base_url} (model name {server.model_name!r}); Ctrl-C stops", flush=True)

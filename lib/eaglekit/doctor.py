@@ -333,7 +333,7 @@ def run_doctor(
             findings.extend(check_draft_config(draft_config, target, capture_layers))
             findings.extend(check_draft_weights(draft_dir / "model.safetensors", draft_config))
     if endpoint is not None:
-        from eaglekit.serving import get_sglang_server_info
+        from eaglekit.live_serving import get_sglang_server_info
 
         try:
             info = get_sglang_server_info(endpoint, timeout)

@@ -2,7 +2,7 @@
 
 The engine keeps each partition's concurrency full: a new request starts the moment one finishes
 (never waves that wait for their slowest member), partitions run in the order given (default short,
-then long), and requests go to the least busy healthy endpoint (`eaglekit.endpoints`).
+then long), and requests go to the least busy healthy endpoint (`eaglekit.endpoint_client`).
 
 Files in output_dir, all append-only JSONL (torn last line repaired on open):
 - generations.jsonl: one record per finished prompt (truncated ones included, flagged). Its small
@@ -46,7 +46,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from eaglekit.endpoints import (
+from eaglekit.endpoint_client import (
     ChatAnswer,
     Endpoint,
     EndpointAuthError,

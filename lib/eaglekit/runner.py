@@ -373,7 +373,7 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
                 lock: RunFolderLock, kernel_name: str) -> Path:
     from traitlets.config import Config
 
-    from eaglekit.server import serving_endpoints
+    from eaglekit.embedded_server import serving_endpoints
 
     (run_dir / "figures").mkdir(exist_ok=True)
     logger = _logger(run_dir)
