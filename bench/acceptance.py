@@ -28,10 +28,11 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from eaglekit.checkpoint_evaluation import evaluate_speculative_loop
 from eaglekit.draft import DraftConfig, Eagle3DraftModel, build_draft_from_target, load_target_head_weights
 from eaglekit.models import resolve_model
 from eaglekit.evaluate import evaluate_draft
-from eaglekit.specdec import OracleDraft, evaluate_speculative_loop, greedy_decode, speculative_decode, tree_speculative_decode
+from eaglekit.specdec import OracleDraft, greedy_decode, speculative_decode, tree_speculative_decode
 from eaglekit.topology import Topology
 from eaglekit.vocab import default_draft_vocab_size, select_draft_vocab
 

@@ -43,7 +43,7 @@ from eaglekit.config import load_params
 from eaglekit.draft import build_draft_from_target, load_target_head_weights
 from eaglekit.models import load_tokenizer, resolve_model
 from eaglekit.shards import ShardDataset
-from eaglekit.specdec import offline_agreements_by_dataset
+from eaglekit.checkpoint_evaluation import offline_agreements_by_dataset
 from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, load_draft_weights, stratified_order, train_draft
 from eaglekit.vocab import count_generated_tokens, select_draft_vocab
 

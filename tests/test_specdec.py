@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eaglekit.acceptance import chain_counts, pooled_accept_length
+from eaglekit.checkpoint_evaluation import evaluate_speculative_loop
 from eaglekit.draft import Eagle3DraftModel, build_draft_from_target, load_target_head_weights
 from eaglekit.specdec import (
     OracleDraft,
     accept,
-    evaluate_speculative_loop,
     greedy_decode,
     offline_chain_agreement,
     offline_tree_acceptance,
@@ -238,7 +238,7 @@ def test_draft_for_another_target_fails_fast(target, random_draft, prompts):
 
 
 def test_load_draft_checkpoint_round_trips_a_training_checkpoint(tmp_path, embedded_model_dir, fitted_draft):
-    from eaglekit.specdec import load_draft_checkpoint
+    from eaglekit.checkpoint_evaluation import load_draft_checkpoint
     from eaglekit.training import TrainSettings, save_checkpoint
 
     state = {name: tensor for name, tensor in fitted_draft.state_dict().items() if not name.startswith("embed_tokens.")}
@@ -255,7 +255,7 @@ def test_load_draft_checkpoint_round_trips_a_training_checkpoint(tmp_path, embed
 
 
 def test_heldout_prompts_cut_before_the_first_generated_token():
-    from eaglekit.specdec import heldout_prompts, prompt_before_first_answer
+    from eaglekit.checkpoint_evaluation import heldout_prompts, prompt_before_first_answer
 
     assert prompt_before_first_answer([5, 6, 7, 8, 9], [0, 0, 1, 1, 0]) == [5, 6]
     samples = [
@@ -269,7 +269,7 @@ def test_heldout_prompts_cut_before_the_first_generated_token():
 
 
 def test_offline_agreements_group_by_dataset_in_sample_order(target, fitted_draft, prompts, references, embedded_model_dir):
-    from eaglekit.specdec import offline_agreements_by_dataset
+    from eaglekit.checkpoint_evaluation import offline_agreements_by_dataset
 
     samples = []
     for index, (prompt, output) in enumerate(zip(prompts, references)):

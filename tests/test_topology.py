@@ -14,7 +14,7 @@ def test_chain_and_tree_round_trip_through_text_and_records():
     for topology in (chain, tree):
         assert Topology.parse(str(topology)) == topology
         assert Topology.from_dict(topology.to_dict()) == topology
-    # The record uses the keys notebook 06 and specdec.summarize already write.
+    # The record uses the keys notebook 06 and checkpoint_evaluation.summarize already write.
     assert chain.to_dict() == {"topology": "chain", "steps": 3, "top_k": 1, "draft_tokens": 4}
     assert Topology.chain(3) == Topology(3) == Topology.from_vllm(3) == Topology.from_sglang(3, 1, 99)
 

@@ -120,7 +120,7 @@ class Topology:
 
     # -- records -------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The four columns every tau row carries (the keys notebook 06 and `specdec.summarize` use)."""
+        """The four columns every tau row carries (the keys notebook 06 and `checkpoint_evaluation.summarize` use)."""
         return {"topology": self.kind, "steps": self.steps, "top_k": self.top_k, "draft_tokens": self.draft_tokens}
 
     @classmethod
