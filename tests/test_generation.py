@@ -721,5 +721,37 @@ def test_embedded_server_stopped_and_restarted_mid_run(tmp_path, embedded_model_
     assert set(ids_once(tmp_path / "out").values()) == {1}
 
 
+# -------------------------------------------------------------------------------------------------
+# Settings from params: every field comes from config.py, none is copied by hand
+
+def test_settings_build_themselves_from_params(monkeypatch):
+    from dataclasses import fields
+
+    from eaglekit.config import GenerationParams, params_from_sections
+    from eaglekit.generation import DEFAULT_RETRY
+
+    monkeypatch.setenv("EAGLEKIT_TEST_KEY", "sk-test")
+    params = params_from_sections({
+        "generation": {"partitions": [{"name": "long", "concurrency": 3, "max_tokens": 77}],
+                       "max_attempts": 5, "backoff_base_s": 0.25, "backoff_max_s": 9.0},
+        "endpoints": [{"url": "http://10.0.0.5:30000/v1/", "model": "m", "api_key_env": "EAGLEKIT_TEST_KEY"},
+                      {"url": "http://10.0.0.6:30000/v1", "name": "b"}],
+    })
+    assert [PartitionSettings.from_params(p) for p in params.generation.partitions] == [PartitionSettings("long", 3, 77)]
+    # Every RetryPolicy field is the params field of the same name (a field added to one side only fails here).
+    retry = RetryPolicy.from_params(params.generation)
+    assert {f.name: getattr(retry, f.name) for f in fields(RetryPolicy)} == {
+        f.name: getattr(params.generation, f.name) for f in fields(RetryPolicy)} == {
+        "max_attempts": 5, "backoff_base_s": 0.25, "backoff_max_s": 9.0}
+    assert DEFAULT_RETRY == RetryPolicy.from_params(GenerationParams())
+    first, second = (EndpointSpec.from_params(e) for e in params.endpoints)
+    assert first == EndpointSpec(base_url="http://10.0.0.5:30000/v1", model="m", api_key="sk-test",
+                                 name="http://10.0.0.5:30000/v1", api_key_env="EAGLEKIT_TEST_KEY")
+    assert second == EndpointSpec(base_url="http://10.0.0.6:30000/v1", model=None, api_key="EMPTY", name="b")
+    monkeypatch.delenv("EAGLEKIT_TEST_KEY")
+    with pytest.raises(ValueError, match="EAGLEKIT_TEST_KEY is not set"):
+        EndpointSpec.from_params(params.endpoints[0])
+
+
 if __name__ == "__main__":
     run_client(sys.argv[1])

@@ -39,6 +39,8 @@ import aiohttp
 import httpx2
 import openai
 
+from eaglekit.config import EndpointParams
+
 logger = logging.getLogger(__name__)
 
 AUTH_STATUS_CODES = frozenset({401, 403})
@@ -60,6 +62,13 @@ class EndpointSpec:
     api_key: str = "EMPTY"
     name: str | None = None
     api_key_env: str | None = None
+
+    @classmethod
+    def from_params(cls, endpoint: EndpointParams) -> EndpointSpec:
+        """One endpoint of params `endpoints` (or the embedded server's): the key read from its environment
+        variable now, the label as the name."""
+        return cls(base_url=endpoint.url, model=endpoint.model, api_key=endpoint.api_key(), name=endpoint.label,
+                   api_key_env=endpoint.api_key_env)
 
     @property
     def label(self) -> str:

@@ -46,6 +46,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from eaglekit.config import GenerationParams, PartitionParams
 from eaglekit.endpoint_client import (
     ChatAnswer,
     Endpoint,
@@ -98,17 +99,32 @@ class PartitionSettings:
     concurrency: int
     max_tokens: int
 
+    @classmethod
+    def from_params(cls, partition: PartitionParams) -> PartitionSettings:
+        """One partition of params `generation.partitions`."""
+        return cls(partition.name, partition.concurrency, partition.max_tokens)
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Transient failures retry with full-jitter exponential backoff: uniform(0, min(max, base x 2^(n-1)))."""
+    """Transient failures retry with full-jitter exponential backoff: uniform(0, min(max, base x 2^(n-1))).
 
-    max_attempts: int = 8
-    backoff_base_s: float = 1.0
-    backoff_max_s: float = 60.0
+    No defaults here: they live in `config.GenerationParams` (`DEFAULT_RETRY` is built from them)."""
+
+    max_attempts: int
+    backoff_base_s: float
+    backoff_max_s: float
+
+    @classmethod
+    def from_params(cls, generation: GenerationParams) -> RetryPolicy:
+        """The retry settings of params `generation` (max_attempts, backoff_base_s, backoff_max_s)."""
+        return cls(generation.max_attempts, generation.backoff_base_s, generation.backoff_max_s)
 
     def backoff_seconds(self, attempt: int, rng: random.Random) -> float:
         return rng.uniform(0.0, min(self.backoff_max_s, self.backoff_base_s * 2 ** (attempt - 1)))
+
+
+DEFAULT_RETRY = RetryPolicy.from_params(GenerationParams())
 
 
 @dataclass(frozen=True)
@@ -597,7 +613,7 @@ class GenerationEngine:
     def __init__(self, sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
                  partitions: Sequence[PartitionSettings], *, temperature: float | None = None,
                  top_p: float | None = None, extra_body: dict[str, Any] | None = None,
-                 retry: RetryPolicy = RetryPolicy(), request_timeout_s: float = 3600.0, retry_errors: bool = True,
+                 retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
                  log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
                  progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
                  probe_wait_s: float = 60.0, seed: int = 0):
@@ -1045,7 +1061,7 @@ class _Terminated(BaseException):
 
 def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
              partitions: Sequence[PartitionSettings], *, temperature: float | None = None, top_p: float | None = None,
-             extra_body: dict[str, Any] | None = None, retry: RetryPolicy = RetryPolicy(),
+             extra_body: dict[str, Any] | None = None, retry: RetryPolicy = DEFAULT_RETRY,
              request_timeout_s: float = 3600.0, retry_errors: bool = True, log_interval_s: float = 60.0,
              flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0, progress_bar: bool = True,
              health_interval_s: float = 5.0, unhealthy_after: int = 3, probe_wait_s: float = 60.0,
