@@ -85,6 +85,8 @@ class FaultServer:
     last_headers: dict = field(default_factory=dict)   # of the last chat completion, names lower-cased
     last_request: dict = field(default_factory=dict)   # the last chat completion's JSON body
     control_headers: list = field(default_factory=list)  # (path, authorization) of GET requests
+    in_flight: int = 0             # chat completions being answered now
+    peak_in_flight: int = 0        # the most answered at once
 
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -146,7 +148,12 @@ class FaultServer:
         if match := DIRECTIVE.search(prompt):
             kind, count = match.group(1), int(match.group(2)) if match.group(2) else None
         if (sleep := SLEEP.search(prompt)) is not None:
-            await asyncio.sleep(float(sleep.group(1)))
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            try:
+                await asyncio.sleep(float(sleep.group(1)))
+            finally:
+                self.in_flight -= 1
         failing = kind is not None and (count is None or attempt <= count)
         if failing and kind in TRANSIENT_STATUSES:
             headers = {}

@@ -580,6 +580,18 @@ def test_least_in_flight_routing_and_dead_endpoint_skipped(tmp_path):
     assert set(used) == {first.base_url, second.base_url}
 
 
+def test_an_endpoints_own_concurrency_caps_its_in_flight_requests(tmp_path):
+    """params `endpoints[].concurrency` bounds that endpoint alone; the other takes the rest of the partition's."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.05" for i in range(24)])
+    with FaultEndpoint() as capped, FaultEndpoint() as free:
+        endpoints = [EndpointSpec(capped.base_url, concurrency=1), EndpointSpec(free.base_url)]
+        summary = generate([PromptSource("ds", "short", prompts)], endpoints, tmp_path / "out",
+                           [PartitionSettings("short", 6, 16)], **FAST)
+        peaks = (capped.server.peak_in_flight, free.server.peak_in_flight)
+    assert summary.datasets["ds"].done == 24
+    assert peaks[0] == 1 and peaks[1] > 1, peaks
+
+
 def start_fault_process(port: int, *args: str) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, str(Path(__file__).parent / "fault_endpoint.py"), "--port", str(port), *args],
                                stdout=subprocess.PIPE, text=True)
@@ -735,7 +747,7 @@ def test_settings_build_themselves_from_params(monkeypatch):
         "generation": {"partitions": [{"name": "long", "concurrency": 3, "max_tokens": 77}],
                        "max_attempts": 5, "backoff_base_s": 0.25, "backoff_max_s": 9.0},
         "endpoints": [{"url": "http://10.0.0.5:30000/v1/", "model": "m", "api_key_env": "EAGLEKIT_TEST_KEY"},
-                      {"url": "http://10.0.0.6:30000/v1", "name": "b"}],
+                      {"url": "http://10.0.0.6:30000/v1", "name": "b", "concurrency": 2}],
     })
     assert [PartitionSettings.from_params(p) for p in params.generation.partitions] == [PartitionSettings("long", 3, 77)]
     # Every RetryPolicy field is the params field of the same name (a field added to one side only fails here).
@@ -747,7 +759,8 @@ def test_settings_build_themselves_from_params(monkeypatch):
     first, second = (EndpointSpec.from_params(e) for e in params.endpoints)
     assert first == EndpointSpec(base_url="http://10.0.0.5:30000/v1", model="m", api_key="sk-test",
                                  name="http://10.0.0.5:30000/v1", api_key_env="EAGLEKIT_TEST_KEY")
-    assert second == EndpointSpec(base_url="http://10.0.0.6:30000/v1", model=None, api_key="EMPTY", name="b")
+    assert second == EndpointSpec(base_url="http://10.0.0.6:30000/v1", model=None, api_key="EMPTY", name="b",
+                                  concurrency=2)
     monkeypatch.delenv("EAGLEKIT_TEST_KEY")
     with pytest.raises(ValueError, match="EAGLEKIT_TEST_KEY is not set"):
         EndpointSpec.from_params(params.endpoints[0])

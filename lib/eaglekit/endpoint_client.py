@@ -55,6 +55,8 @@ class EndpointSpec:
 
     name: the label in records and log lines (params `endpoints[].name`; default the URL).
     api_key_env: the environment variable the key came from, named in an authentication error.
+    concurrency: the most requests in flight on this endpoint (params `endpoints[].concurrency`);
+        None: the partition's concurrency.
     """
 
     base_url: str
@@ -62,13 +64,14 @@ class EndpointSpec:
     api_key: str = "EMPTY"
     name: str | None = None
     api_key_env: str | None = None
+    concurrency: int | None = None
 
     @classmethod
     def from_params(cls, endpoint: EndpointParams) -> EndpointSpec:
         """One endpoint of params `endpoints` (or the embedded server's): the key read from its environment
         variable now, the label as the name."""
         return cls(base_url=endpoint.url, model=endpoint.model, api_key=endpoint.api_key(), name=endpoint.label,
-                   api_key_env=endpoint.api_key_env)
+                   api_key_env=endpoint.api_key_env, concurrency=endpoint.concurrency)
 
     @property
     def label(self) -> str:
@@ -439,7 +442,8 @@ class EndpointPool:
     def _pick(self, limit: int) -> Endpoint | None:
         now = time.monotonic()
         candidates = [endpoint for endpoint in self.endpoints
-                      if endpoint.healthy and endpoint.capabilities is not None and endpoint.in_flight < limit
+                      if endpoint.healthy and endpoint.capabilities is not None
+                      and endpoint.in_flight < min(limit, endpoint.spec.concurrency or limit)
                       and endpoint.paused_until <= now]
         return min(candidates, key=lambda endpoint: endpoint.in_flight, default=None)
 
@@ -456,7 +460,7 @@ class EndpointPool:
                 waiter.set_result(None)
 
     async def acquire(self, limit: int, stop: asyncio.Event | None = None) -> Endpoint | None:
-        """Wait for a slot (in_flight < limit) on a healthy endpoint; take it on the least busy one.
+        """Wait for a slot (in_flight < limit and the endpoint's own cap) on a healthy endpoint; take it on the least busy one.
 
         Returns None once `stop` is set (call `notify` after setting it to wake waiters).
         """
