@@ -154,3 +154,21 @@ class AppendLog:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def pid_alive(pid: Any) -> bool:
+    """Whether a process with this pid lives on this machine (a zombie does not count; not ours to know: alive)."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (dead, not yet reaped by its parent) answers kill(0) but holds no files.
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

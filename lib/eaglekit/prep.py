@@ -47,7 +47,7 @@ from eaglekit.chat import (
     tokenize_answer,
     tokenize_conversation,
 )
-from eaglekit.io import InputError
+from eaglekit.io import InputError, pid_alive
 from eaglekit.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
 
 BadInputPolicy = Literal["skip", "fail"]
@@ -146,19 +146,9 @@ def _remove_stale_staging(out_dir: Path) -> None:
         if match is None or not path.is_dir():
             continue
         pid = int(match.group(1))
-        if pid != os.getpid() and _alive(pid):
+        if pid != os.getpid() and pid_alive(pid):
             continue
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _swap_into_place(staging: Path, out_dir: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglekit.config import Params, repo_path
-from eaglekit.io import AppendLog, write_json
+from eaglekit.io import AppendLog, pid_alive, write_json
 from eaglekit.paths import REPO_ROOT
 
 RECORDED_PACKAGES = (
@@ -168,7 +168,7 @@ class RunFolderLock:
                 break
             except BlockingIOError:
                 holder = self.holder()
-                runner_alive = holder.get("host") != socket.gethostname() or _pid_alive(holder.get("pid"))
+                runner_alive = holder.get("host") != socket.gethostname() or pid_alive(holder.get("pid"))
                 if runner_alive or time.monotonic() > deadline:
                     os.close(fd)
                     raise RunLockedError(self._describe(holder, runner_alive)) from None
@@ -200,23 +200,6 @@ class RunFolderLock:
 
     def __exit__(self, *exc_info) -> None:
         self.release()
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (dead, not yet reaped by its parent) answers kill(0) but holds no files.
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _outcome_path(run_dir: Path, stage: str) -> Path:
