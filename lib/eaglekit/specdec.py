@@ -285,6 +285,31 @@ def _truncate(tokens: list[int], room: int, eos: set[int]) -> tuple[list[int], b
 
 
 @torch.inference_mode()
+def _prefill(
+    target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], capture_layer_ids: Sequence[int],
+    max_new_tokens: int, eos: set[int], result: SpeculativeResult,
+) -> tuple[DynamicCache, DraftKVCache, int, torch.Tensor, torch.Tensor] | None:
+    """Target over the prompt, then the draft extends over the same rows, tokens shifted by one.
+
+    Appends the target's first token (x_n, the pending token) to `result`; returns None when that already
+    ends the output (EOS or a budget of 1), else (target cache, draft cache, pending token, the draft's
+    logits (1, n, Vd) and pre-norm states (1, n, H) over the prompt rows).
+    """
+    target_cache, draft_cache = DynamicCache(config=target.config), DraftKVCache()
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=_device_of(target))
+    target_choices, aux_hidden_states = target_forward(target, prompt, target_cache, capture_layer_ids)
+    pending_token = int(target_choices[-1])
+    result.output_ids.append(pending_token)
+    result.stop_reason = STOP_EOS if pending_token in eos else STOP_LENGTH
+    if pending_token in eos or max_new_tokens == 1:
+        return None
+    # Row t carries f_t and x_{t+1}: the prompt shifted left, the pending token in the last row.
+    extend_tokens = torch.cat([prompt[0, 1:], target_choices[-1:]]).view(1, -1)
+    draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states, 0, draft_cache)
+    return target_cache, draft_cache, pending_token, draft_logits, draft_states
+
+
+@torch.inference_mode()
 def speculative_decode(
     target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], steps: int, max_new_tokens: int,
     eos_token_ids: Sequence[int] = (),
@@ -304,20 +329,11 @@ def speculative_decode(
     draft_to_target = draft.draft_to_target_ids().to(device)
     result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=steps, topology=Topology.chain(steps))
     started = time.perf_counter()
-
-    # Prefill: target over the prompt, then the draft extends over the same rows, tokens shifted by one.
-    target_cache, draft_cache = DynamicCache(config=target.config), DraftKVCache()
-    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    target_choices, aux_hidden_states = target_forward(target, prompt, target_cache, capture_layer_ids)
-    pending_token = int(target_choices[-1])  # x_n
-    result.output_ids.append(pending_token)
-    result.stop_reason = STOP_EOS if pending_token in eos else STOP_LENGTH
-    if pending_token in eos or max_new_tokens == 1:
+    prefilled = _prefill(target, draft, prompt_ids, capture_layer_ids, max_new_tokens, eos, result)
+    if prefilled is None:
         result.seconds = time.perf_counter() - started
         return result
-    # Row t carries f_t and x_{t+1}: the prompt shifted left, the pending token in the last row.
-    extend_tokens = torch.cat([prompt[0, 1:], target_choices[-1:]]).view(1, -1)
-    draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states, 0, draft_cache)
+    target_cache, draft_cache, pending_token, draft_logits, draft_states = prefilled
 
     while True:
         processed = target_cache.get_seq_length()  # == draft_cache.length: rows 0..processed-1
@@ -407,18 +423,11 @@ def tree_speculative_decode(
     draft_to_target = draft.draft_to_target_ids().to(device)
     result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=topology.steps, topology=topology)
     started = time.perf_counter()
-
-    target_cache, draft_cache = DynamicCache(config=target.config), DraftKVCache()
-    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
-    target_choices, aux_hidden_states = target_forward(target, prompt, target_cache, capture_layer_ids)
-    pending_token = int(target_choices[-1])
-    result.output_ids.append(pending_token)
-    result.stop_reason = STOP_EOS if pending_token in eos else STOP_LENGTH
-    if pending_token in eos or max_new_tokens == 1:
+    prefilled = _prefill(target, draft, prompt_ids, capture_layer_ids, max_new_tokens, eos, result)
+    if prefilled is None:
         result.seconds = time.perf_counter() - started
         return result
-    extend_tokens = torch.cat([prompt[0, 1:], target_choices[-1:]]).view(1, -1)
-    draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states, 0, draft_cache)
+    target_cache, draft_cache, pending_token, draft_logits, draft_states = prefilled
 
     while True:
         processed = target_cache.get_seq_length()
