@@ -118,3 +118,29 @@ def test_params_and_sizes_are_checked_before_training(captured_run, tmp_path):
         load_params(write_params(tmp_path / "b.yaml", target_dir, pack_tokens=32))
     with pytest.raises(ValueError, match=r"--sizes \[5\] are not in training.data_sizes"):
         run_training_stage(load_params(write_params(tmp_path / "c.yaml", target_dir)), run_dir, sizes=[5])
+
+
+def test_notebook_05_launches_torchrun_streams_its_lines_and_plots_the_sweep(captured_run, tmp_path):
+    """With training.nproc_per_node > 1, notebook 05 runs the stage under torchrun (2 gloo processes here),
+    prints the workers' progress lines as its own output, and draws its figures from the files they wrote."""
+    import papermill
+
+    from eaglekit.paths import NOTEBOOKS_DIR
+
+    _, target_dir = captured_run
+    run_dir = fresh_run(captured_run, "notebook")
+    (run_dir / "figures").mkdir(exist_ok=True)
+    params = load_params(write_params(tmp_path / "nb.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64))
+    notebook = NOTEBOOKS_DIR / "05_training.ipynb"
+    declared = set(papermill.inspect_notebook(str(notebook)))
+    parameters = {key: value for key, value in dict(params.sections(), run_dir=str(run_dir)).items() if key in declared}
+    executed = tmp_path / "05_training.ipynb"
+    papermill.execute_notebook(str(notebook), str(executed), parameters=parameters, kernel_name="python3",
+                               cwd=str(notebook.parent), progress_bar=False)
+    printed = "".join("".join(output["text"]) for cell in json.loads(executed.read_text())["cells"]
+                      for output in cell.get("outputs", []) if output.get("output_type") == "stream")
+    assert f"size-{SIZES[-1]:07d}: step 4/4" in printed, printed[-2000:]  # a worker's progress line, streamed
+    sweep = json.loads((run_dir / "training" / "sweep.json").read_text())
+    assert [run["size"] for run in sweep["runs"]] == SIZES
+    for figure in ("05_vocab_coverage.png", "05_loss_accuracy_by_position.png", "05_heldout_accept_length.png"):
+        assert (run_dir / "figures" / figure).stat().st_size > 0, figure
