@@ -7,13 +7,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from eaglekit.capture import default_capture_layer_ids
 from eaglekit.draft import (
     DraftConfig,
     DraftKVCache,
     Eagle3DraftModel,
     TargetHeadWeights,
     build_draft_from_target,
-    default_capture_layer_indices,
     load_target_head_weights,
     shift_left,
 )
@@ -42,7 +42,7 @@ def samples_from_target(target: LlamaForCausalLM, count: int, seed: int = 0, dat
     own argmax (loss_mask 1 there), as regenerated data is.
     """
     generator = torch.Generator().manual_seed(seed)
-    capture = default_capture_layer_indices(target.config.num_hidden_layers)
+    capture = tuple(default_capture_layer_ids(target.config.num_hidden_layers))
     samples = []
     for index in range(count):
         prompt_length = int(torch.randint(3, 8, (1,), generator=generator))

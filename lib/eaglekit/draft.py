@@ -47,14 +47,6 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from eaglekit.head_loss import HeadTeacher, chunked_soft_cross_entropy
 
 
-def default_capture_layer_indices(num_target_layers: int) -> tuple[int, int, int]:
-    """Indices into transformers' `output_hidden_states` tuple that SGLang and vLLM capture by default.
-
-    Index i is the residual stream entering target layer i: [2, N//2, N-3] (SmolLM2-135M: [2, 15, 27]).
-    """
-    return (2, num_target_layers // 2, num_target_layers - 3)
-
-
 @dataclass(frozen=True)
 class DraftConfig:
     """Shapes of one EAGLE-3 draft. `vocab_size` is the target's; logits cover `draft_vocab_size`."""
@@ -71,7 +63,7 @@ class DraftConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     hidden_act: str = "silu"
     target_num_hidden_layers: int = 0
-    # Indices into the target's output_hidden_states tuple (0 = embeddings), see default_capture_layer_indices.
+    # Indices into the target's output_hidden_states tuple (0 = embeddings), see capture.default_capture_layer_ids.
     capture_layer_indices: tuple[int, int, int] = (2, 0, 0)
 
     @classmethod
@@ -87,7 +79,9 @@ class DraftConfig:
         if isinstance(target_config, dict):
             target_config = LlamaConfig(**target_config)
         num_layers = target_config.num_hidden_layers
-        indices = tuple(capture_layer_indices) if capture_layer_indices is not None else default_capture_layer_indices(num_layers)
+        from eaglekit.capture import default_capture_layer_ids  # the one definition of EAGLE-3's default layers
+
+        indices = tuple(capture_layer_indices) if capture_layer_indices is not None else tuple(default_capture_layer_ids(num_layers))
         head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
         return cls(
             hidden_size=target_config.hidden_size,
