@@ -162,22 +162,27 @@ def test_clean_run_stores_every_sample_with_its_tokens_and_counts_truncation(cle
     assert report.shards_written > 3 and report.captured_samples == 50
 
 
-def test_run_interrupted_midway_and_resumed_writes_the_same_shards(tiny_model, data_files, clean_run, tmp_path, monkeypatch):
-    clean_dir, _ = clean_run
+def capture_killed_after(tiny_model, data_files, out_dir: Path, forwards: int, monkeypatch) -> None:
+    """A capture run into out_dir that dies (KeyboardInterrupt) at its forward number `forwards` + 1."""
     base_model = base_model_of(tiny_model)
     real_forward = base_model.forward
     calls = {"count": 0}
 
     def forward_then_die(*args, **kwargs):
         calls["count"] += 1
-        if calls["count"] > 6:
+        if calls["count"] > forwards:
             raise KeyboardInterrupt("simulated kill")
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(base_model, "forward", forward_then_die)
     with pytest.raises(KeyboardInterrupt):
-        capture_to_shards(tiny_model, data_files, tmp_path, **RUN_SETTINGS)
+        capture_to_shards(tiny_model, data_files, out_dir, **RUN_SETTINGS)
     monkeypatch.undo()
+
+
+def test_run_interrupted_midway_and_resumed_writes_the_same_shards(tiny_model, data_files, clean_run, tmp_path, monkeypatch):
+    clean_dir, _ = clean_run
+    capture_killed_after(tiny_model, data_files, tmp_path, forwards=6, monkeypatch=monkeypatch)
     assert not (tmp_path / INDEX_FILE).exists()
     indexed = (tmp_path / rank_index_name(0)).read_text().splitlines()
     assert 0 < len(indexed) < 50
@@ -348,20 +353,7 @@ def test_online_samples_by_index_equal_the_shards(tiny_model, data_files, clean_
 
 def test_resume_verifies_shards_and_captures_a_truncated_ones_samples_again(tiny_model, data_files, clean_run, tmp_path, monkeypatch):
     clean_dir, _ = clean_run
-    base_model = base_model_of(tiny_model)
-    real_forward = base_model.forward
-    calls = {"count": 0}
-
-    def forward_then_die(*args, **kwargs):
-        calls["count"] += 1
-        if calls["count"] > 8:
-            raise KeyboardInterrupt("simulated kill")
-        return real_forward(*args, **kwargs)
-
-    monkeypatch.setattr(base_model, "forward", forward_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        capture_to_shards(tiny_model, data_files, tmp_path, **RUN_SETTINGS)
-    monkeypatch.undo()
+    capture_killed_after(tiny_model, data_files, tmp_path, forwards=8, monkeypatch=monkeypatch)
     indexed = [json.loads(line) for line in (tmp_path / rank_index_name(0)).read_text().splitlines()]
     shards = sorted({record["shard"] for record in indexed})
     assert len(shards) >= 2

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
+from test_generation import write_prompts  # noqa: E402  (prompts as stage 2 writes them)
 from test_templates import fixture_tokenizer  # noqa: E402
 
 from eaglekit.chat import prompt_token_count, tokenize_conversation  # noqa: E402
@@ -27,16 +28,6 @@ from eaglekit.tokenized import UsageMismatchError, build_tokenized_data  # noqa:
 
 FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
             flush_interval_s=0.05, health_interval_s=0.05, progress_bar=False, probe_wait_s=10.0)
-
-
-def write_prompts(path: Path, texts: list[str]) -> Path:
-    """Prompts as stage 2 writes them: a system prompt and one user turn each."""
-    with open(path, "w") as handle:
-        for index, text in enumerate(texts):
-            handle.write(json.dumps({"id": f"p{index}", "source": "test",
-                                     "messages": [{"role": "system", "content": "Be brief."},
-                                                  {"role": "user", "content": text}], "meta": {"n": index}}) + "\n")
-    return path
 
 
 @pytest.fixture(scope="module")
