@@ -216,6 +216,73 @@ def test_nested_stratified_subsets_and_heldout():
         nested_subsets(train_order, [91])
 
 
+def write_split_conversations(path, dataset: str, turns: list[int]) -> list[tuple[str, str]]:
+    """A tokenized_data.jsonl as prep writes it: a conversation of n > 1 turns split into samples `<id>.k` that name
+    it in meta.conversation_id (history: split), a 1-turn one as one sample (meta without conversation_id)."""
+    keys = []
+    with open(path, "w") as handle:
+        for number, count in enumerate(turns):
+            record_id = f"{dataset}-{number:016x}"
+            for sample in range(count):
+                meta = {"conversation_id": record_id, "sample": sample, "samples": count} if count > 1 else {"tools": None}
+                sample_id = record_id if count == 1 else f"{record_id}.{sample}"
+                handle.write(json.dumps({"id": sample_id, "input_ids": [1, 2], "loss_mask": [0, 1], "source": dataset, "meta": meta}) + "\n")
+                keys.append((dataset, sample_id))
+    return keys
+
+
+def test_split_conversations_never_straddle_the_heldout_boundary(tmp_path):
+    from eaglekit.training import ablation_sample_keys, read_conversation_keys
+
+    generator = np.random.default_rng(0)
+    files = {"kimi": tmp_path / "kimi.jsonl", "qwen": tmp_path / "qwen.jsonl", "plain": tmp_path / "plain.jsonl"}
+    keys = (write_split_conversations(files["kimi"], "kimi", generator.integers(1, 7, 25).tolist())
+            + write_split_conversations(files["qwen"], "qwen", generator.integers(1, 4, 30).tolist())
+            + write_split_conversations(files["plain"], "plain", [1] * 40))
+    generator.shuffle(keys)  # capture order is not file order
+    datasets = [dataset for dataset, _ in keys]
+    conversations = read_conversation_keys(files, keys)
+    sides = lambda indices: {(datasets[index], conversations[index]) for index in indices}
+    largest = max(conversations.count(name) for name in set(conversations))
+    straddled_before = 0
+    for seed in range(200):
+        heldout, train_order = split_heldout(datasets, 12, seed, conversations)
+        assert sorted(heldout + train_order) == list(range(len(keys)))
+        assert not sides(heldout) & sides(train_order), f"seed {seed}: a conversation on both sides"
+        assert 12 <= len(heldout) < 12 + largest
+        for name, total in ((name, datasets.count(name)) for name in files):  # still stratified by dataset, within one conversation
+            assert abs(sum(datasets[index] == name for index in heldout) - 12 * total / len(keys)) <= largest + 1
+        for size, subset in nested_subsets(train_order, [5, 30, 60]).items():  # whole conversations but the last one
+            cut = [group for group in sides(subset) if sum(1 for index in subset if (datasets[index], conversations[index]) == group)
+                   < sum(1 for index in train_order if (datasets[index], conversations[index]) == group)]
+            assert len(subset) == size and len(cut) <= 1
+        chosen = ablation_sample_keys(keys, keys, 12, 20, seed, conversations)
+        assert not set(chosen) & {keys[index] for index in heldout}
+        old_heldout, old_train = split_heldout(datasets, 12, seed)  # per sample, as before: leaks
+        straddled_before += bool(sides(old_heldout) & sides(old_train))
+    assert straddled_before > 100  # the case above is one the per-sample split gets wrong
+
+
+def test_heldout_split_without_split_conversations_is_unchanged():
+    datasets = ["a"] * 60 + ["b"] * 30 + ["c"] * 10
+    for seed in range(20):
+        unique = [f"id{index}" for index in range(100)]
+        assert split_heldout(datasets, 10, seed) == split_heldout(datasets, 10, seed, unique)
+        heldout, train_order = split_heldout(datasets, 10, seed)
+        assert (heldout, train_order) == (sorted(stratified_order(datasets, seed)[:10]), stratified_order(datasets, seed)[10:])
+
+
+def test_conversation_keys_come_from_the_tokenized_meta(tmp_path):
+    from eaglekit.training import conversation_key, read_conversation_keys
+
+    assert conversation_key("x-1.2", {"conversation_id": "x-1"}) == "x-1"
+    assert conversation_key("x-1", {"conversation_id": ""}) == conversation_key("x-1", None) == conversation_key("x-1", []) == "x-1"
+    keys = write_split_conversations(tmp_path / "t.jsonl", "t", [3, 1])
+    assert read_conversation_keys({"t": tmp_path / "t.jsonl"}, keys) == ["t-0000000000000000"] * 3 + ["t-0000000000000001"]
+    with pytest.raises(ValueError, match=r"not in the tokenized files.*\('t', 'gone'\)"):
+        read_conversation_keys({"t": tmp_path / "t.jsonl"}, keys + [("t", "gone")])
+
+
 def test_size_sweep_trains_one_draft_per_size(world, tmp_path):
     target, train, heldout = world
     samples = train + heldout

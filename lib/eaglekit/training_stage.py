@@ -66,7 +66,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     """
     from eaglekit.draft import build_draft_from_target, load_target_head_weights
     from eaglekit.models import resolve_model
-    from eaglekit.training import IndexedSubset, TrainSettings, nested_subsets, split_heldout, train_draft, train_size_sweep
+    from eaglekit.training import (IndexedSubset, TrainSettings, nested_subsets, read_conversation_keys, split_heldout, train_draft,
+                                   train_size_sweep)
     from eaglekit.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
 
     out = Path(run_dir)
@@ -106,7 +107,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     datasets = [dataset for dataset, _ in keys]
 
     # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
-    heldout_indices, train_order = split_heldout(datasets, params.training.heldout_size, params.run.seed)
+    conversations = read_conversation_keys(tokenized_data_files(out), keys)  # split samples of one conversation stay on one side
+    heldout_indices, train_order = split_heldout(datasets, params.training.heldout_size, params.run.seed, conversations)
     largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
     vocab_size = target_weights.config.vocab_size
     token_counts = count_generated_tokens((generated(index) for index in largest_subset), vocab_size)
@@ -118,7 +120,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     capture_layer_indices = tuple(capture_layer_ids)
     build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed)
     sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
-                                  training_dir, settings, split_seed=params.run.seed, datasets=datasets)
+                                  training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations)
     if metrics is not None:
         for row in sweep_rows:
             metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})
