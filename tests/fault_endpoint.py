@@ -24,7 +24,7 @@ mixed run and the test reads what it asked for:
     #sleep:0.25      answer after 0.25 s (bench latency distributions)
 Attempts are counted per prompt text. With `api_key` set, every route (health and models too)
 answers 401 unless `Authorization: Bearer <api_key>` is sent; tests rotate it mid-run by assigning
-`server.options.api_key`. `last_request` holds the last chat request's JSON body.
+`server.options.api_key`. `last_request` holds the last chat request's JSON body, `chat_requests` all of them.
 Server-wide options choose the dialect: whether
 `return_token_ids` is honoured (vLLM puts `prompt_token_ids` on the response, SGLang on the choice),
 which reasoning field name is used (`reasoning_content`: SGLang and vLLM < 0.17; `reasoning`:
@@ -54,7 +54,7 @@ DIRECTIVE = re.compile(r"#fault:(\w+?)(?:x(\d+))?(?=\s|$)")
 SLEEP = re.compile(r"#sleep:([0-9.]+)")
 RETRY_AFTER = re.compile(r"#retryafter:([0-9.]+)")
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
-                "stop", "seed", "frequency_penalty", "tools"}
+                "stop", "seed", "frequency_penalty", "tools", "chat_template_kwargs"}  # transformers serve's own fields
 TRANSIENT_STATUSES = {"500": 500, "502": 502, "503": 503, "504": 504, "429": 429, "408": 408, "404": 404}
 REQUEST_STATUSES = {"400": 400, "413": 413, "422": 422, "401": 401, "403": 403}
 MALFORMED = {"nullchoice", "strchoice", "nomessage", "nochoices", "usagelist", "notjson", "badids"}
@@ -84,6 +84,7 @@ class FaultServer:
     service_seconds: float = 0.0   # sum over chat completions of request read -> response written
     last_headers: dict = field(default_factory=dict)   # of the last chat completion, names lower-cased
     last_request: dict = field(default_factory=dict)   # the last chat completion's JSON body
+    chat_requests: list = field(default_factory=list)  # every chat completion's JSON body, in arrival order
     control_headers: list = field(default_factory=list)  # (path, authorization) of GET requests
     in_flight: int = 0             # chat completions being answered now
     peak_in_flight: int = 0        # the most answered at once
@@ -137,6 +138,7 @@ class FaultServer:
         self.requests += 1
         request = json.loads(body)
         self.last_request = request
+        self.chat_requests.append(request)
         unknown = sorted(set(request) - KNOWN_FIELDS)
         if self.options.strict_fields and unknown:
             return self.send(writer, 422, {"detail": [{"type": "extra_forbidden", "loc": ["body", name],

@@ -522,6 +522,23 @@ def test_tools_and_tool_calls_sent_in_openai_shape_and_answers_kept(tmp_path):
     assert summary.datasets["ds"].flags["empty"] == 0 and "reasoning_without_answer" not in record["flags"]
 
 
+def test_chat_template_kwargs_sent_in_every_request_only_when_set(tmp_path):
+    """prep.chat_template_kwargs reach the server as the top-level `chat_template_kwargs` SGLang, vLLM and
+    transformers serve read (strict: the endpoint 422s fields transformers serve does not know)."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["q0", "q1", "q2 #fault:500x1"])
+    for name, kwargs in (("with", {"enable_thinking": False}), ("without", None), ("empty", {})):
+        with FaultEndpoint(FaultOptions(strict_fields=True)) as endpoint:
+            summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / name,
+                               [PartitionSettings("short", 2, 16)], chat_template_kwargs=kwargs, **FAST)
+            requests = [request for request in endpoint.server.chat_requests if request["messages"][-1]["content"] != "Say OK."]
+        assert summary.datasets["ds"].done == 3 and len(requests) >= 4  # a retried request carries them too
+        assert [request.get("chat_template_kwargs") for request in requests] == [kwargs or None] * len(requests), name
+    with FaultEndpoint() as endpoint:  # extra_body's own template kwargs are kept beside them
+        generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "merged",
+                 [PartitionSettings("short", 1, 16)], extra_body={"chat_template_kwargs": {"thinking": True}},
+                 chat_template_kwargs={"enable_thinking": False}, **FAST)
+        assert endpoint.server.last_request["chat_template_kwargs"] == {"thinking": True, "enable_thinking": False}
+
 @pytest.mark.parametrize("conversation, field", [
     ({"meta": {"tools": [{"parameters": {}}]}, "messages": [{"role": "user", "content": "q"}]}, r"meta.tools\[0\]"),
     ({"meta": {"tools": "not json"}, "messages": [{"role": "user", "content": "q"}]}, "meta.tools"),
@@ -691,7 +708,8 @@ def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["What is 2+2?", "Name a colour.", "Say hi."])
     source = [PromptSource("tiny", "short", prompts)]
     summary = generate(source, [EndpointSpec(embedded_server.base_url, model=embedded_server.model_name)],
-                       tmp_path / "out", [PartitionSettings("short", 3, 8)], temperature=0.0, **FAST)
+                       tmp_path / "out", [PartitionSettings("short", 3, 8)], temperature=0.0,
+                       chat_template_kwargs={"enable_thinking": False}, **FAST)  # transformers serve takes them (its own field)
     assert summary.datasets["tiny"].done == 3 and summary.datasets["tiny"].errors == 0
     assert summary.endpoints[0]["rejects_unknown_fields"]  # transformers serve 422s return_token_ids
     records = read_generations(tmp_path / "out")

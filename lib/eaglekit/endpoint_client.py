@@ -298,11 +298,16 @@ class Endpoint:
 
     async def chat(self, messages: list[dict[str, Any]], max_tokens: int, temperature: float | None,
                    top_p: float | None, extra_body: dict[str, Any] | None,
-                   tools: list[dict[str, Any]] | None = None) -> ChatAnswer:
+                   tools: list[dict[str, Any]] | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None) -> ChatAnswer:
         """One chat completion, no retries; raises TransientError, RequestRejected or EndpointAuthError.
 
         messages: OpenAI shape (assistant `tool_calls`, tool `tool_call_id` included); tools: the
-        record's tool definitions in OpenAI function format, sent as `tools`.
+        record's tool definitions in OpenAI function format, sent as `tools`. chat_template_kwargs:
+        the kit's `prep.chat_template_kwargs` (e.g. {"enable_thinking": false} for Qwen3), sent as the
+        top-level `chat_template_kwargs` object that SGLang, vLLM and `transformers serve` pass to the
+        target's template (the openai client's `extra_body`), so the server renders the prompt as prep
+        does; over any `chat_template_kwargs` already in extra_body.
         """
         assert self.capabilities is not None, "probe the endpoint before sending requests"
         body = dict(extra_body or {})
@@ -310,6 +315,8 @@ class Endpoint:
             body["return_token_ids"] = True
         if tools:
             body["tools"] = tools
+        if chat_template_kwargs:
+            body["chat_template_kwargs"] = {**body.get("chat_template_kwargs", {}), **chat_template_kwargs}
         data = await self._post_chat(self.capabilities.model, messages, max_tokens, temperature, top_p, body)
         return parse_chat_response(data)
 

@@ -613,6 +613,7 @@ class GenerationEngine:
     def __init__(self, sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
                  partitions: Sequence[PartitionSettings], *, temperature: float | None = None,
                  top_p: float | None = None, extra_body: dict[str, Any] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None,
                  retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
                  log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
                  progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
@@ -636,6 +637,7 @@ class GenerationEngine:
         if shutdown_grace_s < 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
         self.temperature, self.top_p, self.extra_body = temperature, top_p, dict(extra_body or {})
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.retry = retry
         self.request_timeout_s = request_timeout_s
         self.retry_errors = retry_errors
@@ -858,7 +860,8 @@ class GenerationEngine:
             transient = False
             try:
                 outcome = await endpoint.chat(item.messages, partition.max_tokens, self.temperature, self.top_p,
-                                              self.extra_body, tools=item.tools)
+                                              self.extra_body, tools=item.tools,
+                                              chat_template_kwargs=self.chat_template_kwargs)
             except TransientError as error:
                 outcome = error
                 if error.retry_after_s is not None:
@@ -1061,16 +1064,19 @@ class _Terminated(BaseException):
 
 def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
              partitions: Sequence[PartitionSettings], *, temperature: float | None = None, top_p: float | None = None,
-             extra_body: dict[str, Any] | None = None, retry: RetryPolicy = DEFAULT_RETRY,
-             request_timeout_s: float = 3600.0, retry_errors: bool = True, log_interval_s: float = 60.0,
-             flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0, progress_bar: bool = True,
+             extra_body: dict[str, Any] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
+             log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0, progress_bar: bool = True,
              health_interval_s: float = 5.0, unhealthy_after: int = 3, probe_wait_s: float = 60.0,
              seed: int = 0) -> GenerationSummary:
     """Generate an answer for every prompt not already answered in output_dir; blocks until done.
 
     sources: (dataset, partition, prompts.jsonl) triples. partitions: run in this order, each with
     its concurrency (per endpoint) and max_tokens. temperature/top_p: None leaves the server default.
-    extra_body: extra request fields (e.g. {"chat_template_kwargs": {"thinking": True}}).
+    extra_body: extra request fields (e.g. {"seed": 0}).
+    chat_template_kwargs: `prep.chat_template_kwargs` (e.g. {"enable_thinking": False} for Qwen3), sent
+    in every request as the top-level `chat_template_kwargs` (SGLang, vLLM, `transformers serve`), so
+    the target renders the prompt as prep and `build_tokenized_data` do; omitted when empty.
     request_timeout_s: read timeout per request (a 16K-token answer at 10 tok/s takes ~27 min).
     retry_errors: on rerun, request again prompts that failed for good before.
     shutdown_grace_s: after Ctrl-C/SIGTERM, how long in-flight requests may finish (a second Ctrl-C
@@ -1091,8 +1097,8 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
         kit_logger.setLevel(logging.INFO)  # only when nobody chose a level for the kit
     engine = GenerationEngine(
         sources, endpoints, output_dir, partitions, temperature=temperature, top_p=top_p, extra_body=extra_body,
-        retry=retry, request_timeout_s=request_timeout_s, retry_errors=retry_errors, log_interval_s=log_interval_s,
-        flush_interval_s=flush_interval_s, shutdown_grace_s=shutdown_grace_s, progress_bar=progress_bar,
+        chat_template_kwargs=chat_template_kwargs, retry=retry, request_timeout_s=request_timeout_s, retry_errors=retry_errors,
+        log_interval_s=log_interval_s, flush_interval_s=flush_interval_s, shutdown_grace_s=shutdown_grace_s, progress_bar=progress_bar,
         health_interval_s=health_interval_s, unhealthy_after=unhealthy_after, probe_wait_s=probe_wait_s, seed=seed)
     return run_engine(engine)
 
