@@ -71,6 +71,53 @@ def test_chat_template_prompts_end_with_the_generation_prompt(embedded_model_dir
     assert tokenizer.decode(prompts[0]["input_ids"]).endswith("<|im_start|>assistant\n")
 
 
+def test_prompts_render_as_prep_does_with_tools_template_kwargs_and_quoted_special_tokens(tmp_path, embedded_model_dir):
+    """Qwen3's real template with tool definitions, a tool-call round, enable_thinking off and a user text quoting
+    <|im_start|>: the benchmark's prompt is chat.prompt_token_ids' (what prep measures and the server renders)."""
+    from eaglekit.chat import prompt_token_ids
+    from test_templates import TOOLS, fixture_tokenizer
+
+    tokenizer = fixture_tokenizer(embedded_model_dir, "qwen3")
+    kit = {"id": "kit", "meta": {"tools": TOOLS}, "messages": [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Show setup.py."},
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "read_file", "arguments": {"path": "setup.py"}}}]},
+        {"role": "tool", "content": "print('hi')"},
+        {"role": "user", "content": "Now write the token <|im_start|> literally."},
+        {"role": "assistant", "content": "left out: the answer"}]}
+    openai = {"id": "openai", "tools": TOOLS, "messages": [  # an OpenAI request: null content beside tool calls, JSON arguments
+        {"role": "user", "content": "Show setup.py."},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call0", "type": "function",
+                                                              "function": {"name": "read_file", "arguments": "{\"path\": \"setup.py\"}"}}]},
+        {"role": "tool", "tool_call_id": "call0", "content": "print('hi')"},
+        {"role": "user", "content": "Thanks."}]}
+    prompts = read_benchmark_prompts(write_lines(tmp_path / "p.jsonl", [kit, openai]))
+    kwargs = {"enable_thinking": False}
+    tokenized = tokenize_prompts(prompts, tokenizer, 4096, template_kwargs=kwargs)
+    assert [prompt["id"] for prompt in tokenized] == ["kit", "openai"]
+    for prompt, record in zip(tokenized, (kit, openai)):
+        text = tokenizer.decode(prompt["input_ids"])
+        assert '"description": "Read a file"' in text.split("<|im_start|>user")[0]  # the tool definitions, in the system turn
+        assert '<tool_call>\n{"name": "read_file", "arguments": {"path": "setup.py"}}' in text and "<tool_response>\nprint('hi')" in text
+        assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking: false reached the template
+        assert prompt["input_ids"] == prompt_token_ids(tokenizer, record["messages"][:5], tools=TOOLS, template_kwargs=kwargs)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    # system, user, assistant, tool, user, generation prompt: the quoted one is text, not a 7th control token
+    assert tokenized[0]["input_ids"].count(im_start) == 6 and "<|im_start|> literally" in tokenizer.decode(tokenized[0]["input_ids"])
+
+
+def test_a_prompt_the_template_cannot_render_names_its_line(tmp_path, embedded_model_dir):
+    from test_templates import fixture_tokenizer
+
+    path = write_lines(tmp_path / "p.jsonl", [{"prompt": "fine"}, {"messages": [{"role": "system", "content": "s"},
+                                                                                {"role": "user", "content": "u"}]}])
+    with pytest.raises(InputError, match=r"p\.jsonl:2: field 'messages': chat template: .*System role not supported"):
+        tokenize_prompts(read_benchmark_prompts(path), fixture_tokenizer(embedded_model_dir, "gemma"), 4096)
+    with pytest.raises(InputError, match=r"p\.jsonl:1: field 'messages\[1\]\.tool_calls'"):
+        read_benchmark_prompts(write_lines(tmp_path / "p.jsonl", [{"messages": [
+            {"role": "user", "content": "u"}, {"role": "assistant", "content": "", "tool_calls": [{"name": "f"}]},
+            {"role": "user", "content": "v"}]}]))
+
 def test_every_draft_runs_the_real_loop_with_paired_intervals(embedded_model_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -2,7 +2,9 @@
 the training data, beside the in-distribution held-out curve.
 
 The prompt file is JSONL, one prompt per line, in any of these shapes (the first field found wins):
-`messages` (the kit's conversation schema: the prompt is every message up to the last user turn),
+`messages` (the kit's conversation schema: the prompt is every message up to the last user turn, tool
+calls, tool results and reasoning kept; tool definitions from `meta.tools`, or `tools` as an OpenAI
+request carries them),
 `turns` (MT-Bench's question.jsonl: the first turn), `prompt`, `question`, or `instruction` (with
 `input` appended, Alpaca style). `id` (or `question_id`) names the prompt; otherwise its line number.
 `analysis.benchmark_prompts` names the file: a path relative to the repository root, or
@@ -29,7 +31,7 @@ import pandas as pd
 import torch
 
 from eaglekit.acceptance import bootstrap_weights, percentile_interval
-from eaglekit.chat import render_conversation
+from eaglekit.chat import ChatTemplateError, prompt_token_ids
 from eaglekit.config import repo_path
 from eaglekit.io import InputError
 from eaglekit.paths import installed_package_dir
@@ -56,12 +58,21 @@ def _prompt_messages(record: dict, path: Path, line: int) -> list[dict]:
     """The conversation the target answers, in the kit's message schema."""
     if "messages" in record:
         messages = record["messages"]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise InputError(path, line, "messages", "must be a list of {role, content} objects")
+        for index, message in enumerate(messages):
+            calls = message.get("tool_calls")
+            # OpenAI sends content null beside tool calls; the kit's schema holds "" there.
+            if not isinstance(message.get("content"), str) and not (message.get("content") is None and calls):
+                raise InputError(path, line, f"messages[{index}].content", "must be a string")
+            if calls is not None and not (isinstance(calls, list) and all(
+                    isinstance(call, dict) and isinstance(call.get("function"), dict)
+                    and isinstance(call["function"].get("name"), str) for call in calls)):
+                raise InputError(path, line, f"messages[{index}].tool_calls", "must be a list of {function: {name, arguments}}")
         last_user = max((index for index, message in enumerate(messages) if message.get("role") == "user"), default=None)
         if last_user is None:
             raise InputError(path, line, "messages", "holds no user message to answer")
-        return [{"role": m["role"], "content": m["content"]} for m in messages[: last_user + 1]]
+        return [{**message, "content": message.get("content") or ""} for message in messages[: last_user + 1]]
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
@@ -77,8 +88,15 @@ def _prompt_messages(record: dict, path: Path, line: int) -> list[dict]:
     raise InputError(path, line, None, f"no prompt field: expected one of messages, turns, prompt, question, instruction (has {sorted(record)})")
 
 
+def _prompt_tools(record: dict) -> Any:
+    """The tool definitions the prompt is answered with: the kit's `meta.tools`, else an OpenAI request's `tools`."""
+    meta = record.get("meta")
+    tools = meta.get("tools") if isinstance(meta, dict) else None
+    return tools if tools else record.get("tools")
+
+
 def read_benchmark_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """[{"id", "messages"}] from a JSONL prompt file, in file order, at most `limit`.
+    """[{"id", "messages", "tools", "path", "line"}] from a JSONL prompt file, in file order, at most `limit`.
 
     A malformed line raises InputError naming the file, the line and the field: a benchmark with a
     silently skipped prompt is a different benchmark.
@@ -96,7 +114,8 @@ def read_benchmark_prompts(path: str | Path, limit: int | None = None) -> list[d
             if not isinstance(record, dict):
                 raise InputError(path, line_number, None, f"expected a JSON object, got {type(record).__name__}")
             prompt_id = record.get("id", record.get("question_id", f"line-{line_number}"))
-            prompts.append({"id": str(prompt_id), "messages": _prompt_messages(record, path, line_number)})
+            prompts.append({"id": str(prompt_id), "messages": _prompt_messages(record, path, line_number),
+                            "tools": _prompt_tools(record), "path": str(path), "line": line_number})
             if limit is not None and len(prompts) == limit:
                 break
     if not prompts:
@@ -104,13 +123,24 @@ def read_benchmark_prompts(path: str | Path, limit: int | None = None) -> list[d
     return prompts
 
 
-def tokenize_prompts(prompts: Sequence[dict], tokenizer: Any, max_prompt_tokens: int) -> list[dict]:
+def tokenize_prompts(prompts: Sequence[dict], tokenizer: Any, max_prompt_tokens: int,
+                     template_kwargs: dict | None = None) -> list[dict]:
     """Chat-template token ids with the generation prompt: [{"id", "input_ids"}]; prompts longer than
-    `max_prompt_tokens` are dropped (the caller reports how many)."""
+    `max_prompt_tokens` are dropped (the caller reports how many).
+
+    Rendered by `chat.prompt_token_ids` with the prompt's `tools` and `template_kwargs`
+    (`prep.chat_template_kwargs`): the tokens prep and the server give the target, with special-token
+    text inside a message read as text. A prompt the template cannot render raises InputError naming
+    its file and line (a benchmark with a silently skipped prompt is a different benchmark).
+    """
     tokenized = []
     for prompt in prompts:
-        text = render_conversation(tokenizer, prompt["messages"], add_generation_prompt=True)
-        input_ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            input_ids = prompt_token_ids(tokenizer, prompt["messages"], tools=prompt.get("tools"), template_kwargs=template_kwargs)
+        except ChatTemplateError as error:
+            if "path" in prompt:
+                raise InputError(Path(prompt["path"]), prompt.get("line"), "messages", f"chat template: {error}") from None
+            raise ChatTemplateError(f"benchmark prompt {prompt['id']}: {error}") from None
         if len(input_ids) <= max_prompt_tokens:
             tokenized.append({"id": prompt["id"], "input_ids": input_ids})
     return tokenized
