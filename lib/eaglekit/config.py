@@ -176,6 +176,10 @@ class TrainingParams(Section):
     draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
     ttt_steps: int = Field(default=7, gt=0)  # training-time-test unroll (EAGLE-3 code: 7)
     step_weight: float = Field(default=0.8, gt=0, le=1)  # loss weight of TTT step i is step_weight**i
+    # Noise on the target features the draft reads in training: std = feature_noise x each token's feature
+    # RMS (uniform, eaglekit.training.add_feature_noise); 0: off. docs/recipe_ablation.md has the measurement.
+    feature_noise: float = Field(default=0.0, ge=0)
+    distill: Literal["soft", "argmax"] = "soft"  # teacher: target softmax over the draft vocab, or its greedy token
     learning_rate: float = Field(default=1.0e-4, gt=0)
     min_learning_rate: float = Field(default=1.0e-5, ge=0)
     warmup_steps: int = Field(default=10, ge=0)

@@ -13,7 +13,9 @@ columns of the target logits). A row counts when the predicted token exists and 
 target (loss_mask == 1 there); rows whose target argmax is outside the draft vocab add no loss.
 Step i's summed cross-entropy is divided by the number of counted rows of step i over the whole
 optimizer step (all micro-batches, all ranks), so accumulation and DDP give the same gradient as one
-big batch; steps are weighted 0.8^i.
+big batch; steps are weighted 0.8^i. Two recipe levers, off by default: `distill="argmax"` replaces
+the soft teacher by the one-hot of the target's greedy token, and `feature_noise` adds uniform noise to
+the target features the draft reads (`add_feature_noise`; the teacher stays clean).
 
 How long each draft trains (`TrainSettings.schedule`) decides what a data-size sweep measures:
 - "until_converged" (default): train until held-out tau has not improved by `min_improvement` for
@@ -58,11 +60,13 @@ from eaglekit.acceptance import chain_counts, pooled_accept_length
 from eaglekit.draft import Eagle3DraftModel
 from eaglekit.head_loss import chunked_ttt_loss
 from eaglekit.io import AppendLog, atomic_write, read_jsonl
+from eaglekit.topology import Topology
 
 LAST_CHECKPOINT = "last.pt"
 BEST_CHECKPOINT = "best.pt"
 METRICS_FILE = "metrics.jsonl"
 SCHEDULES = ("until_converged", "equal_steps", "equal_epochs")
+DISTILL_TARGETS = ("soft", "argmax")
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,10 @@ class TrainSettings:
 
     ttt_steps: int = 7  # EAGLE-3 code: 7; paper: 5
     step_weight: float = 0.8  # TTT step i weighs step_weight ** i
+    # Uniform noise on the target features the draft reads (aux_hidden_states), training only; its std is
+    # feature_noise x each token's feature RMS (`add_feature_noise`). 0: off. EAGLE adds uniform noise there.
+    feature_noise: float = 0.0
+    distill: str = "soft"  # teacher: "soft" (target softmax over the draft vocab) or "argmax" (one-hot target greedy token)
     learning_rate: float = 1e-4
     min_learning_rate: float = 1e-5  # cosine floor
     warmup_steps: int = 50
@@ -99,6 +107,10 @@ class TrainSettings:
     log_interval_s: float = 60.0  # seconds between progress lines on the `eaglekit.training` logger
 
     def __post_init__(self) -> None:
+        if self.distill not in DISTILL_TARGETS:
+            raise ValueError(f"distill={self.distill!r}: use one of {list(DISTILL_TARGETS)}")
+        if not self.feature_noise >= 0:
+            raise ValueError(f"feature_noise must be >= 0 (a std relative to the feature RMS), got {self.feature_noise}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule={self.schedule!r}: use one of {list(SCHEDULES)}")
         if (self.schedule == "equal_epochs") != (self.num_epochs is not None):
@@ -121,7 +133,7 @@ class TrainSettings:
             weight_decay=training.weight_decay, max_length=training.max_length, eval_interval=training.eval_interval,
             eval_chain_steps=params.analysis.chain_steps, seed=params.run.seed, device=training.device,
             parallel=training.parallel, log_interval_s=training.log_interval_s, pack_tokens=training.pack_tokens,
-            attention=training.attention,
+            attention=training.attention, feature_noise=training.feature_noise, distill=training.distill,
         )
 
     def resolved_max_steps(self, num_samples: int, world_size: int) -> int:
@@ -229,14 +241,20 @@ class TargetSignals:
 
 @torch.no_grad()
 def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, t2d: torch.Tensor,
-                   chunk_rows: int = 1024, lengths: Sequence[int] | None = None) -> TargetSignals:
+                   chunk_rows: int = 1024, lengths: Sequence[int] | None = None, distill: str = "soft") -> TargetSignals:
     """final (B, T, H) @ lm_head (V, H)^T -> draft-vocab teacher, `chunk_rows` rows at a time.
+
+    distill "soft": probs = softmax over the draft-vocab columns of the target logits. "argmax": probs =
+    one-hot of the best draft-vocab column, which is the target's greedy token wherever that token is in
+    the draft vocab (the only rows that count, `in_draft`), so the loss is cross-entropy on hard labels.
 
     The full-vocab logits exist for one chunk only ((chunk, V) instead of (B, T, V): 2.7 GB for a 4K
     pack of a 163,840-token vocab). Pass an fp32 head to skip a per-call cast. lengths (host ints, one
     per row): only each row's first lengths[b] positions are computed (padding and pack tails are no
     target of any counted row); the rest hold zeros.
     """
+    if distill not in DISTILL_TARGETS:
+        raise ValueError(f"distill={distill!r}: use one of {list(DISTILL_TARGETS)}")
     batch, length, hidden = final_hidden_states.shape
     head = target_lm_head.float()
     flat = final_hidden_states.reshape(batch * length, hidden)
@@ -248,9 +266,30 @@ def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tens
             end = min(start + chunk_rows, stop)
             logits = flat[start:end].float() @ head.T  # (chunk, V)
             argmax[start:end] = logits.argmax(-1)
-            probs[start:end] = torch.softmax(logits[:, draft_to_target], dim=-1)
+            draft_logits = logits[:, draft_to_target]  # (chunk, Vd)
+            if distill == "argmax":
+                probs[start:end].scatter_(1, draft_logits.argmax(-1, keepdim=True), 1.0)
+            else:
+                probs[start:end] = torch.softmax(draft_logits, dim=-1)
     argmax = argmax.view(batch, length)
     return TargetSignals(probs=probs.view(batch, length, -1), argmax=argmax, in_draft=t2d[argmax])
+
+
+def add_feature_noise(features: torch.Tensor, relative_std: float) -> torch.Tensor:
+    """features (B, T, F) + uniform noise whose std is `relative_std` x each token's feature RMS.
+
+    EAGLE trains on target features with uniform noise added, so the draft tolerates the feature error
+    it meets at inference; a std relative to the RMS makes one setting mean the same for any target
+    (hidden-state scales differ by orders of magnitude between models and layers). Uniform on
+    [-sqrt(3) s, sqrt(3) s] has std s. Draws from torch's global RNG (seeded and checkpointed by
+    `train_draft`, so a resumed run draws the same noise). Returns a new tensor of the input dtype.
+    """
+    if relative_std == 0:
+        return features
+    values = features.float()
+    rms = values.pow(2).mean(-1, keepdim=True).sqrt()  # (B, T, 1)
+    noise = (torch.rand(values.shape, device=values.device) * 2 - 1) * (math.sqrt(3) * relative_std)
+    return (values + noise * rms).to(features.dtype)
 
 
 def ttt_loss(
@@ -351,7 +390,7 @@ def simulated_accept_length(agreements: Sequence[SampleAgreement], chain_steps: 
     """DESIGN's offline tau for a greedy chain: 1 + sum_k prod_{i<=k} acc_i, pooled over positions.
 
     Returns {"simulated_accept_length", "conditional_accuracy_by_position" (acc_i given earlier steps
-    agreed), "positions", "topology", "draft_steps"}.
+    agreed), "positions", "topology" (`Topology.chain(chain_steps).to_dict()`)}.
     """
     counts = chain_counts([sample.agreement for sample in agreements], steps=chain_steps)
     prefix = counts.prefix_counts.sum(axis=0).astype(np.float64)
@@ -361,8 +400,7 @@ def simulated_accept_length(agreements: Sequence[SampleAgreement], chain_steps: 
         "simulated_accept_length": pooled_accept_length(counts),
         "conditional_accuracy_by_position": [None if math.isnan(value) else float(value) for value in conditional],
         "positions": int(counts.positions.sum()),
-        "topology": "chain",
-        "draft_steps": chain_steps,
+        "topology": Topology.chain(chain_steps).to_dict(),
     }
 
 
@@ -845,10 +883,13 @@ def train_draft(
         for micro, (batch, rows) in enumerate(zip(micro_batches, eligible)):
             lengths = batch.lengths.tolist()  # host ints: the teacher skips padding without a device sync
             batch = batch.to(device)  # rows stay on the host: the loss picks its rows there (eaglekit.head_loss)
-            targets = target_signals(batch.final_hidden_states, target_lm_head, draft_to_target, t2d, lengths=lengths)
+            targets = target_signals(batch.final_hidden_states, target_lm_head, draft_to_target, t2d, lengths=lengths,
+                                     distill=settings.distill)
+            # The teacher reads the clean final states; only the features the draft reads get noise.
+            features = add_feature_noise(batch.aux_hidden_states, settings.feature_noise)  # (B, T, 3H)
             last_micro = micro == len(micro_batches) - 1
             with _gradient_sync(wrapped, settings.parallel, last_micro), _autocast(device):
-                step_states = wrapped(batch.input_ids, batch.aux_hidden_states, settings.ttt_steps, batch.position_ids,
+                step_states = wrapped(batch.input_ids, features, settings.ttt_steps, batch.position_ids,
                                       batch.document_ids, return_normed_states=True)
                 loss, micro_stats = chunked_ttt_loss(model, step_states, targets, rows, counts, settings.step_weight)
                 # DDP/FSDP average gradients over ranks; the loss is already a global mean, so undo it.
