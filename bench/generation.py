@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import heapq
 import json
 import random
@@ -175,7 +176,7 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
     from eaglekit.capacity import length_plan, sequences_that_fit
     from eaglekit.models import resolve_model
     from eaglekit.planning import pilot_lengths
-    from eaglekit.embedded_server import EmbeddedServer, ServerSettings
+    from eaglekit.embedded_server import DEFAULT_SERVER_SETTINGS, EmbeddedServer
 
     model_dir = resolve_model("embedded:smollm2-135m-instruct")
     context = "Background: " + " ".join(f"fact {index} is about item {index * 7}." for index in range(20))
@@ -186,7 +187,7 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
                  f"{topics[(offset + index) % len(topics)]}. One word." for index in range(count)]
         return [PromptSource("bench", "short", write_prompts(workdir / f"{name}.jsonl", texts))]
 
-    settings = ServerSettings(kv_cache_tokens=kv_cache_tokens, cb_page_size=64)
+    settings = dataclasses.replace(DEFAULT_SERVER_SETTINGS, kv_cache_tokens=kv_cache_tokens, cb_page_size=64)
     with EmbeddedServer(model_dir, settings=settings, log_path=workdir / "capacity_server.log") as server:
         endpoint = [EndpointSpec(server.base_url, model=server.model_name, name="embedded")]
 

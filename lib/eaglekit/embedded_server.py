@@ -30,7 +30,9 @@ from pathlib import Path
 
 import httpx
 
-DEFAULT_STARTUP_TIMEOUT_S = 300.0
+from eaglekit.config import ServerParams
+
+DEFAULT_STARTUP_TIMEOUT_S = ServerParams().startup_timeout_s  # its default lives in config.ServerParams
 
 
 class ServerError(RuntimeError):
@@ -39,16 +41,27 @@ class ServerError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerSettings:
-    continuous_batching: bool = True  # new requests join the running batch: the main throughput lever
-    dtype: str = "float32"  # weights dtype on CPU; bf16 matmuls are slower than fp32 on most CPUs
+    """How `transformers serve` runs. The fields params sets have no defaults here: they live in
+    `config.ServerParams` (`DEFAULT_SERVER_SETTINGS` is built from them); the rest are not in params."""
+
+    continuous_batching: bool  # new requests join the running batch: the main throughput lever
+    dtype: str  # weights dtype on CPU; bf16 matmuls are slower than fp32 on most CPUs
+    # KV-cache capacity in tokens. Left unset, transformers sizes the cache from 60-90% of *free
+    # host memory* on CPU (13.6 GB seen here): a second server or the tests then get OOM-killed.
+    kv_cache_tokens: int
     device: str = "cpu"
     attn_implementation: str | None = None  # transformers default (sdpa) when None
     cb_max_batch_tokens: int | None = None  # transformers' default when None
-    # KV-cache capacity in tokens. Left unset, transformers sizes the cache from 60-90% of *free
-    # host memory* on CPU (13.6 GB seen here): a second server or the tests then get OOM-killed.
-    kv_cache_tokens: int = 32768
     cb_page_size: int = 256  # tokens per KV-cache block (transformers' default page size)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_params(cls, server: ServerParams) -> ServerSettings:
+        """The embedded server of params `server` (continuous_batching, dtype, kv_cache_tokens)."""
+        return cls(continuous_batching=server.continuous_batching, dtype=server.dtype, kv_cache_tokens=server.kv_cache_tokens)
+
+
+DEFAULT_SERVER_SETTINGS = ServerSettings.from_params(ServerParams())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -115,7 +128,7 @@ class EmbeddedServer:
         self,
         model_dir: str | os.PathLike,
         port: int | None = None,
-        settings: ServerSettings = ServerSettings(),
+        settings: ServerSettings = DEFAULT_SERVER_SETTINGS,
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         trust_remote_code: bool = False,
@@ -277,12 +290,8 @@ def serving_endpoints(params, log_path: str | os.PathLike | None = None):
     if not params.server.embedded:
         raise ParamsError("no `endpoints` given and `server.embedded` is false: name an endpoint or turn the embedded server on")
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
-    settings = ServerSettings(
-        continuous_batching=params.server.continuous_batching, dtype=params.server.dtype,
-        kv_cache_tokens=params.server.kv_cache_tokens,
-    )
     with EmbeddedServer(
-        model_dir, settings=settings, log_path=log_path, startup_timeout_s=params.server.startup_timeout_s,
+        model_dir, settings=ServerSettings.from_params(params.server), log_path=log_path, startup_timeout_s=params.server.startup_timeout_s,
         trust_remote_code=params.target.trust_remote_code,
     ) as server:
         yield [EndpointParams(url=server.base_url, name="embedded", model=server.model_name)]
