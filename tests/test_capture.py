@@ -351,6 +351,48 @@ def test_online_samples_by_index_equal_the_shards(tiny_model, data_files, clean_
         torch.testing.assert_close(sample["aux_hidden_states"].float(), reference["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2)
 
 
+def test_offline_and_online_samples_share_one_interface(tiny_model, data_files, clean_run, tmp_path):
+    """open_captured_samples picks the mode stage 4 planned; shards and online samples answer keys, tokens and
+    items alike, and offline never loads the target."""
+    import shutil
+
+    from eaglekit.capture import CapturedSamples, OnlineCaptureSamples, open_captured_samples
+    from eaglekit.io import InputError, write_json
+    from eaglekit.shards import ShardDataset
+
+    output_dir, _ = clean_run
+    offline_dir, online_dir = tmp_path / "offline", tmp_path / "online"
+    shutil.copytree(output_dir, offline_dir)
+    online_dir.mkdir()
+    write_json(offline_dir / "plan.json", {"mode": "offline"})
+    write_json(online_dir / "plan.json", {"mode": "online"})
+
+    def never() -> torch.nn.Module:
+        raise AssertionError("offline samples must not load the target")
+
+    offline = open_captured_samples(offline_dir, data_files, never)
+    online = open_captured_samples(online_dir, data_files, lambda: tiny_model, max_seq_len=RUN_SETTINGS["max_seq_len"])
+    assert isinstance(offline, ShardDataset) and isinstance(online, OnlineCaptureSamples)
+    assert isinstance(offline, CapturedSamples) and isinstance(online, CapturedSamples)
+    assert sorted(offline.keys) == sorted(online.keys) and len(offline.keys) == 50
+    assert offline.capture_layer_ids == online.capture_layer_ids
+    online_position = {key: position for position, key in enumerate(online.keys)}
+    for position in (0, 17, 49):
+        key = offline.keys[position]
+        stored, computed = offline.tokens(position), online.tokens(online_position[key])
+        assert (stored["dataset"], stored["id"]) == key == (computed["dataset"], computed["id"])
+        assert torch.equal(stored["input_ids"], computed["input_ids"]) and torch.equal(stored["loss_mask"], computed["loss_mask"])
+        assert torch.equal(stored["input_ids"], offline[position]["input_ids"])
+    item = online[online_position[offline.keys[3]]]
+    torch.testing.assert_close(item["aux_hidden_states"].float(), offline[3]["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2)
+
+    write_json(online_dir / "plan.json", {"mode": "auto"})
+    with pytest.raises(InputError, match=r"plan.json: field 'mode': expected 'offline' or 'online'"):
+        open_captured_samples(online_dir, data_files, never)
+    with pytest.raises(FileNotFoundError, match="run stage 4"):
+        open_captured_samples(tmp_path / "nothing", data_files, never)
+
+
 def test_resume_verifies_shards_and_captures_a_truncated_ones_samples_again(tiny_model, data_files, clean_run, tmp_path, monkeypatch):
     clean_dir, _ = clean_run
     capture_killed_after(tiny_model, data_files, tmp_path, forwards=8, monkeypatch=monkeypatch)

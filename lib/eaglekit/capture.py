@@ -14,22 +14,24 @@ attention plus the attention mask keep each real token's features independent of
 
 Entry points: `plan_capture_storage` (bytes vs free disk: offline or online), `capture_to_shards`
 (offline, resumable, data parallel under torchrun), `OnlineCaptureDataset`/`OnlineCaptureSamples`
-(the same features on the fly, streamed or by index), and `python -m eaglekit.capture` (CLI).
+(the same features on the fly, streamed or by index), `open_captured_samples` (a finished capture in
+either mode behind one interface, `CapturedSamples`), and `python -m eaglekit.capture` (CLI).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import random
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as distributed
@@ -732,9 +734,78 @@ class OnlineCaptureSamples(Sequence):
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def keys(self) -> list[tuple[str, str]]:
+        return [sample.key for sample in self.samples]
+
+    def tokens(self, position: int) -> dict[str, Any]:
+        """The sample without running the target: {"id", "dataset", "input_ids" (T,), "loss_mask" (T,)}."""
+        sample = self.samples[position]
+        return {"id": sample.id, "dataset": sample.dataset, "input_ids": torch.tensor(sample.input_ids, dtype=torch.long),
+                "loss_mask": torch.tensor(sample.loss_mask, dtype=torch.long)}
+
     def __getitem__(self, position: int) -> dict[str, Any]:  # type: ignore[override]
         (captured,) = capture_batch(self.model, [self.samples[position]], self.capture_layer_ids)
         return as_training_sample(captured)
+
+
+@runtime_checkable
+class CapturedSamples(Protocol):
+    """What stage 5 trains on and stage 6 scores, whether stage 4 stored shards or computes features online.
+
+    `shards.ShardDataset` (offline) and `OnlineCaptureSamples` (online) both are one; `open_captured_samples`
+    picks the one stage 4 planned, so callers never branch on the capture mode.
+    """
+
+    capture_layer_ids: list[int]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, position: int) -> dict[str, Any]:
+        """{"id", "dataset", "input_ids" (T,), "loss_mask" (T,), "aux_hidden_states" bf16 (T, 3H), "final_hidden_states" bf16 (T, H)}."""
+
+    @property
+    def keys(self) -> list[tuple[str, str]]:
+        """(dataset, id) of each position."""
+
+    def tokens(self, position: int) -> dict[str, Any]:
+        """The sample without its features (cheap in both modes): {"id", "dataset", "input_ids", "loss_mask"}."""
+
+
+PLAN_FILE = "plan.json"
+
+
+def read_capture_plan(capture_dir: str | os.PathLike) -> StoragePlan:
+    """The storage plan stage 4 wrote (`capture/plan.json`): which mode the capture ran in."""
+    path = Path(capture_dir) / PLAN_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run stage 4 (capture) first")
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if record.get("mode") not in ("offline", "online"):
+        raise InputError(path, None, "mode", f"expected 'offline' or 'online', got {record.get('mode')!r}; rerun stage 4")
+    known = {item.name for item in fields(StoragePlan)}
+    return StoragePlan(**{name: record.get(name) for name in known})
+
+
+def open_captured_samples(
+    capture_dir: str | os.PathLike,
+    data_files: Mapping[str, str | os.PathLike],
+    load_model: Callable[[], nn.Module],
+    *,
+    capture_layer_ids: Sequence[int] | None = None,
+    max_seq_len: int = 4096,
+) -> CapturedSamples:
+    """The samples of a finished stage 4, in the mode it planned (`capture/plan.json`).
+
+    offline: the shards in `capture_dir`. online: `data_files` (dataset -> tokenized_data.jsonl) with the
+    features recomputed per access by the target `load_model()` returns (called only in this mode), with
+    `capture_layer_ids` (None: EAGLE-3's defaults) and `max_seq_len` as stage 4 used them.
+    """
+    from eaglekit.shards import ShardDataset
+
+    if read_capture_plan(capture_dir).mode == "offline":
+        return ShardDataset(capture_dir)
+    return OnlineCaptureSamples(load_model(), data_files, capture_layer_ids=capture_layer_ids, max_seq_len=max_seq_len)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -303,7 +303,7 @@ def load_index(output_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 class ShardDataset(torch.utils.data.Dataset):
-    """Samples from a finished capture, as the dicts stage 5 trains on.
+    """Samples from a finished capture, as the dicts stage 5 trains on (`capture.CapturedSamples`).
 
     Each item: {"id": str, "dataset": str, "input_ids": int64 (T,), "loss_mask": int64 (T,),
     "aux_hidden_states": bf16 (T, 3H), "final_hidden_states": bf16 (T, H)}.
@@ -328,6 +328,15 @@ class ShardDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
+    @property
+    def keys(self) -> list[tuple[str, str]]:
+        """(dataset, id) of each position: what splits and subsets are keyed on."""
+        return [(record["dataset"], str(record["id"])) for record in self.samples]
+
+    def tokens(self, position: int) -> dict[str, Any]:
+        """The sample without its features: {"id", "dataset", "input_ids" (T,), "loss_mask" (T,)}."""
+        return self._read(position, with_features=False)
+
     def _shard(self, name: str) -> Any:
         # Samples are stored shard by shard, so keeping the last shard open serves sequential reads.
         if name != self._open_name:
@@ -336,18 +345,23 @@ class ShardDataset(torch.utils.data.Dataset):
         return self._open_handle
 
     def __getitem__(self, position: int) -> dict[str, Any]:
+        return self._read(position, with_features=True)
+
+    def _read(self, position: int, with_features: bool) -> dict[str, Any]:
         record = self.samples[position]
         shard = self._shard(record["shard"])
         start, stop = record["offset"], record["offset"] + record["length"]
         try:
-            return {
+            sample = {
                 "id": record["id"],
                 "dataset": record["dataset"],
                 "input_ids": shard.get_slice("input_ids")[start:stop].to(torch.long),
                 "loss_mask": shard.get_slice("loss_mask")[start:stop].to(torch.long),
-                "aux_hidden_states": shard.get_slice("aux_hidden_states")[start:stop],
-                "final_hidden_states": shard.get_slice("final_hidden_states")[start:stop],
             }
+            if with_features:
+                sample["aux_hidden_states"] = shard.get_slice("aux_hidden_states")[start:stop]
+                sample["final_hidden_states"] = shard.get_slice("final_hidden_states")[start:stop]
+            return sample
         except SafetensorError as error:
             raise CorruptShardError(f"shard {self.output_dir / record['shard']}: sample {record['dataset']}/{record['id']} "
                                     f"cannot be read ({error})") from None
