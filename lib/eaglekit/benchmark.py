@@ -35,6 +35,7 @@ from eaglekit.chat import ChatTemplateError, prompt_token_ids
 from eaglekit.config import repo_path
 from eaglekit.io import InputError
 from eaglekit.paths import installed_package_dir
+from eaglekit.topology import Topology
 
 PACKAGE_PREFIX = "package:"
 
@@ -203,7 +204,7 @@ def score_drafts_on_prompts(
         part = per_prompt[per_prompt["data_size"] == size]
         steps_total = float(part["verification_steps"].sum())
         summary_rows.append({
-            "data_size": size, "prompts": len(part), "topology": "chain", "steps": steps,
+            "data_size": size, "prompts": len(part), **Topology.chain(steps).to_dict(),
             "tau": (part["accepted"].sum() + steps_total) / steps_total if steps_total else float("nan"),
             "tau_low": float(low[index]), "tau_high": float(high[index]),
             "tau_server": part["output_tokens"].sum() / steps_total if steps_total else float("nan"),

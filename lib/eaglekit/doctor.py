@@ -50,11 +50,6 @@ def _ok(check: str, message: str) -> Finding:
     return Finding("ok", check, message)
 
 
-def default_capture_layers(num_target_layers: int) -> list[int]:
-    """DESIGN's capture layers as transformers output_hidden_states indices: [2, N//2, N-3]."""
-    return [2, num_target_layers // 2, num_target_layers - 3]
-
-
 def load_config(path: str | Path) -> dict:
     """A config.json (or a folder holding one); multimodal configs are reduced to their text_config."""
     path = Path(path)
@@ -143,10 +138,12 @@ def check_draft_config(
 
 
 def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any], capture_layers: Sequence[int] | None) -> list[Finding]:
+    from eaglekit.capture import default_capture_layer_ids  # the one definition; imported here so the doctor loads without torch
+
     num_layers = target.get("num_hidden_layers")
     if num_layers is None:
         return [Finding("error", "capture_layers", "target config has no num_hidden_layers", "pass the target's own config.json")]
-    expected = list(capture_layers) if capture_layers is not None else default_capture_layers(num_layers)
+    expected = list(capture_layers) if capture_layers is not None else default_capture_layer_ids(num_layers)
     bad = [index for index in expected if not 1 <= index <= num_layers]
     if len(expected) != 3 or bad:
         return [Finding("error", "capture_layers", f"training capture layers {expected} are not 3 hidden-states indices in [1, {num_layers}]",
@@ -154,7 +151,7 @@ def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, 
     wanted_ids = [index - 1 for index in expected]
     ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids is None:
-        served = default_capture_layers(num_layers)
+        served = default_capture_layer_ids(num_layers)
         if served == expected:
             return [_ok("capture_layers", f"no eagle_aux_hidden_state_layer_ids; SGLang's default {served} matches training")]
         return [Finding("error", "capture_layers", f"no eagle_aux_hidden_state_layer_ids: SGLang captures its default {served}, but the draft was trained on {expected}",
