@@ -94,7 +94,7 @@ def test_simulated_accept_length_definition():
     # acc_1 = 3/4, acc_2 = 2/3 (of those that agreed at 1), acc_3 = 1/2: tau = 1 + 3/4 + 1/2 + 1/4.
     assert result["simulated_accept_length"] == pytest.approx(2.5)
     assert result["conditional_accuracy_by_position"] == pytest.approx([0.75, 2 / 3, 0.5])
-    assert result["topology"] == "chain" and result["draft_steps"] == 3
+    assert result["topology"] == {"topology": "chain", "steps": 3, "top_k": 1, "draft_tokens": 4}
     assert simulated_accept_length([SampleAgreement("a", "d", np.ones((5, 3), bool), np.arange(5))], 3)["simulated_accept_length"] == 4.0
 
 

@@ -15,6 +15,8 @@ import yaml
 from eaglekit.capture import capture_to_shards
 from eaglekit.config import load_params
 from eaglekit.io import write_json
+from eaglekit.sweep_record import SweepRecord
+from eaglekit.topology import Topology
 from eaglekit.training import load_checkpoint
 from eaglekit.training_stage import launch_training_stage, run_training_stage
 from test_draft import samples_from_target, tiny_target
@@ -80,10 +82,11 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
     lines: list[str] = []
     sweep = launch_training_stage(parallel_params, parallel_dir, on_line=lines.append)
     assert any("step 4/4" in line for line in lines), lines[-20:]  # progress lines streamed as they came
-    assert sweep == json.loads((parallel_dir / "training" / "sweep.json").read_text())
-    for key in ("sizes", "heldout", "draft_vocab", "capture_layer_ids", "topology", "export"):
-        assert sweep[key] == single[key], key
-    assert sweep["draft_vocab"]["coverage_curve"][-1] == [300, 1.0] and [run["size"] for run in sweep["runs"]] == SIZES
+    assert sweep == SweepRecord.load_run(parallel_dir)
+    for key in ("sizes", "heldout", "draft_vocab", "capture_layer_ids", "topology", "export", "capture_mode"):
+        assert getattr(sweep, key) == getattr(single, key), key
+    assert sweep.draft_vocab.coverage_curve[-1] == [300, 1.0] and sweep.sizes == SIZES
+    assert sweep.topology == Topology.chain(2) and all(entry.topology == Topology.chain(2) for entry in sweep.runs)
     for size in SIZES:
         one = load_checkpoint(single_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]
         two = load_checkpoint(parallel_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]
@@ -106,6 +109,29 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
     launch_training_stage(parallel_params, killed_dir, on_line=lambda line: None)
     for size in SIZES:
         assert train_losses(killed_dir, size) == train_losses(parallel_dir, size)
+
+
+def test_online_capture_trains_through_the_same_interface_as_the_shards(captured_run, tmp_path):
+    """Stage 5 does not branch on the capture mode: with plan.json saying online and no shards, the target
+    recomputes the features and the sweep has the same split, vocab and (bf16 features aside) the same taus."""
+    _, target_dir = captured_run
+    path = write_params(tmp_path / "p.yaml", target_dir)
+    scenario = yaml.safe_load(path.read_text())
+    scenario["target"]["capture_layers"] = [1, 2, 3]  # as the shards were captured (the tiny target's defaults collide)
+    path.write_text(yaml.safe_dump(scenario))
+    params = load_params(path)
+    offline = run_training_stage(params, fresh_run(captured_run, "offline"))
+    online_dir = fresh_run(captured_run, "online")
+    for path in (online_dir / "capture").iterdir():
+        path.unlink()
+    write_json(online_dir / "capture" / "plan.json", {"mode": "online"})
+    online = run_training_stage(params, online_dir)
+    assert online.capture_mode == "online" and offline.capture_mode == "offline"
+    assert sorted(online.heldout) == sorted(offline.heldout) and online.draft_vocab == offline.draft_vocab
+    assert online.capture_layer_ids == offline.capture_layer_ids == [1, 2, 3]
+    # Online features are float32 where the shards hold bf16: the taus agree to bf16 rounding.
+    for one, two in zip(online.runs, offline.runs):
+        assert one.size == two.size and one.best_accept_length == pytest.approx(two.best_accept_length, abs=0.05)
 
 
 def test_params_and_sizes_are_checked_before_training(captured_run, tmp_path):
@@ -140,7 +166,6 @@ def test_notebook_05_launches_torchrun_streams_its_lines_and_plots_the_sweep(cap
     printed = "".join("".join(output["text"]) for cell in json.loads(executed.read_text())["cells"]
                       for output in cell.get("outputs", []) if output.get("output_type") == "stream")
     assert f"size-{SIZES[-1]:07d}: step 4/4" in printed, printed[-2000:]  # a worker's progress line, streamed
-    sweep = json.loads((run_dir / "training" / "sweep.json").read_text())
-    assert [run["size"] for run in sweep["runs"]] == SIZES
+    assert SweepRecord.load_run(run_dir).sizes == SIZES
     for figure in ("05_vocab_coverage.png", "05_loss_accuracy_by_position.png", "05_heldout_accept_length.png"):
         assert (run_dir / "figures" / figure).stat().st_size > 0, figure

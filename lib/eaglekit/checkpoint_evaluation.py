@@ -8,15 +8,23 @@ folders) are evaluated by `eaglekit.evaluate`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 
-from eaglekit.acceptance import chain_counts, pooled_accept_length, server_accept_length
+from eaglekit.acceptance import (
+    acceptance_tables,
+    chain_counts,
+    pooled_accept_length,
+    server_accept_length,
+)
+from eaglekit.capture import CapturedSamples
 from eaglekit.draft import DraftConfig, Eagle3DraftModel
 from eaglekit.specdec import (
     GreedyResult,
@@ -26,6 +34,7 @@ from eaglekit.specdec import (
     offline_chain_agreement,
     speculative_decode,
 )
+from eaglekit.sweep_record import SweepRecord
 from eaglekit.topology import Topology
 
 
@@ -115,16 +124,6 @@ def summarize(
     return record
 
 
-def result_record(result: SpeculativeResult) -> dict:
-    """A JSON-ready record of one request (for metrics.jsonl)."""
-    record = asdict(result)
-    topology = result.topology or Topology.chain(result.steps)
-    record.update(verification_steps=result.verification_steps, accept_length=result.accept_length,
-                  loop_accept_length=result.loop_accept_length, tokens_per_second=result.tokens_per_second,
-                  **topology.to_dict())
-    return record
-
-
 # ---------------------------------------------------------------------------------------------------
 # stage 6 inputs: trained drafts, held-out prompts, offline agreement by dataset
 # ---------------------------------------------------------------------------------------------------
@@ -198,3 +197,43 @@ def offline_agreements_by_dataset(
     for sample in per_position_agreement(draft, target_lm_head, samples, steps, max_length, batch_size, device):
         grouped.setdefault(sample.dataset, []).append(sample.agreement)
     return grouped
+
+
+def heldout_samples(sweep: SweepRecord, captured: CapturedSamples) -> list[dict]:
+    """The samples every draft of the sweep was scored on (`sweep.heldout`), read from the capture in that order.
+
+    A held-out key the capture does not hold means stage 4 ran again after stage 5: the error says so."""
+    position_of = {key: position for position, key in enumerate(captured.keys)}
+    missing = [key for key in sweep.heldout if key not in position_of]
+    if missing:
+        raise ValueError(f"{len(missing)} held-out samples of training/sweep.json are not in the capture, e.g. {missing[:3]}; "
+                         "stage 5 and stage 4 of this run disagree: rerun stage 5")
+    return [captured[position_of[key]] for key in sweep.heldout]
+
+
+def offline_agreements_by_size(
+    checkpoints: dict[int, Path], target_embed_tokens: torch.Tensor, target_lm_head: torch.Tensor, samples: Sequence[dict],
+    steps: int, max_length: int = 2048, batch_size: int = 4,
+) -> dict[int, dict[str, list[np.ndarray]]]:
+    """{data size: {dataset: [(P, k) bool]}}: every checkpoint's held-out chain agreement, for `acceptance.sweep_acceptance`."""
+    return {size: offline_agreements_by_dataset(load_draft_checkpoint(path, target_embed_tokens), target_lm_head, samples, steps,
+                                                max_length, batch_size)
+            for size, path in checkpoints.items()}
+
+
+def score_ablation(
+    sweep: SweepRecord, run_dir: str | os.PathLike, target_embed_tokens: torch.Tensor, target_lm_head: torch.Tensor,
+    samples: Sequence[dict], steps: int, max_length: int = 2048, num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
+) -> pd.DataFrame | None:
+    """Offline acceptance of each ablation variant of the sweep on the held-out samples: one row per (variant,
+    dataset) as `acceptance.acceptance_tables` gives it, plus `variant` and `data_size`. None when stage 5
+    trained no ablation."""
+    if not sweep.ablation:
+        return None
+    tables = []
+    for entry in sweep.ablation:
+        draft = load_draft_checkpoint(sweep.path(run_dir, entry.best_checkpoint), target_embed_tokens)
+        summary, _ = acceptance_tables(offline_agreements_by_dataset(draft, target_lm_head, samples, steps, max_length),
+                                       steps, num_resamples, confidence, seed)
+        tables.append(summary.assign(variant=entry.variant, data_size=entry.size))
+    return pd.concat(tables, ignore_index=True)

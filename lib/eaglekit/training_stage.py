@@ -3,8 +3,8 @@
 `run_training_stage(params, run_dir)` does what notebook 05 computes, without the plots: reads the
 capture (offline shards or online), picks the draft vocab from the largest training subset, trains
 one draft per data size (`train_size_sweep`), exports the largest size's best draft for SGLang and
-vLLM, trains the ablation pair when configured, and writes `training/sweep.json` (the same fields
-notebook 05 writes) and the stage's metrics events. Every rank runs it; training is data parallel
+vLLM, trains the ablation pair when configured, and writes `training/sweep.json` (a
+`sweep_record.SweepRecord`, what stage 6 loads) and the stage's metrics events. Every rank runs it; training is data parallel
 (`training.parallel`: ddp, or fsdp on GPUs); rank 0 alone writes exports, metrics and sweep.json.
 
     torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R           # the whole sweep
@@ -17,7 +17,7 @@ finds them trained and only evaluates the rest.
 
 `launch_training_stage(params, run_dir, nproc_per_node)` starts that command as a subprocess (what
 notebook 05 does when `training.nproc_per_node > 1`), hands each output line to a callback as it
-arrives (the `eaglekit.training` progress lines), and returns the sweep.json it wrote. Interrupting
+arrives (the `eaglekit.training` progress lines), and returns the SweepRecord it wrote. Interrupting
 the caller (Ctrl-C, a stopped kernel) stops the whole torchrun process group; the next launch resumes.
 """
 
@@ -25,24 +25,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from eaglekit.capture import load_target, open_captured_samples, read_capture_plan
 from eaglekit.config import Params, dump_params, load_params, repo_path
-from eaglekit.io import write_json
 from eaglekit.runs import Metrics, stage_dir, tokenized_data_files
+from eaglekit.sweep_record import SWEEP_FILE, DraftEntry, DraftVocabRecord, SweepRecord
+from eaglekit.topology import Topology
 
-SWEEP_FILE = "sweep.json"
 LAUNCH_PARAMS_FILE = "launch_params.yaml"
 
 
@@ -58,11 +57,11 @@ def _training_device(params: Params) -> str:
     return device
 
 
-def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequence[int] | None = None) -> dict[str, Any] | None:
+def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequence[int] | None = None) -> SweepRecord | None:
     """Stage 5 without plots: the data-size sweep, exports, ablation and `training/sweep.json`.
 
     sizes: train only these sizes of `training.data_sizes` (no exports, no ablation, no sweep.json).
-    Returns the sweep record (rank 0; None on other ranks and with `sizes`).
+    Returns the sweep record it saved (rank 0; None on other ranks and with `sizes`).
     """
     from eaglekit.draft import build_draft_from_target, load_target_head_weights
     from eaglekit.models import resolve_model
@@ -71,12 +70,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     from eaglekit.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
 
     out = Path(run_dir)
-    relative = lambda path: str(Path(path).relative_to(out))  # paths in sweep.json are relative to the run folder
     capture_dir, training_dir = stage_dir(out, "capture"), stage_dir(out, "training")
-    plan_path = capture_dir / "plan.json"
-    if not plan_path.exists():
-        raise FileNotFoundError(f"{plan_path} not found: run stage 4 (capture) first")
-    capture_plan = json.loads(plan_path.read_text())
+    capture_plan = read_capture_plan(capture_dir)  # fails before any model loads when stage 4 has not run
     selected = list(params.training.data_sizes) if sizes is None else sorted(int(size) for size in sizes)
     unknown = sorted(set(selected) - set(params.training.data_sizes))
     if unknown:
@@ -88,21 +83,11 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     is_main = _rank() == 0
     metrics = Metrics(out, "training") if is_main else None
 
-    if capture_plan["mode"] == "offline":
-        from eaglekit.shards import ShardDataset
-
-        samples = ShardDataset(capture_dir)
-        keys = [(record["dataset"], record["id"]) for record in samples.samples]
-        generated = lambda index: {"id": keys[index][1], "input_ids": samples[index]["input_ids"], "loss_mask": samples[index]["loss_mask"]}
-    else:
-        from eaglekit.capture import OnlineCaptureSamples, load_target
-
-        target_model = load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype))
-        samples = OnlineCaptureSamples(target_model, tokenized_data_files(out), capture_layer_ids=params.target.capture_layers,
-                                       max_seq_len=params.capture.max_seq_len)
-        keys = [sample.key for sample in samples.samples]
-        generated = lambda index: {"id": samples.samples[index].id, "input_ids": samples.samples[index].input_ids,
-                                   "loss_mask": samples.samples[index].loss_mask}
+    # Shards or the target recomputing features online, as stage 4 planned: one interface (capture.CapturedSamples).
+    samples = open_captured_samples(capture_dir, tokenized_data_files(out),
+                                    lambda: load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype)),
+                                    capture_layer_ids=params.target.capture_layers, max_seq_len=params.capture.max_seq_len)
+    keys = samples.keys
     capture_layer_ids = samples.capture_layer_ids
     datasets = [dataset for dataset, _ in keys]
 
@@ -111,13 +96,14 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     heldout_indices, train_order = split_heldout(datasets, params.training.heldout_size, params.run.seed, conversations)
     largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
     vocab_size = target_weights.config.vocab_size
-    token_counts = count_generated_tokens((generated(index) for index in largest_subset), vocab_size)
+    token_counts = count_generated_tokens((samples.tokens(index) for index in largest_subset), vocab_size)
     vocab = select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
     coverage_grid = sorted({2**power for power in range(6, 17) if 2**power < vocab_size} | {vocab.size, vocab_size})
     if metrics is not None:
         metrics.log(event="draft_vocab", size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens)
 
     capture_layer_indices = tuple(capture_layer_ids)
+    evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)  # the chain train_draft scores held-out tau with
     build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed)
     sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
                                   training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations)
@@ -129,25 +115,24 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
             metrics.close()
         return None
 
-    ablation = []
+    ablation: list[DraftEntry] = []
     original_dir = capture_dir / "original"
     if params.analysis.ablation and (original_dir / "index.json").exists():
         from eaglekit.shards import ShardDataset
 
         original = ShardDataset(original_dir)
         position_of_key = {key: index for index, key in enumerate(keys)}
-        pairs = [(index, position_of_key[(record["dataset"], record["id"])]) for index, record in enumerate(original.samples)
-                 if (record["dataset"], record["id"]) in position_of_key]
+        pairs = [(index, position_of_key[key]) for index, key in enumerate(original.keys) if key in position_of_key]
+        samples_by_dataset = dict(Counter(keys[position][0] for _, position in pairs))
         variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
                     "regenerated answers": IndexedSubset(samples, [r for _, r in pairs])}
         for variant, train_samples in variants.items():
             result = train_draft(build_model(), target_weights.lm_head, train_samples, IndexedSubset(samples, heldout_indices),
                                  training_dir / "ablation" / variant.split()[0], settings)
-            ablation.append({"variant": variant, "size": len(pairs), "best_step": result.best_step,
-                             "best_accept_length": result.best_accept_length, "best_checkpoint": relative(result.best_checkpoint),
-                             "metrics_path": relative(result.metrics_path)})
+            ablation.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(heldout_indices),
+                                                   settings.schedule, settings.patience, out))
             if metrics is not None:
-                metrics.log(event="ablation", **ablation[-1])
+                metrics.log(event="ablation", **ablation[-1].to_dict())
     if not is_main:
         return None
 
@@ -167,20 +152,18 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     }
     for folder in export_dirs.values():
         validate_export(folder, target_config)
-    sweep = {
-        "sizes": [row["size"] for row in sweep_rows],
-        "runs": [{**row, "best_checkpoint": relative(row["best_checkpoint"]), "metrics_path": relative(row["metrics_path"])} for row in sweep_rows],
-        "heldout": [list(keys[index]) for index in heldout_indices],
-        "topology": {"kind": "chain", "draft_steps": params.analysis.chain_steps, "top_k": 1},
-        "draft_vocab": {"size": vocab.size, "coverage": vocab.coverage, "counted_tokens": vocab.counted_tokens,
-                        # [[vocab size, share of generated tokens covered], ...]: notebook 05's coverage figure
-                        "coverage_curve": [[size, share] for size, share in coverage_curve(token_counts, coverage_grid).items()]},
-        "capture_dir": relative(capture_dir), "capture_mode": capture_plan["mode"], "capture_layer_ids": list(capture_layer_ids),
-        "split_seed": params.run.seed,
-        "export": {name: relative(folder) for name, folder in export_dirs.items()},
-        "ablation": ablation,  # [] when not trained
-    }
-    write_json(training_dir / SWEEP_FILE, sweep)
+    sweep = SweepRecord(
+        runs=[DraftEntry.from_sweep_row(row, evaluated, out) for row in sweep_rows],
+        ablation=ablation,
+        heldout=[keys[index] for index in heldout_indices],
+        topology=evaluated,
+        draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens,
+                                     coverage_curve=[[size, share] for size, share in coverage_curve(token_counts, coverage_grid).items()]),
+        capture_dir=str(capture_dir.relative_to(out)), capture_mode=capture_plan.mode, capture_layer_ids=list(capture_layer_ids),
+        split_seed=params.run.seed,
+        export={name: str(Path(folder).relative_to(out)) for name, folder in export_dirs.items()},
+    )
+    sweep.save(training_dir / SWEEP_FILE)
     metrics.close()
     return sweep
 
@@ -209,7 +192,7 @@ def launch_training_stage(
     on_line: Callable[[str], None] = print,
     sizes: Sequence[int] | None = None,
     environment: dict[str, str] | None = None,
-) -> dict[str, Any] | None:
+) -> SweepRecord | None:
     """Run stage 5 under torchrun in a subprocess, streaming its output lines to `on_line`.
 
     Writes the resolved params next to the results (training/launch_params.yaml) for the subprocess.
@@ -240,7 +223,7 @@ def launch_training_stage(
                                   f"\nrerun to resume: {' '.join(torchrun_command(params_path, run_dir, nproc_per_node, sizes))}")
     if sizes:
         return None
-    return json.loads((stage_dir(run_dir, "training") / SWEEP_FILE).read_text())
+    return SweepRecord.load(stage_dir(run_dir, "training") / SWEEP_FILE)
 
 
 def _stop_group(process: subprocess.Popen) -> None:
@@ -277,8 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sweep = run_training_stage(params, run_dir, args.sizes)
         if sweep is not None:
-            print(f"wrote {stage_dir(run_dir, 'training') / SWEEP_FILE}: sizes {sweep['sizes']}, best held-out tau "
-                  f"{[round(run['best_accept_length'], 4) for run in sweep['runs']]}", flush=True)
+            print(f"wrote {stage_dir(run_dir, 'training') / SWEEP_FILE}: sizes {sweep.sizes}, best held-out tau "
+                  f"{[round(entry.best_accept_length, 4) for entry in sweep.runs]}", flush=True)
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -1,0 +1,279 @@
+"""`training/sweep.json`: what stage 5 trained and stage 6 scores, as one versioned type.
+
+Stage 5 (`training_stage.run_training_stage`) builds a `SweepRecord` and saves it; notebooks 05 and 06,
+`checkpoint_evaluation` and anything else that needs the drafts load it with `SweepRecord.load`. A file
+that does not match the type fails on load with the file and the field named, never halfway through an
+analysis.
+
+    version            1 (RECORD_VERSION); an unversioned file from before is read as version 0
+    runs               one DraftEntry per data size, ascending
+    ablation           one DraftEntry per ablation variant ("original answers", "regenerated answers"); [] when not trained
+    heldout            [[dataset, id], ...]: the samples every draft was scored on (in the capture)
+    topology           Topology.to_dict() of the chain every held-out tau here was measured for
+    draft_vocab        size, coverage, counted_tokens, coverage_curve [[vocab size, share covered], ...]
+    capture_dir, capture_mode, capture_layer_ids, split_seed, export {"sglang": folder, "vllm": folder}
+
+Paths are relative to the run folder (`SweepRecord.path`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from eaglekit.io import InputError, write_json
+from eaglekit.topology import Topology
+from eaglekit.training import TrainResult, recent_gain
+
+SWEEP_FILE = "sweep.json"
+RECORD_VERSION = 1
+RERUN = "rerun stage 5 (notebook 05, or python -m eaglekit.training --params P --run-dir D; trained sizes resume from their checkpoints)"
+
+
+@dataclass(frozen=True)
+class DraftEntry:
+    """One trained draft: a data size of the sweep, or an ablation variant. Paths relative to the run folder."""
+
+    variant: str  # "20 samples" for a sweep size; "original answers" / "regenerated answers" for the ablation
+    size: int  # training samples
+    topology: Topology  # the chain its held-out tau was measured for
+    best_step: int
+    best_accept_length: float  # held-out simulated tau of the best checkpoint
+    best_checkpoint: str
+    metrics_path: str
+    samples_by_dataset: dict[str, int]
+    schedule: str
+    steps: int  # steps trained
+    step_cap: int
+    samples_seen: int
+    epochs: float
+    converged: bool  # held-out tau stopped improving (False: stopped by the step cap, tau is a lower bound)
+    stopped: str | None  # "converged", "step_cap" (None: stopped early on request)
+    improved_step: int
+    recent_gain: float | None  # best tau gained over the last `recent_evaluations` evaluations
+    recent_window_steps: list[int] | None
+    recent_evaluations: int
+    heldout_size: int
+
+    @classmethod
+    def from_sweep_row(cls, row: dict[str, Any], topology: Topology, run_dir: str | os.PathLike) -> DraftEntry:
+        """From a `training.train_size_sweep` row; paths made relative to the run folder."""
+        known = {item.name for item in fields(cls)} - {"variant", "topology"}
+        values = {key: value for key, value in row.items() if key in known}
+        values.update(best_checkpoint=_relative(row["best_checkpoint"], run_dir), metrics_path=_relative(row["metrics_path"], run_dir))
+        return cls(variant=f"{row['size']} samples", topology=topology, **values)
+
+    @classmethod
+    def from_result(cls, variant: str, result: TrainResult, topology: Topology, samples_by_dataset: dict[str, int], heldout_size: int,
+                    schedule: str, patience: int, run_dir: str | os.PathLike) -> DraftEntry:
+        """From one `training.train_draft` run (an ablation variant): the fields a sweep row has."""
+        size = sum(samples_by_dataset.values())
+        return cls(variant=variant, size=size, topology=topology, best_step=result.best_step, best_accept_length=result.best_accept_length,
+                   best_checkpoint=_relative(result.best_checkpoint, run_dir), metrics_path=_relative(result.metrics_path, run_dir),
+                   samples_by_dataset=dict(samples_by_dataset), schedule=schedule, steps=result.steps, step_cap=result.step_cap,
+                   samples_seen=result.samples_seen, epochs=result.samples_seen / size, converged=result.converged,
+                   stopped=result.stopped, improved_step=result.improved_step, heldout_size=heldout_size,
+                   **recent_gain(result.metrics_path, patience))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"topology": self.topology.to_dict()}
+
+
+def _relative(path: str | os.PathLike, run_dir: str | os.PathLike) -> str:
+    return str(Path(path).relative_to(run_dir))
+
+
+@dataclass(frozen=True)
+class DraftVocabRecord:
+    size: int
+    coverage: float  # share of generated tokens the draft vocab covers
+    counted_tokens: int
+    coverage_curve: list[list[float]]  # [[vocab size, share covered], ...]: notebook 05's coverage figure
+
+
+@dataclass(frozen=True)
+class SweepRecord:
+    runs: list[DraftEntry]
+    heldout: list[tuple[str, str]]
+    topology: Topology
+    draft_vocab: DraftVocabRecord
+    capture_dir: str
+    capture_mode: str
+    capture_layer_ids: list[int]
+    split_seed: int
+    export: dict[str, str]
+    ablation: list[DraftEntry] = field(default_factory=list)
+    version: int = RECORD_VERSION
+
+    # -- reading it -----------------------------------------------------------------------------------
+    @property
+    def sizes(self) -> list[int]:
+        return [entry.size for entry in self.runs]
+
+    @property
+    def largest(self) -> DraftEntry:
+        return max(self.runs, key=lambda entry: entry.size)
+
+    @staticmethod
+    def path(run_dir: str | os.PathLike, relative: str) -> Path:
+        """A path the record holds (relative to the run folder) as a path on this machine."""
+        return Path(run_dir) / relative
+
+    def checkpoints(self, run_dir: str | os.PathLike) -> dict[int, Path]:
+        """{data size: best checkpoint}, ascending."""
+        return {entry.size: self.path(run_dir, entry.best_checkpoint) for entry in self.runs}
+
+    def still_improving(self) -> dict[float, float | None]:
+        """{data size: recent gain} of the drafts stopped by the step cap: their tau is a lower bound."""
+        return {float(entry.size): entry.recent_gain for entry in self.runs if not entry.converged}
+
+    def table(self, ablation: bool = False) -> pd.DataFrame:
+        """One row per data size (per ablation variant with `ablation`): training length, how it stopped, its best
+        held-out tau, per-dataset training counts."""
+        entries, index = (self.ablation, "variant") if ablation else (self.runs, "data size")
+        return pd.DataFrame([{
+            "variant": entry.variant, "data size": entry.size, "schedule": entry.schedule, "steps": entry.steps, "step cap": entry.step_cap,
+            "samples seen": entry.samples_seen, "epochs": round(entry.epochs, 2), "best step": entry.best_step,
+            f"held-out tau ({entry.topology.label})": round(entry.best_accept_length, 4), "converged": entry.converged,
+            "stopped": entry.stopped, "recent gain": None if entry.recent_gain is None else round(entry.recent_gain, 4),
+            "recent window (steps)": entry.recent_window_steps, "checkpoint": entry.best_checkpoint,
+            **{f"train {name}": count for name, count in entry.samples_by_dataset.items()},
+        } for entry in entries], columns=None if entries else ["variant", "data size"]).set_index(index)
+
+    def convergence_lines(self) -> list[str]:
+        """Per size, in words: converged, or still improving when the step cap stopped it (its tau a lower bound)."""
+        lines = []
+        for entry in self.runs:
+            if entry.converged:
+                lines.append(f"size {entry.size}: converged at step {entry.steps} (no gain since step {entry.improved_step}; "
+                             f"best at step {entry.best_step})")
+            else:
+                gain = "" if entry.recent_gain is None else (f": best held-out tau rose {entry.recent_gain:+.4f} over its last "
+                                                             f"{entry.recent_evaluations} evaluations (steps {entry.recent_window_steps})")
+                lines.append(f"size {entry.size}: STILL IMPROVING when training stopped ({entry.stopped} at step {entry.steps}){gain}; "
+                             "its tau is a lower bound")
+        return lines
+
+    # -- the file -------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "sizes": self.sizes, "runs": [entry.to_dict() for entry in self.runs],
+                "ablation": [entry.to_dict() for entry in self.ablation], "heldout": [list(key) for key in self.heldout],
+                "topology": self.topology.to_dict(), "draft_vocab": asdict(self.draft_vocab), "capture_dir": self.capture_dir,
+                "capture_mode": self.capture_mode, "capture_layer_ids": list(self.capture_layer_ids), "split_seed": self.split_seed,
+                "export": dict(self.export)}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Written atomically (temp file, then rename): a reader never sees half a record."""
+        write_json(path, self.to_dict())
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> SweepRecord:
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path} not found: run stage 5 (training) into this run folder first")
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise InputError(path, error.lineno, None, f"not JSON ({error.msg}); {RERUN}") from None
+        return cls.from_dict(record, path)
+
+    @classmethod
+    def load_run(cls, run_dir: str | os.PathLike) -> SweepRecord:
+        """The record of a run folder: <run_dir>/training/sweep.json."""
+        return cls.load(Path(run_dir) / "training" / SWEEP_FILE)
+
+    @classmethod
+    def from_dict(cls, record: Any, path: str | os.PathLike = SWEEP_FILE) -> SweepRecord:
+        """Checks every field's type; an error names the file and the field (e.g. `runs[2].best_checkpoint`)."""
+        read = _Reader(path)
+        read.expect(record, dict, "the file")
+        version = record.get("version", 0)
+        if version == 0:
+            record = _from_version_0(record, read)
+        elif version != RECORD_VERSION:
+            raise InputError(path, None, "version", f"version {version!r}; this eaglekit reads version {RECORD_VERSION}: {RERUN}")
+        topology = read.topology(record)
+        vocab = read.field(record, "draft_vocab", dict)
+        return cls(
+            runs=[read.entry(entry, f"runs[{index}]") for index, entry in enumerate(read.field(record, "runs", list))],
+            ablation=[read.entry(entry, f"ablation[{index}]") for index, entry in enumerate(read.field(record, "ablation", list))],
+            heldout=[tuple(read.strings(pair, f"heldout[{index}]", 2)) for index, pair in enumerate(read.field(record, "heldout", list))],
+            topology=topology,
+            draft_vocab=DraftVocabRecord(size=read.field(vocab, "size", int, "draft_vocab."),
+                                         coverage=read.field(vocab, "coverage", float, "draft_vocab."),
+                                         counted_tokens=read.field(vocab, "counted_tokens", int, "draft_vocab."),
+                                         coverage_curve=read.field(vocab, "coverage_curve", list, "draft_vocab.")),
+            capture_dir=read.field(record, "capture_dir", str), capture_mode=read.field(record, "capture_mode", str),
+            capture_layer_ids=read.field(record, "capture_layer_ids", list), split_seed=read.field(record, "split_seed", int),
+            export=read.field(record, "export", dict),
+        )
+
+
+def _from_version_0(record: dict, read: _Reader) -> dict:
+    """Sweeps written before the record was versioned: the topology was {"kind", "draft_steps", "top_k"} and
+    the entries carried none (every tau was the sweep's chain); the runs had no variant name; the earliest
+    had no draft-vocab coverage curve (only notebook 05 draws it)."""
+    old = read.field(record, "topology", dict)
+    if old.get("kind") != "chain" or not isinstance(old.get("draft_steps"), int):
+        raise InputError(read.path, None, "topology", f"{old!r} is not a chain record of an unversioned sweep.json; {RERUN}")
+    topology = Topology.chain(old["draft_steps"]).to_dict()
+    runs = [{"variant": f"{entry.get('size')} samples", "topology": topology, **entry} if isinstance(entry, dict) else entry
+            for entry in read.field(record, "runs", list)]
+    ablation = [{"topology": topology, **entry} if isinstance(entry, dict) else entry for entry in record.get("ablation") or []]
+    vocab = read.field(record, "draft_vocab", dict)
+    return {**record, "topology": topology, "runs": runs, "ablation": ablation, "draft_vocab": {"coverage_curve": [], **vocab}}
+
+
+_ENTRY_TYPES: dict[str, tuple[type, ...]] = {
+    "variant": (str,), "size": (int,), "best_step": (int,), "best_accept_length": (float,), "best_checkpoint": (str,),
+    "metrics_path": (str,), "samples_by_dataset": (dict,), "schedule": (str,), "steps": (int,), "step_cap": (int,),
+    "samples_seen": (int,), "epochs": (float,), "converged": (bool,), "stopped": (str, type(None)), "improved_step": (int,),
+    "recent_gain": (float, type(None)), "recent_window_steps": (list, type(None)), "recent_evaluations": (int,), "heldout_size": (int,),
+}
+
+
+class _Reader:
+    """Typed field access on the loaded JSON, every error naming the file and the field's path."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+
+    def fail(self, where: str, reason: str) -> InputError:
+        return InputError(self.path, None, where, f"{reason}; {RERUN}")
+
+    def expect(self, value: Any, kinds: type | tuple[type, ...], where: str) -> Any:
+        kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+        # JSON has one number type: an integral float is not an int, but an int is a valid float; a bool is neither.
+        accepted = kinds + ((int,) if float in kinds else ())
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, accepted):
+            names = " or ".join("null" if kind is type(None) else kind.__name__ for kind in kinds)
+            raise self.fail(where, f"expected {names}, got {value!r}")
+        return float(value) if float in kinds and not isinstance(value, float) and value is not None else value
+
+    def field(self, record: dict, key: str, kinds: type | tuple[type, ...], prefix: str = "") -> Any:
+        if key not in record:
+            raise self.fail(prefix + key, "missing")
+        return self.expect(record[key], kinds, prefix + key)
+
+    def strings(self, value: Any, where: str, count: int) -> list[str]:
+        if not isinstance(value, list) or len(value) != count or not all(isinstance(item, str) for item in value):
+            raise self.fail(where, f"expected {count} strings, got {value!r}")
+        return value
+
+    def topology(self, record: dict, prefix: str = "") -> Topology:
+        value = self.field(record, "topology", dict, prefix)
+        try:
+            return Topology.from_dict(value)
+        except ValueError as error:
+            raise self.fail(prefix + "topology", str(error)) from None
+
+    def entry(self, record: Any, where: str) -> DraftEntry:
+        self.expect(record, dict, where)
+        values = {key: self.field(record, key, kinds, f"{where}.") for key, kinds in _ENTRY_TYPES.items()}
+        return DraftEntry(topology=self.topology(record, f"{where}."), **values)
