@@ -53,6 +53,25 @@ def test_learning_rate_schedule():
     assert lr[55] == pytest.approx(1e-4 + 0.5 * 0.9e-3)  # halfway through the cosine
     assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
     assert lr[100] == lr[119] == pytest.approx(1e-4)
+    # No length to decay over (until_converged): the peak holds after warmup, for any step.
+    assert [learning_rate_at(step, 1e-3, 1e-4, 10, None) for step in (9, 10, 100, 10**6)] == [pytest.approx(1e-3 * 10 / 11), 1e-3, 1e-3, 1e-3]
+
+
+def test_until_converged_learning_rate_does_not_depend_on_the_cap(world, tmp_path):
+    """Under until_converged two caps give the same learning rates and the same loss curve (a cosine over
+    the cap let the cap decide when a draft stopped gaining); equal_steps still decays to its floor."""
+    target, train, heldout = world
+    head = target.lm_head.weight.detach()
+    curves = {}
+    for cap in (6, 60):
+        settings = dataclass_replace(FAST, schedule="until_converged", max_steps=cap, patience=50, stop_at_step=6)
+        result = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / f"cap-{cap}", settings)
+        curves[cap] = [(r["lr"], r["loss"]) for r in read_metrics(result.metrics_path) if r["split"] == "train"]
+    assert curves[6] == curves[60]
+    assert [lr for lr, _ in curves[6]] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 3e-3, 3e-3])  # warmup 2, then the peak
+    equal = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "equal", FAST)  # equal_steps, 6 steps
+    rates = [r["lr"] for r in read_metrics(equal.metrics_path) if r["split"] == "train"]
+    assert rates[2] == pytest.approx(3e-3) and rates[-1] < rates[2] and all(a >= b for a, b in zip(rates[2:], rates[3:]))
 
 
 def test_eligible_rows_follow_predicted_token():

@@ -181,7 +181,7 @@ class TrainingParams(Section):
     feature_noise: float = Field(default=0.0, ge=0)
     distill: Literal["soft", "argmax"] = "soft"  # teacher: target softmax over the draft vocab, or its greedy token
     learning_rate: float = Field(default=1.0e-4, gt=0)
-    min_learning_rate: float = Field(default=1.0e-5, ge=0)
+    min_learning_rate: float = Field(default=1.0e-5, ge=0)  # cosine floor of equal_steps/equal_epochs (until_converged holds the peak)
     warmup_steps: int = Field(default=10, ge=0)
     # until_converged: each size trains until held-out tau stops improving (patience), max_steps a cap;
     # equal_steps: max_steps for every size; equal_epochs: num_epochs passes (more data, more steps).

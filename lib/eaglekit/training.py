@@ -21,6 +21,8 @@ How long each draft trains (`TrainSettings.schedule`) decides what a data-size s
 - "until_converged" (default): train until held-out tau has not improved by `min_improvement` for
   `patience` evaluations, with `max_steps` as a cap; the best checkpoint by held-out tau is kept. A
   draft stopped by the cap was still improving and its tau is a lower bound (`converged` False).
+  The learning rate holds at its peak after warmup: a cosine over the cap would make the stopping
+  point (and tau) depend on the cap, since the decay itself ends the gains.
 - "equal_steps": every size trains `max_steps` steps (larger sizes see each sample fewer times).
 - "equal_epochs": every size trains `num_epochs` passes, so larger sizes also get more steps: the
   curve then mixes data with compute.
@@ -82,10 +84,10 @@ class TrainSettings:
     feature_noise: float = 0.0
     distill: str = "soft"  # teacher: "soft" (target softmax over the draft vocab) or "argmax" (one-hot target greedy token)
     learning_rate: float = 1e-4
-    min_learning_rate: float = 1e-5  # cosine floor
+    min_learning_rate: float = 1e-5  # cosine floor (equal_steps, equal_epochs; until_converged does not decay)
     warmup_steps: int = 50
     schedule: str = "until_converged"  # "until_converged", "equal_steps" or "equal_epochs" (module docstring)
-    max_steps: int = 1000  # equal_steps: the steps; until_converged: the cap. The cosine decays over it
+    max_steps: int = 1000  # equal_steps: the steps (the cosine decays over them); until_converged: the cap
     num_epochs: float | None = None  # equal_epochs: steps = ceil(num_epochs * samples / global batch)
     patience: int = 3  # until_converged: stop after this many evaluations without improvement
     min_improvement: float = 0.0  # until_converged: an improvement beats the last one's tau by more than this
@@ -147,10 +149,13 @@ class TrainSettings:
 # ---------------------------------------------------------------------------------------------------
 # learning rate
 # ---------------------------------------------------------------------------------------------------
-def learning_rate_at(step: int, max_learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int) -> float:
-    """Linear warmup to the peak, then cosine down to the floor at `total_steps`. Pure."""
+def learning_rate_at(step: int, max_learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int | None) -> float:
+    """Linear warmup to the peak, then cosine down to the floor at `total_steps`; with total_steps None
+    (until_converged: no known length) the peak holds after warmup. Pure."""
     if step < warmup_steps:
         return max_learning_rate * (step + 1) / (warmup_steps + 1)
+    if total_steps is None:
+        return max_learning_rate
     if step >= total_steps:
         return min_learning_rate
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
@@ -855,7 +860,8 @@ def train_draft(
     first_step, tokens_seen = progress["step"], 0
     while progress["stopped"] is None and progress["step"] < total_steps:
         step = progress["step"]
-        learning_rate = learning_rate_at(step, settings.learning_rate, settings.min_learning_rate, settings.warmup_steps, total_steps)
+        decay_steps = None if settings.schedule == "until_converged" else total_steps  # the cap is no length to decay over
+        learning_rate = learning_rate_at(step, settings.learning_rate, settings.min_learning_rate, settings.warmup_steps, decay_steps)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
 
