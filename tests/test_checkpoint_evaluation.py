@@ -7,9 +7,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from eaglekit.acceptance import acceptance_tables
-from eaglekit.checkpoint_evaluation import heldout_samples, offline_agreements_by_size, score_ablation
+from eaglekit.checkpoint_evaluation import (
+    heldout_samples,
+    offline_agreements_by_size,
+    score_ablation,
+)
 from eaglekit.draft import build_draft_from_target, load_target_head_weights
 from eaglekit.sweep_plots import plot_ablation
 from eaglekit.training import TrainSettings, save_checkpoint

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
-
 from eaglekit.io import InputError
-from eaglekit.sweep_record import RECORD_VERSION, DraftEntry, DraftVocabRecord, SweepRecord
+from eaglekit.sweep_record import (
+    RECORD_VERSION,
+    DraftEntry,
+    DraftVocabRecord,
+    SweepRecord,
+)
 from eaglekit.topology import Topology
 
 CHAIN = Topology.chain(3)
@@ -87,6 +90,8 @@ def _set(record: dict, where: str, value) -> None:
     ("heldout[0]", ["alpha"], "expected 2 strings"),
     ("draft_vocab.coverage", "high", "expected float"),
     ("export", ["sglang"], "expected dict"),
+    ("export.sglang", 5, "expected str, got 5"),
+    ("capture_layer_ids[1]", "15", "expected int, got '15'"),
     ("version", 2, "this eaglekit reads version 1"),
 ])
 def test_a_malformed_file_names_the_file_and_the_field(tmp_path, where, value, message):

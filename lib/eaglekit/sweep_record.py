@@ -210,8 +210,8 @@ class SweepRecord:
                                          counted_tokens=read.field(vocab, "counted_tokens", int, "draft_vocab."),
                                          coverage_curve=read.field(vocab, "coverage_curve", list, "draft_vocab.")),
             capture_dir=read.field(record, "capture_dir", str), capture_mode=read.field(record, "capture_mode", str),
-            capture_layer_ids=read.field(record, "capture_layer_ids", list), split_seed=read.field(record, "split_seed", int),
-            export=read.field(record, "export", dict),
+            capture_layer_ids=read.items(record, "capture_layer_ids", list, int), split_seed=read.field(record, "split_seed", int),
+            export=read.items(record, "export", dict, str),
         )
 
 
@@ -260,6 +260,13 @@ class _Reader:
         if key not in record:
             raise self.fail(prefix + key, "missing")
         return self.expect(record[key], kinds, prefix + key)
+
+    def items(self, record: dict, key: str, container: type, kind: type) -> Any:
+        """A list (or dict) field whose every element (value) must be of `kind`."""
+        value = self.field(record, key, container)
+        for name, item in (value.items() if isinstance(value, dict) else enumerate(value)):
+            self.expect(item, kind, f"{key}.{name}" if isinstance(value, dict) else f"{key}[{name}]")
+        return value
 
     def strings(self, value: Any, where: str, count: int) -> list[str]:
         if not isinstance(value, list) or len(value) != count or not all(isinstance(item, str) for item in value):
