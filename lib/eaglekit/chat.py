@@ -59,6 +59,7 @@ trained rather than silently dropped.
 
 from __future__ import annotations
 
+import bisect
 import html
 import json
 import re
@@ -129,6 +130,11 @@ class TemplateLayout:
     # (byte-level BPE: yes; SentencePiece with a prefix space: no). Split samples then reuse the tokens
     # of the text they share with the previous sample.
     splits_at_control_tokens: bool = False
+    # Whether tool definitions only add text before the first message (Qwen3's system block, Kimi's
+    # tool_declare), never inside or after a turn (Llama 3's first user turn, Mistral's last): small
+    # renderings whose beginning is discarded (a turn as generated, a split group's stretch) then leave
+    # them out, which makes them several times cheaper.
+    tools_in_preamble: bool = False
 
 
 @dataclass
@@ -137,9 +143,13 @@ class _Rendered:
 
     text: str
     spans: list[tuple[int, int]] = field(default_factory=list)
+    history: str | None = None  # a rendering this one shares its beginning with (split samples)
 
 
 _LAYOUT_CACHE: dict[tuple[int, int, str, str], TemplateLayout] = {}
+# A split group whose stretch (messages since the user message before it) is longer than this takes its
+# history from its stretch's own rendering rather than from the full one (see _Composer).
+_SHORT_STRETCH = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +249,19 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
             return False
         return later.startswith(_context_header(first))
 
+    def preamble_only(messages: list[dict], generation_prompt: bool) -> bool:
+        try:
+            with_tools = _render(tokenizer, messages, generation_prompt, probe_tools, template_kwargs)
+            without = _render(tokenizer, messages, generation_prompt, None, template_kwargs)
+        except ChatTemplateError:
+            return False
+        return with_tools.endswith(without)  # equal where the template ignores tools (DeepSeek)
+
+    rounds = [*user, call, {"role": "tool", "content": _PROBE_USER + "3", "tool_call_id": _PROBE_CALL_ID},
+              {**assistant, "reasoning_content": _PROBE_REASONING}]
     layout = TemplateLayout(
+        tools_in_preamble=all(preamble_only(messages, generation_prompt) for messages, generation_prompt in
+                              ((rounds, False), (rounds[:-1], True), (two_turns, True))),
         stable_with_system=stable([{"role": "system", "content": _PROBE_REASONING}, *two_turns], None),
         stable_with_tools=stable(two_turns, probe_tools),
         end_of_turn=end_of_turn,
@@ -472,14 +494,6 @@ def _small_context(template_messages: list[dict], index: int) -> list[dict]:
     return [probe]
 
 
-def _common_prefix(a: str, b: str) -> str:
-    limit = min(len(a), len(b))
-    index = 0
-    while index < limit and a[index] == b[index]:
-        index += 1
-    return a[:index]
-
-
 # ---------------------------------------------------------------------------------------------
 # Tokenization of a marked rendering
 
@@ -533,31 +547,51 @@ def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker,
     return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)
 
 
-def _samples_sharing_prefixes(tokenizer: Any, rendered: list[_Rendered], marker: _Marker,
-                              layout: TemplateLayout) -> list[TokenizedConversation]:
-    """Split samples share their history with the previous sample up to the first rewritten turn. The
-    tokenizer splits text at control tokens before anything else (checked per tokenizer), so the tokens
-    before a shared control token are reused and only the rest is tokenized: linear, not quadratic."""
+def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: _Marker,
+                             layout: TemplateLayout) -> list[TokenizedConversation]:
+    """Split samples share their beginning with a history rendering (`_Rendered.history`: the full
+    rendering or a long stretch's), each tokenized once. The tokenizer splits text at control tokens
+    before anything else (checked per tokenizer), so the history's tokens before a shared control
+    token are reused and only each sample's rest is tokenized: linear in the conversation, not quadratic."""
     control_ids = {tokenizer.convert_tokens_to_ids(token) for token in layout.control_tokens}
+    histories: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
     samples = []
-    previous_text, previous_ids, previous_starts = "", [], []
     for item in rendered:
-        common = len(_common_prefix(previous_text, item.text))
-        # The last token of the previous sample that is a control token starting inside the shared text.
+        if item.history is None:
+            samples.append(_sample(tokenizer, item, marker))
+            continue
+        if item.history not in histories:
+            ids, starts = _tokenize_marked(tokenizer, item.history, marker)
+            control = [index for index, token in enumerate(ids) if token in control_ids]
+            histories[item.history] = (ids, starts, control, [starts[index] for index in control])
+        history_ids, history_starts, control, control_starts = histories[item.history]
+        common = _common_prefix_length(item.history, item.text)
+        # The last control token lying wholly inside the shared text.
         keep = 0
-        for index in range(len(previous_starts) - 1, -1, -1):
-            start = previous_starts[index]
-            if previous_ids[index] in control_ids and start < common and \
-                    (index + 1 == len(previous_starts) or previous_starts[index + 1] <= common):
+        position = bisect.bisect_left(control_starts, common) - 1
+        while position >= 0:
+            index = control[position]
+            if index + 1 == len(history_starts) or history_starts[index + 1] <= common:
                 keep = index
                 break
-        cut = previous_starts[keep] if keep else 0
+            position -= 1
+        cut = history_starts[keep] if keep else 0
         rest_ids, rest_starts = _tokenize_marked(tokenizer, item.text[cut:], marker)
-        ids = previous_ids[:keep] + rest_ids
-        starts = previous_starts[:keep] + [cut + start for start in rest_starts]
-        samples.append(_sample(tokenizer, item, marker, (ids, starts)))
-        previous_text, previous_ids, previous_starts = item.text, ids, starts
+        samples.append(_sample(tokenizer, item, marker, (history_ids[:keep] + rest_ids,
+                                                         history_starts[:keep] + [cut + start for start in rest_starts])))
     return samples
+
+
+def _common_prefix_length(a: str, b: str) -> int:
+    """len of the common prefix of a and b, by bisection on slice comparisons (C speed, not a char loop)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:  # a[:low] == b[:low]; the first difference, if any, is before `high`
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _span_end(text: str, start: int, end_of_turn: str, truncated: bool) -> int:
@@ -637,9 +671,9 @@ def prompt_token_count(tokenizer: Any, messages: Sequence[dict], tools: list | N
 
 def _finish(tokenizer: Any, rendered: list[_Rendered], marker: _Marker, bodies: list[str],
             layout: TemplateLayout | None = None) -> ConversationSamples:
-    """Tokenize the samples (reusing shared prefixes where `layout` allows) and count what they train."""
+    """Tokenize the samples (reusing their history's tokens where `layout` allows) and count what they train."""
     if layout is not None and layout.splits_at_control_tokens and len(rendered) > 1:
-        samples = _samples_sharing_prefixes(tokenizer, rendered, marker, layout)
+        samples = _samples_sharing_history(tokenizer, rendered, marker, layout)
     else:
         samples = [_sample(tokenizer, item, marker) for item in rendered]
     trained = sum(sum(sample.loss_mask) for sample in samples)
@@ -747,8 +781,13 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     # A template that moves text it wrote earlier (Mistral: the system prompt, only while a user turn is
     # last; the tools, before the last user turn) changes the context of earlier turns in ways the
     # spans do not show: the oracle decides those splits. "visible" reads one rendering as it is.
+    prompts: list[str] = []  # per turn: its small-context prompt (ends in its header) and what follows its span
+    tails: list[str] = []
+    # Renderings whose beginning is discarded leave out tool definitions where those only add a preamble.
+    small = _Renderer(tokenizer, layout, None, renderer.kwargs) if layout.tools_in_preamble and renderer.tools \
+        else renderer
     bodies = None if unstable and history == "split" else \
-        _generated_bodies(renderer, template_messages, indices, layout, truncated)
+        _generated_bodies(small, template_messages, indices, layout, truncated, prompts, tails)
     if bodies is None:
         return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
     if history == "visible":
@@ -756,7 +795,7 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
         rendered = _locate_visible(full, bodies, layout, truncated)
         groups = None if rendered is None else [rendered]
     else:
-        groups = _split_groups(renderer, template_messages, messages, indices, bodies, layout)
+        groups = _split_groups(renderer, small, template_messages, messages, indices, bodies, layout, prompts, tails)
         if groups is not None and truncated:
             groups[-1].text = groups[-1].text[: groups[-1].spans[-1][1]]
     if groups is None:
@@ -764,51 +803,207 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     return _finish(tokenizer, groups, marker, [body for _, body, _ in bodies], layout)
 
 
-def _split_groups(renderer: _Renderer, template_messages: list[dict], messages: Sequence[dict], indices: list[int],
-                  bodies: list[tuple[str, str, int]], layout: TemplateLayout) -> list[_Rendered] | None:
+def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list[dict], messages: Sequence[dict],
+                  indices: list[int],
+                  bodies: list[tuple[str, str, int]], layout: TemplateLayout, prompts: list[str],
+                  tails: list[str]) -> list[_Rendered] | None:
     """Samples of the split policy, cut where the oracle cuts; None when the spans cannot be found.
 
     The whole conversation is tried first (one render: every template that does not rewrite history
-    ends here). Otherwise groups grow greedily over the turns before each user message (where Qwen3 and
-    DeepSeek drop reasoning) and close at the first turn no longer rendered as generated.
+    ends here). Otherwise groups grow greedily over candidate ends and close at the first turn no
+    longer rendered as generated. Each group's text is composed, not rendered whole: the history
+    before it as the full rendering shows it, then its own stretch rendered in a small context
+    (`_Composer`); linear in the conversation's length instead of quadratic. Where composing fails a
+    check, every group is rendered whole (one render per group).
     """
     count = len(indices)
-    texts: dict[int, str] = {}  # one render per sample end: a failed attempt's rendering serves the next group
+    full = renderer.last(template_messages[: indices[-1] + 1])
+    whole = _locate_group(full, bodies, 0, count - 1, layout)
+    if isinstance(whole, _Rendered):
+        return [whole]
+    user_after = [any(message["role"] == "user" for message in messages[indices[position] + 1: indices[position + 1]])
+                  for position in range(count - 1)]
+    history = _history_turns(full, bodies, layout)
+    if history is not None:
+        # A group can only end before a user message (where Qwen3, Kimi thinking and Mistral rewrite) or
+        # at a turn the full rendering no longer shows as generated (Qwen3's empty think block, DeepSeek).
+        ends = [position for position in range(count - 1) if user_after[position]
+                or not full.startswith(bodies[position][0] + bodies[position][1], history[position][0])]
+        composer = _Composer(renderer, small, template_messages, indices, bodies, layout, prompts, tails, full,
+                             history)
+        groups = _greedy_groups(composer.attempt, ends + [count - 1], count)
+        if groups is not None:
+            return groups
+    texts: dict[int, str] = {count - 1: full}  # one render per sample end
 
     def attempt(first: int, last: int) -> _Rendered | int | None:
         if last not in texts:
             texts[last] = renderer.last(template_messages[: indices[last] + 1])
         return _locate_group(texts[last], bodies, first, last, layout)
 
-    whole = attempt(0, count - 1)
-    if isinstance(whole, _Rendered):
-        return [whole]
-    ends = [position for position in range(count - 1)
-            if any(message["role"] == "user" for message in messages[indices[position] + 1: indices[position + 1]])]
-    ends.append(count - 1)
+    ends = [position for position in range(count - 1) if user_after[position]]
+    groups = _greedy_groups(attempt, ends + [count - 1], count)
+    for group in groups or []:
+        group.history = full  # samples share their beginning with the full rendering up to its first rewrite
+    return groups
+
+
+def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | None:
+    """Grow each group over the candidate ends while every turn in it stays as generated; close a group
+    at the first turn that does not (the turns up to it stay as generated past the previous end).
+
+    A group that fails at one end fails at every later one (a rewritten turn stays rewritten), so the
+    last good end is found by galloping then bisecting: O(log) attempts per group, each no longer than
+    twice the group, whether the candidate ends are sparse or dense.
+    """
     groups: list[_Rendered] = []
     start = 0
     while start < count:
-        best: tuple[int, _Rendered] | None = None
-        for end in (end for end in ends if end >= start):
-            located = whole if (start, end) == (0, count - 1) else attempt(start, end)
-            if isinstance(located, _Rendered):
-                best = (end, located)
-                continue
+        candidates = [end for end in ends if end >= start]
+        good: tuple[int, _Rendered] | None = None  # (index in candidates, its group)
+        bad: tuple[int, int] | None = None  # (index in candidates, the first turn not as generated there)
+        index, step = 0, 1
+        while bad is None and (good is None or good[0] < len(candidates) - 1):
+            located = attempt(start, candidates[index])
             if located is None:
                 return None
-            if best is None or located > best[0]:
-                # The turns up to `located` stay as generated past the previous end: close there.
-                closing = attempt(start, located) if located < end else None
-                if not isinstance(closing, _Rendered):
-                    return None
-                best = (located, closing)
-            break
+            if isinstance(located, _Rendered):
+                good = (index, located)
+                index, step = min(index + step, len(candidates) - 1), step * 2
+            else:
+                bad = (index, located)
+        while bad is not None and bad[0] - (good[0] if good else -1) > 1:
+            middle = ((good[0] if good else -1) + bad[0]) // 2
+            located = attempt(start, candidates[middle])
+            if located is None:
+                return None
+            if isinstance(located, _Rendered):
+                good = (middle, located)
+            else:
+                bad = (middle, located)
+        best = None if good is None else (candidates[good[0]], good[1])
+        if bad is not None and (best is None or bad[1] > best[0]):
+            # The turns up to the first one not as generated stay so past the last good end: close there.
+            closing = attempt(start, bad[1]) if bad[1] < candidates[bad[0]] else None
+            if not isinstance(closing, _Rendered):
+                return None
+            best = (bad[1], closing)
         if best is None:
             return None
         groups.append(best[1])
         start = best[0] + 1
     return groups
+
+
+def _history_turns(full: str, bodies: list[tuple[str, str, int]],
+                   layout: TemplateLayout) -> list[tuple[int, int]] | None:
+    """Each turn in the full rendering, as the template shows it there: (its header's start, its end)."""
+    turns = []
+    cursor = 0
+    for header, _, skip in bodies:
+        context_header = _context_header(header)
+        at = _find_nth(full, context_header, cursor, skip)
+        if at < 0:
+            return None
+        cursor = _span_end(full, at + len(context_header), layout.end_of_turn, False)
+        turns.append((at, cursor))
+    return turns
+
+
+class _Composer:
+    """A split group's text without rendering the conversation up to it.
+
+    A group's sample is a history rendering up to the end of an anchor turn, then what follows the
+    anchor in a small rendering: the anchor's own small context (`_small_context`), the anchor as
+    history (without reasoning) and the messages up to the group's last turn, written as generated.
+    Templates rewrite earlier turns when a user message follows them (Qwen3 keeps the reasoning of
+    every turn since the last user message; Mistral moves the system prompt and tools to the last one)
+    or when the turn is no longer last, so the history up to the anchor reads as the group's own
+    rendering would show it, in one of two renderings:
+    - the full rendering, up to the turn before the user message that opened the group's stretch
+      (every turn before it has a user message after it in both), when that stretch is short or the last;
+    - the rendering of the group's whole stretch (up to the turn before the next user message), up
+      to the previous group's last turn, when the stretch is long (an agent's tool rounds): one render
+      per long stretch instead of one per group.
+    Checked: the anchor reads the same in the history and the small rendering (per group), and a group
+    that ends where its history rendering ends comes out as that rendering (per stretch, and the last
+    group as the full rendering).
+    """
+
+    def __init__(self, renderer: _Renderer, small: _Renderer, template_messages: list[dict], indices: list[int],
+                 bodies: list[tuple[str, str, int]], layout: TemplateLayout, prompts: list[str], tails: list[str],
+                 full: str, history: list[tuple[int, int]]):
+        self.renderer, self.small, self.template_messages, self.indices = renderer, small, template_messages, indices
+        self.bodies, self.layout, self.prompts, self.tails = bodies, layout, prompts, tails
+        count = len(indices)
+        # History renderings by the turn they end at: the full one, and the long stretches' (lazily).
+        self.sources: dict[int, tuple[str, list[tuple[int, int]]] | None] = {count - 1: (full, history)}
+        self.rendered: dict[int, str] = {}  # real renders of groups without history to share
+        self.users = [index for index, message in enumerate(template_messages) if message["role"] == "user"]
+        self.stretch_end = list(range(count))  # each turn's last turn before the next user message
+        for position in range(count - 2, -1, -1):
+            if not any(message["role"] == "user" for message in template_messages[indices[position] + 1:
+                                                                                    indices[position + 1]]):
+                self.stretch_end[position] = self.stretch_end[position + 1]
+
+    def _source(self, end: int) -> tuple[str, list[tuple[int, int]]] | None:
+        if end not in self.sources:
+            text = self.renderer.last(self.template_messages[: self.indices[end] + 1])
+            turns = _history_turns(text, self.bodies[: end + 1], self.layout)
+            self.sources[end] = None if turns is None else (text, turns)
+        return self.sources[end]
+
+    def _anchor(self, first: int) -> tuple[int, int] | None:
+        """(the anchor turn, the turn its history rendering ends at) for a group starting at turn `first`."""
+        start = self.indices[first]
+        opened = [index for index in self.users if index < start]
+        if first == 0 or not opened:
+            return None
+        count = len(self.indices)
+        if self.users[-1] < start:  # the last stretch: the full rendering is its own
+            return first - 1, count - 1
+        if start - opened[-1] > _SHORT_STRETCH:
+            return first - 1, self.stretch_end[first]
+        anchors = [position for position in range(first) if self.indices[position] < opened[-1]]
+        return (anchors[-1], count - 1) if anchors else None
+
+    def attempt(self, first: int, last: int) -> _Rendered | int | None:
+        messages = self.template_messages
+        anchored = self._anchor(first)
+        if anchored is None:  # no history to share: rendered as the oracle renders it
+            if last not in self.rendered:
+                self.rendered[last] = self.renderer.last(messages[: self.indices[last] + 1])
+            located = _locate_group(self.rendered[last], self.bodies, first, last, self.layout)
+            if isinstance(located, _Rendered):
+                located.history = self.sources[len(self.indices) - 1][0]
+            return located
+        anchor_position, source_end = anchored
+        source = self._source(source_end)
+        if source is None:
+            return None
+        history_text, history = source
+        anchor = self.indices[anchor_position]
+        context = _small_context(messages, anchor)
+        history_anchor = {key: value for key, value in messages[anchor].items()
+                          if key not in ("reasoning_content", "_reasoning")}
+        try:  # the prompt of the group's last turn; the turn follows as generated (as `_Renderer.last` writes it)
+            small = self.small.prompt(context + [history_anchor] + messages[anchor + 1: self.indices[last]])
+        except ChatTemplateError:
+            return None
+        # The small context's prompt (rendered once per turn by _generated_bodies) ends in the anchor's
+        # header: the anchor starts there in the small rendering too.
+        header_at = len(self.prompts[anchor_position]) - len(self.bodies[anchor_position][0])
+        history_start, history_end = history[anchor_position]
+        anchor_text = history_text[history_start:history_end]
+        if header_at < 0 or not small.startswith(anchor_text, header_at):
+            return None
+        text = history_text[:history_end] + small[header_at + len(anchor_text):] + self.bodies[last][1] + self.tails[last]
+        if last == source_end and text != history_text:
+            return None
+        located = _locate_group(text, self.bodies, first, last, self.layout, history_end, anchor_position + 1)
+        if isinstance(located, _Rendered):
+            located.history = history_text
+        return located
 
 
 def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -> ConversationSamples:
@@ -819,40 +1014,60 @@ def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -
 
 
 def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indices: list[int], layout: TemplateLayout,
-                      truncated: bool) -> list[tuple[str, str, int]] | None:
-    """Per assistant turn: (the header before it in any rendering, the turn as generated).
+                      truncated: bool, prompts: list[str] | None = None,
+                      tails: list[str] | None = None) -> list[tuple[str, str, int]] | None:
+    """Per assistant turn: (the header before it in any rendering, the turn as generated, how many
+    headers a scan skips to reach it).
 
     Rendered in a small context: a probe user turn, plus the previous assistant turn and the tool
     results since, where the turn follows tools. None when the template does not extend the prompt.
+    prompts, tails: receive each turn's small-context prompt (it ends in the turn's header) and the text
+    after its span (the end-of-turn token of a truncated turn, a newline after it).
     """
     bodies = []
-    contexts: dict[str, tuple[str, str, int]] = {}  # every turn after a user turn shares the probe context
+    prompts_by_context: dict[str, str] = {}  # every turn after a user turn shares the probe context
+    # The header and the headers to skip depend on the context's shape only (its roles and calls; message
+    # text cannot hold a control token): found once per shape.
+    headers: dict[tuple, tuple[str, int]] = {}
     for position, index in enumerate(indices):
         context = _small_context(template_messages, index)
         try:
             key = json.dumps(context, sort_keys=True, default=str)
-            if key not in contexts:
-                without = _render(renderer.tokenizer, _strip_private(context), False, renderer.tools,
-                                  renderer.kwargs)
-                results_from = len(_render(renderer.tokenizer, _strip_private(context[:2]), False, renderer.tools,
-                                           renderer.kwargs)) if len(context) > 2 else 0
-                contexts[key] = (renderer.prompt(context), without, results_from)
-            prompt, without, results_from = contexts[key]
+            if key not in prompts_by_context:
+                prompts_by_context[key] = renderer.prompt(context)
+            prompt = prompts_by_context[key]
+            shape = tuple((message["role"], len(message.get("tool_calls") or []), bool(message.get("content")))
+                          for message in context)
+            if shape not in headers:
+                headers[shape] = _turn_header(renderer, context, prompt, layout)
+            header, skip = headers[shape]
             turn = renderer.last(context + [template_messages[index]], prompt)
         except ChatTemplateError:
             return None  # the small context is not legal for this template: the oracle decides
-        if not turn.startswith(prompt):
+        if not turn.startswith(prompt) or not prompt.endswith(header):
             return None
         end = _span_end(turn, len(prompt), layout.end_of_turn, truncated and position == len(indices) - 1)
-        # The header is what the generation prompt adds (`<|im_assistant|>assistant<|im_middle|>`), which
-        # tells an assistant turn from any other; else the prompt's tail from its last control token.
-        added = prompt[len(without):] if prompt.startswith(without) else ""
-        header = added if _tokens_in(_context_header(added), layout.control_tokens) else _header(prompt, layout)
-        # Where the header is a tool result's closing (DeepSeek, Mistral), each result writes one: the
-        # turn starts after the last, so a scan skips the ones before it.
-        skip = max(prompt.count(_context_header(header), results_from) - 1, 0) if results_from else 0
         bodies.append((header, turn[len(prompt): end], skip))
+        if prompts is not None and tails is not None:
+            prompts.append(prompt)
+            tails.append(turn[end:])
     return bodies
+
+
+def _turn_header(renderer: _Renderer, context: list[dict], prompt: str, layout: TemplateLayout) -> tuple[str, int]:
+    """The header before an assistant turn that follows `context` (whose prompt is `prompt`), and how many
+    of its occurrences among the context's tool results a scan skips."""
+    without = _render(renderer.tokenizer, _strip_private(context), False, renderer.tools, renderer.kwargs)
+    results_from = len(_render(renderer.tokenizer, _strip_private(context[:2]), False, renderer.tools,
+                               renderer.kwargs)) if len(context) > 2 else 0
+    # The header is what the generation prompt adds (`<|im_assistant|>assistant<|im_middle|>`), which
+    # tells an assistant turn from any other; else the prompt's tail from its last control token.
+    added = prompt[len(without):] if prompt.startswith(without) else ""
+    header = added if _tokens_in(_context_header(added), layout.control_tokens) else _header(prompt, layout)
+    # Where the header is a tool result's closing (DeepSeek, Mistral), each result writes one: the
+    # turn starts after the last, so a scan skips the ones before it.
+    skip = max(prompt.count(_context_header(header), results_from) - 1, 0) if results_from else 0
+    return header, skip
 
 
 def _context_header(header: str) -> str:
@@ -879,20 +1094,26 @@ def _header(prompt: str, layout: TemplateLayout) -> str:
 
 
 def _locate_group(text: str, bodies: list[tuple[str, str, int]], first: int, last: int,
-                  layout: TemplateLayout) -> _Rendered | int | None:
-    """Spans of turns first..last (as generated) in `text`; earlier turns are context, found by header.
+                  layout: TemplateLayout, cursor: int = 0, context_from: int = 0) -> _Rendered | int | None:
+    """Spans of turns first..last (as generated) in `text` from `cursor` on; turns context_from..first-1
+    before them are context, found by header.
 
     Returns the rendering with its spans, or the position of the first turn not found as generated
     (None when even the context turns cannot be followed).
     """
-    cursor = 0
-    for position in range(first):
+    for position in range(context_from, first):
         header = _context_header(bodies[position][0])
         at = _find_nth(text, header, cursor, bodies[position][2])
         if at < 0:
             return None
         start = at + len(header)
         cursor = _span_end(text, start, layout.end_of_turn, False)
+    return _locate_turns(text, bodies, first, last, cursor)
+
+
+def _locate_turns(text: str, bodies: list[tuple[str, str, int]], first: int, last: int,
+                  cursor: int) -> _Rendered | int:
+    """Spans of turns first..last as generated in `text` from `cursor` on, or the first turn not found."""
     rendered = _Rendered(text)
     for position in range(first, last + 1):
         header, body, _ = bodies[position]
