@@ -418,3 +418,19 @@ def test_ablation_samples_avoid_the_heldout_prompts():
     assert len(chosen) == 8 and not set(chosen) & heldout and set(chosen) <= set(original)
     assert {dataset for dataset, _ in chosen} == {"a", "b"}
     assert len(ablation_sample_keys(main, original, 5, 100, 3)) == len(set(original) - heldout)
+
+
+def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behaviour(tmp_path):
+    """A checkpoint written before feature_noise/distill existed has no such keys: it resumes under the
+    values it trained with (no noise, soft teacher) and refuses any other, naming the setting."""
+    import dataclasses
+
+    from eaglekit.training import _check_resumable
+
+    saved = dataclasses.asdict(FAST)
+    for added in ("feature_noise", "distill"):
+        saved.pop(added)
+    _check_resumable(saved, FAST, tmp_path / "last.pt")  # the old code raised here: None != 0.0
+    for changed in ({"feature_noise": 0.1}, {"distill": "argmax"}):
+        with pytest.raises(ValueError, match=next(iter(changed))):
+            _check_resumable(saved, dataclass_replace(FAST, **changed), tmp_path / "last.pt")

@@ -708,8 +708,14 @@ def load_draft_weights(model: Eagle3DraftModel, checkpoint: dict[str, Any]) -> N
 _RESUMABLE_DIFFERENCES = {"stop_at_step", "device", "log_interval_s"}
 
 
+# Settings added after checkpoints were already being written, with the value that reproduces how those
+# checkpoints trained: a checkpoint without the key resumes only under that value.
+_ADDED_SETTINGS = {"feature_noise": 0.0, "distill": "soft"}
+
+
 def _check_resumable(saved: dict, settings: TrainSettings, path: Path) -> None:
     current = dataclasses.asdict(settings)
+    saved = {**_ADDED_SETTINGS, **saved}
     changed = {key: (saved.get(key), value) for key, value in current.items() if key not in _RESUMABLE_DIFFERENCES and saved.get(key) != value}
     if changed:
         raise ValueError(f"{path}: cannot resume with different settings {changed} (saved, now); use a new output_dir or the saved settings")
