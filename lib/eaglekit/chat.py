@@ -150,6 +150,8 @@ _LAYOUT_CACHE: dict[tuple[int, int, str, str], TemplateLayout] = {}
 # A split group whose stretch (messages since the user message before it) is longer than this takes its
 # history from its stretch's own rendering rather than from the full one (see _Composer).
 _SHORT_STRETCH = 16
+# Split groups: candidate ends tried one by one (each confirmed as a cut or not) before galloping.
+_WALKED_ENDS = 3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -534,16 +536,10 @@ def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker,
             tokens: tuple[list[int], list[int]] | None = None) -> TokenizedConversation:
     input_ids, starts = tokens if tokens is not None else _tokenize_marked(tokenizer, rendered.text, marker)
     loss_mask = [0] * len(input_ids)
-    spans = rendered.spans
-    span_index = 0
-    # Tokens and spans are both sorted by position: one merge-like walk, linear in T + spans.
-    for token_index, start in enumerate(starts):
-        while span_index < len(spans) and start >= spans[span_index][1]:
-            span_index += 1
-        if span_index == len(spans):
-            break
-        if spans[span_index][0] <= start:
-            loss_mask[token_index] = 1
+    # Token starts are sorted: each span's tokens are one slice, found by bisection.
+    for span_start, span_end in rendered.spans:
+        first, last = bisect.bisect_left(starts, span_start), bisect.bisect_left(starts, span_end)
+        loss_mask[first:last] = [1] * (last - first)
     return TokenizedConversation(input_ids=input_ids, loss_mask=loss_mask)
 
 
@@ -555,10 +551,10 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
     token are reused and only each sample's rest is tokenized: linear in the conversation, not quadratic."""
     control_ids = {tokenizer.convert_tokens_to_ids(token) for token in layout.control_tokens}
     histories: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
-    samples = []
+    pieces = []  # per sample: (the history's tokens kept, where the rest starts)
     for item in rendered:
         if item.history is None:
-            samples.append(_sample(tokenizer, item, marker))
+            pieces.append(([], [], 0))
             continue
         if item.history not in histories:
             ids, starts = _tokenize_marked(tokenizer, item.history, marker)
@@ -576,10 +572,25 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
                 break
             position -= 1
         cut = history_starts[keep] if keep else 0
-        rest_ids, rest_starts = _tokenize_marked(tokenizer, item.text[cut:], marker)
-        samples.append(_sample(tokenizer, item, marker, (history_ids[:keep] + rest_ids,
-                                                         history_starts[:keep] + [cut + start for start in rest_starts])))
-    return samples
+        pieces.append((history_ids[:keep], history_starts[:keep], cut))
+    rests = _tokenize_many(tokenizer, [item.text[cut:] for item, (_, _, cut) in zip(rendered, pieces)], marker)
+    return [_sample(tokenizer, item, marker, (kept_ids + rest_ids, kept_starts + [cut + start for start in rest_starts]))
+            for item, (kept_ids, kept_starts, cut), (rest_ids, rest_starts) in zip(rendered, pieces, rests)]
+
+
+def _tokenize_many(tokenizer: Any, texts: list[str], marker: _Marker) -> list[tuple[list[int], list[int]]]:
+    """`_tokenize_marked` of each text; the texts without marks in one batched tokenizer call."""
+    plain = [index for index, text in enumerate(texts) if not _MARK_RANGE.search(text)]
+    results: list[tuple[list[int], list[int]]] = [([], [])] * len(texts)
+    if plain:
+        encoding = tokenizer([texts[index] for index in plain], add_special_tokens=False, return_offsets_mapping=True)
+        for position, index in enumerate(plain):
+            results[index] = (list(encoding["input_ids"][position]),
+                              [start for start, _ in encoding["offset_mapping"][position]])
+    for index, text in enumerate(texts):
+        if _MARK_RANGE.search(text):
+            results[index] = _tokenize_marked(tokenizer, text, marker)
+    return results
 
 
 def _common_prefix_length(a: str, b: str) -> int:
@@ -677,8 +688,12 @@ def _finish(tokenizer: Any, rendered: list[_Rendered], marker: _Marker, bodies: 
     else:
         samples = [_sample(tokenizer, item, marker) for item in rendered]
     trained = sum(sum(sample.loss_mask) for sample in samples)
-    # What the target generated: each turn's text as generated, tokenized on its own (one batched call).
-    generated = sum(len(_tokenize_marked(tokenizer, body, marker)[0]) for body in bodies if body)
+    # What the target generated: each turn's text as generated, tokenized on its own (one batched call
+    # for the turns that quote no control token).
+    plain = [body for body in bodies if body and not _MARK_RANGE.search(body)]
+    generated = sum(len(ids) for ids in tokenizer(plain, add_special_tokens=False)["input_ids"]) if plain else 0
+    generated += sum(len(_tokenize_marked(tokenizer, body, marker)[0]) for body in bodies
+                     if body and _MARK_RANGE.search(body))
     return ConversationSamples(samples, generated, trained)
 
 
@@ -852,10 +867,20 @@ def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | No
     """Grow each group over the candidate ends while every turn in it stays as generated; close a group
     at the first turn that does not (the turns up to it stay as generated past the previous end).
 
-    A group that fails at one end fails at every later one (a rewritten turn stays rewritten), so the
-    last good end is found by galloping then bisecting: O(log) attempts per group, each no longer than
-    twice the group, whether the candidate ends are sparse or dense.
+    Most candidate ends are cuts, so the first few are walked one by one, a cut confirmed when the next
+    group's prompt does not extend this group up to its last turn (the oracle's criterion), read off the
+    next group's text, which is needed anyway. Past them the last good end is found by galloping then
+    bisecting (a group that fails at one end fails at every later one: a rewritten turn stays
+    rewritten): O(log) attempts per group, each no longer than twice the group. Every cut is checked
+    with the oracle's criterion at the end; None when one fails or a group cannot be found.
     """
+    tried: dict[tuple[int, int], _Rendered | int | None] = {}
+
+    def located_at(first: int, last: int) -> _Rendered | int | None:
+        if (first, last) not in tried:
+            tried[first, last] = attempt(first, last)
+        return tried[first, last]
+
     groups: list[_Rendered] = []
     start = 0
     while start < count:
@@ -863,18 +888,26 @@ def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | No
         good: tuple[int, _Rendered] | None = None  # (index in candidates, its group)
         bad: tuple[int, int] | None = None  # (index in candidates, the first turn not as generated there)
         index, step = 0, 1
-        while bad is None and (good is None or good[0] < len(candidates) - 1):
-            located = attempt(start, candidates[index])
+        while True:
+            located = located_at(start, candidates[index])
             if located is None:
                 return None
-            if isinstance(located, _Rendered):
-                good = (index, located)
-                index, step = min(index + step, len(candidates) - 1), step * 2
-            else:
+            if not isinstance(located, _Rendered):
                 bad = (index, located)
+                break
+            good = (index, located)
+            if index == len(candidates) - 1:
+                break
+            if index < _WALKED_ENDS:
+                following = located_at(candidates[index] + 1, candidates[index + 1])
+                if isinstance(following, _Rendered) and not _continues(located, following):
+                    break  # a cut, confirmed
+                index += 1
+            else:
+                index, step = min(index + step, len(candidates) - 1), step * 2
         while bad is not None and bad[0] - (good[0] if good else -1) > 1:
             middle = ((good[0] if good else -1) + bad[0]) // 2
-            located = attempt(start, candidates[middle])
+            located = located_at(start, candidates[middle])
             if located is None:
                 return None
             if isinstance(located, _Rendered):
@@ -884,7 +917,7 @@ def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | No
         best = None if good is None else (candidates[good[0]], good[1])
         if bad is not None and (best is None or bad[1] > best[0]):
             # The turns up to the first one not as generated stay so past the last good end: close there.
-            closing = attempt(start, bad[1]) if bad[1] < candidates[bad[0]] else None
+            closing = located_at(start, bad[1]) if bad[1] < candidates[bad[0]] else None
             if not isinstance(closing, _Rendered):
                 return None
             best = (bad[1], closing)
@@ -892,7 +925,14 @@ def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | No
             return None
         groups.append(best[1])
         start = best[0] + 1
+    if any(_continues(previous, following) for previous, following in zip(groups, groups[1:])):
+        return None
     return groups
+
+
+def _continues(previous: _Rendered, following: _Rendered) -> bool:
+    """Whether `following`'s first prompt extends `previous` up to its last turn: no cut between them."""
+    return following.text[: following.spans[0][0]].startswith(previous.text[: previous.spans[-1][1]])
 
 
 def _history_turns(full: str, bodies: list[tuple[str, str, int]],
@@ -946,9 +986,15 @@ class _Composer:
                                                                                     indices[position + 1]]):
                 self.stretch_end[position] = self.stretch_end[position + 1]
 
+    def _turn_after_prompt(self, last: int) -> str:
+        """The conversation up to turn `last`: its prompt rendered, the turn as generated after it (as
+        `_Renderer.last` writes it; the turn's text does not depend on what precedes its small context)."""
+        return self.renderer.prompt(self.template_messages[: self.indices[last]]) + self.bodies[last][1] + \
+            self.tails[last]
+
     def _source(self, end: int) -> tuple[str, list[tuple[int, int]]] | None:
         if end not in self.sources:
-            text = self.renderer.last(self.template_messages[: self.indices[end] + 1])
+            text = self._turn_after_prompt(end)
             turns = _history_turns(text, self.bodies[: end + 1], self.layout)
             self.sources[end] = None if turns is None else (text, turns)
         return self.sources[end]
@@ -972,7 +1018,7 @@ class _Composer:
         anchored = self._anchor(first)
         if anchored is None:  # no history to share: rendered as the oracle renders it
             if last not in self.rendered:
-                self.rendered[last] = self.renderer.last(messages[: self.indices[last] + 1])
+                self.rendered[last] = self._turn_after_prompt(last)
             located = _locate_group(self.rendered[last], self.bodies, first, last, self.layout)
             if isinstance(located, _Rendered):
                 located.history = self.sources[len(self.indices) - 1][0]
