@@ -9,12 +9,15 @@ import pytest
 
 from fixtures.serving import replay_server as replay
 from eaglekit.live_serving import (
+    chat_prompts_from_token_ids,
     get_sglang_server_info,
+    measure_live_serving,
     measure_sglang,
     measure_vllm,
     parse_vllm_spec_counters,
     root_url,
     run_sglang_requests,
+    served_model_id,
     sglang_speculation,
 )
 
@@ -117,3 +120,54 @@ def test_vllm_without_speculation_says_how_to_enable_it():
     with replay.serve(replay.vllm_app(speculative=False)) as url:
         with pytest.raises(RuntimeError, match="--speculative-config"):
             measure_vllm(url, PROMPTS, model="m")
+
+
+# ----------------------------------------------------------------------------- notebook 06's live measurement
+
+
+def test_served_model_id_reads_v1_models_and_names_a_server_without_it():
+    with replay.serve(replay.vllm_app()) as url:
+        assert served_model_id(url + "/v1/") == "meta-llama/Llama-3.1-8B-Instruct"
+    with replay.serve(replay.sglang_app(speculative=True)) as url:  # the replay SGLang has no /v1/models
+        with pytest.raises(RuntimeError, match=r"GET http://127\.0\.0\.1:\d+/v1/models answered 404"):
+            served_model_id(url)
+
+
+def test_live_serving_without_endpoints_sends_nothing_and_says_so():
+    live = measure_live_serving(GENERATE_PROMPTS, tokenizer=None, max_new_tokens=128)
+    assert not live.measured and live.summary is None and live.records() is None and live.per_request == {}
+    assert "analysis.sglang_endpoint / analysis.vllm_endpoint are unset" in live.note()
+
+
+def test_live_serving_sglang_sends_token_ids_with_its_baseline():
+    spec_app, base_app = replay.sglang_app(speculative=True), replay.sglang_app(speculative=False)
+    prompts = [{**prompt, "dataset": "chitchat"} for prompt in GENERATE_PROMPTS]  # loop prompts carry more than id and ids
+    with replay.serve(spec_app) as spec_url, replay.serve(base_app) as base_url:
+        live = measure_live_serving(prompts, tokenizer=None, max_new_tokens=96, sglang_endpoint=spec_url, baseline_endpoint=base_url)
+    assert [body["input_ids"] for body in spec_app.state.requests_seen] == [prompt["input_ids"] for prompt in GENERATE_PROMPTS]
+    assert base_app.state.requests_seen == spec_app.state.requests_seen  # the baseline gets the very same requests
+    assert all(body["sampling_params"] == {"max_new_tokens": 96, "temperature": 0.0} for body in spec_app.state.requests_seen)
+    assert live.summary["role"].tolist() == ["speculative", "baseline"] and list(live.per_request) == ["sglang"]
+    assert live.summary["tau_pooled"].iloc[0] == pytest.approx(TAU_POOLED)
+    records = live.records()
+    assert records[0]["endpoint"] == spec_url and records[0]["verification_steps"] == 96 and records[1]["endpoint"] == base_url
+    assert len(live.per_request["sglang"]) == 6 and "2 endpoint(s)" in live.note()
+
+
+def test_live_serving_vllm_sends_the_prompt_text_as_a_user_message_under_the_served_name(embedded_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    # Token ids as a chat-templated prompt carries them: the text between special tokens is the user's message.
+    prompts = [{"id": prompt["id"], "input_ids": [tokenizer.bos_token_id or 0, *tokenizer(prompt["messages"][0]["content"],
+                                                  add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]}
+               for prompt in PROMPTS]
+    assert chat_prompts_from_token_ids(prompts, tokenizer) == [{"id": prompt["id"], "messages": prompt["messages"]} for prompt in PROMPTS]
+    app = replay.vllm_app()
+    with replay.serve(app) as url:
+        live = measure_live_serving(prompts, tokenizer, max_new_tokens=128, vllm_endpoint=url + "/v1")
+    assert {body["model"] for body in app.state.requests_seen} == {"meta-llama/Llama-3.1-8B-Instruct"}
+    assert [body["max_tokens"] for body in app.state.requests_seen] == [128] * len(PROMPTS)
+    row = live.summary.iloc[0]
+    assert (row["server"], row["tau_pooled"], row["completion_tokens"]) == ("vllm", pytest.approx(1 + 136 / 96), 232)
+    assert list(live.per_request) == ["vllm"] and live.per_request["vllm"]["prompt_id"].tolist() == [p["id"] for p in PROMPTS]

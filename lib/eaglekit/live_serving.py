@@ -496,3 +496,83 @@ def measure_vllm(
         [count / delta.drafts for count in delta.accepted_per_position] if row.role == "speculative" else None for row in summary.itertuples()
     ]
     return summary, pd.concat(per_request, ignore_index=True)
+
+
+# ----------------------------------------------------------------------------- notebook 06's live measurement
+
+
+def served_model_id(url: str, timeout: float = 30.0) -> str:
+    """The model name an OpenAI-compatible server serves: the first entry of `GET /v1/models`.
+
+    vLLM answers chat requests only for the name it serves (`--served-model-name`, else the path it loaded).
+    """
+    models_url = root_url(url) + "/v1/models"
+    with httpx.Client(timeout=timeout) as client:
+        response = _get(client, models_url)
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {models_url} answered {response.status_code}: {response.text[:300]}")
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"GET {models_url} answered without a model id (expected {{\"data\": [{{\"id\": ...}}]}}): "
+                           f"{response.text[:300]}") from None
+
+
+def chat_prompts_from_token_ids(prompts: Sequence[Prompt], tokenizer: Any) -> list[dict]:
+    """{"id", "input_ids"} -> {"id", "messages"}: the prompt's text (special tokens dropped) as one user message.
+
+    For chat-only endpoints (vLLM here), which take messages, not token ids. The server renders its own
+    template around that text, so the prompt it sees is not token for token the one /generate gets.
+    """
+    return [{"id": _prompt_id(prompt, index),
+             "messages": [{"role": "user", "content": tokenizer.decode(list(prompt["input_ids"]), skip_special_tokens=True)}]}
+            for index, prompt in enumerate(prompts)]
+
+
+@dataclass(frozen=True)
+class LiveServing:
+    """Notebook 06's live measurement: one summary row per endpoint measured, per-request rows per server."""
+
+    summary: pd.DataFrame | None  # measure_sglang / measure_vllm summaries stacked; None when no endpoint is configured
+    per_request: dict[str, pd.DataFrame]  # "sglang" / "vllm" -> per-request rows (baseline rows included)
+
+    @property
+    def measured(self) -> bool:
+        return self.summary is not None
+
+    def records(self) -> list[dict] | None:
+        """The summary as JSON-ready rows (scaling_summary.json's "serving"), None when nothing was measured."""
+        return None if self.summary is None else self.summary.to_dict(orient="records")
+
+    def note(self) -> str:
+        if self.summary is None:
+            return "no live endpoints configured (analysis.sglang_endpoint / analysis.vllm_endpoint are unset): skipped"
+        return f"live serving measured on {len(self.summary)} endpoint(s): {', '.join(self.summary['endpoint'])}"
+
+
+def measure_live_serving(
+    prompts: Sequence[Prompt],
+    tokenizer: Any,
+    max_new_tokens: int,
+    sglang_endpoint: str | None = None,
+    baseline_endpoint: str | None = None,
+    vllm_endpoint: str | None = None,
+    timeout: float = 600.0,
+) -> LiveServing:
+    """The same prompts ({"id", "input_ids"}, chat template applied) against each configured endpoint.
+
+    SGLang gets the token ids on /generate (with `baseline_endpoint`, the same target without
+    speculation, beside it); vLLM gets them as chat messages (`chat_prompts_from_token_ids`) under the
+    model name it serves. No endpoint configured: nothing is sent and `summary` is None.
+    """
+    summaries, per_request = [], {}
+    if sglang_endpoint:
+        generate_prompts = [{"id": _prompt_id(prompt, index), "input_ids": list(prompt["input_ids"])} for index, prompt in enumerate(prompts)]
+        summary, per_request["sglang"] = measure_sglang(sglang_endpoint, generate_prompts, baseline_url=baseline_endpoint,
+                                                        max_new_tokens=max_new_tokens, timeout=timeout)
+        summaries.append(summary)
+    if vllm_endpoint:
+        summary, per_request["vllm"] = measure_vllm(vllm_endpoint, chat_prompts_from_token_ids(prompts, tokenizer),
+                                                    model=served_model_id(vllm_endpoint), max_tokens=max_new_tokens, timeout=timeout)
+        summaries.append(summary)
+    return LiveServing(summary=pd.concat(summaries, ignore_index=True) if summaries else None, per_request=per_request)
