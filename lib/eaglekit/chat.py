@@ -846,7 +846,14 @@ def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list
                 or not full.startswith(bodies[position][0] + bodies[position][1], history[position][0])]
         composer = _Composer(renderer, small, template_messages, indices, bodies, layout, prompts, tails, full,
                              history)
-        groups = _greedy_groups(composer.attempt, ends + [count - 1], count)
+        kinds = [(position < count - 1 and user_after[position], bool(messages[index].get("reasoning")))
+                 for position, index in enumerate(indices)]
+        groups = _greedy_groups(composer.attempt, ends + [count - 1], count, kinds)
+        # One real check per conversation beyond the last group's: the group before it, which has the
+        # longest composed history, against its own prompt rendered whole.
+        if groups is not None and len(groups) > 1 and \
+                composer.turn_after_prompt(count - 1 - len(groups[-1].spans)) != groups[-2].text:
+            groups = None
         if groups is not None:
             return groups
     texts: dict[int, str] = {count - 1: full}  # one render per sample end
@@ -863,13 +870,15 @@ def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list
     return groups
 
 
-def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | None:
+def _greedy_groups(attempt, ends: list[int], count: int, kinds: Sequence[Any] = ()) -> list[_Rendered] | None:
     """Grow each group over the candidate ends while every turn in it stays as generated; close a group
     at the first turn that does not (the turns up to it stay as generated past the previous end).
 
     Most candidate ends are cuts, so the first few are walked one by one, a cut confirmed when the next
     group's prompt does not extend this group up to its last turn (the oracle's criterion), read off the
-    next group's text, which is needed anyway. Past them the last good end is found by galloping then
+    next group's text, which is needed anyway. An end is walked while walking has confirmed at least as
+    many ends of its kind (`kinds[end]`) as it refuted: Kimi thinking rewrites only at user messages,
+    Qwen3 also after a turn without reasoning. Past them the last good end is found by galloping then
     bisecting (a group that fails at one end fails at every later one: a rewritten turn stays
     rewritten): O(log) attempts per group, each no longer than twice the group. Every cut is checked
     with the oracle's criterion at the end; None when one fails or a group cannot be found.
@@ -882,6 +891,7 @@ def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | No
         return tried[first, last]
 
     groups: list[_Rendered] = []
+    walked: dict[Any, list[int]] = {}  # per kind of end: [confirmed, refuted] cuts so far
     start = 0
     while start < count:
         candidates = [end for end in ends if end >= start]
@@ -898,10 +908,14 @@ def _greedy_groups(attempt, ends: list[int], count: int) -> list[_Rendered] | No
             good = (index, located)
             if index == len(candidates) - 1:
                 break
-            if index < _WALKED_ENDS:
-                following = located_at(candidates[index] + 1, candidates[index + 1])
-                if isinstance(following, _Rendered) and not _continues(located, following):
-                    break  # a cut, confirmed
+            end = candidates[index]
+            tally = walked.setdefault(kinds[end] if kinds else None, [0, 0])
+            if index < _WALKED_ENDS and tally[0] >= tally[1]:
+                following = located_at(end + 1, candidates[index + 1])
+                cut = isinstance(following, _Rendered) and not _continues(located, following)
+                tally[0 if cut else 1] += 1
+                if cut:
+                    break
                 index += 1
             else:
                 index, step = min(index + step, len(candidates) - 1), step * 2
@@ -965,9 +979,10 @@ class _Composer:
     - the rendering of the group's whole stretch (up to the turn before the next user message), up
       to the previous group's last turn, when the stretch is long (an agent's tool rounds): one render
       per long stretch instead of one per group.
-    Checked: the anchor reads the same in the history and the small rendering (per group), and a group
-    that ends where its history rendering ends comes out as that rendering (per stretch, and the last
-    group as the full rendering).
+    Checked: the anchor reads the same in the history and the small rendering (per group), a group
+    that ends where its history rendering ends comes out as that rendering (per long stretch, and the
+    last group as the full rendering), and the group before the last comes out as its prompt rendered
+    whole (per conversation, by `_split_groups`).
     """
 
     def __init__(self, renderer: _Renderer, small: _Renderer, template_messages: list[dict], indices: list[int],
@@ -986,7 +1001,7 @@ class _Composer:
                                                                                     indices[position + 1]]):
                 self.stretch_end[position] = self.stretch_end[position + 1]
 
-    def _turn_after_prompt(self, last: int) -> str:
+    def turn_after_prompt(self, last: int) -> str:
         """The conversation up to turn `last`: its prompt rendered, the turn as generated after it (as
         `_Renderer.last` writes it; the turn's text does not depend on what precedes its small context)."""
         return self.renderer.prompt(self.template_messages[: self.indices[last]]) + self.bodies[last][1] + \
@@ -994,7 +1009,7 @@ class _Composer:
 
     def _source(self, end: int) -> tuple[str, list[tuple[int, int]]] | None:
         if end not in self.sources:
-            text = self._turn_after_prompt(end)
+            text = self.turn_after_prompt(end)
             turns = _history_turns(text, self.bodies[: end + 1], self.layout)
             self.sources[end] = None if turns is None else (text, turns)
         return self.sources[end]
@@ -1018,7 +1033,7 @@ class _Composer:
         anchored = self._anchor(first)
         if anchored is None:  # no history to share: rendered as the oracle renders it
             if last not in self.rendered:
-                self.rendered[last] = self._turn_after_prompt(last)
+                self.rendered[last] = self.turn_after_prompt(last)
             located = _locate_group(self.rendered[last], self.bodies, first, last, self.layout)
             if isinstance(located, _Rendered):
                 located.history = self.sources[len(self.indices) - 1][0]
