@@ -9,7 +9,6 @@ import pytest
 
 from fixtures.serving import replay_server as replay
 from eaglekit.live_serving import (
-    chat_prompts_from_token_ids,
     get_sglang_server_info,
     measure_live_serving,
     measure_sglang,
@@ -134,7 +133,7 @@ def test_served_model_id_reads_v1_models_and_names_a_server_without_it():
 
 
 def test_live_serving_without_endpoints_sends_nothing_and_says_so():
-    live = measure_live_serving(GENERATE_PROMPTS, tokenizer=None, max_new_tokens=128)
+    live = measure_live_serving(GENERATE_PROMPTS, max_new_tokens=128)
     assert not live.measured and live.summary is None and live.records() is None and live.per_request == {}
     assert "analysis.sglang_endpoint / analysis.vllm_endpoint are unset" in live.note()
 
@@ -143,7 +142,7 @@ def test_live_serving_sglang_sends_token_ids_with_its_baseline():
     spec_app, base_app = replay.sglang_app(speculative=True), replay.sglang_app(speculative=False)
     prompts = [{**prompt, "dataset": "chitchat"} for prompt in GENERATE_PROMPTS]  # loop prompts carry more than id and ids
     with replay.serve(spec_app) as spec_url, replay.serve(base_app) as base_url:
-        live = measure_live_serving(prompts, tokenizer=None, max_new_tokens=96, sglang_endpoint=spec_url, baseline_endpoint=base_url)
+        live = measure_live_serving(prompts, max_new_tokens=96, sglang_endpoint=spec_url, baseline_endpoint=base_url)
     assert [body["input_ids"] for body in spec_app.state.requests_seen] == [prompt["input_ids"] for prompt in GENERATE_PROMPTS]
     assert base_app.state.requests_seen == spec_app.state.requests_seen  # the baseline gets the very same requests
     assert all(body["sampling_params"] == {"max_new_tokens": 96, "temperature": 0.0} for body in spec_app.state.requests_seen)
@@ -154,20 +153,22 @@ def test_live_serving_sglang_sends_token_ids_with_its_baseline():
     assert len(live.per_request["sglang"]) == 6 and "2 endpoint(s)" in live.note()
 
 
-def test_live_serving_vllm_sends_the_prompt_text_as_a_user_message_under_the_served_name(embedded_model_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
-    # Token ids as a chat-templated prompt carries them: the text between special tokens is the user's message.
-    prompts = [{"id": prompt["id"], "input_ids": [tokenizer.bos_token_id or 0, *tokenizer(prompt["messages"][0]["content"],
-                                                  add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]}
-               for prompt in PROMPTS]
-    assert chat_prompts_from_token_ids(prompts, tokenizer) == [{"id": prompt["id"], "messages": prompt["messages"]} for prompt in PROMPTS]
+def test_live_serving_vllm_gets_the_same_token_ids_under_the_served_name():
     app = replay.vllm_app()
+    prompts = [{**prompt, "dataset": "chitchat"} for prompt in GENERATE_PROMPTS]
     with replay.serve(app) as url:
-        live = measure_live_serving(prompts, tokenizer, max_new_tokens=128, vllm_endpoint=url + "/v1")
+        live = measure_live_serving(prompts, max_new_tokens=128, vllm_endpoint=url + "/v1")
+    # Token ids on /v1/completions, as SGLang's /generate gets them: no second chat template around the prompt.
+    assert [body["prompt"] for body in app.state.requests_seen] == [prompt["input_ids"] for prompt in GENERATE_PROMPTS]
     assert {body["model"] for body in app.state.requests_seen} == {"meta-llama/Llama-3.1-8B-Instruct"}
-    assert [body["max_tokens"] for body in app.state.requests_seen] == [128] * len(PROMPTS)
+    assert all(body["max_tokens"] == 128 and body["temperature"] == 0.0 for body in app.state.requests_seen)
     row = live.summary.iloc[0]
     assert (row["server"], row["tau_pooled"], row["completion_tokens"]) == ("vllm", pytest.approx(1 + 136 / 96), 232)
+    assert live.per_request["vllm"]["finish_reason"].tolist() == ["length", "length", "stop"]
     assert list(live.per_request) == ["vllm"] and live.per_request["vllm"]["prompt_id"].tolist() == [p["id"] for p in PROMPTS]
+
+
+def test_vllm_completions_refuses_prompts_without_token_ids():
+    with replay.serve(replay.vllm_app()) as url:
+        with pytest.raises(ValueError, match="prompt 0 \\('p0'\\) has no 'input_ids'"):
+            measure_vllm(url, PROMPTS, model="m", api="completions")

@@ -232,6 +232,40 @@ def run_openai_chat_requests(
     return records
 
 
+def run_openai_completion_requests(
+    url: str,
+    prompts: Sequence[Prompt],
+    model: str,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+) -> list[RequestRecord]:
+    """Send {"id", "input_ids"} prompts one at a time to `POST /v1/completions` with the token ids as `prompt`.
+
+    vLLM takes a list of ints as the prompt and applies no template to it, so it sees token for token what
+    SGLang's /generate gets from the same ids (a chat request would wrap the text in the template again).
+    """
+    base = root_url(url)
+    records = []
+    with httpx.Client(timeout=timeout) as client:
+        for index, prompt in enumerate(prompts):
+            prompt_id = _prompt_id(prompt, index)
+            if "input_ids" not in prompt:
+                raise ValueError(f"prompt {index} ({prompt_id!r}) has no 'input_ids' for /v1/completions")
+            body = {"model": model, "prompt": [int(token) for token in prompt["input_ids"]], "max_tokens": max_tokens,
+                    "temperature": temperature, "stream": False}
+            started = time.perf_counter()
+            answer = _post_json(client, base + "/v1/completions", body)
+            wall_s = time.perf_counter() - started
+            usage = answer.get("usage") or {}
+            if "completion_tokens" not in usage:
+                raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
+            records.append(
+                RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
+            )
+    return records
+
+
 def render_generate_prompts(conversations: Sequence[Prompt], tokenizer: Any) -> list[dict]:
     """Conversations -> {"id", "input_ids"} for SGLang /generate, with the target's chat template.
 
@@ -449,15 +483,20 @@ def measure_vllm(
     max_tokens: int = 256,
     temperature: float = 0.0,
     timeout: float = 600.0,
+    api: Literal["chat", "completions"] = "chat",
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """vLLM with speculation: tau = 1 + delta(accepted) / delta(drafts) around the run; optional baseline.
 
-    Topology is recorded as a chain of as many steps as vLLM reports draft positions. Returns
-    (summary, per_request); summary also carries per-position acceptance (accepted at position i /
-    drafts) as `acceptance_per_position`.
+    api "chat": prompts are {"id", "messages"}; "completions": {"id", "input_ids"} sent as token ids
+    (`run_openai_completion_requests`), the baseline likewise. Topology is recorded as a chain of as many
+    steps as vLLM reports draft positions. Returns (summary, per_request); summary also carries
+    per-position acceptance (accepted at position i / drafts) as `acceptance_per_position`.
     """
+    if api not in ("chat", "completions"):
+        raise ValueError(f"api must be 'chat' or 'completions', got {api!r}")
+    run_requests = run_openai_chat_requests if api == "chat" else run_openai_completion_requests
     before = read_vllm_spec_counters(speculative_url, timeout)
-    records = run_openai_chat_requests(speculative_url, prompts, model, max_tokens, temperature, timeout)
+    records = run_requests(speculative_url, prompts, model, max_tokens, temperature, timeout)
     delta = read_vllm_spec_counters(speculative_url, timeout).minus(before)
     if delta.drafts <= 0:
         raise RuntimeError(f"{speculative_url}: the drafts counter did not move during the run; speculation was not used")
@@ -485,7 +524,7 @@ def measure_vllm(
     measurements = [speculative]
     per_request = [records_frame(records, speculative_url)]
     if baseline_url is not None:
-        baseline = run_openai_chat_requests(baseline_url, prompts, baseline_model or model, max_tokens, temperature, timeout)
+        baseline = run_requests(baseline_url, prompts, baseline_model or model, max_tokens, temperature, timeout)
         tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(baseline)
         measurements.append(
             ServingMeasurement(baseline_url, "openai", "baseline", None, None, None, None, None, len(baseline), tokens, wall, tokens_per_s, tokens_per_s_mean, None, None, None)
@@ -518,17 +557,6 @@ def served_model_id(url: str, timeout: float = 30.0) -> str:
                            f"{response.text[:300]}") from None
 
 
-def chat_prompts_from_token_ids(prompts: Sequence[Prompt], tokenizer: Any) -> list[dict]:
-    """{"id", "input_ids"} -> {"id", "messages"}: the prompt's text (special tokens dropped) as one user message.
-
-    For chat-only endpoints (vLLM here), which take messages, not token ids. The server renders its own
-    template around that text, so the prompt it sees is not token for token the one /generate gets.
-    """
-    return [{"id": _prompt_id(prompt, index),
-             "messages": [{"role": "user", "content": tokenizer.decode(list(prompt["input_ids"]), skip_special_tokens=True)}]}
-            for index, prompt in enumerate(prompts)]
-
-
 @dataclass(frozen=True)
 class LiveServing:
     """Notebook 06's live measurement: one summary row per endpoint measured, per-request rows per server."""
@@ -552,7 +580,6 @@ class LiveServing:
 
 def measure_live_serving(
     prompts: Sequence[Prompt],
-    tokenizer: Any,
     max_new_tokens: int,
     sglang_endpoint: str | None = None,
     baseline_endpoint: str | None = None,
@@ -561,18 +588,20 @@ def measure_live_serving(
 ) -> LiveServing:
     """The same prompts ({"id", "input_ids"}, chat template applied) against each configured endpoint.
 
-    SGLang gets the token ids on /generate (with `baseline_endpoint`, the same target without
-    speculation, beside it); vLLM gets them as chat messages (`chat_prompts_from_token_ids`) under the
-    model name it serves. No endpoint configured: nothing is sent and `summary` is None.
+    Both servers get the token ids, so both measure the very prompts the embedded loop ran: SGLang on
+    /generate (with `baseline_endpoint`, the same target without speculation, beside it), vLLM on
+    /v1/completions under the model name it serves. No endpoint configured: nothing is sent and
+    `summary` is None.
     """
     summaries, per_request = [], {}
+    # Only id and token ids travel: loop prompts carry more (their dataset), which no server needs.
+    token_prompts = [{"id": _prompt_id(prompt, index), "input_ids": list(prompt["input_ids"])} for index, prompt in enumerate(prompts)]
     if sglang_endpoint:
-        generate_prompts = [{"id": _prompt_id(prompt, index), "input_ids": list(prompt["input_ids"])} for index, prompt in enumerate(prompts)]
-        summary, per_request["sglang"] = measure_sglang(sglang_endpoint, generate_prompts, baseline_url=baseline_endpoint,
+        summary, per_request["sglang"] = measure_sglang(sglang_endpoint, token_prompts, baseline_url=baseline_endpoint,
                                                         max_new_tokens=max_new_tokens, timeout=timeout)
         summaries.append(summary)
     if vllm_endpoint:
-        summary, per_request["vllm"] = measure_vllm(vllm_endpoint, chat_prompts_from_token_ids(prompts, tokenizer),
-                                                    model=served_model_id(vllm_endpoint), max_tokens=max_new_tokens, timeout=timeout)
+        summary, per_request["vllm"] = measure_vllm(vllm_endpoint, token_prompts, model=served_model_id(vllm_endpoint),
+                                                    max_tokens=max_new_tokens, timeout=timeout, api="completions")
         summaries.append(summary)
     return LiveServing(summary=pd.concat(summaries, ignore_index=True) if summaries else None, per_request=per_request)
