@@ -59,7 +59,7 @@ LOOP = {"tau_loop_pooled": 1.31, "tau_offline_pooled": 1.29, "speedup": 0.87, "o
 
 
 def three_sizes():
-    return sweep_acceptance({20: agreements(0.2, 0), 40: agreements(0.35, 1), 80: agreements(0.5, 2)}, 3, num_resamples=200,
+    return sweep_acceptance({20: agreements(0.2, 0), 40: agreements(0.35, 1), 80: agreements(0.5, 2)}, 3, num_resamples=60,
                             confidence=0.8, seed=0)
 
 
