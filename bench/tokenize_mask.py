@@ -26,6 +26,7 @@ follows tool output without the prompt the model was given.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import random
@@ -71,8 +72,9 @@ def main() -> int:
     from eaglekit.chat import ChatTemplateError, tokenize_conversation, tokenize_conversation_reference
 
     names = [name for name in arguments.templates.split(",") if name] or sorted(META)
-    print(f"shape {arguments.shape}, {arguments.conversations} conversations of {arguments.messages} messages per template, "
-          f"best of {arguments.repeats}; load average {' '.join(f'{load:.2f}' for load in os.getloadavg())}")
+    load = " ".join(f"{value:.2f}" for value in os.getloadavg())
+    print(f"shape {arguments.shape}, {arguments.conversations} conversations of {arguments.messages} messages per "
+          f"template, best of {arguments.repeats}; load average {load}")
     print(f"{'template':<18}{'samples/conv':>13}{'fallbacks':>10}{'rejected':>9}{'fast s':>9}{'oracle s':>10}"
           f"{'ratio':>8}")
     for name in names:
@@ -92,11 +94,11 @@ def main() -> int:
         samples = fallbacks = 0
         for messages, tools in conversations:
             try:
-                fast, seconds = best_of(arguments.repeats, lambda: tokenize_conversation(
-                    tokenizer, messages, tools=tools, template_kwargs=kwargs))
+                fast, seconds = best_of(arguments.repeats, functools.partial(
+                    tokenize_conversation, tokenizer, messages, tools=tools, template_kwargs=kwargs))
                 fast_seconds += seconds
-                oracle, seconds = best_of(arguments.repeats, lambda: tokenize_conversation_reference(
-                    tokenizer, messages, tools=tools, template_kwargs=kwargs))
+                oracle, seconds = best_of(arguments.repeats, functools.partial(
+                    tokenize_conversation_reference, tokenizer, messages, tools=tools, template_kwargs=kwargs))
                 oracle_seconds += seconds
             except ChatTemplateError:
                 rejected += 1

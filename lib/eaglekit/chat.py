@@ -1,4 +1,4 @@
-"""Chat tokenization with a loss mask: the target's own chat template, one render per sample.
+"""Chat tokenization with a loss mask: the target's own chat template, in time linear in the conversation.
 
 What is trained (the oracle, `tokenize_conversation_reference`): for assistant turn i, render the
 prompt P_i = messages[:i] with the generation prompt and the turn F_i = messages[:i+1]; the turn's
@@ -24,13 +24,20 @@ is trained exactly once, in the context the server gave it. `history="visible"` 
 (the whole conversation as the template renders it) and masks only what the template shows of each
 turn; `ConversationSamples.generated_tokens - trained_tokens` counts what it does not train.
 
-The fast path (`tokenize_conversation`) learns each turn's span as generated from the small render
-above, renders each sample once, finds `header + span` in it left to right and tokenizes it once
-(split samples reuse the tokens of the history they share, for tokenizers that split text at control
-tokens first, as byte-level BPE does). Where that fails (a template that moves text it wrote earlier,
-Mistral with a system prompt or tools) the conversation goes to the oracle, counted in
-`ConversationSamples.fallback`. tests/test_templates.py checks both paths agree token for token,
-sample for sample, on every published template in tests/fixtures/chat_templates.
+The fast path (`tokenize_conversation`) is linear in the conversation where the oracle is quadratic.
+It learns each turn's span as generated from the small render above, renders the whole conversation
+once and finds `header + span` in it left to right. Where that rendering does not show every turn as
+generated (the template rewrites history), each split sample is composed rather than rendered
+(`_Composer`): a history rendering up to an anchor turn (the full rendering, or for a long stretch of
+tool rounds the stretch's own), then the rest rendered in a small context; group ends are confirmed
+with the oracle's own criterion on the composed texts; samples reuse the tokens of the history
+rendering they share (for tokenizers that split text at control tokens first, as byte-level BPE
+does). Each conversation gets real checks (the last sample is the full rendering, the one before it
+its prompt rendered whole); where a check or a search fails, each sample is rendered whole, and
+where the template moves text it wrote earlier (Mistral with a system prompt or tools) the
+conversation goes to the oracle, counted in `ConversationSamples.fallback`. tests/test_templates.py
+checks both paths agree token for token, sample for sample, on every published template in
+tests/fixtures/chat_templates; bench/tokenize_mask.py measures the speed ratio.
 
 Spans are character spans of the rendered text; a token is trained when its first character lies in
 a span.
@@ -61,6 +68,7 @@ from __future__ import annotations
 
 import bisect
 import html
+import itertools
 import json
 import re
 from collections.abc import Sequence
@@ -574,7 +582,8 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
         cut = history_starts[keep] if keep else 0
         pieces.append((history_ids[:keep], history_starts[:keep], cut))
     rests = _tokenize_many(tokenizer, [item.text[cut:] for item, (_, _, cut) in zip(rendered, pieces)], marker)
-    return [_sample(tokenizer, item, marker, (kept_ids + rest_ids, kept_starts + [cut + start for start in rest_starts]))
+    return [_sample(tokenizer, item, marker,
+                    (kept_ids + rest_ids, kept_starts + [cut + start for start in rest_starts]))
             for item, (kept_ids, kept_starts, cut), (rest_ids, rest_starts) in zip(rendered, pieces, rests)]
 
 
@@ -778,7 +787,7 @@ def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *,
 def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: list | None = None,
                           history: HistoryPolicy = "split", truncated: bool = False,
                           template_kwargs: dict | None = None) -> ConversationSamples:
-    """Training samples of a conversation: `input_ids` and `loss_mask`, one render per sample.
+    """Training samples of a conversation: `input_ids` and `loss_mask`, in time linear in its length.
 
     messages: kit schema dicts `{"role", "content", "reasoning"?, "tool_calls"?, "tool_call_id"?}`;
     messages after the last assistant turn are context for nothing and are dropped.
@@ -850,9 +859,11 @@ def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list
                  for position, index in enumerate(indices)]
         groups = _greedy_groups(composer.attempt, ends + [count - 1], count, kinds)
         # One real check per conversation beyond the last group's: the group before it, which has the
-        # longest composed history, against its own prompt rendered whole.
-        if groups is not None and len(groups) > 1 and \
-                composer.turn_after_prompt(count - 1 - len(groups[-1].spans)) != groups[-2].text:
+        # longest composed history, against its own prompt rendered whole (already done where that group
+        # ends a long stretch, whose rendering it was checked against).
+        before_last = count - 1 - len(groups[-1].spans) if groups is not None and len(groups) > 1 else None
+        if before_last is not None and (before_last + 1 - len(groups[-2].spans), before_last) not in composer.checked \
+                and composer.turn_after_prompt(before_last) != groups[-2].text:
             groups = None
         if groups is not None:
             return groups
@@ -939,7 +950,7 @@ def _greedy_groups(attempt, ends: list[int], count: int, kinds: Sequence[Any] = 
             return None
         groups.append(best[1])
         start = best[0] + 1
-    if any(_continues(previous, following) for previous, following in zip(groups, groups[1:])):
+    if any(_continues(previous, following) for previous, following in itertools.pairwise(groups)):
         return None
     return groups
 
@@ -994,6 +1005,7 @@ class _Composer:
         # History renderings by the turn they end at: the full one, and the long stretches' (lazily).
         self.sources: dict[int, tuple[str, list[tuple[int, int]]] | None] = {count - 1: (full, history)}
         self.rendered: dict[int, str] = {}  # real renders of groups without history to share
+        self.checked: set[tuple[int, int]] = set()  # groups (first, last turn) found equal to a real rendering
         self.users = [index for index, message in enumerate(template_messages) if message["role"] == "user"]
         self.stretch_end = list(range(count))  # each turn's last turn before the next user message
         for position in range(count - 2, -1, -1):
@@ -1058,9 +1070,12 @@ class _Composer:
         anchor_text = history_text[history_start:history_end]
         if header_at < 0 or not small.startswith(anchor_text, header_at):
             return None
-        text = history_text[:history_end] + small[header_at + len(anchor_text):] + self.bodies[last][1] + self.tails[last]
-        if last == source_end and text != history_text:
-            return None
+        text = history_text[:history_end] + small[header_at + len(anchor_text):] + self.bodies[last][1] + \
+            self.tails[last]
+        if last == source_end:
+            if text != history_text:
+                return None
+            self.checked.add((first, last))
         located = _locate_group(text, self.bodies, first, last, self.layout, history_end, anchor_position + 1)
         if isinstance(located, _Rendered):
             located.history = history_text
