@@ -19,6 +19,7 @@ from eaglekit.doctor import (
     expected_tensors,
     findings_frame,
     main,
+    preflight_table,
     raise_on_errors,
     run_doctor,
 )
@@ -100,6 +101,20 @@ def test_capture_layers_given_by_the_training_run(tmp_path):
     no_ids = {key: value for key, value in DRAFT.items() if key != "eagle_config"}
     assert _errors(run_doctor(tmp_path / "target_config.json", _write(tmp_path / "d2", no_ids))) == {}
     assert "captures its default" in _errors(run_doctor(tmp_path / "target_config.json", tmp_path / "d2", capture_layers=[3, 15, 27]))["capture_layers"]
+
+
+def test_preflight_table_labels_the_folder_and_the_loop_rows(tmp_path):
+    draft = _write(tmp_path / "draft", DRAFT)
+    # Trained on [3, 15, 27] (SGLang would capture [2, 15, 27]) and a bypassed draft in the loop: both surface, each under its label.
+    table = preflight_table(tmp_path / "target_config.json", draft, "training/export/sglang", [3, 15, 27], 1.05)
+    assert list(table.columns) == ["folder", "level", "check", "message", "fix"]
+    folder_rows = table[table["folder"] == "training/export/sglang"]
+    loop_rows = table[table["folder"] == "specdec loop"]
+    assert len(folder_rows) + len(loop_rows) == len(table)
+    assert folder_rows.set_index("check").loc["capture_layers", "level"] == "error"
+    assert "accept_length" not in set(folder_rows["check"])
+    assert loop_rows[["level", "check"]].values.tolist() == [["warning", "accept_length"]]
+    assert "1.050" in loop_rows["message"].iloc[0]
 
 
 def test_misnamed_tensors_are_named_with_a_rename(tmp_path):

@@ -347,6 +347,22 @@ def findings_frame(findings: Sequence[Finding]) -> pd.DataFrame:
     return pd.DataFrame([asdict(finding) for finding in findings], columns=["level", "check", "message", "fix"])
 
 
+def preflight_table(
+    target_config: str | Path | Mapping[str, Any],
+    draft_dir: str | Path,
+    draft_label: str,
+    capture_layers: Sequence[int] | None,
+    accept_length: float,
+    accept_length_label: str = "specdec loop",
+) -> pd.DataFrame:
+    """Stage 6's preflight as one table: the exported draft folder checked against the target (rows
+    labelled `draft_label`), then the measured accept length (rows labelled `accept_length_label`).
+    Columns: folder, level, check, message, fix."""
+    tables = [findings_frame(run_doctor(target_config, draft_dir=draft_dir, capture_layers=capture_layers)).assign(folder=draft_label),
+              findings_frame(run_doctor(target_config, accept_length=accept_length)).assign(folder=accept_length_label)]
+    return pd.concat(tables, ignore_index=True)[["folder", "level", "check", "message", "fix"]]
+
+
 def raise_on_errors(findings: Sequence[Finding]) -> None:
     """Raise DoctorError listing every error finding with its fix; return quietly when there are none."""
     errors = [finding for finding in findings if finding.level == "error"]
