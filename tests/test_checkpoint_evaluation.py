@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from eaglekit.acceptance import acceptance_tables
 from eaglekit.checkpoint_evaluation import (
+    evaluate_speculative_loop,
+    heldout_prompts,
     heldout_samples,
     offline_agreements_by_size,
     score_ablation,
@@ -72,3 +74,27 @@ def test_ablation_variants_are_scored_from_the_record_and_drawn(tmp_path):
         table[table["dataset"] == "all"]["tau_pooled"].tolist())
 
     assert score_ablation(dataclasses.replace(sweep, ablation=[]), tmp_path / "run", head.embed_tokens, head.lm_head, samples, steps=2) is None
+
+
+def test_loop_table_names_each_prompt_and_a_lossy_loop_is_refused(tmp_path):
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    head = load_target_head_weights(tmp_path / "target")
+    samples = samples_from_target(target, 4, seed=5)
+    vocab = select_draft_vocab(count_generated_tokens(samples, target.config.vocab_size), 200)
+    draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, capture_layer_indices=(1, 3, 5), seed=1)
+    prompts = heldout_prompts(samples, 3, max_prompt_tokens=64)
+    report = evaluate_speculative_loop(target, draft, [prompt["input_ids"] for prompt in prompts], 2, 5, warmup=False)
+    report.require_lossless()  # the real loop is lossless
+    table = report.per_prompt_table(prompts)
+    assert table["id"].tolist() == [prompt["id"] for prompt in prompts]
+    assert table["dataset"].tolist() == [prompt["dataset"] for prompt in prompts]
+    assert table["prompt_tokens"].tolist() == [len(prompt["input_ids"]) for prompt in prompts]
+    assert table["output_tokens"].tolist() == [len(result.output_ids) for result in report.speculative]
+    with pytest.raises(ValueError, match="2 prompts given for a loop over 3"):
+        report.per_prompt_table(prompts[:2])
+    # One output differs from greedy (as a broken KV rollback would make it): refused, naming the prompt.
+    lossy = dataclasses.replace(report, summary={**report.summary, "outputs_equal": False},
+                                per_prompt=[{**row, "outputs_equal": row["prompt"] != 1} for row in report.per_prompt])
+    with pytest.raises(RuntimeError, match=r"differs from plain greedy decoding on prompts \[1\]"):
+        lossy.require_lossless()

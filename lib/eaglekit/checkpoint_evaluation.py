@@ -51,6 +51,20 @@ class LoopReport:
     greedy: list[GreedyResult]
     offline: list[OfflineChainAgreement]
 
+    def require_lossless(self) -> None:
+        """Raise when any speculative output differs from plain greedy decoding: the loop must be lossless."""
+        if not self.summary["outputs_equal"]:
+            differing = [row["prompt"] for row in self.per_prompt if not row["outputs_equal"]]
+            raise RuntimeError(f"the speculative loop's output differs from plain greedy decoding on prompts {differing}: "
+                               "a bug in eaglekit.specdec")
+
+    def per_prompt_table(self, prompts: Sequence[dict]) -> pd.DataFrame:
+        """One row per prompt, named by the held-out prompts the loop ran on (`heldout_prompts`: id, dataset)."""
+        if len(prompts) != len(self.per_prompt):
+            raise ValueError(f"{len(prompts)} prompts given for a loop over {len(self.per_prompt)}")
+        return pd.DataFrame(self.per_prompt).assign(id=[prompt["id"] for prompt in prompts],
+                                                    dataset=[prompt["dataset"] for prompt in prompts])
+
 
 def evaluate_speculative_loop(
     target: nn.Module, draft: Eagle3DraftModel, prompts: Sequence[Sequence[int]], steps: int, max_new_tokens: int,
