@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pandas as pd
 import pytest
 
-from eaglekit.benchmark import read_benchmark_prompts, resolve_prompt_file, score_drafts_on_prompts, tokenize_prompts
+from eaglekit.benchmark import benchmark_drafts, read_benchmark_prompts, resolve_prompt_file, score_drafts_on_prompts, tokenize_prompts
 from eaglekit.io import InputError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -142,3 +143,64 @@ def test_every_draft_runs_the_real_loop_with_paired_intervals(embedded_model_dir
     assert summary.loc[0, "tau"] == pytest.approx((part["accepted"].sum() + part["verification_steps"].sum()) / part["verification_steps"].sum())
     assert 1.0 <= summary.loc[0, "tau"] <= 3.0 and summary.loc[0, "tau_low"] <= summary.loc[0, "tau"] <= summary.loc[0, "tau_high"]
     assert summary.loc[0, "tau_server"] == pytest.approx(part["output_tokens"].sum() / part["verification_steps"].sum())
+
+
+def test_benchmark_drafts_from_params_equals_scoring_the_loaded_checkpoints(tmp_path, embedded_model_dir, monkeypatch):
+    import torch
+    from transformers import AutoTokenizer
+
+    from eaglekit.checkpoint_evaluation import load_draft_checkpoint
+    from eaglekit.config import AnalysisParams
+    from eaglekit.draft import build_draft_from_target, load_target_head_weights
+    from eaglekit.training import TrainSettings, save_checkpoint
+    from eaglekit.vocab import select_draft_vocab
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from test_draft import TINY_TARGET
+
+    # A tiny random target over the real tokenizer's vocabulary: the real chat template, a fast loop.
+    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**{**TINY_TARGET, "vocab_size": len(tokenizer)})).eval()
+    target.save_pretrained(tmp_path / "target")
+    head = load_target_head_weights(tmp_path / "target")
+    vocab = select_draft_vocab(torch.arange(target.config.vocab_size, 0, -1), 512)
+    checkpoint = tmp_path / "size-8" / "best.pt"
+    checkpoint.parent.mkdir()
+    draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, capture_layer_indices=(1, 3, 5), seed=0)
+    save_checkpoint(checkpoint, draft.state_dict(), {}, {}, TrainSettings(), draft)
+    # Three prompts, the second too long for 40 prompt tokens: the first two usable ones are scored.
+    prompt_file = write_lines(tmp_path / "prompts.jsonl", [{"id": "a", "prompt": "Name a color."},
+                                                          {"id": "long", "prompt": "word " * 80},
+                                                          {"id": "b", "question": "What is 2 + 2?"},
+                                                          {"id": "c", "prompt": "Say hi."}])
+    settings = AnalysisParams(benchmark_prompts=str(prompt_file), benchmark_max_prompts=2, benchmark_max_new_tokens=4,
+                              bootstrap_resamples=30)
+    torch.set_num_threads(2)  # scored on one thread, then the caller's setting is back (the fixture restores its own)
+    run = benchmark_drafts(settings, target, tokenizer, {8: checkpoint}, head.embed_tokens, steps=2, max_prompt_tokens=40, seed=3)
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    assert run.scores.per_prompt["id"].tolist() == ["a", "b"]
+    assert run.note.startswith("prompts.jsonl: 2 prompts (of 4 read; at most 40 prompt tokens) x 4 new tokens x 1 drafts in ")
+    prompts = tokenize_prompts(read_benchmark_prompts(prompt_file), tokenizer, 40)[:2]
+    expected = score_drafts_on_prompts(target, {8: load_draft_checkpoint(checkpoint, head.embed_tokens)}, prompts, 2, 4,
+                                       num_resamples=30, seed=3)
+    columns = [column for column in expected.summary.columns if column != "seconds"]
+    assert run.summary[columns].to_dict(orient="records") == expected.summary[columns].to_dict(orient="records")
+    written = run.write(tmp_path)
+    assert [path.name for path in written] == ["benchmark.csv", "benchmark_per_prompt.csv"]
+    assert len(pd.read_csv(written[1])) == 2 and pd.read_csv(written[0])["data_size"].tolist() == [8]
+
+    unset = benchmark_drafts(AnalysisParams(), target, tokenizer, {8: checkpoint}, head.embed_tokens, steps=2, max_prompt_tokens=40)
+    assert unset.summary is None and "benchmark_prompts is not set" in unset.note
+    assert unset.write(tmp_path / "nothing") == []
+
+    # A draft whose output differed from greedy on prompt "b" (as a broken KV rollback would make it): refused, named.
+    import eaglekit.benchmark as benchmark_module
+
+    lossy_rows = expected.per_prompt.assign(outputs_equal=expected.per_prompt["id"] != "b")
+    lossy = benchmark_module.BenchmarkScores(expected.summary.assign(outputs_equal=False), lossy_rows, expected.replicates)
+    monkeypatch.setattr(benchmark_module, "score_drafts_on_prompts", lambda *args, **kwargs: lossy)
+    with pytest.raises(RuntimeError, match=r"benchmark prompts \(data size, id\) \[\[8, 'b'\]\]"):
+        benchmark_drafts(settings, target, tokenizer, {8: checkpoint}, head.embed_tokens, steps=2, max_prompt_tokens=40)

@@ -21,6 +21,7 @@ differences between sizes are paired.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ import torch
 
 from eaglekit.acceptance import bootstrap_weights, percentile_interval
 from eaglekit.chat import ChatTemplateError, prompt_token_ids
-from eaglekit.config import repo_path
+from eaglekit.config import AnalysisParams, repo_path
 from eaglekit.io import InputError
 from eaglekit.paths import installed_package_dir
 from eaglekit.topology import Topology
@@ -212,3 +213,74 @@ def score_drafts_on_prompts(
             "verification_steps": int(steps_total), "seconds": float(part["seconds"].sum()),
         })
     return BenchmarkScores(summary=pd.DataFrame(summary_rows), per_prompt=per_prompt, replicates=replicates)
+
+
+@dataclass(frozen=True)
+class BenchmarkRun:
+    """Stage 6's benchmark: every draft of the sweep through the real loop on `analysis.benchmark_prompts`.
+
+    scores: None when no prompt file is configured; note: one line saying what ran (or why nothing did)."""
+
+    scores: BenchmarkScores | None
+    note: str
+
+    @property
+    def summary(self) -> pd.DataFrame | None:
+        """One row per draft (see BenchmarkScores), or None when nothing was measured."""
+        return None if self.scores is None else self.scores.summary
+
+    def write(self, folder: Path) -> list[Path]:
+        """benchmark.csv (per draft) and benchmark_per_prompt.csv into `folder`; nothing when nothing was measured."""
+        if self.scores is None:
+            return []
+        written = [Path(folder) / "benchmark.csv", Path(folder) / "benchmark_per_prompt.csv"]
+        self.scores.summary.to_csv(written[0], index=False)
+        self.scores.per_prompt.to_csv(written[1], index=False)
+        return written
+
+
+def benchmark_drafts(
+    settings: AnalysisParams,
+    target: torch.nn.Module,
+    tokenizer: Any,
+    checkpoints: Mapping[int, Path],
+    target_embed_tokens: torch.Tensor,
+    steps: int,
+    max_prompt_tokens: int,
+    eos_token_ids: Sequence[int] = (),
+    template_kwargs: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> BenchmarkRun:
+    """Read, render (as prep renders the training data: `template_kwargs`) and score the benchmark prompts
+    with every checkpoint of the sweep (data size -> best checkpoint), on one torch thread.
+
+    Uses settings.benchmark_prompts, benchmark_max_prompts (the first N prompts of at most
+    `max_prompt_tokens` tokens), benchmark_max_new_tokens, bootstrap_resamples and confidence. Raises when
+    any draft's output differs from plain greedy decoding: the loop must be lossless.
+    """
+    from eaglekit.checkpoint_evaluation import load_draft_checkpoint
+
+    if not settings.benchmark_prompts:
+        return BenchmarkRun(None, "analysis.benchmark_prompts is not set: no benchmark curve "
+                                  "(name a prompt file from sources outside the training data)")
+    prompt_file = resolve_prompt_file(settings.benchmark_prompts)
+    read = read_benchmark_prompts(prompt_file)
+    prompts = tokenize_prompts(read, tokenizer, max_prompt_tokens=max_prompt_tokens,
+                               template_kwargs=template_kwargs)[: settings.benchmark_max_prompts]
+    # One thread, as for the held-out loop: two threads contend on a shared 2-core machine and distort timings.
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    try:
+        drafts = {size: load_draft_checkpoint(path, target_embed_tokens) for size, path in checkpoints.items()}
+        scores = score_drafts_on_prompts(target, drafts, prompts, steps, settings.benchmark_max_new_tokens, eos_token_ids,
+                                         settings.bootstrap_resamples, settings.confidence, seed)
+    finally:
+        torch.set_num_threads(threads_before)
+    if not scores.summary["outputs_equal"].all():
+        differing = scores.per_prompt.loc[~scores.per_prompt["outputs_equal"], ["data_size", "id"]].values.tolist()
+        raise RuntimeError(f"the speculative loop's output differs from plain greedy decoding on benchmark prompts "
+                           f"(data size, id) {differing}: a bug in eaglekit.specdec")
+    note = (f"{prompt_file.name}: {len(prompts)} prompts (of {len(read)} read; at most {max_prompt_tokens} prompt tokens) x "
+            f"{settings.benchmark_max_new_tokens} new tokens x {len(checkpoints)} drafts in {time.perf_counter() - started:.0f} s")
+    return BenchmarkRun(scores, note)
