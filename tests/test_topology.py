@@ -137,3 +137,49 @@ def test_cost_line_fit_is_robust_to_noise():
     base, per_item = _fit_line([1, 2, 9], [0.01, 0.02, 4.0])  # the least-squares intercept is negative
     assert base == pytest.approx(0.01) and per_item == pytest.approx((4.0 - 0.01) / 8)
     assert _fit_line([4, 4], [2.0, 4.0]) == (3.0, 0.0)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_recommendation_goes_through_the_real_loop_and_into_the_metrics_event(tmp_path, monkeypatch):
+    import eaglekit.evaluate as evaluate_module
+    from eaglekit.checkpoint_evaluation import heldout_prompts
+    from eaglekit.draft import build_draft_from_target, load_target_head_weights
+    from eaglekit.topology_sweep import LOOP_CHECK_FIELDS, check_recommendation, sweep_event
+    from eaglekit.vocab import count_generated_tokens, select_draft_vocab
+    from test_draft import samples_from_target, tiny_target
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    samples = samples_from_target(target, 3, seed=2)
+    vocab = select_draft_vocab(count_generated_tokens(samples, target.config.vocab_size), 200)
+    draft = build_draft_from_target(load_target_head_weights(tmp_path / "target"), vocab.d2t, vocab.t2d, capture_layer_indices=(1, 3, 5))
+    prompts = heldout_prompts(samples, 2, max_prompt_tokens=64)
+    tree = Topology.parse("tree:2,2,4")
+    recommendation = {"summary": "s", "sglang": {"topology": str(tree), "flags": tree.sglang_command_line, "predicted_speedup": 1.25},
+                      "vllm": {"topology": "chain:1", "num_speculative_tokens": 1}}
+    checked = check_recommendation(recommendation, target, draft, prompts, steps=2, max_new_tokens=5, num_resamples=20)
+    assert {key: checked[key] for key in recommendation} == recommendation and "loop_check" not in recommendation
+    assert [record["topology"] for record in checked["loop_check"]] == ["tree:2,2,4", "chain:2"]
+    assert all(tuple(record) == LOOP_CHECK_FIELDS and record["outputs_equal"] for record in checked["loop_check"])
+    # The same numbers as evaluate_draft on the same prompts (timings aside).
+    direct = evaluate_module.evaluate_draft(target, draft, [prompt["input_ids"] for prompt in prompts], [tree, Topology.chain(2)], 5,
+                                            num_resamples=20).records()
+    for record, expected in zip(checked["loop_check"], direct):
+        assert [record[key] for key in ("tau_loop", "tau_server", "tau_offline")] == [expected[key] for key in ("tau_loop", "tau_server", "tau_offline")]
+    # A chain recommendation equal to the reported chain is checked once.
+    chain = {"sglang": {"topology": "chain:2", "flags": "", "predicted_speedup": 0.9}}
+    assert len(check_recommendation(chain, target, draft, prompts[:1], steps=2, max_new_tokens=3, num_resamples=10)["loop_check"]) == 1
+
+    event = sweep_event(checked)
+    assert event == {"event": "topology_sweep", "recommended": "tree:2,2,4", "flags": tree.sglang_command_line, "predicted_speedup": 1.25,
+                     "vllm_num_speculative_tokens": 1, "loop_check": checked["loop_check"]}
+    assert sweep_event(chain)["vllm_num_speculative_tokens"] is None and sweep_event(chain)["loop_check"] is None
+
+    # A loop whose output differed from greedy is refused, naming the topology.
+    class Lossy:
+        def records(self):
+            return [{**record, "outputs_equal": record["topology"] == "chain:2"} for record in direct]
+
+    monkeypatch.setattr(evaluate_module, "evaluate_draft", lambda *args, **kwargs: Lossy())
+    with pytest.raises(RuntimeError, match=r"differs from plain greedy decoding for \['tree:2,2,4'\]"):
+        check_recommendation(recommendation, target, draft, prompts, steps=2, max_new_tokens=5)

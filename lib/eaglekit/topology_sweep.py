@@ -303,6 +303,44 @@ def recommend(table: pd.DataFrame, costs: StepCosts) -> dict:
     return record
 
 
+LOOP_CHECK_FIELDS = ("topology", "tau_loop", "tau_server", "tau_offline", "tau_offline_vs_loop", "outputs_equal",
+                     "tokens_per_s", "greedy_tokens_per_s", "speedup")
+
+
+def check_recommendation(
+    recommendation: dict, target: nn.Module, draft: nn.Module, prompts: Sequence[dict], steps: int, max_new_tokens: int,
+    eos_token_ids: Sequence[int] = (), num_resamples: int = 1000, confidence: float = 0.95, seed: int = 0,
+) -> dict:
+    """The recommended SGLang topology (and the chain of `steps` every other tau is reported for) through the
+    real loop on `prompts` ([{"id", "input_ids"}]), on one torch thread: `recommendation` (from `recommend`)
+    with "loop_check" added, one record per topology (LOOP_CHECK_FIELDS: loop vs offline tau, speed against
+    plain greedy). Raises when a loop's output differs from plain greedy decoding."""
+    from eaglekit.evaluate import evaluate_draft
+
+    topologies = list(dict.fromkeys([Topology.parse(recommendation["sglang"]["topology"]), Topology.chain(steps)]))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)  # timed loops: two threads contend on a shared 2-core machine
+    try:
+        records = evaluate_draft(target, draft, [prompt["input_ids"] for prompt in prompts], topologies, max_new_tokens, eos_token_ids,
+                                 prompt_names=[prompt["id"] for prompt in prompts], num_resamples=num_resamples,
+                                 confidence=confidence, seed=seed).records()
+    finally:
+        torch.set_num_threads(threads_before)
+    lossy = [record["topology"] for record in records if not record["outputs_equal"]]
+    if lossy:
+        raise RuntimeError(f"the loop's output differs from plain greedy decoding for {lossy}: a bug in eaglekit.specdec")
+    return {**recommendation, "loop_check": [{key: record[key] for key in LOOP_CHECK_FIELDS} for record in records]}
+
+
+def sweep_event(recommendation: dict) -> dict:
+    """The `topology_sweep` metrics event: recommended SGLang topology and flags, predicted speedup, vLLM's
+    num_speculative_tokens (None without a chain in the grid) and the loop check when there is one."""
+    return {"event": "topology_sweep", "recommended": recommendation["sglang"]["topology"], "flags": recommendation["sglang"]["flags"],
+            "predicted_speedup": recommendation["sglang"]["predicted_speedup"],
+            "vllm_num_speculative_tokens": (recommendation.get("vllm") or {}).get("num_speculative_tokens"),
+            "loop_check": recommendation.get("loop_check")}
+
+
 def plot_topology_sweep(table: pd.DataFrame, recommended: str | None = None):
     """Two panels against draft tokens T (log scale), one line per top-k K (chains are K = 1, T = S + 1), each
     point the best S for that (K, T): offline tau (with its interval), and predicted speedup with the
