@@ -385,6 +385,10 @@ def test_offline_and_online_samples_share_one_interface(tiny_model, data_files, 
         assert torch.equal(stored["input_ids"], offline[position]["input_ids"])
     item = online[online_position[offline.keys[3]]]
     torch.testing.assert_close(item["aux_hidden_states"].float(), offline[3]["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2)
+    # The loaded target itself serves as well as a loader: the very model, the same features.
+    given = open_captured_samples(online_dir, data_files, tiny_model, max_seq_len=RUN_SETTINGS["max_seq_len"])
+    assert given.model is tiny_model and given.keys == online.keys
+    assert torch.equal(given[online_position[offline.keys[3]]]["aux_hidden_states"], item["aux_hidden_states"])
 
     write_json(online_dir / "plan.json", {"mode": "auto"})
     with pytest.raises(InputError, match=r"plan.json: field 'mode': expected 'offline' or 'online'"):

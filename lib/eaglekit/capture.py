@@ -790,7 +790,7 @@ def read_capture_plan(capture_dir: str | os.PathLike) -> StoragePlan:
 def open_captured_samples(
     capture_dir: str | os.PathLike,
     data_files: Mapping[str, str | os.PathLike],
-    load_model: Callable[[], nn.Module],
+    model: nn.Module | Callable[[], nn.Module],
     *,
     capture_layer_ids: Sequence[int] | None = None,
     max_seq_len: int = 4096,
@@ -798,14 +798,16 @@ def open_captured_samples(
     """The samples of a finished stage 4, in the mode it planned (`capture/plan.json`).
 
     offline: the shards in `capture_dir`. online: `data_files` (dataset -> tokenized_data.jsonl) with the
-    features recomputed per access by the target `load_model()` returns (called only in this mode), with
-    `capture_layer_ids` (None: EAGLE-3's defaults) and `max_seq_len` as stage 4 used them.
+    features recomputed per access by the target, with `capture_layer_ids` (None: EAGLE-3's defaults) and
+    `max_seq_len` as stage 4 used them. `model`: the loaded target, or a loader called only in online mode
+    (so an offline run never loads the target for this).
     """
     from eaglekit.shards import ShardDataset
 
     if read_capture_plan(capture_dir).mode == "offline":
         return ShardDataset(capture_dir)
-    return OnlineCaptureSamples(load_model(), data_files, capture_layer_ids=capture_layer_ids, max_seq_len=max_seq_len)
+    target = model if isinstance(model, nn.Module) else model()
+    return OnlineCaptureSamples(target, data_files, capture_layer_ids=capture_layer_ids, max_seq_len=max_seq_len)
 
 
 # ---------------------------------------------------------------------------------------------
