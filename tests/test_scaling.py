@@ -279,6 +279,10 @@ def test_plot_marks_lower_bounds_and_draws_slope_and_benchmark(tmp_path):
     lines = {line.get_label(): line for line in axes.get_lines()}
     bounded = lines["still improving: tau is a lower bound"]
     assert list(bounded.get_xdata()) == [80.0] and bounded.get_markerfacecolor() == "white"
+    converged = lines["converged, stopped by patience (2 of 3 sizes)"]  # filled, and said in the legend
+    assert list(converged.get_xdata()) == [20.0, 40.0] and converged.get_markerfacecolor() != "white"
+    legend = axes.get_legend()
+    assert legend.get_bbox_to_anchor().x0 > axes.get_window_extent().x1 - 1  # beside the plot, not over the curves
     assert any(label.startswith("slope +0.055/doubling") for label in lines)
     assert list(lines["benchmark prompts (real loop)"].get_ydata()) == pytest.approx(truth + 0.1)
     assert len(axes.texts) == 1  # one upward arrow, on the bounded point

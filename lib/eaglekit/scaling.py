@@ -772,13 +772,19 @@ def plot_accept_length_vs_data_size(
     missing = [c for c in (size_column, dataset_column, value_column, low_column, high_column) if c not in points.columns]
     if missing:
         raise ValueError(f"points is missing columns {missing}; it has {list(points.columns)}")
-    figure, axes = plt.subplots(figsize=(7.5, 4.8))
+    figure, axes = plt.subplots(figsize=(10.5, 4.8))
     for name, group in points.groupby(dataset_column, sort=True):
         group = group.sort_values(size_column)
         overall = name == overall_dataset
         style = {"color": "black", "linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
         line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), **style)[0]
         axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
+        if overall and lower_bound_column in group.columns:
+            still_improving = group[lower_bound_column].fillna(False).astype(bool)
+            converged = group[~still_improving]
+            if len(converged):  # said in the legend too, so a reader knows no point is a lower bound
+                axes.plot(converged[size_column], converged[value_column], linestyle="none", marker="o", markersize=9, color="black",
+                          zorder=4, label=f"converged, stopped by patience ({len(converged)} of {len(group)} sizes)")
         if overall and lower_bound_column in group.columns and group[lower_bound_column].fillna(False).astype(bool).any():
             bounded = group[group[lower_bound_column].fillna(False).astype(bool)]
             axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
@@ -814,6 +820,6 @@ def plot_accept_length_vs_data_size(
     axes.set_ylabel(f"accept length tau{topology}")
     axes.set_title("Accept length against training-data size")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8, loc="best")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the plot, never over a curve
     figure.tight_layout()
     return figure
