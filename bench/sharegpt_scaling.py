@@ -333,15 +333,22 @@ def outside_prompts_for_loop(out: Path, count: int) -> list[dict]:
 def outside_counts(out: Path, label: str, head: Any, chain: int) -> Any:
     """Per-sample chain counts (eaglekit.acceptance.ChainCounts) of one trained draft's best checkpoint
     on the outside-source samples, in capture order (the same samples for every draft: paired)."""
-    from eaglekit.acceptance import chain_counts
+    from eaglekit.acceptance import ChainCounts, chain_counts
     from eaglekit.checkpoint_evaluation import load_draft_checkpoint
     from eaglekit.shards import ShardDataset
     from eaglekit.training import IndexedSubset, per_position_agreement
 
-    draft = load_draft_checkpoint(out / "drafts" / label / "best.pt", head.embed_tokens)
+    best = out / "drafts" / label / "best.pt"
+    cache = best.with_name(f"outside_counts_chain{chain}.npz")
+    if cache.exists() and cache.stat().st_mtime >= best.stat().st_mtime:  # computed from this checkpoint
+        stored = np.load(cache)
+        return ChainCounts(positions=stored["positions"], prefix_counts=stored["prefix_counts"])
+    draft = load_draft_checkpoint(best, head.embed_tokens)
     outside = ShardDataset(out / "capture-outside")
     agreements = per_position_agreement(draft, head.lm_head, IndexedSubset(outside, list(range(len(outside)))), chain)
-    return chain_counts([sample.agreement for sample in agreements], steps=chain)
+    counts = chain_counts([sample.agreement for sample in agreements], steps=chain)
+    np.savez(cache, positions=counts.positions, prefix_counts=counts.prefix_counts)
+    return counts
 
 
 def paired_summary(out: Path, rows: list[dict], head: Any, chain: int, num_resamples: int, confidence: float, seed: int) -> str:
