@@ -17,10 +17,13 @@ The measurement of issue 14, point 3, on the embedded target (SmolLM2-135M-Instr
    regenerated one at a time and compared (reported, not assumed).
 3. capture: the kit's `capture_to_shards` (EAGLE-3's default layers) into `capture-sharegpt/` and
    `capture-outside/`.
-4. sweep: the kit's `train_size_sweep` on nested, stratified ShareGPT subsets (default 60 / 240 / 960),
-   schedule `until_converged`; the sweep's own held-out (`--heldout-size` ShareGPT samples, never
-   trained on) decides when each draft stopped improving and which checkpoint is kept, as in the kit.
-   Draft vocab from the generated tokens of the largest subset, as stage 5 does.
+4. sweep: one draft per size (default 60 / 240 / 960) with the kit's `train_draft`, on nested prefixes
+   of the shuffled ShareGPT prompts after the first `--heldout-size`, which form the held-out set that
+   decides (until_converged) when a draft stopped improving and which checkpoint is kept, as
+   `train_size_sweep` does; prefixes instead of its stratified split so that the smaller sizes can be
+   trained while the larger ones are still being generated. Draft vocab: the most frequent generated
+   tokens of each draft's own training samples (stage 5 counts the largest subset for every size).
+   `--variants` trains recipe variants of bench/recipe_ablation.py at every size (the lever ablation).
 5. score: each best checkpoint's offline simulated tau of a greedy chain (DESIGN's offline tau; pooled,
    95% percentile bootstrap over samples) on the outside-source set, which neither selects checkpoints
    nor trains; and `--loop-prompts` outside prompts through the real speculative loop
@@ -31,7 +34,10 @@ per-size training folders that resume), so a rerun only does what is missing.
 
     nice -n 10 python bench/sharegpt_scaling.py outputs/sharegpt-scaling --sizes 60,240,960
 
-`--stop-after generate|capture` stops after a stage; `--out` appends the score rows as JSONL.
+`--stop-after generate|capture` stops after a stage; `--out-rows` appends the score rows as JSONL and
+`--summarize` prints them as a markdown table with paired-bootstrap differences and the slope per doubling.
+A second process may train on what is captured (`--no-capture`) while the first captures; two captures
+into one folder at once are not supported.
 The recipe is `--params`' training section (default: the kit's TrainingParams defaults) with
 `--set key=value` overrides (e.g. `--set ttt_steps=3 --set draft_vocab_size=4096`).
 """
