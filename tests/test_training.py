@@ -434,3 +434,94 @@ def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behavi
     for changed in ({"feature_noise": 0.1}, {"distill": "argmax"}):
         with pytest.raises(ValueError, match=next(iter(changed))):
             _check_resumable(saved, dataclass_replace(FAST, **changed), tmp_path / "last.pt")
+
+
+# ---------------------------------------------------------------------------------------------------
+# target argmax computed once per sample (TargetArgmaxCache) == recomputed at every use
+# ---------------------------------------------------------------------------------------------------
+def twin_with_other_states(sample: dict) -> dict:
+    """Same id, same length, other final states (time-reversed): the ablation's original vs regenerated case."""
+    return {**sample, "final_hidden_states": sample["final_hidden_states"].flip(0)}
+
+
+def run_curves(target, train, heldout, output_dir, target_cache) -> tuple[list, list, int]:
+    settings = dataclass_replace(FAST, grad_accumulation_steps=1, max_steps=8)
+    result = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, output_dir, settings, target_cache=target_cache)
+    records = read_metrics(result.metrics_path)
+    losses = [r["loss"] for r in records if r["split"] == "train"]
+    taus = [r["simulated_accept_length"] for r in records if r["split"] == "heldout"]
+    return losses, taus, result.best_step
+
+
+def test_target_argmax_cache_trains_and_evaluates_like_the_recomputed_path(world, tmp_path, monkeypatch):
+    """Cached argmax + draft-rows teacher == full head every time: same loss curve, taus and best step.
+    Two samples share an id with different states; a cache keyed on anything weaker than the states
+    (here: the shape, which the twins share) must be caught by this very comparison."""
+    from eaglekit.training import TargetArgmaxCache
+
+    target, train, heldout = world
+    train = train + [twin_with_other_states(train[0])]
+    heldout = heldout + [twin_with_other_states(heldout[0])]
+    reference = run_curves(target, train, heldout, tmp_path / "recomputed", target_cache=False)
+    cached = run_curves(target, train, heldout, tmp_path / "cached", target_cache=True)
+    assert cached[0] == pytest.approx(reference[0], rel=1e-5) and cached[1] == pytest.approx(reference[1], abs=1e-9)
+    assert cached[2] == reference[2]
+    assert len(set(reference[1])) > 1  # the taus move: equal curves are no accident of a flat draft
+
+    # Fault injection: keys that collide for the twins -> a stale argmax for one of them, and the curves differ.
+    monkeypatch.setattr(TargetArgmaxCache, "key", staticmethod(lambda states: str(tuple(states.shape)).encode()))
+    colliding = run_curves(target, train, heldout, tmp_path / "colliding", target_cache=True)
+    assert colliding[1] != pytest.approx(reference[1], abs=1e-9) or colliding[0] != pytest.approx(reference[0], rel=1e-5)
+
+
+def test_target_signals_from_cached_argmax_and_draft_rows_equal_the_full_head(world):
+    from eaglekit.training import TargetArgmaxCache, target_signals
+
+    target, train, _ = world
+    model, head = tiny_draft(target, train), target.lm_head.weight.detach()
+    samples = train[:3]
+    batch = collate(samples, 64)
+    cache = TargetArgmaxCache(head)
+    known = cache.batch_argmax(samples, 64)
+    draft_head = head[model.draft_to_target_ids()]
+    for distill in ("soft", "argmax"):
+        full = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=5,
+                              lengths=batch.lengths.tolist(), distill=distill)
+        fast = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=5,
+                              lengths=batch.lengths.tolist(), distill=distill, target_argmax=known, draft_lm_head=draft_head)
+        assert torch.equal(fast.argmax, full.argmax) and torch.equal(fast.in_draft, full.in_draft)
+        torch.testing.assert_close(fast.probs, full.probs, rtol=1e-5, atol=1e-7)
+    assert (cache.misses, cache.hits) == (3, 0)
+    cache.batch_argmax(samples, 64)
+    assert (cache.misses, cache.hits) == (3, 3)
+    assert cache.batch_argmax(samples, 10).shape == (3, 10)  # another cut is another key, not a slice of a longer entry
+    assert cache.misses == 6
+    with pytest.raises(ValueError, match="needs target_argmax"):
+        target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, draft_lm_head=draft_head)
+    with pytest.raises(ValueError, match="target_argmax shape"):
+        target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, target_argmax=known[:, :5])
+    other = head.clone()
+    other[0, 0] += 1.0
+    with pytest.raises(ValueError, match="another target head"):
+        cache.bind(other)
+
+
+def test_size_sweep_computes_each_target_argmax_once(world, tmp_path, monkeypatch):
+    """One cache for all sizes: every distinct sample's argmax is computed once in the whole sweep."""
+    import eaglekit.training as training
+
+    caches = []
+
+    class Recording(training.TargetArgmaxCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            caches.append(self)
+
+    monkeypatch.setattr(training, "TargetArgmaxCache", Recording)
+    target, train, heldout = world
+    samples = train + heldout
+    settings = dataclass_replace(FAST, max_steps=4, eval_interval=2, grad_accumulation_steps=1)
+    train_size_sweep(lambda: tiny_draft(target, samples), target.lm_head.weight.detach(), samples, [4, 8], 4, tmp_path, settings)
+    assert len(caches) == 1
+    # 4 held-out + at most the 8 training samples of the largest subset (nested: the 4 are among them).
+    assert 4 < caches[0].misses <= 12 and caches[0].hits > caches[0].misses

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -246,7 +247,8 @@ class TargetSignals:
 
 @torch.no_grad()
 def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tensor, draft_to_target: torch.Tensor, t2d: torch.Tensor,
-                   chunk_rows: int = 1024, lengths: Sequence[int] | None = None, distill: str = "soft") -> TargetSignals:
+                   chunk_rows: int = 1024, lengths: Sequence[int] | None = None, distill: str = "soft",
+                   target_argmax: torch.Tensor | None = None, draft_lm_head: torch.Tensor | None = None) -> TargetSignals:
     """final (B, T, H) @ lm_head (V, H)^T -> draft-vocab teacher, `chunk_rows` rows at a time.
 
     distill "soft": probs = softmax over the draft-vocab columns of the target logits. "argmax": probs =
@@ -257,11 +259,19 @@ def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tens
     pack of a 163,840-token vocab). Pass an fp32 head to skip a per-call cast. lengths (host ints, one
     per row): only each row's first lengths[b] positions are computed (padding and pack tails are no
     target of any counted row); the rest hold zeros.
+
+    target_argmax (B, T): the target's greedy token, known beforehand (`TargetArgmaxCache.batch_argmax`,
+    0 past each row's length as here). With it, draft_lm_head (Vd, H) = lm_head[draft_to_target] replaces
+    the full head: the teacher needs only the draft-vocab logits, Vd/V of the work (1/6 for the demo).
     """
     if distill not in DISTILL_TARGETS:
         raise ValueError(f"distill={distill!r}: use one of {list(DISTILL_TARGETS)}")
     batch, length, hidden = final_hidden_states.shape
-    head = target_lm_head.float()
+    if draft_lm_head is not None and target_argmax is None:
+        raise ValueError("draft_lm_head needs target_argmax: the draft-vocab rows alone cannot give the target's greedy token")
+    if target_argmax is not None and target_argmax.shape != (batch, length):
+        raise ValueError(f"target_argmax shape {tuple(target_argmax.shape)} != final_hidden_states' (B, T) {(batch, length)}")
+    head = (target_lm_head if draft_lm_head is None else draft_lm_head).float()
     flat = final_hidden_states.reshape(batch * length, hidden)
     probs = torch.zeros(batch * length, draft_to_target.shape[0], dtype=torch.float32, device=flat.device)
     argmax = torch.zeros(batch * length, dtype=torch.int64, device=flat.device)
@@ -269,15 +279,76 @@ def target_signals(final_hidden_states: torch.Tensor, target_lm_head: torch.Tens
         stop = row * length + (length if lengths is None else int(lengths[row]))
         for start in range(row * length, stop, chunk_rows):
             end = min(start + chunk_rows, stop)
-            logits = flat[start:end].float() @ head.T  # (chunk, V)
-            argmax[start:end] = logits.argmax(-1)
-            draft_logits = logits[:, draft_to_target]  # (chunk, Vd)
+            logits = flat[start:end].float() @ head.T  # (chunk, V), or (chunk, Vd) with draft rows only
+            if target_argmax is None:
+                argmax[start:end] = logits.argmax(-1)
+            draft_logits = logits if draft_lm_head is not None else logits[:, draft_to_target]  # (chunk, Vd)
             if distill == "argmax":
                 probs[start:end].scatter_(1, draft_logits.argmax(-1, keepdim=True), 1.0)
             else:
                 probs[start:end] = torch.softmax(draft_logits, dim=-1)
-    argmax = argmax.view(batch, length)
+    argmax = argmax.view(batch, length) if target_argmax is None else target_argmax.to(flat.device)
     return TargetSignals(probs=probs.view(batch, length, -1), argmax=argmax, in_draft=t2d[argmax])
+
+
+class TargetArgmaxCache:
+    """The target's greedy token at every position of a sample, computed once per distinct sample.
+
+    The argmax over the full target vocab ((T, H) @ (V, H)^T, 28M multiply-adds per token for
+    SmolLM2-135M) depends only on the sample's final hidden states and the head, neither of which
+    changes while drafts train: held-out samples are scored at every evaluation and training samples
+    come back every epoch, so `train_draft` and `train_size_sweep` compute it once per sample here.
+    The key is a digest of the (cut) final hidden states themselves, not the sample id: samples are
+    read anew from shards at each access, and one id can name different contents (the ablation's
+    original and regenerated answers). One cache serves one head (`bind`).
+    """
+
+    def __init__(self, target_lm_head: torch.Tensor, chunk_rows: int = 1024):
+        self.head = target_lm_head.detach().float()  # (V, H)
+        self.chunk_rows = chunk_rows
+        self._argmax: dict[bytes, torch.Tensor] = {}  # digest -> (L,) int64 on the host
+        self.hits = self.misses = 0
+
+    def bind(self, target_lm_head: torch.Tensor) -> None:
+        """Refuse a head other than the one the cached argmaxes came from; compute new ones on its device
+        (train_draft's rank device, while the sweep built the cache from the head it was given)."""
+        head = target_lm_head.detach().float()
+        if head.shape != self.head.shape or not torch.equal(head.to(self.head.device), self.head):
+            raise ValueError(f"TargetArgmaxCache holds argmaxes of another target head ({tuple(self.head.shape)}): "
+                             "build one cache per target")
+        self.head = head
+
+    @staticmethod
+    def key(final_hidden_states: torch.Tensor) -> bytes:
+        """Digest of (L, H) states: dtype, shape and every byte."""
+        states = final_hidden_states.detach().cpu().contiguous()
+        digest = hashlib.blake2b(states.view(-1).view(torch.uint8).numpy().tobytes(), digest_size=20)
+        digest.update(f"{states.dtype}{tuple(states.shape)}".encode())
+        return digest.digest()
+
+    @torch.no_grad()
+    def argmax(self, sample: dict, max_length: int) -> torch.Tensor:
+        """(L,) int64 on the host, L = min(len(sample), max_length): the target's argmax at each position."""
+        final = sample["final_hidden_states"][:max_length]  # (L, H)
+        key = self.key(final)
+        cached = self._argmax.get(key)
+        if cached is not None:
+            self.hits += 1
+            return cached
+        self.misses += 1
+        states = final.to(self.head.device, torch.float32)
+        tokens = torch.cat([(states[start : start + self.chunk_rows] @ self.head.T).argmax(-1)  # (chunk, V) -> (chunk,)
+                            for start in range(0, states.shape[0], self.chunk_rows)]).cpu()
+        self._argmax[key] = tokens
+        return tokens
+
+    def batch_argmax(self, samples: Sequence[dict], max_length: int) -> torch.Tensor:
+        """(B, T) for `collate(samples, max_length)`: row b holds sample b's argmax, then 0 (the padding's, as uncached)."""
+        rows = [self.argmax(sample, max_length) for sample in samples]
+        argmax = torch.zeros(len(rows), max(row.shape[0] for row in rows), dtype=torch.int64)
+        for index, row in enumerate(rows):
+            argmax[index, : row.shape[0]] = row
+        return argmax
 
 
 def add_feature_noise(features: torch.Tensor, relative_std: float) -> torch.Tensor:
@@ -354,6 +425,7 @@ def per_position_agreement(
     max_length: int = 2048,
     batch_size: int = 4,
     device: str | torch.device = "cpu",
+    target_cache: TargetArgmaxCache | None = None,
 ) -> list[SampleAgreement]:
     """Per sample, per chain start, per step: does the draft's greedy proposal match the target's argmax?
 
@@ -361,8 +433,12 @@ def per_position_agreement(
     chain inputs are the sample's tokens, which equal the draft's proposals whenever earlier steps agreed
     on greedily generated data. Only complete chains count: all `chain_steps` predicted tokens exist and
     were generated by the target (loss_mask 1). Feed the result to eaglekit.acceptance.
+    target_cache: the target's argmax per sample from there (computed at the first evaluation only)
+    instead of the full-vocab head over every held-out token at every evaluation.
     """
     device = torch.device(device)
+    if target_cache is not None:
+        target_cache.bind(target_lm_head.to(device))
     was_training = model.training
     model.eval()
     draft_to_target = model.draft_to_target_ids()
@@ -371,16 +447,21 @@ def per_position_agreement(
         chunk = [samples[index] for index in range(start, min(start + batch_size, len(samples)))]
         batch = collate(chunk, max_length).to(device)
         with _autocast(device):
-            step_logits = model(batch.input_ids, batch.aux_hidden_states, chain_steps)
-        target_argmax = (batch.final_hidden_states.float() @ target_lm_head.to(device).float().T).argmax(-1)
-        length = batch.input_ids.shape[1]
+            step_states = model(batch.input_ids, batch.aux_hidden_states, chain_steps, return_normed_states=True)  # k x (B, T, H)
+        if target_cache is None:
+            target_argmax = (batch.final_hidden_states.float() @ target_lm_head.to(device).float().T).argmax(-1)  # (B, T)
+        else:
+            target_argmax = target_cache.batch_argmax(chunk, max_length).to(device)  # (B, T)
         eligible = eligible_rows(batch, chain_steps)  # (k, B, T)
-        agree = torch.zeros(chain_steps, *batch.input_ids.shape, dtype=torch.bool, device=device)
-        for step, logits in enumerate(step_logits):
-            rows = length - 1 - step
-            if rows > 0:
-                agree[step, :, :rows] = draft_to_target[logits[:, :rows].argmax(-1)] == target_argmax[:, 1 + step :]
         complete = eligible.all(dim=0)  # (B, T): a full chain of predicted tokens exists
+        # The draft head only at chain starts that count (about 2/3 of the rows on the demo's data): step i
+        # of the chain from row t predicts token t+2+i, compared with the target's argmax at row t+1+i.
+        rows, starts = torch.nonzero(complete, as_tuple=True)  # (N,), (N,)
+        agree = torch.zeros(chain_steps, *batch.input_ids.shape, dtype=torch.bool, device=device)
+        for step, states in enumerate(step_states):
+            with _autocast(device):
+                logits = model.lm_head(states[rows, starts])  # (N, Vd)
+            agree[step, rows, starts] = draft_to_target[logits.argmax(-1)] == target_argmax[rows, starts + 1 + step]
         for row, sample in enumerate(chunk):
             start_rows = torch.nonzero(complete[row]).flatten()
             results.append(SampleAgreement(
@@ -778,6 +859,7 @@ def train_draft(
     output_dir: str | Path,
     settings: TrainSettings,
     resume: bool = True,
+    target_cache: TargetArgmaxCache | bool = True,
 ) -> TrainResult:
     """Train `model` with training-time test; keep the checkpoint with the best held-out simulated tau.
 
@@ -785,6 +867,10 @@ def train_draft(
     metrics.jsonl (one "train" line per step, one "heldout" line per evaluation), last.pt (resume),
     best.pt (best held-out simulated accept length, not lowest loss). Resumes from last.pt if present.
     Under torchrun with parallel="ddp"/"fsdp" every rank calls this with the same arguments.
+    target_cache: True, a `TargetArgmaxCache` for this call; a cache, shared (`train_size_sweep` passes one
+    to all sizes); False, the reference path that recomputes the full-vocab argmax at every use (the
+    same results to float tolerance, tests/test_training.py). With a cache, padded micro-batches take
+    their teacher from the draft-vocab rows of the head only; packed ones (pack_tokens) still use the full head.
     """
     output_dir = Path(output_dir)
     device = torch.device(settings.device)
@@ -804,6 +890,10 @@ def train_draft(
     model.attention_backend = settings.attention
     target_lm_head = target_lm_head.to(device, torch.float32)  # the teacher is fp32: cast once, not per micro-batch
     draft_to_target, t2d = model.draft_to_target_ids(), model.t2d
+    cache = TargetArgmaxCache(target_lm_head) if target_cache is True else (target_cache or None)
+    if cache is not None:
+        cache.bind(target_lm_head)
+    draft_lm_head = target_lm_head[draft_to_target.to(device)].contiguous() if cache is not None else None  # (Vd, H)
     wrapped = wrap_model(model, settings.parallel, device)
     trainable = [parameter for parameter in wrapped.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=settings.learning_rate, betas=(settings.beta1, settings.beta2), weight_decay=settings.weight_decay)
@@ -835,7 +925,8 @@ def train_draft(
 
     def evaluate_and_checkpoint() -> None:
         # Every rank evaluates (FSDP's forward is collective); rank 0 logs and writes.
-        agreements = per_position_agreement(model, target_lm_head, heldout_samples, chain_steps, settings.max_length, settings.micro_batch_size, device)
+        agreements = per_position_agreement(model, target_lm_head, heldout_samples, chain_steps, settings.max_length, settings.micro_batch_size, device,
+                                            target_cache=cache)
         heldout = simulated_accept_length(agreements, chain_steps)
         tau = heldout["simulated_accept_length"]
         if tau > progress["best_accept_length"]:
@@ -895,8 +986,11 @@ def train_draft(
         for micro, (batch, rows) in enumerate(zip(micro_batches, eligible)):
             lengths = batch.lengths.tolist()  # host ints: the teacher skips padding without a device sync
             batch = batch.to(device)  # rows stay on the host: the loss picks its rows there (eaglekit.head_loss)
+            # Padded rows are the micro-batch's samples in order: their cached argmax lines up (collate's layout).
+            known_argmax = cache.batch_argmax(rank_samples[micro], settings.max_length) if cache is not None and settings.pack_tokens is None else None
             targets = target_signals(batch.final_hidden_states, target_lm_head, draft_to_target, t2d, lengths=lengths,
-                                     distill=settings.distill)
+                                     distill=settings.distill, target_argmax=known_argmax,
+                                     draft_lm_head=draft_lm_head if known_argmax is not None else None)
             # The teacher reads the clean final states; only the features the draft reads get noise.
             features = add_feature_noise(batch.aux_hidden_states, settings.feature_noise)  # (B, T, 3H)
             last_micro = micro == len(micro_batches) - 1
@@ -984,9 +1078,12 @@ def train_size_sweep(
     heldout_indices, train_order = split_heldout(datasets, heldout_size, split_seed, conversations)
     subsets = nested_subsets(train_order, sizes)
     heldout = IndexedSubset(samples, heldout_indices)
+    # One target argmax per sample for the whole sweep: the held-out set and the nested subsets recur in every size.
+    target_cache = TargetArgmaxCache(target_lm_head)
     rows = []
     for size, indices in subsets.items():
-        result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings)
+        result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings,
+                             target_cache=target_cache)
         per_dataset: dict[str, int] = {}
         for index in indices:
             per_dataset[datasets[index]] = per_dataset.get(datasets[index], 0) + 1
