@@ -17,6 +17,11 @@ big batch; steps are weighted 0.8^i. Two recipe levers, off by default: `distill
 the soft teacher by the one-hot of the target's greedy token, and `feature_noise` adds uniform noise to
 the target features the draft reads (`add_feature_noise`; the teacher stays clean).
 
+The target's greedy token (an argmax over the full target vocab, the costliest part of the teacher)
+never changes for a sample: `TargetArgmaxCache` computes it once per sample for a whole sweep, the
+training teacher then needs only the draft-vocab rows of the head, and held-out evaluations only the
+draft. Results equal the recomputing path (`train_draft(target_cache=False)`) to float tolerance.
+
 How long each draft trains (`TrainSettings.schedule`) decides what a data-size sweep measures:
 - "until_converged" (default): train until held-out tau has not improved by `min_improvement` for
   `patience` evaluations, with `max_steps` as a cap; the best checkpoint by held-out tau is kept. A
