@@ -65,6 +65,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from eaglekit.acceptance import chain_counts, pooled_accept_length
+from eaglekit.config import TrainingParams
 from eaglekit.draft import Eagle3DraftModel
 from eaglekit.head_loss import chunked_ttt_loss
 from eaglekit.io import AppendLog, atomic_write, read_jsonl
@@ -75,44 +76,46 @@ BEST_CHECKPOINT = "best.pt"
 METRICS_FILE = "metrics.jsonl"
 SCHEDULES = ("until_converged", "equal_steps", "equal_epochs")
 DISTILL_TARGETS = ("soft", "argmax")
+_DEFAULTS = TrainingParams()  # TrainSettings' defaults are the params' defaults, defined once in config.py
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class TrainSettings:
-    """Hyperparameters of one draft training run (EAGLE-3 published defaults where they exist)."""
+    """Hyperparameters of one draft training run. Defaults are config.TrainingParams' (the one place they
+    live); the fields params do not set (betas, eval_chain_steps, seed, stop_at_step) have theirs here."""
 
-    ttt_steps: int = 7  # EAGLE-3 code: 7; paper: 5
-    step_weight: float = 0.8  # TTT step i weighs step_weight ** i
+    ttt_steps: int = _DEFAULTS.ttt_steps  # EAGLE-3 code: 7; paper: 5
+    step_weight: float = _DEFAULTS.step_weight  # TTT step i weighs step_weight ** i
     # Uniform noise on the target features the draft reads (aux_hidden_states), training only; its std is
     # feature_noise x each token's feature RMS (`add_feature_noise`). 0: off. EAGLE adds uniform noise there.
-    feature_noise: float = 0.0
-    distill: str = "soft"  # teacher: "soft" (target softmax over the draft vocab) or "argmax" (one-hot target greedy token)
-    learning_rate: float = 1e-4
-    min_learning_rate: float = 1e-5  # cosine floor (equal_steps, equal_epochs; until_converged does not decay)
-    warmup_steps: int = 50
-    schedule: str = "until_converged"  # "until_converged", "equal_steps" or "equal_epochs" (module docstring)
-    max_steps: int = 1000  # equal_steps: the steps (the cosine decays over them); until_converged: the cap
-    num_epochs: float | None = None  # equal_epochs: steps = ceil(num_epochs * samples / global batch)
-    patience: int = 3  # until_converged: stop after this many evaluations without improvement
-    min_improvement: float = 0.0  # until_converged: an improvement beats the last one's tau by more than this
-    micro_batch_size: int = 1
-    grad_accumulation_steps: int = 8
-    grad_clip: float = 0.5
-    weight_decay: float = 0.0
+    feature_noise: float = _DEFAULTS.feature_noise
+    distill: str = _DEFAULTS.distill  # teacher: "soft" (target softmax over the draft vocab) or "argmax" (one-hot target greedy token)
+    learning_rate: float = _DEFAULTS.learning_rate
+    min_learning_rate: float = _DEFAULTS.min_learning_rate  # cosine floor (equal_steps, equal_epochs; until_converged does not decay)
+    warmup_steps: int = _DEFAULTS.warmup_steps
+    schedule: str = _DEFAULTS.schedule  # "until_converged", "equal_steps" or "equal_epochs" (module docstring)
+    max_steps: int = _DEFAULTS.max_steps  # equal_steps: the steps (the cosine decays over them); until_converged: the cap
+    num_epochs: float | None = _DEFAULTS.num_epochs  # equal_epochs: steps = ceil(num_epochs * samples / global batch)
+    patience: int = _DEFAULTS.patience  # until_converged: stop after this many evaluations without improvement
+    min_improvement: float = _DEFAULTS.min_improvement  # until_converged: an improvement beats the last one's tau by more than this
+    micro_batch_size: int = _DEFAULTS.micro_batch_size
+    grad_accumulation_steps: int = _DEFAULTS.grad_accumulation_steps
+    grad_clip: float = _DEFAULTS.grad_clip
+    weight_decay: float = _DEFAULTS.weight_decay
     beta1: float = 0.9
     beta2: float = 0.95
-    max_length: int = 2048  # tokens per sample; longer samples are cut
-    pack_tokens: int | None = None  # pack each step's samples into rows of this many tokens (eaglekit.packing); None: pad
-    attention: str = "auto"  # TTT attention: "auto" (flex on CUDA, eager on CPU), "eager" or "flex" (eaglekit.draft)
-    eval_interval: int = 100  # optimizer steps between held-out evaluations and checkpoints
+    max_length: int = _DEFAULTS.max_length  # tokens per sample; longer samples are cut
+    pack_tokens: int | None = _DEFAULTS.pack_tokens  # pack each step's samples into rows of this many tokens (eaglekit.packing); None: pad
+    attention: str = _DEFAULTS.attention  # TTT attention: "auto" (flex on CUDA, eager on CPU), "eager" or "flex" (eaglekit.draft)
+    eval_interval: int = _DEFAULTS.eval_interval  # optimizer steps between held-out evaluations and checkpoints
     eval_chain_steps: int | None = None  # chain length of the simulated accept length; None = ttt_steps
     seed: int = 0
-    device: str = "cpu"
-    parallel: str = "none"  # "none", "ddp" (torchrun; gloo on CPU, nccl on GPU) or "fsdp" (GPU)
+    device: str = _DEFAULTS.device
+    parallel: str = _DEFAULTS.parallel  # "none", "ddp" (torchrun; gloo on CPU, nccl on GPU) or "fsdp" (GPU)
     stop_at_step: int | None = None  # stop early after this step's checkpoint (interruptions, tests)
-    log_interval_s: float = 60.0  # seconds between progress lines on the `eaglekit.training` logger
+    log_interval_s: float = _DEFAULTS.log_interval_s  # seconds between progress lines on the `eaglekit.training` logger
 
     def __post_init__(self) -> None:
         if self.distill not in DISTILL_TARGETS:
