@@ -220,15 +220,7 @@ def run_openai_chat_requests(
         for index, prompt in enumerate(prompts):
             prompt_id = _prompt_id(prompt, index)
             body = _chat_body(prompt, index, model, max_tokens, temperature, return_meta_info=False)
-            started = time.perf_counter()
-            answer = _post_json(client, base + "/v1/chat/completions", body)
-            wall_s = time.perf_counter() - started
-            usage = answer.get("usage") or {}
-            if "completion_tokens" not in usage:
-                raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
-            records.append(
-                RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
-            )
+            records.append(_openai_request(client, base, "/v1/chat/completions", body, prompt_id))
     return records
 
 
@@ -254,16 +246,19 @@ def run_openai_completion_requests(
                 raise ValueError(f"prompt {index} ({prompt_id!r}) has no 'input_ids' for /v1/completions")
             body = {"model": model, "prompt": [int(token) for token in prompt["input_ids"]], "max_tokens": max_tokens,
                     "temperature": temperature, "stream": False}
-            started = time.perf_counter()
-            answer = _post_json(client, base + "/v1/completions", body)
-            wall_s = time.perf_counter() - started
-            usage = answer.get("usage") or {}
-            if "completion_tokens" not in usage:
-                raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
-            records.append(
-                RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
-            )
+            records.append(_openai_request(client, base, "/v1/completions", body, prompt_id))
     return records
+
+
+def _openai_request(client: httpx.Client, base: str, path: str, body: dict, prompt_id: str) -> RequestRecord:
+    """One timed OpenAI-style request; its completion tokens from `usage` (required: the rate is built on it)."""
+    started = time.perf_counter()
+    answer = _post_json(client, base + path, body)
+    wall_s = time.perf_counter() - started
+    usage = answer.get("usage") or {}
+    if "completion_tokens" not in usage:
+        raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
+    return RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
 
 
 def render_generate_prompts(conversations: Sequence[Prompt], tokenizer: Any) -> list[dict]:
