@@ -578,7 +578,7 @@ def split_heldout(
     order = stratified_order([datasets[group[0]] for group in groups], seed, [len(group) for group in groups])
     heldout: list[int] = []
     taken = 0
-    while len(heldout) < heldout_size:
+    while len(heldout) < heldout_size and taken < len(order):
         heldout += groups[order[taken]]
         taken += 1
     train_order = [index for position in order[taken:] for index in groups[position]]
@@ -1066,6 +1066,7 @@ def train_size_sweep(
     split_seed: int = 0,
     datasets: Sequence[str] | None = None,
     conversations: Sequence[str] | None = None,
+    target_cache: TargetArgmaxCache | None = None,
 ) -> list[dict[str, Any]]:
     """One draft per data size on nested, dataset-stratified subsets, all scored on one held-out set.
 
@@ -1076,6 +1077,7 @@ def train_size_sweep(
     tau gained over the last `patience` evaluations), checkpoint and metrics paths, held-out size.
     `datasets` (one name per sample) spares reading every sample just for its dataset name;
     `conversations` (one key per sample, `read_conversation_keys`) keeps split conversations on one side.
+    `target_cache`: a cache the caller shares with other drafts on the same samples (None: one for this sweep).
     """
     output_dir = Path(output_dir)
     if datasets is None:
@@ -1087,7 +1089,7 @@ def train_size_sweep(
     subsets = nested_subsets(train_order, sizes)
     heldout = IndexedSubset(samples, heldout_indices)
     # One target argmax per sample for the whole sweep: the held-out set and the nested subsets recur in every size.
-    target_cache = TargetArgmaxCache(target_lm_head)
+    target_cache = target_cache or TargetArgmaxCache(target_lm_head)
     rows = []
     for size, indices in subsets.items():
         result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings,

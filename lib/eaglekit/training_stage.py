@@ -65,8 +65,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     """
     from eaglekit.draft import build_draft_from_target, load_target_head_weights
     from eaglekit.models import resolve_model
-    from eaglekit.training import (IndexedSubset, TrainSettings, nested_subsets, read_conversation_keys, split_heldout, train_draft,
-                                   train_size_sweep)
+    from eaglekit.training import (IndexedSubset, TargetArgmaxCache, TrainSettings, nested_subsets, read_conversation_keys, split_heldout,
+                                   train_draft, train_size_sweep)
     from eaglekit.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
 
     out = Path(run_dir)
@@ -84,16 +84,17 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     metrics = Metrics(out, "training") if is_main else None
 
     # Shards or the target recomputing features online, as stage 4 planned: one interface (capture.CapturedSamples).
-    samples = open_captured_samples(capture_dir, tokenized_data_files(out),
+    data_files = tokenized_data_files(out)
+    samples = open_captured_samples(capture_dir, data_files,
                                     lambda: load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype)),
                                     capture_layer_ids=params.target.capture_layers, max_seq_len=params.capture.max_seq_len)
     keys = samples.keys
     capture_layer_ids = samples.capture_layer_ids
     datasets = [dataset for dataset, _ in keys]
 
-    # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
-    conversations = read_conversation_keys(tokenized_data_files(out), keys)  # split samples of one conversation stay on one side
+    conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
     heldout_indices, train_order = split_heldout(datasets, params.training.heldout_size, params.run.seed, conversations)
+    # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
     largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
     vocab_size = target_weights.config.vocab_size
     token_counts = count_generated_tokens((samples.tokens(index) for index in largest_subset), vocab_size)
@@ -105,8 +106,13 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     capture_layer_indices = tuple(capture_layer_ids)
     evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)  # the chain train_draft scores held-out tau with
     build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed)
+    # One target argmax per sample for the sweep and the ablation: they share the held-out set, and the
+    # regenerated-answers draft trains on samples of the sweep (keys are content digests, so the original
+    # answers, which share ids with them, get their own).
+    target_cache = TargetArgmaxCache(target_weights.lm_head)
     sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
-                                  training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations)
+                                  training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations,
+                                  target_cache=target_cache)
     if metrics is not None:
         for row in sweep_rows:
             metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})
@@ -128,7 +134,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
                     "regenerated answers": IndexedSubset(samples, [r for _, r in pairs])}
         for variant, train_samples in variants.items():
             result = train_draft(build_model(), target_weights.lm_head, train_samples, IndexedSubset(samples, heldout_indices),
-                                 training_dir / "ablation" / variant.split()[0], settings)
+                                 training_dir / "ablation" / variant.split()[0], settings, target_cache=target_cache)
             ablation.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(heldout_indices),
                                                    settings.schedule, settings.patience, out))
             if metrics is not None:
