@@ -526,9 +526,3 @@ def test_size_sweep_computes_each_target_argmax_once(world, tmp_path, monkeypatc
     # 4 held-out + at most the 8 training samples of the largest subset (nested: the 4 are among them).
     assert 4 < caches[0].misses <= 12 and caches[0].hits > caches[0].misses
 
-
-def test_a_heldout_size_beyond_the_data_is_a_clear_error():
-    from eaglekit.training import split_heldout
-
-    with pytest.raises(ValueError, match="holds out every conversation"):  # was an IndexError past the last conversation
-        split_heldout(["a", "a", "b"], 10, seed=0, conversations=["x", "x", "y"])

@@ -578,7 +578,7 @@ def split_heldout(
     order = stratified_order([datasets[group[0]] for group in groups], seed, [len(group) for group in groups])
     heldout: list[int] = []
     taken = 0
-    while len(heldout) < heldout_size and taken < len(order):
+    while len(heldout) < heldout_size:
         heldout += groups[order[taken]]
         taken += 1
     train_order = [index for position in order[taken:] for index in groups[position]]
