@@ -16,9 +16,10 @@ The oracle renders and tokenizes every turn's prompt and turn: quadratic in the 
 path is linear: one render of the whole conversation, each turn as generated in a small context, and
 for templates that rewrite history (Qwen3, Kimi thinking, DeepSeek; split into one sample per
 stretch) each sample composed from a history rendering plus its own stretch rendered small.
-Mistral stays at 1.0x: with a system prompt or tool definitions its template moves them to the last
-user message (the system prompt only while that message is last), so the fast path hands those
-conversations to the oracle (counted under fallbacks); composing them is not implemented.
+Mistral moves the system prompt and tool definitions to the last user message (the system prompt only
+while that message is last): there every turn's prompt is composed (the history from the full
+rendering, each stretch from one small rendering with the system prompt and tools) and cut as the
+oracle cuts; a conversation with two equal user messages still goes to the oracle (fallbacks).
 DeepSeek-R1 rejects every agent conversation (both paths): its template renders a tool call that
 follows tool output without the prompt the model was given.
 """

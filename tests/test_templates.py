@@ -132,11 +132,9 @@ def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizer
         last = cut.samples[-1]
         assert last.loss_mask[-1] == 1 and last.input_ids[-1] != template_layout(tokenizer, kwargs).end_of_turn_id
     assert rejected <= (len(lengths) - 1 if name == "deepseek_r1" else 0)
-    # Only a template that moves text it wrote earlier (Mistral: the system prompt while a user turn is
-    # last, the tools before the last user turn) hands conversations to the oracle.
-    layout = template_layout(tokenizer, kwargs)
-    if layout.stable_with_system and layout.stable_with_tools:
-        assert fallbacks == 0
+    # No template hands these conversations to the oracle, Mistral with a system prompt and tools included
+    # (its prompts are composed: chat._injected_groups).
+    assert fallbacks == 0
 
 
 # Templates that rewrite history: the fast path composes each split sample from a history rendering
@@ -197,6 +195,72 @@ def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenize
         fast, oracle = fast_and_oracle(tokenizer, "qwen3", messages, tools)
         differing += fast.samples != oracle.samples
     assert differing > 0
+
+
+def mistral_conversation(rng: random.Random, length: int, agent: bool, system: bool,
+                         tools: bool) -> tuple[list[dict], list | None]:
+    """A Mistral conversation with or without a system prompt (legal only first) and tool definitions."""
+    messages, _ = conversation("mistral", rng, length, agent=agent)
+    messages = [message for message in messages if message["role"] != "system"]
+    if system:
+        messages.insert(0, {"role": "system", "content": "You are a coding agent. " + text(rng)})
+    return messages, TOOLS if tools else None
+
+
+@pytest.mark.parametrize("agent", [False, True], ids=["chat", "agent"])
+def test_mistral_composed_prompts_equal_the_oracle(tokenizers, agent):
+    """Mistral writes the tool definitions before the last user message and the system prompt into it
+    while it is the last message, so the oracle cuts at every user message (tools) and after the first
+    turn of each stretch (system prompt). The fast path composes every turn's prompt
+    (chat._injected_groups); with and without each, truncated too, it must equal the oracle, never
+    handing the conversation over."""
+    tokenizer = tokenizers["mistral"]
+    rng = random.Random(f"mistral-{agent}")
+    split = 0
+    for number, (length, system, tools) in enumerate([(84, True, True), (50, True, False), (40, False, True),
+                                                       (40, True, True)]):
+        messages, tool_list = mistral_conversation(rng, length, agent, system, tools)
+        fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tool_list, truncated=number == 3)
+        assert fast.samples == oracle.samples, f"conversation {number}: {len(messages)} messages"
+        assert (fast.trained_tokens, fast.generated_tokens) == (oracle.trained_tokens, oracle.generated_tokens)
+        assert not fast.fallback
+        split += fast.split
+    assert split >= 3
+
+
+def test_mistral_composition_without_the_system_prompt_is_caught_by_the_real_checks(tokenizers, monkeypatch):
+    """A composition that leaves the system prompt out of every small rendering (so no composed prompt
+    shows it) is caught by the fast path's own check against the last turn's prompt rendered whole: the
+    conversation goes to the oracle, and the samples stay the oracle's."""
+    from eaglekit import chat
+
+    tokenizer = tokenizers["mistral"]
+    messages, tools = mistral_conversation(random.Random("mistral-system"), 30, False, True, False)
+    fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
+    assert fast.samples == oracle.samples and not fast.fallback and fast.split
+    original = chat._stretch_prefix
+    monkeypatch.setattr(chat, "_stretch_prefix", lambda messages, system, anchor: original(messages, [], anchor))
+    fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
+    assert fast.fallback and fast.samples == oracle.samples
+
+
+def test_mistral_equal_user_messages_go_to_the_oracle(tokenizers, monkeypatch):
+    """Mistral finds the last user message by equality, so an earlier user message equal to it gets the
+    tool definitions too. The composition does not show that and the real checks (last two samples) do
+    not reach an early stretch: such conversations go to the oracle. Without that guard the fast path is
+    wrong, and the oracle comparison says so."""
+    from eaglekit import chat
+
+    tokenizer = tokenizers["mistral"]
+    messages, tools = mistral_conversation(random.Random("mistral-equal"), 60, False, True, True)
+    users = [index for index, message in enumerate(messages) if message["role"] == "user"]
+    assert len(users) >= 5
+    messages[users[1]] = dict(messages[users[0]])  # the second stretch's prompt has the tools twice
+    fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
+    assert fast.fallback and fast.samples == oracle.samples
+    monkeypatch.setattr(chat, "_users_distinct", lambda messages, users: True)
+    fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
+    assert not fast.fallback and fast.samples != oracle.samples
 
 
 @pytest.mark.parametrize("name", NAMES)

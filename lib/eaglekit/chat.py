@@ -33,9 +33,15 @@ tool rounds the stretch's own), then the rest rendered in a small context; group
 with the oracle's own criterion on the composed texts; samples reuse the tokens of the history
 rendering they share (for tokenizers that split text at control tokens first, as byte-level BPE
 does). Each conversation gets real checks (the last sample is the full rendering, the one before it
-its prompt rendered whole); where a check or a search fails, each sample is rendered whole, and
-where the template moves text it wrote earlier (Mistral with a system prompt or tools) the
-conversation goes to the oracle, counted in `ConversationSamples.fallback`. tests/test_templates.py
+its prompt rendered whole); where a check or a search fails, each sample is rendered whole. A
+template that moves text it wrote earlier (Mistral: the tools before the last user message, the
+system prompt inside it while it is the last message) changes earlier turns' context where no span
+shows it: there every turn's prompt is composed (`_injected_groups`: the history before its last user
+message from the full rendering, the rest from one small rendering per stretch, with the system
+prompt and tools) and samples are cut with the oracle's own criterion on the composed texts, checked
+against the last turn's prompt and the sample before the last rendered whole. Where a check fails, or
+two user messages are equal (Mistral finds the last one by equality), the conversation goes to the
+oracle, counted in `ConversationSamples.fallback`. tests/test_templates.py
 checks both paths agree token for token, sample for sample, on every published template in
 tests/fixtures/chat_templates; bench/tokenize_mask.py measures the speed ratio.
 
@@ -143,6 +149,10 @@ class TemplateLayout:
     # renderings whose beginning is discarded (a turn as generated, a split group's stretch) then leave
     # them out, which makes them several times cheaper.
     tools_in_preamble: bool = False
+    # Whether tool definitions only add one block of text before the last user message's content
+    # (Mistral): small renderings that start with a probe user turn and keep only what follows it
+    # (each turn as generated) then leave them out too.
+    tools_before_last_user: bool = False
 
 
 @dataclass
@@ -267,11 +277,29 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
             return False
         return with_tools.endswith(without)  # equal where the template ignores tools (DeepSeek)
 
+    def inserted_before_last_user(messages: list[dict], generation_prompt: bool) -> bool:
+        try:
+            with_tools = _render(tokenizer, messages, generation_prompt, probe_tools, template_kwargs)
+            without = _render(tokenizer, messages, generation_prompt, None, template_kwargs)
+        except ChatTemplateError:
+            return False
+        added = len(with_tools) - len(without)
+        at = _common_prefix_length(with_tools, without)
+        if added <= 0 or with_tools[at + added:] != without[at:]:
+            return False  # not one inserted block
+        users = [message["content"] for message in messages if message["role"] == "user"]
+        last_user = without.rfind(users[-1])
+        earlier = without.find(users[-2]) + len(users[-2]) if len(users) > 1 else 0
+        return earlier <= at <= last_user
+
     rounds = [*user, call, {"role": "tool", "content": _PROBE_USER + "3", "tool_call_id": _PROBE_CALL_ID},
               {**assistant, "reasoning_content": _PROBE_REASONING}]
     layout = TemplateLayout(
         tools_in_preamble=all(preamble_only(messages, generation_prompt) for messages, generation_prompt in
                               ((rounds, False), (rounds[:-1], True), (two_turns, True))),
+        tools_before_last_user=all(inserted_before_last_user(messages, generation_prompt)
+                                   for messages, generation_prompt in
+                                   ((rounds, False), (rounds[:-1], True), (two_turns, True))),
         stable_with_system=stable([{"role": "system", "content": _PROBE_REASONING}, *two_turns], None),
         stable_with_tools=stable(two_turns, probe_tools),
         end_of_turn=end_of_turn,
@@ -804,27 +832,159 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
         (not layout.stable_with_system and any(message["role"] == "system" for message in messages))
     # A template that moves text it wrote earlier (Mistral: the system prompt, only while a user turn is
     # last; the tools, before the last user turn) changes the context of earlier turns in ways the
-    # spans do not show: the oracle decides those splits. "visible" reads one rendering as it is.
+    # spans do not show: every turn's prompt is composed and cut as the oracle cuts (_injected_groups).
+    # "visible" reads one rendering as it is.
     prompts: list[str] = []  # per turn: its small-context prompt (ends in its header) and what follows its span
     tails: list[str] = []
     # Renderings whose beginning is discarded leave out tool definitions where those only add a preamble.
     small = _Renderer(tokenizer, layout, None, renderer.kwargs) if layout.tools_in_preamble and renderer.tools \
         else renderer
-    bodies = None if unstable and history == "split" else \
-        _generated_bodies(small, template_messages, indices, layout, truncated, prompts, tails)
+    # Each turn as generated, from a small rendering that starts with a probe user turn: the tools may
+    # be left out too where they only add a block before the last user message (Mistral).
+    bodies = _generated_bodies(_Renderer(tokenizer, layout, None, renderer.kwargs)
+                               if layout.tools_before_last_user and renderer.tools else small,
+                               template_messages, indices, layout, truncated, prompts, tails)
     if bodies is None:
         return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
     if history == "visible":
         full = renderer.last(template_messages[: indices[-1] + 1])
         rendered = _locate_visible(full, bodies, layout, truncated)
         groups = None if rendered is None else [rendered]
+    elif unstable:
+        groups = _injected_groups(renderer, template_messages, indices, bodies, layout, prompts, tails)
     else:
         groups = _split_groups(renderer, small, template_messages, messages, indices, bodies, layout, prompts, tails)
-        if groups is not None and truncated:
-            groups[-1].text = groups[-1].text[: groups[-1].spans[-1][1]]
+    if groups is not None and truncated and history == "split":
+        groups[-1].text = groups[-1].text[: groups[-1].spans[-1][1]]
     if groups is None:
         return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
     return _finish(tokenizer, groups, marker, [body for _, body, _ in bodies], layout)
+
+
+def _injected_groups(renderer: _Renderer, template_messages: list[dict], indices: list[int],
+                     bodies: list[tuple[str, str, int]], layout: TemplateLayout, prompts: list[str],
+                     tails: list[str]) -> list[_Rendered] | None:
+    """Samples of the split policy for a template that writes the system prompt and tool definitions into
+    the last user turn (Mistral: the tools before the last user message, the system prompt inside it
+    only while it is the last message), cut where the oracle cuts; None where a check fails.
+
+    Every turn's prompt P_i is composed, not rendered whole: the history before the last user message
+    u as the full rendering shows it (there the tools sit before the conversation's last user message
+    only and the system prompt nowhere), then what follows the assistant turn a before u (the anchor) in
+    a rendering of the system prompt, a's small context, a and the messages from u on. The first turn
+    after u gets its own small prompt (u is last there: the system prompt shows); the later turns of
+    u's stretch are read off one rendering of the stretch. Samples are then cut with the oracle's own
+    criterion (P_{i+1} does not extend P_i + turn i) on the composed texts. Checked: the anchor reads the
+    same in the full rendering and the small one, and the last turn's prompt and the last turn of the
+    sample before the last sample equal their real renderings.
+    """
+    messages = template_messages[: indices[-1] + 1]
+    count = len(indices)
+    end_of_turn = layout.end_of_turn
+    users = [index for index, message in enumerate(messages) if message["role"] == "user"]
+    if not users or users[0] > indices[0] or any(message["role"] != "system" for message in messages[: users[0]]):
+        return None  # a turn before any user message, or something else before it: the oracle decides
+    if not _users_distinct(messages, users):
+        return None
+    system = messages[: users[0]]
+    full = _render(renderer.tokenizer, _strip_private(messages), False, renderer.tools, renderer.kwargs)
+    history = _history_turns(full, bodies, layout)
+    if history is None:
+        return None
+    position_of = {index: position for position, index in enumerate(indices)}
+    composed: list[str] = [""] * count  # per turn: its prompt P_i as the oracle renders it
+    for number, user in enumerate(users):
+        stop = users[number + 1] if number + 1 < len(users) else len(messages)
+        turns = [position for position in range(count) if user < indices[position] < stop]
+        if not turns:
+            continue
+        if number > 0 and messages[user - 1]["role"] != "assistant":
+            return None
+        anchor = None if number == 0 else position_of[user - 1]
+        prefix = _stretch_prefix(messages, system, None if number == 0 else user - 1)
+        if anchor is None:
+            def compose(text: str) -> str | None:
+                return text
+            cursor = 0
+        else:
+            # The anchor ends at the k-th end-of-turn token of the small rendering (k as in its own small
+            # prompt and turn: the system prompt and tools add none before it).
+            seen = (prompts[anchor] + bodies[anchor][1]).count(end_of_turn)
+            anchor_start, anchor_end = history[anchor]
+            anchor_text = full[anchor_start:anchor_end]
+
+            def compose(text: str) -> str | None:
+                at = _after_nth(text, end_of_turn, seen)
+                if at < 0 or not text.startswith(anchor_text, at - len(anchor_text)):
+                    return None
+                return full[:anchor_end] + text[at:]
+            cursor = anchor_end
+        first = compose(renderer.prompt(prefix + messages[user: indices[turns[0]]]))
+        if first is None:
+            return None
+        composed[turns[0]] = first
+        if len(turns) == 1:
+            continue
+        stretch = prefix + messages[user: indices[turns[-1]] + 1]
+        text = full if stretch == messages else \
+            compose(_render(renderer.tokenizer, _strip_private(stretch), False, renderer.tools, renderer.kwargs))
+        located = None if text is None else _locate_turns(text, bodies, turns[0], turns[-1], cursor)
+        if not isinstance(located, _Rendered):
+            return None
+        for position, (start, _) in zip(turns[1:], located.spans[1:]):
+            composed[position] = text[:start]
+    groups: list[_Rendered] = []
+    current: _Rendered | None = None
+    for position in range(count):
+        prompt = composed[position]
+        if current is not None and not prompt.startswith(current.text[: current.spans[-1][1]]):
+            groups.append(current)
+            current = None
+        if current is None:
+            current = _Rendered("", history=full)
+        current.text = prompt + bodies[position][1] + tails[position]
+        current.spans.append((len(prompt), len(prompt) + len(bodies[position][1])))
+    assert current is not None
+    groups.append(current)
+    # Real checks: the last turn's prompt, and the last turn of the sample before the last.
+    checks = [count - 1] + ([count - 1 - len(groups[-1].spans)] if len(groups) > 1 else [])
+    for position in checks:
+        if renderer.prompt(messages[: indices[position]]) != composed[position]:
+            return None
+    # The oracle's last sample is the full rendering where that extends the last prompt.
+    if layout.reasoning == "splice":
+        if renderer.last(messages, composed[-1]) != groups[-1].text:
+            return None
+    elif full.startswith(composed[-1]) and full != groups[-1].text:
+        return None
+    return groups
+
+
+def _users_distinct(messages: list[dict], users: list[int]) -> bool:
+    """Whether no two user messages are equal: Mistral finds the last user message by equality, so an
+    earlier equal one gets the tools as well, which the composition does not show."""
+    keys = [json.dumps(messages[index], sort_keys=True, default=str) for index in users]
+    return len(set(keys)) == len(keys)
+
+
+def _stretch_prefix(messages: list[dict], system: list[dict], anchor: int | None) -> list[dict]:
+    """What a small rendering of a stretch (from a user message on) starts with: the system prompt, then
+    the assistant turn before the user message (the anchor) in its small context; for the first stretch
+    the system prompt alone (the conversation's own beginning)."""
+    if anchor is None:
+        return list(system)
+    return system + _small_context(messages, anchor) + [messages[anchor]]
+
+
+def _after_nth(text: str, needle: str, count: int) -> int:
+    """The position just after the count-th occurrence of `needle` in `text` (0 for count 0), or -1."""
+    at = 0
+    for _ in range(count):
+        found = text.find(needle, at)
+        if found < 0:
+            return -1
+        at = found + len(needle)
+    return at
 
 
 def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list[dict], messages: Sequence[dict],
