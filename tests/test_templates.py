@@ -217,8 +217,8 @@ def test_mistral_composed_prompts_equal_the_oracle(tokenizers, agent):
     tokenizer = tokenizers["mistral"]
     rng = random.Random(f"mistral-{agent}")
     split = 0
-    for number, (length, system, tools) in enumerate([(84, True, True), (50, True, False), (40, False, True),
-                                                       (40, True, True)]):
+    for number, (length, system, tools) in enumerate([(60, True, True), (40, True, False), (30, False, True),
+                                                       (30, True, True)]):
         messages, tool_list = mistral_conversation(rng, length, agent, system, tools)
         fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tool_list, truncated=number == 3)
         assert fast.samples == oracle.samples, f"conversation {number}: {len(messages)} messages"
@@ -252,7 +252,7 @@ def test_mistral_equal_user_messages_go_to_the_oracle(tokenizers, monkeypatch):
     from eaglekit import chat
 
     tokenizer = tokenizers["mistral"]
-    messages, tools = mistral_conversation(random.Random("mistral-equal"), 60, False, True, True)
+    messages, tools = mistral_conversation(random.Random("mistral-equal"), 40, False, True, True)
     users = [index for index, message in enumerate(messages) if message["role"] == "user"]
     assert len(users) >= 5
     messages[users[1]] = dict(messages[users[0]])  # the second stretch's prompt has the tools twice

@@ -459,17 +459,18 @@ class _Renderer:
     def prompt(self, messages: list[dict]) -> str:
         return _render(self.tokenizer, _strip_private(messages), True, self.tools, self.kwargs)
 
-    def last(self, messages: list[dict], prompt: str | None = None) -> str:
+    def last(self, messages: list[dict], prompt: str | None = None, rendered: str | None = None) -> str:
         """messages ending in an assistant turn, that turn written as the target generated it.
 
         Where the template's rendering of the turn does not extend its prompt (Mistral drops the system
         prompt once the conversation ends in an assistant turn; DeepSeek-R1 renders a tool call after
         tool output under another header), the turn as the template writes it in a small context is
-        appended to the prompt the server actually sent.
+        appended to the prompt the server actually sent. rendered: `messages` already rendered (no
+        generation prompt), where the caller has it.
         """
         prompt = self.prompt(messages[:-1]) if prompt is None else prompt
         try:
-            turn = self._last(messages, prompt)
+            turn = self._last(messages, prompt, rendered)
             if turn.startswith(prompt):
                 return turn
         except NotPrefixStableError:
@@ -484,8 +485,9 @@ class _Renderer:
                                        "even in a two-message conversation")
         return prompt + small[len(small_prompt):]
 
-    def _last(self, messages: list[dict], prompt: str) -> str:
-        full = _render(self.tokenizer, _strip_private(messages), False, self.tools, self.kwargs)
+    def _last(self, messages: list[dict], prompt: str, rendered: str | None = None) -> str:
+        full = _render(self.tokenizer, _strip_private(messages), False, self.tools, self.kwargs) \
+            if rendered is None else rendered
         if self.layout.reasoning != "splice":
             return full
         reasoning = messages[-1].get("_reasoning", "")
@@ -1265,19 +1267,37 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
     # The header and the headers to skip depend on the context's shape only (its roles and calls; message
     # text cannot hold a control token): found once per shape.
     headers: dict[tuple, tuple[str, int]] = {}
+    # Per shape, where its first context's prompt was found to be the turn's rendering up to the turn's
+    # header (no generation prompt of its own, as in Qwen3, Kimi, Mistral): (the header's occurrences
+    # in the prompt, in the turn's rendering). The prompt of a later context of that shape is then read
+    # off the turn's rendering instead of rendered (one render per turn, not two), where the rendering
+    # holds the header as often as the shape's first did.
+    readings: dict[tuple, tuple[int, int] | None] = {}
     for position, index in enumerate(indices):
         context = _small_context(template_messages, index)
+        messages = context + [template_messages[index]]
         try:
             key = json.dumps(context, sort_keys=True, default=str)
+            shape = tuple((message["role"], len(message.get("tool_calls") or []), bool(message.get("content")))
+                          for message in context)
+            rendered = None
+            if key not in prompts_by_context and readings.get(shape) is not None:
+                rendered = _render(renderer.tokenizer, _strip_private(messages), False, renderer.tools,
+                                   renderer.kwargs)
+                read = _read_prompt(rendered, headers[shape][0], readings[shape])
+                if read is not None:
+                    prompts_by_context[key] = read
             if key not in prompts_by_context:
                 prompts_by_context[key] = renderer.prompt(context)
             prompt = prompts_by_context[key]
-            shape = tuple((message["role"], len(message.get("tool_calls") or []), bool(message.get("content")))
-                          for message in context)
             if shape not in headers:
                 headers[shape] = _turn_header(renderer, context, prompt, layout)
             header, skip = headers[shape]
-            turn = renderer.last(context + [template_messages[index]], prompt)
+            if shape not in readings:
+                rendered = _render(renderer.tokenizer, _strip_private(messages), False, renderer.tools,
+                                   renderer.kwargs)
+                readings[shape] = _prompt_reading(rendered, prompt, header, layout)
+            turn = renderer.last(messages, prompt, rendered)
         except ChatTemplateError:
             return None  # the small context is not legal for this template: the oracle decides
         if not turn.startswith(prompt) or not prompt.endswith(header):
@@ -1288,6 +1308,30 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
             prompts.append(prompt)
             tails.append(turn[end:])
     return bodies
+
+
+def _prompt_reading(rendered: str, prompt: str, header: str, layout: TemplateLayout) -> tuple[int, int] | None:
+    """(the context header's occurrences in `prompt`, in `rendered`) where `prompt` is `rendered` up to
+    its last occurrence of the context header, then `header`: what `_read_prompt` needs; else None."""
+    context_header = _context_header(header)
+    if not _tokens_in(context_header, layout.control_tokens) or \
+            prompt.rfind(context_header) != len(prompt) - len(header):
+        return None
+    reading = (prompt.count(context_header), rendered.count(context_header))
+    return reading if _read_prompt(rendered, header, reading) == prompt else None
+
+
+def _read_prompt(rendered: str, header: str, reading: tuple[int, int]) -> str | None:
+    """A turn's prompt read off the turn's rendering: up to the context header's n-th occurrence, then
+    the header; None where the rendering holds the context header another number of times, or does not
+    extend what was read."""
+    context_header = _context_header(header)
+    before, total = reading
+    if rendered.count(context_header) != total:
+        return None
+    at = _find_nth(rendered, context_header, 0, before - 1)
+    prompt = rendered[:at] + header
+    return prompt if at >= 0 and rendered.startswith(prompt) else None
 
 
 def _turn_header(renderer: _Renderer, context: list[dict], prompt: str, layout: TemplateLayout) -> tuple[str, int]:
