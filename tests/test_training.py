@@ -138,6 +138,63 @@ def test_per_position_agreement_matches_direct_computation(world):
     assert simulated_accept_length(agreements, 3)["simulated_accept_length"] == pytest.approx(pooled_accept_length(counts))
 
 
+
+def test_heldout_batches_put_neighbours_in_length_together():
+    from eaglekit.training import heldout_batches
+
+    lengths = [30, 5, 30, 12, 7, 40, 5]
+    assert heldout_batches(lengths, 3) == [[1, 6, 4], [3, 0, 2], [5]]  # ascending length, ties by index
+    assert heldout_batches([], 4) == [] and heldout_batches([9], 4) == [[0]]
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        heldout_batches(lengths, 0)
+
+
+def test_sample_lengths_read_tokens_only_where_offered():
+    from eaglekit.training import IndexedSubset, sample_lengths
+
+    class TokensOnly(list):  # stands for a shard reader: features are costly, tokens are not
+        def __getitem__(self, position):
+            raise AssertionError("read the features of a sample just for its length")
+
+        def tokens(self, position):
+            return {"input_ids": torch.zeros(list.__getitem__(self, position))}
+
+    assert sample_lengths(IndexedSubset(TokensOnly([70, 3, 50]), [2, 0, 1]), max_length=64) == [50, 64, 3]
+    assert sample_lengths([{"input_ids": torch.zeros(5)}, {"input_ids": torch.zeros(99)}], max_length=64) == [5, 64]
+
+
+def test_length_sorted_evaluation_keeps_each_samples_agreement(world, tmp_path, monkeypatch):
+    """train_draft evaluates in length-sorted batches: every sample must still get exactly the agreement it
+    gets alone (a batch of one, no padding), at its own place in the result. Returning results in batch
+    order, or pairing a row of the batch with another sample, fails here: lengths differ, and after a few
+    steps at a high learning rate the draft agrees with the target on some samples and not on others."""
+    import eaglekit.training as training
+
+    target, train, heldout = world
+    samples, head = train + heldout, target.lm_head.weight.detach()
+    planned = []
+    real = training.per_position_agreement
+    monkeypatch.setattr(training, "per_position_agreement", lambda *args, **kwargs: planned.append(kwargs["batches"]) or real(*args, **kwargs))
+    model = tiny_draft(target, samples)
+    train_draft(model, head, samples, heldout, tmp_path, dataclass_replace(FAST, learning_rate=1e-2, max_steps=12, eval_interval=12))
+    lengths = training.sample_lengths(heldout, FAST.max_length)
+    assert planned == [training.heldout_batches(lengths, FAST.micro_batch_size)] * 2  # steps 0 and 12, planned once
+    assert [lengths[index] for batch in planned[0] for index in batch] == sorted(lengths)
+
+    plan = training.heldout_batches(training.sample_lengths(samples, 64), 4)
+    assert plan != [list(range(start, min(start + 4, len(samples)))) for start in range(0, len(samples), 4)]  # it reorders
+    alone = real(model, head, samples, 3, batch_size=1)
+    assert len({int(result.agreement.sum()) for result in alone}) >= 4  # samples disagree differently: a mix-up shows
+    for batches in (plan, None):  # length-sorted, and consecutive batches of 4 (the old order)
+        results = real(model, head, samples, 3, batch_size=4, batches=batches)
+        assert [result.id for result in results] == [sample["id"] for sample in samples]
+        for reference, result in zip(alone, results):
+            np.testing.assert_array_equal(result.start_rows, reference.start_rows)
+            np.testing.assert_array_equal(result.agreement, reference.agreement)
+        assert simulated_accept_length(results, 3) == simulated_accept_length(alone, 3)
+    with pytest.raises(ValueError, match=r"missing \[3\], repeated or out of range \[0\]"):
+        real(model, head, samples, 3, batches=[[0, 1, 2], [0] + list(range(4, len(samples)))])
+
 def read_metrics(path):
     with open(path) as handle:
         return [json.loads(line) for line in handle]
@@ -178,6 +235,23 @@ def test_resume_continues_the_same_loss_curve(world, tmp_path):
     with pytest.raises(ValueError, match="different settings"):
         train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(FAST, learning_rate=1.0))
 
+
+
+def test_resume_keeps_the_smoothed_stopping_state(world, tmp_path):
+    """The taus the smoothed one averages are checkpointed: a run stopped after step 6 and resumed logs the
+    same smoothed taus and improvements as a straight run (the smoothed tau at step 8 averages 6 and 8)."""
+    target, train, _ = world
+    head = target.lm_head.weight.detach()
+    settings = dataclass_replace(FAST, schedule="until_converged", learning_rate=1e-2, max_steps=10, patience=50, grad_accumulation_steps=1)
+    heldout_samples = train[:6]  # samples the draft trains on: their tau moves within a few steps
+    straight = train_draft(tiny_draft(target, train), head, train, heldout_samples, tmp_path / "straight", settings)
+    train_draft(tiny_draft(target, train), head, train, heldout_samples, tmp_path / "resumed", dataclass_replace(settings, stop_at_step=6))
+    resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout_samples, tmp_path / "resumed", settings)
+    heldout = lambda path: [(r["step"], r["simulated_accept_length"], r["smoothed_accept_length"], r["improved_step"])
+                            for r in read_metrics(path) if r["split"] == "heldout"]
+    assert heldout(resumed.metrics_path) == heldout(straight.metrics_path)
+    (_, tau_6, _, _), (step, tau_8, smoothed_8, _) = heldout(straight.metrics_path)[-3:-1]
+    assert step == 8 and tau_6 != tau_8 and smoothed_8 == pytest.approx((tau_6 + tau_8) / 2)
 
 def dataclass_replace(settings, **changes):
     import dataclasses
@@ -346,6 +420,60 @@ def test_patience_counts_from_the_last_real_improvement():
     assert _should_stop({"step": 1000, "improved_step": 990}, dataclass_replace(settings, schedule="equal_steps"), 1000) == "step_cap"
     assert _should_stop({"step": 500, "improved_step": 0}, dataclass_replace(settings, schedule="equal_steps"), 1000) is None
 
+
+
+def stop_on_curve(taus, settings, cap):
+    """Feed held-out taus at steps 0, eval_interval, ... to the stopping rule: (stop step, why, best tau)."""
+    from eaglekit.training import record_evaluation
+
+    progress = {"step": 0, "best_accept_length": -math.inf, "best_step": -1, "improved_step": 0, "reference_accept_length": -math.inf}
+    for evaluation, tau in enumerate(taus):
+        progress = record_evaluation({**progress, "step": evaluation * settings.eval_interval}, tau, settings, cap)
+        if progress["stopped"]:
+            return progress["step"], progress["stopped"], progress["best_accept_length"]
+    raise AssertionError(f"the rule never stopped on {len(taus)} evaluations up to the cap {cap}")
+
+
+# Held-out tau every 10 steps of the demo's 40-sample draft (idle full demo, 2026-12-01, then resumed to the
+# 200-step cap): it rises by ~0.006 per evaluation with +-0.03 of evaluation noise. Patience 2 on single taus
+# stopped it at step 70 (best 1.142, below the 20-sample draft); it reached 1.235 by step 190.
+DEMO_40 = [1.0025, 1.0286, 1.0628, 1.0953, 1.1114, 1.1417, 1.1117, 1.1117, 1.1728, 1.1490, 1.1593, 1.1717, 1.2061, 1.2052, 1.2246,
+           1.2017, 1.1969, 1.2330, 1.2317, 1.2353, 1.2217]
+OLD_RULE = dataclass_replace(FAST, schedule="until_converged", eval_interval=10, max_steps=200, patience=2, min_improvement=0.005,
+                             smoothing_evaluations=1)  # before smoothing: each tau against the last improvement's
+DEMO_RULE = dataclass_replace(OLD_RULE, patience=3, min_improvement=0.01, smoothing_evaluations=2)  # params/demo.yaml now
+
+
+def noisy_curves(trend, plateau, evaluations, count=100):
+    """Held-out taus every 10 steps: from 1.0 (the untrained draft, no noise) up by `trend` per evaluation
+    to `plateau`, plus Gaussian noise of sd 0.014 (measured between the demo's evaluations), seeded."""
+    return [[1.0] + [min(1.0 + trend * evaluation, plateau) + noise for evaluation, noise in enumerate(np.random.default_rng(seed).normal(0, 0.014, evaluations), 1)]
+            for seed in range(count)]
+
+
+def test_smoothed_stopping_does_not_stop_a_rising_draft_on_noise():
+    assert stop_on_curve(DEMO_40, OLD_RULE, 200)[:2] == (70, "converged")  # what the demo did
+    step, stopped, best = stop_on_curve(DEMO_40, DEMO_RULE, 200)
+    assert step >= 160 and best >= 1.22, (step, stopped, best)
+    # Drafts still rising by 0.015 per evaluation (3x the demo's late slope) under the measured noise: the
+    # old rule stopped most of them as converged; the smoothed rule takes almost all to the cap, where
+    # they are reported as not converged (lower bounds).
+    rising = noisy_curves(0.015, math.inf, 20)
+    old_stops = [stop_on_curve(curve, OLD_RULE, 200) for curve in rising]
+    new_stops = [stop_on_curve(curve, DEMO_RULE, 200) for curve in rising]
+    assert sum(stopped == "step_cap" for _, stopped, _ in old_stops) <= 35
+    assert sum(stopped == "step_cap" for _, stopped, _ in new_stops) >= 90
+    assert all(step == 200 for step, stopped, _ in new_stops if stopped == "step_cap")
+
+
+def test_smoothed_stopping_still_stops_on_a_noisy_plateau():
+    """Drafts that rise to a plateau at step 100 and stay flat under the same noise are all declared
+    converged, a few evaluations after the plateau starts: smoothing delays the decision, it does not remove it."""
+    stops = [stop_on_curve(curve, dataclass_replace(DEMO_RULE, max_steps=400), 400) for curve in noisy_curves(0.02, 1.2, 40)]
+    assert all(stopped == "converged" for _, stopped, _ in stops)
+    assert 120 <= np.median([step for step, _, _ in stops]) <= 160 and max(step for step, _, _ in stops) <= 220
+    with pytest.raises(ValueError, match="smoothing_evaluations must be >= 1"):
+        dataclass_replace(DEMO_RULE, smoothing_evaluations=0)
 
 def test_schedule_settings_are_checked():
     with pytest.raises(ValueError, match="num_epochs is set exactly when"):
