@@ -583,38 +583,49 @@ def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker,
 
 def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: _Marker,
                              layout: TemplateLayout) -> list[TokenizedConversation]:
-    """Split samples share their beginning with a history rendering (`_Rendered.history`: the full
-    rendering or a long stretch's), each tokenized once. The tokenizer splits text at control tokens
-    before anything else (checked per tokenizer), so the history's tokens before a shared control
-    token are reused and only each sample's rest is tokenized: linear in the conversation, not quadratic."""
+    """Split samples share their beginning with the sample before them and with a history rendering
+    (`_Rendered.history`: the full rendering or a long stretch's). The tokenizer splits text at control
+    tokens before anything else (checked per tokenizer), so each sample keeps the tokens of whichever of
+    the two shares more text with it, up to the last control token inside the shared text, and only its
+    rest is tokenized (all rests in one batched call); a history rendering is tokenized (whole) only
+    where a sample keeps from it, so no more text is tokenized than when every sample kept from its
+    history. Linear in the conversation, not quadratic. Where the kept text's tokens do not hold that
+    control token as one token at its place, the sample is tokenized whole."""
     control_ids = {tokenizer.convert_tokens_to_ids(token) for token in layout.control_tokens}
-    histories: dict[str, tuple[list[int], list[int], list[int], list[int]]] = {}
-    pieces = []  # per sample: (the history's tokens kept, where the rest starts)
+    # Per sample: what it keeps tokens of (0: the sample before it, 1: its history rendering, None:
+    # nothing), and where its own tokenization starts.
+    bases: list[tuple[int | None, int]] = []
+    previous: str | None = None
     for item in rendered:
-        if item.history is None:
-            pieces.append(([], [], 0))
+        shared = [(_common_prefix_length(text, item.text), -order, text)
+                  for order, text in enumerate((previous, item.history)) if text is not None]
+        previous = item.text
+        if not shared:
+            bases.append((None, 0))
             continue
-        if item.history not in histories:
-            ids, starts = _tokenize_marked(tokenizer, item.history, marker)
-            control = [index for index, token in enumerate(ids) if token in control_ids]
-            histories[item.history] = (ids, starts, control, [starts[index] for index in control])
-        history_ids, history_starts, control, control_starts = histories[item.history]
-        common = _common_prefix_length(item.history, item.text)
-        # The last control token lying wholly inside the shared text.
-        keep = 0
-        position = bisect.bisect_left(control_starts, common) - 1
-        while position >= 0:
-            index = control[position]
-            if index + 1 == len(history_starts) or history_starts[index + 1] <= common:
-                keep = index
-                break
-            position -= 1
-        cut = history_starts[keep] if keep else 0
-        pieces.append((history_ids[:keep], history_starts[:keep], cut))
-    rests = _tokenize_many(tokenizer, [item.text[cut:] for item, (_, _, cut) in zip(rendered, pieces)], marker)
-    return [_sample(tokenizer, item, marker,
-                    (kept_ids + rest_ids, kept_starts + [cut + start for start in rest_starts]))
-            for item, (kept_ids, kept_starts, cut), (rest_ids, rest_starts) in zip(rendered, pieces, rests)]
+        common, order, base = max(shared)  # the sample before on a tie
+        # The last control token lying wholly inside the shared text: the tokens before it are kept.
+        cut = max((base.rfind(token, 0, common) for token in layout.control_tokens), default=-1)
+        bases.append((-order, cut) if cut > 0 else (None, 0))
+    histories = sorted({item.history for item, (order, _) in zip(rendered, bases) if order == 1})
+    tokens = _tokenize_many(tokenizer, [item.text[cut:] for item, (_, cut) in zip(rendered, bases)] + histories,
+                            marker)
+    whole = dict(zip(histories, tokens[len(rendered):]))  # the history renderings kept from, tokenized whole
+    samples = []
+    before: tuple[list[int], list[int]] = ([], [])  # the tokens of the sample before
+    for item, (order, cut), (rest_ids, rest_starts) in zip(rendered, bases, tokens):
+        ids, starts = rest_ids, rest_starts
+        if order is not None:
+            base_ids, base_starts = before if order == 0 else whole[item.history]
+            keep = bisect.bisect_left(base_starts, cut)
+            if keep < len(base_ids) and base_starts[keep] == cut and base_ids[keep] in control_ids:
+                ids = base_ids[:keep] + rest_ids
+                starts = base_starts[:keep] + [cut + start for start in rest_starts]
+            else:  # the control token is not one token there: no cut to trust
+                ids, starts = _tokenize_marked(tokenizer, item.text, marker)
+        before = (ids, starts)
+        samples.append(_sample(tokenizer, item, marker, (ids, starts)))
+    return samples
 
 
 def _tokenize_many(tokenizer: Any, texts: list[str], marker: _Marker) -> list[tuple[list[int], list[int]]]:
