@@ -30,9 +30,9 @@ once and finds `header + span` in it left to right. Where that rendering does no
 generated (the template rewrites history), each split sample is composed rather than rendered
 (`_Composer`): a history rendering up to an anchor turn (the full rendering, or for a long stretch of
 tool rounds the stretch's own), then the rest rendered in a small context; group ends are confirmed
-with the oracle's own criterion on the composed texts; samples reuse the tokens of the history
-rendering they share (for tokenizers that split text at control tokens first, as byte-level BPE
-does). Each conversation gets real checks (the last sample is the full rendering, the one before it
+with the oracle's own criterion on the composed texts; samples reuse the tokens of the sample before
+them or of the history rendering, whichever they share more text with (for tokenizers that split
+text at control tokens first, as byte-level BPE does). Each conversation gets real checks (the last sample is the full rendering, the one before it
 its prompt rendered whole); where a check or a search fails, each sample is rendered whole. A
 template that moves text it wrote earlier (Mistral: the tools before the last user message, the
 system prompt inside it while it is the last message) changes earlier turns' context where no span
