@@ -487,6 +487,15 @@ def test_schedule_settings_are_checked():
     assert TrainSettings(max_steps=77).resolved_max_steps(10, 1) == 77
 
 
+def test_smoothing_window_comes_from_params_and_is_checked():
+    from eaglekit.config import Params
+
+    assert TrainSettings.from_params(Params.model_validate({"training": {"smoothing_evaluations": 4}})).smoothing_evaluations == 4
+    assert TrainSettings.from_params(Params()).smoothing_evaluations == TrainSettings().smoothing_evaluations == 2
+    with pytest.raises(ValueError, match="smoothing_evaluations"):
+        Params.model_validate({"training": {"smoothing_evaluations": 0}})
+
+
 def test_recent_gain_reads_the_last_evaluations(tmp_path):
     from eaglekit.training import recent_gain
 

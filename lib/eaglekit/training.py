@@ -105,7 +105,7 @@ class TrainSettings:
     patience: int = _DEFAULTS.patience  # until_converged: stop after this many evaluations without improvement
     min_improvement: float = _DEFAULTS.min_improvement  # until_converged: an improvement beats the last one's smoothed tau by more than this
     # until_converged: improvement is judged on the mean of this many recent held-out taus (1: each tau alone).
-    smoothing_evaluations: int = 2
+    smoothing_evaluations: int = _DEFAULTS.smoothing_evaluations
     micro_batch_size: int = _DEFAULTS.micro_batch_size
     grad_accumulation_steps: int = _DEFAULTS.grad_accumulation_steps
     grad_clip: float = _DEFAULTS.grad_clip
@@ -147,7 +147,8 @@ class TrainSettings:
             ttt_steps=training.ttt_steps, step_weight=training.step_weight, learning_rate=training.learning_rate,
             min_learning_rate=training.min_learning_rate, warmup_steps=training.warmup_steps, schedule=training.schedule,
             max_steps=training.max_steps, num_epochs=training.num_epochs, patience=training.patience,
-            min_improvement=training.min_improvement, micro_batch_size=training.micro_batch_size,
+            min_improvement=training.min_improvement, smoothing_evaluations=training.smoothing_evaluations,
+            micro_batch_size=training.micro_batch_size,
             grad_accumulation_steps=training.grad_accumulation_steps, grad_clip=training.grad_clip,
             weight_decay=training.weight_decay, max_length=training.max_length, eval_interval=training.eval_interval,
             eval_chain_steps=params.analysis.chain_steps, seed=params.run.seed, device=training.device,
