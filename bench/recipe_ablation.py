@@ -13,7 +13,8 @@ Levers (variants are changes to the baseline; `--variants` picks some):
   lr_x0.3 / lr_x3    peak learning rate x0.3 / x3
   no_warmup          warmup_steps 0
   constant_lr        no cosine decay (min_learning_rate = learning_rate)
-  ttt_1 / ttt_5      training-time-test unroll of 1 / 5 steps (baseline: the params' ttt_steps)
+  ttt_1 / ttt_5 / ttt_7   training-time-test unroll of 1 / 5 / 7 steps (baseline: the params' ttt_steps;
+                     7 is the kit's TrainingParams default and EAGLE-3's code)
   step_weight_1      every TTT step weighs 1.0 (baseline 0.8^i)
   vocab_half / vocab_double   draft vocab half / double the params' size
   random_head        lm_head and final norm randomly initialized instead of from the target's head
@@ -52,7 +53,7 @@ from eaglekit.checkpoint_evaluation import offline_agreements_by_dataset
 from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, load_draft_weights, stratified_order, train_draft
 from eaglekit.vocab import count_generated_tokens, select_draft_vocab
 
-VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "step_weight_1", "vocab_half",
+VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "ttt_7", "step_weight_1", "vocab_half",
             "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax"]
 
 
@@ -64,6 +65,7 @@ def variant_settings(name: str, base: TrainSettings) -> TrainSettings:
         "constant_lr": {"min_learning_rate": base.learning_rate},
         "ttt_1": {"ttt_steps": 1},
         "ttt_5": {"ttt_steps": 5},
+        "ttt_7": {"ttt_steps": 7},
         "step_weight_1": {"step_weight": 1.0},
         "noise_0.1": {"feature_noise": 0.1},
         "noise_0.3": {"feature_noise": 0.3},

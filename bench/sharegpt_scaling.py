@@ -202,6 +202,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-capture", action="store_true", help="train on what is captured already (no generation either)")
     parser.add_argument("--summarize", action="store_true", help="only print the table of the --out-rows drafts (paired bootstrap)")
     parser.add_argument("--variants", default="baseline", help="recipe variants of bench/recipe_ablation.py, trained at every size")
+    parser.add_argument("--stop-at-step", type=int, default=None,
+                        help="resume a draft only up to its next evaluation at or after this step, then score its best checkpoint "
+                             "(a run cut short for time: reported as not converged)")
+    parser.add_argument("--smoothing-evaluations", type=int, default=None,
+                        help="TrainSettings.smoothing_evaluations (until_converged judges improvement on the mean of this many "
+                             "held-out taus); 1: each tau alone, the rule before smoothing. Default: the kit's")
     parser.add_argument("--label", default="recipe", help="names the draft folders: drafts/<label>-<variant>-size<n>")
     return parser.parse_args()
 
@@ -284,7 +290,9 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
     # Draft vocab: the most frequent generated tokens of this draft's own training data (stage 5 counts
     # the largest subset; here each size gets what its own samples give).
     counts = count_generated_tokens((captured.tokens(index) for index in train.indices), head.config.vocab_size)
-    settings = variant_settings(variant, base)
+    settings = dataclasses.replace(variant_settings(variant, base), stop_at_step=args.stop_at_step)
+    if args.smoothing_evaluations is not None:  # one stopping rule for every draft of a comparison
+        settings = dataclasses.replace(settings, smoothing_evaluations=args.smoothing_evaluations)
     draft, vocab = variant_draft(variant, head, counts, params.training.draft_vocab_size or default_draft_vocab_size(head.config.vocab_size),
                                  params.run.seed)
     started = time.perf_counter()
@@ -305,7 +313,7 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
            "train_seconds": train_seconds, "seconds_per_step": None,
            "settings": {key: value for key, value in dataclasses.asdict(settings).items() if key in (
                "ttt_steps", "step_weight", "learning_rate", "min_learning_rate", "warmup_steps", "max_steps", "patience",
-               "min_improvement", "eval_interval", "micro_batch_size", "grad_accumulation_steps", "feature_noise", "distill")}}
+               "min_improvement", "smoothing_evaluations", "eval_interval", "micro_batch_size", "grad_accumulation_steps", "feature_noise", "distill")}}
     train_times = [record["seconds"] for record in iterate_train(result.metrics_path)]
     if len(train_times) > 1:
         row["seconds_per_step"] = (train_times[-1] - train_times[0]) / (len(train_times) - 1)  # this process's steps, evals included
