@@ -269,20 +269,17 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
             return False
         return later.startswith(_context_header(first))
 
-    def preamble_only(messages: list[dict], generation_prompt: bool) -> bool:
+    def with_and_without_tools(messages: list[dict], generation_prompt: bool) -> tuple[list[dict], str, str] | None:
         try:
-            with_tools = _render(tokenizer, messages, generation_prompt, probe_tools, template_kwargs)
-            without = _render(tokenizer, messages, generation_prompt, None, template_kwargs)
+            return (messages, _render(tokenizer, messages, generation_prompt, probe_tools, template_kwargs),
+                    _render(tokenizer, messages, generation_prompt, None, template_kwargs))
         except ChatTemplateError:
-            return False
+            return None
+
+    def preamble_only(with_tools: str, without: str) -> bool:
         return with_tools.endswith(without)  # equal where the template ignores tools (DeepSeek)
 
-    def inserted_before_last_user(messages: list[dict], generation_prompt: bool) -> bool:
-        try:
-            with_tools = _render(tokenizer, messages, generation_prompt, probe_tools, template_kwargs)
-            without = _render(tokenizer, messages, generation_prompt, None, template_kwargs)
-        except ChatTemplateError:
-            return False
+    def inserted_before_last_user(messages: list[dict], with_tools: str, without: str) -> bool:
         added = len(with_tools) - len(without)
         at = _common_prefix_length(with_tools, without)
         if added <= 0 or with_tools[at + added:] != without[at:]:
@@ -294,12 +291,12 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
 
     rounds = [*user, call, {"role": "tool", "content": _PROBE_USER + "3", "tool_call_id": _PROBE_CALL_ID},
               {**assistant, "reasoning_content": _PROBE_REASONING}]
+    # Each probe conversation rendered once with the probe tool and once without (None: cannot render).
+    tool_renderings = [with_and_without_tools(messages, generation_prompt) for messages, generation_prompt in
+                       ((rounds, False), (rounds[:-1], True), (two_turns, True))]
     layout = TemplateLayout(
-        tools_in_preamble=all(preamble_only(messages, generation_prompt) for messages, generation_prompt in
-                              ((rounds, False), (rounds[:-1], True), (two_turns, True))),
-        tools_before_last_user=all(inserted_before_last_user(messages, generation_prompt)
-                                   for messages, generation_prompt in
-                                   ((rounds, False), (rounds[:-1], True), (two_turns, True))),
+        tools_in_preamble=all(pair is not None and preamble_only(*pair[1:]) for pair in tool_renderings),
+        tools_before_last_user=all(pair is not None and inserted_before_last_user(*pair) for pair in tool_renderings),
         stable_with_system=stable([{"role": "system", "content": _PROBE_REASONING}, *two_turns], None),
         stable_with_tools=stable(two_turns, probe_tools),
         end_of_turn=end_of_turn,
@@ -459,6 +456,10 @@ class _Renderer:
     def prompt(self, messages: list[dict]) -> str:
         return _render(self.tokenizer, _strip_private(messages), True, self.tools, self.kwargs)
 
+    def whole(self, messages: list[dict]) -> str:
+        """messages rendered as history, without a generation prompt."""
+        return _render(self.tokenizer, _strip_private(messages), False, self.tools, self.kwargs)
+
     def last(self, messages: list[dict], prompt: str | None = None, rendered: str | None = None) -> str:
         """messages ending in an assistant turn, that turn written as the target generated it.
 
@@ -486,8 +487,7 @@ class _Renderer:
         return prompt + small[len(small_prompt):]
 
     def _last(self, messages: list[dict], prompt: str, rendered: str | None = None) -> str:
-        full = _render(self.tokenizer, _strip_private(messages), False, self.tools, self.kwargs) \
-            if rendered is None else rendered
+        full = self.whole(messages) if rendered is None else rendered
         if self.layout.reasoning != "splice":
             return full
         reasoning = messages[-1].get("_reasoning", "")
@@ -711,7 +711,7 @@ def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation
     elif template_messages and template_messages[-1]["role"] == "assistant":
         text = renderer.last(template_messages)
     else:
-        text = _render(tokenizer, _strip_private(template_messages), False, renderer.tools, renderer.kwargs)
+        text = renderer.whole(template_messages)
     return marker.unmark(text)
 
 
@@ -900,7 +900,7 @@ def _injected_groups(renderer: _Renderer, template_messages: list[dict], indices
     if not _users_distinct(messages, users):
         return None
     system = messages[: users[0]]
-    full = _render(renderer.tokenizer, _strip_private(messages), False, renderer.tools, renderer.kwargs)
+    full = renderer.whole(messages)
     history = _history_turns(full, bodies, layout)
     if history is None:
         return None
@@ -940,7 +940,7 @@ def _injected_groups(renderer: _Renderer, template_messages: list[dict], indices
             continue
         stretch = prefix + messages[user: indices[turns[-1]] + 1]
         text = full if stretch == messages else \
-            compose(_render(renderer.tokenizer, _strip_private(stretch), False, renderer.tools, renderer.kwargs))
+            compose(renderer.whole(stretch))
         located = None if text is None else _locate_turns(text, bodies, turns[0], turns[-1], cursor)
         if not isinstance(located, _Rendered):
             return None
@@ -991,13 +991,10 @@ def _stretch_prefix(messages: list[dict], system: list[dict], anchor: int | None
 
 def _after_nth(text: str, needle: str, count: int) -> int:
     """The position just after the count-th occurrence of `needle` in `text` (0 for count 0), or -1."""
-    at = 0
-    for _ in range(count):
-        found = text.find(needle, at)
-        if found < 0:
-            return -1
-        at = found + len(needle)
-    return at
+    if count == 0:
+        return 0
+    found = _find_nth(text, needle, 0, count - 1)
+    return found + len(needle) if found >= 0 else -1
 
 
 def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list[dict], messages: Sequence[dict],
@@ -1293,8 +1290,7 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
                           for message in context)
             rendered = None
             if key not in prompts_by_context and readings.get(shape) is not None:
-                rendered = _render(renderer.tokenizer, _strip_private(messages), False, renderer.tools,
-                                   renderer.kwargs)
+                rendered = renderer.whole(messages)
                 read = _read_prompt(rendered, headers[shape][0], readings[shape])
                 if read is not None:
                     prompts_by_context[key] = read
@@ -1305,8 +1301,7 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
                 headers[shape] = _turn_header(renderer, context, prompt, layout)
             header, skip = headers[shape]
             if shape not in readings:
-                rendered = _render(renderer.tokenizer, _strip_private(messages), False, renderer.tools,
-                                   renderer.kwargs)
+                rendered = renderer.whole(messages)
                 readings[shape] = _prompt_reading(rendered, prompt, header, layout)
             turn = renderer.last(messages, prompt, rendered)
         except ChatTemplateError:
@@ -1348,9 +1343,8 @@ def _read_prompt(rendered: str, header: str, reading: tuple[int, int]) -> str | 
 def _turn_header(renderer: _Renderer, context: list[dict], prompt: str, layout: TemplateLayout) -> tuple[str, int]:
     """The header before an assistant turn that follows `context` (whose prompt is `prompt`), and how many
     of its occurrences among the context's tool results a scan skips."""
-    without = _render(renderer.tokenizer, _strip_private(context), False, renderer.tools, renderer.kwargs)
-    results_from = len(_render(renderer.tokenizer, _strip_private(context[:2]), False, renderer.tools,
-                               renderer.kwargs)) if len(context) > 2 else 0
+    without = renderer.whole(context)
+    results_from = len(renderer.whole(context[:2])) if len(context) > 2 else 0
     # The header is what the generation prompt adds (`<|im_assistant|>assistant<|im_middle|>`), which
     # tells an assistant turn from any other; else the prompt's tail from its last control token.
     added = prompt[len(without):] if prompt.startswith(without) else ""
