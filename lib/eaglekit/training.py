@@ -436,8 +436,13 @@ class SampleAgreement:
 def sample_lengths(samples: Sequence[dict], max_length: int) -> list[int]:
     """Tokens of each sample as `collate` cuts it. Reads tokens only where the samples offer it
     (`tokens(position)`: shards, online capture, `IndexedSubset` over either), so no features are read."""
-    read = getattr(samples, "tokens", None) or samples.__getitem__
+    read = _token_reader(samples)
     return [min(int(read(position)["input_ids"].shape[0]), max_length) for position in range(len(samples))]
+
+
+def _token_reader(samples: Sequence[dict]) -> Callable[[int], dict]:
+    """samples.tokens (a sample without its features) where the samples offer it, else the whole sample."""
+    return getattr(samples, "tokens", None) or samples.__getitem__
 
 
 def heldout_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
@@ -677,8 +682,7 @@ class IndexedSubset(Sequence):
 
     def tokens(self, position: int) -> dict:
         """The sample without its features where the underlying samples can read so (`sample_lengths`)."""
-        read = getattr(self.samples, "tokens", None) or self.samples.__getitem__
-        return read(self.indices[position])
+        return _token_reader(self.samples)(self.indices[position])
 
 
 def sample_index_at(position: int, num_samples: int, seed: int) -> int:
