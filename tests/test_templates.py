@@ -197,6 +197,56 @@ def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenize
     assert differing > 0
 
 
+def test_property_check_catches_prompts_read_off_the_full_rendering(tokenizers, monkeypatch):
+    """Split groups read their last turn's prompt off one rendering per stretch of tool rounds
+    (chat._Composer._read_after_anchor). A reading taken off the full rendering instead (which shows the
+    stretch's earlier turns without their reasoning, as Qwen3 writes them once a later user message
+    follows) passes the fast path's own checks, and the oracle comparison must catch it."""
+    from eaglekit import chat
+
+    def read_off_full(self, anchor_position, last, anchor_text, source_end):
+        text, turns = self.sources[len(self.indices) - 1]
+        if last == self.stretch_end[last]:
+            return None
+        return text[turns[anchor_position][1]: turns[last][0]] + self.bodies[last][0]
+
+    tokenizer = tokenizers["qwen3"]
+    monkeypatch.setattr(chat._Composer, "_read_after_anchor", read_off_full)
+    differing = 0
+    for seed in range(4):
+        messages, tools = conversation("qwen3", random.Random(f"reading-{seed}"), 40)
+        fast, oracle = fast_and_oracle(tokenizer, "qwen3", messages, tools)
+        differing += fast.samples != oracle.samples
+    assert differing > 0
+
+
+def test_template_that_rewrites_earlier_tool_rounds_is_not_read(embedded_model_dir, monkeypatch):
+    """Reading prompts off a stretch's rendering relies on the template's probe (`reads_tool_rounds`). A
+    Qwen3 variant that drops a turn's reasoning once two more assistant turns follow it renders a tool
+    round differently as more rounds follow: the probe says so, the fast path renders each group's prompt
+    and equals the oracle; with the probe's answer forced, the readings are wrong and the oracle says so."""
+    from eaglekit import chat
+
+    tokenizer = fixture_tokenizer(embedded_model_dir, "qwen3")
+    condition = "{%- if loop.index0 > ns.last_query_index %}"
+    assert condition in tokenizer.chat_template
+    tokenizer.chat_template = tokenizer.chat_template.replace(condition, (
+        "{%- set here = loop.index0 %}{%- set later = namespace(count=0) %}{%- for other in messages[here + 1:] %}"
+        '{%- if other.role == "assistant" %}{%- set later.count = later.count + 1 %}{%- endif %}{%- endfor %}'
+        "{%- if here > ns.last_query_index and later.count < 2 %}"), 1)
+    conversations = [conversation("qwen3", random.Random(f"recent-{seed}"), 40) for seed in (0, 2, 4)]
+    assert not template_layout(tokenizer).reads_tool_rounds and template_layout(tokenizer).tools_in_preamble
+    for messages, tools in conversations:
+        fast, oracle = fast_and_oracle(tokenizer, "qwen3", messages, tools)
+        assert fast.samples == oracle.samples and not fast.fallback and fast.split
+    monkeypatch.setattr(chat, "_LAYOUT_CACHE", {})
+    monkeypatch.setattr(chat, "_reads_tool_rounds", lambda *arguments: True)
+    assert template_layout(tokenizer).reads_tool_rounds
+    differing = sum(pair[0].samples != pair[1].samples for pair in
+                    (fast_and_oracle(tokenizer, "qwen3", messages, tools) for messages, tools in conversations))
+    assert differing > 0
+
+
 def mistral_conversation(rng: random.Random, length: int, agent: bool, system: bool,
                          tools: bool) -> tuple[list[dict], list | None]:
     """A Mistral conversation with or without a system prompt (legal only first) and tool definitions."""

@@ -78,7 +78,7 @@ import itertools
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 HistoryPolicy = Literal["split", "visible"]
@@ -153,6 +153,10 @@ class TemplateLayout:
     # (Mistral): small renderings that start with a probe user turn and keep only what follows it
     # (each turn as generated) then leave them out too.
     tools_before_last_user: bool = False
+    # Whether, inside a stretch of tool rounds, a turn's prompt is a later turn's prompt up to the turn's
+    # header (no message renders differently for the tool rounds after it; probed with reasoning on some
+    # rounds and several calls on one): split groups then read their prompts off one rendering per stretch.
+    reads_tool_rounds: bool = False
 
 
 @dataclass
@@ -308,8 +312,37 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
         family=_family(template, prompt, end_of_turn, reasoning),
         splits_at_control_tokens=_splits_at_control_tokens(tokenizer, end_of_turn),
     )
+    layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs))
     _LAYOUT_CACHE[key] = layout
     return layout
+
+
+def _reads_tool_rounds(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict) -> bool:
+    """Whether the prompt of each turn in a probe stretch of tool rounds (reasoning on some turns, content
+    on some, two calls on one) is the stretch's last prompt up to that turn's header."""
+    if layout.tool_calls != "template":
+        return False
+
+    def call_turn(number: int, calls: int, reasoning: bool, content: str) -> dict:
+        turn = {"role": "assistant", "content": content, "tool_calls": [
+            {"id": f"call{number * 10 + call:05d}", "type": "function",
+             "function": {"name": "probe", "arguments": {"x": _PROBE_TOOL}}} for call in range(calls)]}
+        return {**turn, "reasoning": _PROBE_REASONING} if reasoning else turn
+
+    rounds: list[dict] = [{"role": "user", "content": _PROBE_USER}]
+    for number, (calls, reasoning, content) in enumerate([(1, True, ""), (1, False, _PROBE_ASSISTANT), (2, True, ""),
+                                                          (1, False, "")]):
+        turn = call_turn(number + 1, calls, reasoning, content)
+        rounds += [turn] + [{"role": "tool", "content": _PROBE_TOOL, "tool_call_id": call["id"]}
+                            for call in turn["tool_calls"]]
+    messages = _template_messages(rounds, layout, _Marker(layout))
+    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+    renderer = _Renderer(tokenizer, layout, None, template_kwargs)
+    try:
+        last = renderer.prompt(messages)
+        return all(last.startswith(_context_header(renderer.prompt(messages[:index]))) for index in turns[1:])
+    except ChatTemplateError:
+        return False
 
 
 def _splits_at_control_tokens(tokenizer: Any, control_token: str) -> bool:
@@ -1131,10 +1164,10 @@ def _continues(previous: _Rendered, following: _Rendered) -> bool:
 
 
 def _history_turns(full: str, bodies: list[tuple[str, str, int]],
-                   layout: TemplateLayout) -> list[tuple[int, int]] | None:
-    """Each turn in the full rendering, as the template shows it there: (its header's start, its end)."""
+                   layout: TemplateLayout, cursor: int = 0) -> list[tuple[int, int]] | None:
+    """Each turn in the full rendering (from `cursor` on), as the template shows it there: (its header's
+    start, its end)."""
     turns = []
-    cursor = 0
     for header, _, skip in bodies:
         context_header = _context_header(header)
         at = _find_nth(full, context_header, cursor, skip)
@@ -1160,6 +1193,12 @@ class _Composer:
     - the rendering of the group's whole stretch (up to the turn before the next user message), up
       to the previous group's last turn, when the stretch is long (an agent's tool rounds): one render
       per long stretch instead of one per group.
+    Both need the template to render a tool round the same whatever rounds follow it (probed per
+    template: `TemplateLayout.reads_tool_rounds`); elsewhere the history comes from the full rendering
+    up to the turn before the stretch's user message. Within a stretch of tool rounds, a group's prompt
+    after the anchor is read off one rendering of the stretch up to its last turn's prompt (the history
+    rendering itself where that is the stretch's, else one small rendering per stretch instead of one
+    per group: `_read_after_anchor`).
     Checked: the anchor reads the same in the history and the small rendering (per group), a group
     that ends where its history rendering ends comes out as that rendering (per long stretch, and the
     last group as the full rendering), and the group before the last comes out as its prompt rendered
@@ -1175,6 +1214,8 @@ class _Composer:
         # History renderings by the turn they end at: the full one, and the long stretches' (lazily).
         self.sources: dict[int, tuple[str, list[tuple[int, int]]] | None] = {count - 1: (full, history)}
         self.rendered: dict[int, str] = {}  # real renders of groups without history to share
+        # Small renderings by (anchor, turn): the turn's prompt from the anchor's small context on.
+        self.small_prompts: dict[tuple[int, int], str | None] = {}
         self.checked: set[tuple[int, int]] = set()  # groups (first, last turn) found equal to a real rendering
         self.users = [index for index, message in enumerate(template_messages) if message["role"] == "user"]
         self.stretch_end = list(range(count))  # each turn's last turn before the next user message
@@ -1203,15 +1244,16 @@ class _Composer:
         if first == 0 or not opened:
             return None
         count = len(self.indices)
-        if self.users[-1] < start:  # the last stretch: the full rendering is its own
+        # Where the template renders a tool round the same whatever rounds follow (`reads_tool_rounds`),
+        # the group's stretch up to the turn before it reads as in the stretch's own rendering.
+        if self.users[-1] < start and self.layout.reads_tool_rounds:  # the last stretch: the full rendering's
             return first - 1, count - 1
-        if start - opened[-1] > _SHORT_STRETCH:
+        if start - opened[-1] > _SHORT_STRETCH and self.layout.reads_tool_rounds:
             return first - 1, self.stretch_end[first]
         anchors = [position for position in range(first) if self.indices[position] < opened[-1]]
         return (anchors[-1], count - 1) if anchors else None
 
     def attempt(self, first: int, last: int) -> _Rendered | int | None:
-        messages = self.template_messages
         anchored = self._anchor(first)
         if anchored is None:  # no history to share: rendered as the oracle renders it
             if last not in self.rendered:
@@ -1225,23 +1267,11 @@ class _Composer:
         if source is None:
             return None
         history_text, history = source
-        anchor = self.indices[anchor_position]
-        context = _small_context(messages, anchor)
-        history_anchor = {key: value for key, value in messages[anchor].items()
-                          if key not in ("reasoning_content", "_reasoning")}
-        try:  # the prompt of the group's last turn; the turn follows as generated (as `_Renderer.last` writes it)
-            small = self.small.prompt(context + [history_anchor] + messages[anchor + 1: self.indices[last]])
-        except ChatTemplateError:
-            return None
-        # The small context's prompt (rendered once per turn by _generated_bodies) ends in the anchor's
-        # header: the anchor starts there in the small rendering too.
-        header_at = len(self.prompts[anchor_position]) - len(self.bodies[anchor_position][0])
         history_start, history_end = history[anchor_position]
-        anchor_text = history_text[history_start:history_end]
-        if header_at < 0 or not small.startswith(anchor_text, header_at):
+        after_anchor = self._after_anchor(anchor_position, last, history_text[history_start:history_end], source_end)
+        if after_anchor is None:
             return None
-        text = history_text[:history_end] + small[header_at + len(anchor_text):] + self.bodies[last][1] + \
-            self.tails[last]
+        text = history_text[:history_end] + after_anchor + self.bodies[last][1] + self.tails[last]
         if last == source_end:
             if text != history_text:
                 return None
@@ -1250,6 +1280,61 @@ class _Composer:
         if isinstance(located, _Rendered):
             located.history = history_text
         return located
+
+    def _after_anchor(self, anchor_position: int, last: int, anchor_text: str, source_end: int) -> str | None:
+        """Turn `last`'s prompt after the anchor turn, ending in the turn's header: read off its stretch's
+        rendering where the template allows it, else rendered."""
+        read = self._read_after_anchor(anchor_position, last, anchor_text, source_end)
+        return read if read is not None else self._rendered_after_anchor(anchor_position, last, anchor_text)
+
+    def _read_after_anchor(self, anchor_position: int, last: int, anchor_text: str, source_end: int) -> str | None:
+        """Turn `last`'s prompt after the anchor, read off a rendering of the turns after it up to the last
+        turn before the next user message (the stretch's end): the prompt of a turn is that rendering up to
+        the turn's header, then the header (`_read_prompt`), since the turns after it in its stretch change
+        nothing before it. The rendering is the history rendering itself where that ends at the stretch's
+        end (the last stretch in the full rendering, a long stretch in its own), else the stretch end's
+        prompt rendered small (one render per stretch instead of one per group). Only across tool rounds:
+        every message from the turn to the stretch's end is an assistant turn with tool calls or a tool
+        result, so a template that looks for the last message of some kind (Kimi thinking: the last
+        assistant turn without tool calls) finds the same one in both. None elsewhere, where `last` ends
+        its stretch (its own rendering is the stretch's) or where its header cannot be found."""
+        end = self.stretch_end[last]
+        if not self.layout.reads_tool_rounds or self.small.tools or last == end or not all(message["role"] == "tool" or (message["role"] == "assistant" and
+                                                                 message.get("tool_calls"))
+                                  for message in self.template_messages[self.indices[last]: self.indices[end]]):
+            return None
+        if end == source_end:
+            text, turns = self._source(source_end)
+            start = turns[anchor_position][1]
+        else:
+            text = self._rendered_after_anchor(anchor_position, end, anchor_text)
+            start = 0
+        turns = None if text is None else \
+            _history_turns(text, self.bodies[anchor_position + 1: last + 1], self.layout, start)
+        return None if turns is None else text[start: turns[-1][0]] + self.bodies[last][0]
+
+    def _rendered_after_anchor(self, anchor_position: int, last: int, anchor_text: str) -> str | None:
+        """Turn `last`'s prompt after the anchor, from one small rendering: the anchor's small context, the
+        anchor as history (without reasoning) and the messages up to the turn; None where the anchor does
+        not read there as `anchor_text` (its history rendering) or the template cannot render it."""
+        messages = self.template_messages
+        anchor = self.indices[anchor_position]
+        if (anchor_position, last) not in self.small_prompts:
+            context = _small_context(messages, anchor)
+            history_anchor = {key: value for key, value in messages[anchor].items()
+                              if key not in ("reasoning_content", "_reasoning")}
+            try:  # the prompt of the turn; the turn follows as generated (as `_Renderer.last` writes it)
+                small = self.small.prompt(context + [history_anchor] + messages[anchor + 1: self.indices[last]])
+            except ChatTemplateError:
+                small = None
+            self.small_prompts[anchor_position, last] = small
+        small = self.small_prompts[anchor_position, last]
+        # The small context's prompt (rendered once per turn by _generated_bodies) ends in the anchor's
+        # header: the anchor starts there in the small rendering too.
+        header_at = len(self.prompts[anchor_position]) - len(self.bodies[anchor_position][0])
+        if small is None or header_at < 0 or not small.startswith(anchor_text, header_at):
+            return None
+        return small[header_at + len(anchor_text):]
 
 
 def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -> ConversationSamples:
