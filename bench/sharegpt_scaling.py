@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -209,6 +210,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoothing-evaluations", type=int, default=None,
                         help="TrainSettings.smoothing_evaluations (until_converged judges improvement on the mean of this many "
                              "held-out taus); 1: each tau alone, the rule before smoothing. Default: the kit's")
+    parser.add_argument("--continue-from", default=None, metavar="VARIANT",
+                        help="start each anneal variant's draft from a copy of VARIANT's converged draft (same label and size) "
+                             "instead of step 0: the same run, without retraining the shared part")
     parser.add_argument("--label", default="recipe", help="names the draft folders: drafts/<label>-<variant>-size<n>")
     return parser.parse_args()
 
@@ -296,6 +300,10 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
         settings = dataclasses.replace(settings, smoothing_evaluations=args.smoothing_evaluations)
     draft, vocab = variant_draft(variant, head, counts, params.training.draft_vocab_size or default_draft_vocab_size(head.config.vocab_size),
                                  params.run.seed)
+    if args.continue_from and not (out / "drafts" / label).exists():
+        # An anneal variant continues the converged run of `--continue-from` (the same run up to its stop:
+        # train_draft starts the anneal where that run stopped); any other difference is refused there.
+        shutil.copytree(out / "drafts" / f"{args.label}-{args.continue_from}-size{size}", out / "drafts" / label)
     started = time.perf_counter()
     result = train_draft(draft, head.lm_head, train, heldout, out / "drafts" / label, settings, resume=True)
     train_seconds = time.perf_counter() - started

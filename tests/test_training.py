@@ -446,6 +446,14 @@ def test_a_converged_draft_anneals_then_stops(world, tmp_path):
     resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", annealing)
     curve = lambda path: [(r["step"], r["lr"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"]
     assert curve(resumed.metrics_path) == curve(straight.metrics_path) and (resumed.steps, resumed.stopped) == (8, "converged")
+    # The converged run without an anneal, resumed with one: the anneal starts where it stopped, the same run.
+    import shutil
+
+    shutil.copytree(tmp_path / "plain", tmp_path / "annealed-later")
+    later = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "annealed-later", annealing)
+    assert curve(later.metrics_path) == curve(straight.metrics_path) and (later.steps, later.stopped, later.best_step) == (8, "converged", straight.best_step)
+    with pytest.raises(ValueError, match="different settings"):  # only decay_steps may change, and only on a converged run
+        train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "plain", dataclass_replace(annealing, patience=5))
 
 
 def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():

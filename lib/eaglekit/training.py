@@ -33,7 +33,8 @@ How long each draft trains (`TrainSettings.schedule`) decides what a data-size s
   point (and tau) depend on the cap, since the decay itself ends the gains. With `decay_steps` > 0 the
   stop becomes an anneal (warmup-stable-decay): once patience runs out, the learning rate falls by a
   cosine from the peak to `min_learning_rate` over `decay_steps` steps, and training stops at the first
-  evaluation after it ends (still "converged"); the best checkpoint over the whole run is kept.
+  evaluation after it ends (still "converged"); the best checkpoint over the whole run is kept. A run
+  that converged without it and is resumed with decay_steps anneals from where it stopped (the same run).
 - "equal_steps": every size trains `max_steps` steps (larger sizes see each sample fewer times).
 - "equal_epochs": every size trains `num_epochs` passes, so larger sizes also get more steps: the
   curve then mixes data with compute.
@@ -864,12 +865,21 @@ _RESUMABLE_DIFFERENCES = {"stop_at_step", "device", "log_interval_s"}
 _ADDED_SETTINGS = {"feature_noise": 0.0, "distill": "soft", "smoothing_evaluations": 1, "decay_steps": 0}
 
 
-def _check_resumable(saved: dict, settings: TrainSettings, path: Path) -> None:
+def _check_resumable(saved: dict, settings: TrainSettings, path: Path, also_allowed: frozenset[str] = frozenset()) -> None:
     current = dataclasses.asdict(settings)
     saved = {**_ADDED_SETTINGS, **saved}
-    changed = {key: (saved.get(key), value) for key, value in current.items() if key not in _RESUMABLE_DIFFERENCES and saved.get(key) != value}
+    allowed = _RESUMABLE_DIFFERENCES | also_allowed
+    changed = {key: (saved.get(key), value) for key, value in current.items() if key not in allowed and saved.get(key) != value}
     if changed:
         raise ValueError(f"{path}: cannot resume with different settings {changed} (saved, now); use a new output_dir or the saved settings")
+
+
+def _anneals_a_converged_run(saved: dict, progress: dict, settings: TrainSettings) -> bool:
+    """A run that stopped converged without an anneal (decay_steps 0), resumed with decay_steps > 0: its
+    anneal starts at the step it stopped, which is where the same run with decay_steps from the start
+    would have started it (the same plateau), so the result is that run's (tests/test_training.py)."""
+    return ({**_ADDED_SETTINGS, **saved}["decay_steps"] == 0 and settings.decay_steps > 0 and progress["stopped"] == "converged"
+            and progress.get("decay_start") is None)
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -1023,7 +1033,11 @@ def train_draft(
         raise FileExistsError(f"{last_path} exists: pass resume=True to continue that run, or choose a new output_dir")
     if resumed:
         checkpoint = load_checkpoint(last_path)
-        _check_resumable(checkpoint["settings"], settings, last_path)
+        progress = {**progress, **checkpoint["progress"]}
+        annealing = _anneals_a_converged_run(checkpoint["settings"], progress, settings)
+        _check_resumable(checkpoint["settings"], settings, last_path, frozenset({"decay_steps"}) if annealing else frozenset())
+        if annealing:
+            progress.update(decay_start=progress["step"], stopped=None)
         if settings.parallel == "fsdp":
             from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
@@ -1033,7 +1047,6 @@ def train_draft(
         else:
             load_draft_weights(model, checkpoint)
             optimizer.load_state_dict(checkpoint["optimizer"])
-        progress = {**progress, **checkpoint["progress"]}
         _set_rng_state(checkpoint["rng"])
         if distributed.is_main:
             _truncate_metrics(metrics_path, progress["step"])
