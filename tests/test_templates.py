@@ -198,9 +198,10 @@ def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenize
 
 
 def test_property_check_catches_prompts_read_off_the_full_rendering(tokenizers, monkeypatch):
-    """Split groups read their last turn's prompt off one rendering per stretch of tool rounds
-    (chat._Composer._read_after_anchor). A reading taken off the full rendering instead (which shows the
-    stretch's earlier turns without their reasoning, as Qwen3 writes them once a later user message
+    """Split groups read their last turn's prompt off a rendering they already have: the history
+    rendering for a turn right after its anchor, else within tool rounds the stretch's
+    (chat._Composer._read_after_anchor). A reading taken off the full rendering across earlier turns of
+    the stretch (which it shows without their reasoning, as Qwen3 writes them once a later user message
     follows) passes the fast path's own checks, and the oracle comparison must catch it."""
     from eaglekit import chat
 
@@ -210,8 +211,8 @@ def test_property_check_catches_prompts_read_off_the_full_rendering(tokenizers, 
             return None
         return text[turns[anchor_position][1]: turns[last][0]] + self.bodies[last][0]
 
-    tokenizer = tokenizers["qwen3"]
     monkeypatch.setattr(chat._Composer, "_read_after_anchor", read_off_full)
+    tokenizer = tokenizers["qwen3"]
     differing = 0
     for seed in range(4):
         messages, tools = conversation("qwen3", random.Random(f"reading-{seed}"), 40)

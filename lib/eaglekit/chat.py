@@ -882,6 +882,7 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     # "visible" reads one rendering as it is.
     prompts: list[str] = []  # per turn: its small-context prompt (ends in its header) and what follows its span
     tails: list[str] = []
+    readable: list[bool] = []  # per turn: whether its prompt is its own rendering up to its header
     # Renderings whose beginning is discarded leave out tool definitions where those only add a preamble.
     small = _Renderer(tokenizer, layout, None, renderer.kwargs) if layout.tools_in_preamble and renderer.tools \
         else renderer
@@ -889,7 +890,7 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     # be left out too where they only add a block before the last user message (Mistral).
     bodies = _generated_bodies(_Renderer(tokenizer, layout, None, renderer.kwargs)
                                if layout.tools_before_last_user and renderer.tools else small,
-                               template_messages, indices, layout, truncated, prompts, tails)
+                               template_messages, indices, layout, truncated, prompts, tails, readable)
     if bodies is None:
         return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
     if history == "visible":
@@ -899,7 +900,8 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     elif unstable:
         groups = _injected_groups(renderer, template_messages, indices, bodies, layout, prompts, tails)
     else:
-        groups = _split_groups(renderer, small, template_messages, messages, indices, bodies, layout, prompts, tails)
+        groups = _split_groups(renderer, small, template_messages, messages, indices, bodies, layout, prompts, tails,
+                               readable)
     if groups is not None and truncated and history == "split":
         groups[-1].text = groups[-1].text[: groups[-1].spans[-1][1]]
     if groups is None:
@@ -1033,7 +1035,7 @@ def _after_nth(text: str, needle: str, count: int) -> int:
 def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list[dict], messages: Sequence[dict],
                   indices: list[int],
                   bodies: list[tuple[str, str, int]], layout: TemplateLayout, prompts: list[str],
-                  tails: list[str]) -> list[_Rendered] | None:
+                  tails: list[str], readable: list[bool]) -> list[_Rendered] | None:
     """Samples of the split policy, cut where the oracle cuts; None when the spans cannot be found.
 
     The whole conversation is tried first (one render: every template that does not rewrite history
@@ -1056,8 +1058,8 @@ def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list
         # at a turn the full rendering no longer shows as generated (Qwen3's empty think block, DeepSeek).
         ends = [position for position in range(count - 1) if user_after[position]
                 or not full.startswith(bodies[position][0] + bodies[position][1], history[position][0])]
-        composer = _Composer(renderer, small, template_messages, indices, bodies, layout, prompts, tails, full,
-                             history)
+        composer = _Composer(renderer, small, template_messages, indices, bodies, layout, prompts, tails, readable,
+                             full, history)
         kinds = [(position < count - 1 and user_after[position], bool(messages[index].get("reasoning")))
                  for position, index in enumerate(indices)]
         groups = _greedy_groups(composer.attempt, ends + [count - 1], count, kinds)
@@ -1207,9 +1209,9 @@ class _Composer:
 
     def __init__(self, renderer: _Renderer, small: _Renderer, template_messages: list[dict], indices: list[int],
                  bodies: list[tuple[str, str, int]], layout: TemplateLayout, prompts: list[str], tails: list[str],
-                 full: str, history: list[tuple[int, int]]):
+                 readable: list[bool], full: str, history: list[tuple[int, int]]):
         self.renderer, self.small, self.template_messages, self.indices = renderer, small, template_messages, indices
-        self.bodies, self.layout, self.prompts, self.tails = bodies, layout, prompts, tails
+        self.bodies, self.layout, self.prompts, self.tails, self.readable = bodies, layout, prompts, tails, readable
         count = len(indices)
         # History renderings by the turn they end at: the full one, and the long stretches' (lazily).
         self.sources: dict[int, tuple[str, list[tuple[int, int]]] | None] = {count - 1: (full, history)}
@@ -1298,10 +1300,17 @@ class _Composer:
         result, so a template that looks for the last message of some kind (Kimi thinking: the last
         assistant turn without tool calls) finds the same one in both. None elsewhere, where `last` ends
         its stretch (its own rendering is the stretch's) or where its header cannot be found."""
+        if anchor_position == last - 1 and self.readable[last]:
+            # No turn between the anchor and this one: what lies between (a user message, tool results)
+            # reads as in the history rendering, where the anchor's history ends (the turn opens its
+            # stretch, or its stretch's rendering is the history), and the turn's header as its small
+            # context's prompt showed it.
+            text, turns = self._source(source_end)
+            return text[turns[anchor_position][1]: turns[last][0]] + self.bodies[last][0]
         end = self.stretch_end[last]
-        if not self.layout.reads_tool_rounds or self.small.tools or last == end or not all(message["role"] == "tool" or (message["role"] == "assistant" and
-                                                                 message.get("tool_calls"))
-                                  for message in self.template_messages[self.indices[last]: self.indices[end]]):
+        rounds = self.template_messages[self.indices[last]: self.indices[end]]
+        if not self.layout.reads_tool_rounds or self.small.tools or last == end or \
+                not all(message["role"] == "tool" or message.get("tool_calls") for message in rounds):
             return None
         if end == source_end:
             text, turns = self._source(source_end)
@@ -1345,8 +1354,8 @@ def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -
 
 
 def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indices: list[int], layout: TemplateLayout,
-                      truncated: bool, prompts: list[str] | None = None,
-                      tails: list[str] | None = None) -> list[tuple[str, str, int]] | None:
+                      truncated: bool, prompts: list[str] | None = None, tails: list[str] | None = None,
+                      readable: list[bool] | None = None) -> list[tuple[str, str, int]] | None:
     """Per assistant turn: (the header before it in any rendering, the turn as generated, how many
     headers a scan skips to reach it).
 
@@ -1354,6 +1363,8 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
     results since, where the turn follows tools. None when the template does not extend the prompt.
     prompts, tails: receive each turn's small-context prompt (it ends in the turn's header) and the text
     after its span (the end-of-turn token of a truncated turn, a newline after it).
+    readable: receives, per turn, whether its context's shape showed the prompt to be the turn's rendering
+    up to its header, then the header.
     """
     bodies = []
     prompts_by_context: dict[str, str] = {}  # every turn after a user turn shares the probe context
@@ -1366,6 +1377,10 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
     # off the turn's rendering instead of rendered (one render per turn, not two), where the rendering
     # holds the header as often as the shape's first did.
     readings: dict[tuple, tuple[int, int] | None] = {}
+    # Per shape, whether its first context's prompt is the turn's rendering up to the turn's header, then
+    # the header (whether or not the rendering goes on as the prompt does: DeepSeek closes the think block
+    # the prompt opens).
+    up_to_header: dict[tuple, bool] = {}
     for position, index in enumerate(indices):
         context = _small_context(template_messages, index)
         messages = context + [template_messages[index]]
@@ -1388,6 +1403,9 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
             if shape not in readings:
                 rendered = renderer.whole(messages)
                 readings[shape] = _prompt_reading(rendered, prompt, header, layout)
+                context_header = _context_header(header)
+                at = _find_nth(rendered, context_header, 0, prompt.count(context_header) - 1)
+                up_to_header[shape] = at >= 0 and rendered[:at] + header == prompt
             turn = renderer.last(messages, prompt, rendered)
         except ChatTemplateError:
             return None  # the small context is not legal for this template: the oracle decides
@@ -1398,6 +1416,8 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
         if prompts is not None and tails is not None:
             prompts.append(prompt)
             tails.append(turn[end:])
+        if readable is not None:
+            readable.append(up_to_header[shape])
     return bodies
 
 
