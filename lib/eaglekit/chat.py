@@ -169,6 +169,9 @@ class _Rendered:
 
 
 _LAYOUT_CACHE: dict[tuple[int, int, str, str], TemplateLayout] = {}
+# What a small context's shape tells about the turns after it (see _generated_bodies), per tokenizer,
+# template, kwargs and tool list: found on the first conversation that has the shape, kept for the next.
+_SHAPE_CACHE: dict[tuple, "_ShapeFacts"] = {}
 # A split group whose stretch (messages since the user message before it) is longer than this takes its
 # history from its stretch's own rendering rather than from the full one (see _Composer).
 _SHORT_STRETCH = 16
@@ -1353,6 +1356,26 @@ def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -
                                boundary_merges=result.boundary_merges)
 
 
+@dataclass
+class _ShapeFacts:
+    """Per small-context shape (its roles, calls and whether each has content): the header before the turn
+    and the headers a scan skips (`_turn_header`), where its prompt reads off the turn's rendering
+    (`_prompt_reading`), and whether the prompt is that rendering up to the header, then the header."""
+
+    headers: dict[tuple, tuple[str, int]] = field(default_factory=dict)
+    readings: dict[tuple, tuple[int, int] | None] = field(default_factory=dict)
+    up_to_header: dict[tuple, bool] = field(default_factory=dict)
+    probe_prompt: str | None = None  # the prompt of the probe user turn alone (every turn after a user turn)
+
+
+def _shape_facts(renderer: _Renderer, layout: TemplateLayout) -> _ShapeFacts:
+    tokenizer = renderer.tokenizer
+    key = (layout, id(tokenizer), len(tokenizer), tokenizer.chat_template,
+           json.dumps(renderer.kwargs, sort_keys=True, default=str), json.dumps(renderer.tools, sort_keys=True,
+                                                                                 default=str))
+    return _SHAPE_CACHE.setdefault(key, _ShapeFacts())
+
+
 def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indices: list[int], layout: TemplateLayout,
                       truncated: bool, prompts: list[str] | None = None, tails: list[str] | None = None,
                       readable: list[bool] | None = None) -> list[tuple[str, str, int]] | None:
@@ -1367,20 +1390,21 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
     up to its header, then the header.
     """
     bodies = []
-    prompts_by_context: dict[str, str] = {}  # every turn after a user turn shares the probe context
-    # The header and the headers to skip depend on the context's shape only (its roles and calls; message
-    # text cannot hold a control token): found once per shape.
-    headers: dict[tuple, tuple[str, int]] = {}
-    # Per shape, where its first context's prompt was found to be the turn's rendering up to the turn's
-    # header (no generation prompt of its own, as in Qwen3, Kimi, Mistral): (the header's occurrences
-    # in the prompt, in the turn's rendering). The prompt of a later context of that shape is then read
-    # off the turn's rendering instead of rendered (one render per turn, not two), where the rendering
-    # holds the header as often as the shape's first did.
-    readings: dict[tuple, tuple[int, int] | None] = {}
-    # Per shape, whether its first context's prompt is the turn's rendering up to the turn's header, then
-    # the header (whether or not the rendering goes on as the prompt does: DeepSeek closes the think block
-    # the prompt opens).
-    up_to_header: dict[tuple, bool] = {}
+    # What a context's shape tells, found on its first context and kept across conversations (_SHAPE_CACHE):
+    # - the header and the headers to skip depend on the context's shape only (its roles and calls;
+    #   message text cannot hold a control token);
+    # - where the shape's first context's prompt was found to be the turn's rendering up to the turn's
+    #   header (no generation prompt of its own, as in Qwen3, Kimi, Mistral): (the header's occurrences
+    #   in the prompt, in the turn's rendering). The prompt of a later context of that shape is then read
+    #   off the turn's rendering instead of rendered (one render per turn, not two), where the rendering
+    #   holds the header as often as the shape's first did;
+    # - whether that prompt is the turn's rendering up to the turn's header, then the header (whether or
+    #   not the rendering goes on as the prompt does: DeepSeek closes the think block the prompt opens).
+    facts = _shape_facts(renderer, layout)
+    headers, readings, up_to_header = facts.headers, facts.readings, facts.up_to_header
+    # Every turn after a user turn shares the probe context (the same in every conversation).
+    probe = json.dumps([{"role": "user", "content": _PROBE_USER}], sort_keys=True)
+    prompts_by_context: dict[str, str] = {} if facts.probe_prompt is None else {probe: facts.probe_prompt}
     for position, index in enumerate(indices):
         context = _small_context(template_messages, index)
         messages = context + [template_messages[index]]
@@ -1397,6 +1421,8 @@ def _generated_bodies(renderer: _Renderer, template_messages: list[dict], indice
             if key not in prompts_by_context:
                 prompts_by_context[key] = renderer.prompt(context)
             prompt = prompts_by_context[key]
+            if key == probe:
+                facts.probe_prompt = prompt
             if shape not in headers:
                 headers[shape] = _turn_header(renderer, context, prompt, layout)
             header, skip = headers[shape]
