@@ -628,6 +628,7 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
     history. Linear in the conversation, not quadratic. Where the kept text's tokens do not hold that
     control token as one token at its place, the sample is tokenized whole."""
     control_ids = {tokenizer.convert_tokens_to_ids(token) for token in layout.control_tokens}
+    control = re.compile("|".join(map(re.escape, layout.control_tokens)))
     # Per sample: what it keeps tokens of (0: the sample before it, 1: its history rendering, None:
     # nothing), and where its own tokenization starts.
     bases: list[tuple[int | None, int]] = []
@@ -641,7 +642,7 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
             continue
         common, order, base = max(shared)  # the sample before on a tie
         # The last control token lying wholly inside the shared text: the tokens before it are kept.
-        cut = max((base.rfind(token, 0, common) for token in layout.control_tokens), default=-1)
+        cut = _last_match(base, common, control)
         bases.append((-order, cut) if cut > 0 else (None, 0))
     histories = sorted({item.history for item, (order, _) in zip(rendered, bases) if order == 1})
     tokens = _tokenize_many(tokenizer, [item.text[cut:] for item, (_, cut) in zip(rendered, bases)] + histories,
@@ -662,6 +663,21 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
         before = (ids, starts)
         samples.append(_sample(tokenizer, item, marker, (ids, starts)))
     return samples
+
+
+def _last_match(text: str, end: int, pattern: re.Pattern) -> int:
+    """Start of the last match of `pattern` lying wholly inside text[:end], or -1: searched in a window
+    before `end` that grows until it holds one (a control token is rarely far), not from the start."""
+    window = 256
+    while True:
+        start = max(0, end - window)
+        found = -1
+        for match in pattern.finditer(text, start, end):
+            if match.start() > start or start == 0:  # one at the window's edge may be part of a longer token
+                found = match.start()
+        if found >= 0 or start == 0:
+            return found
+        window *= 4
 
 
 def _tokenize_many(tokenizer: Any, texts: list[str], marker: _Marker) -> list[tuple[list[int], list[int]]]:
