@@ -179,6 +179,26 @@ def test_composed_split_samples_equal_the_oracle(tokenizers, name, agent):
     assert split >= (0 if (name, agent) == ("deepseek_r1", True) else 1)
 
 
+@pytest.mark.parametrize("name", ["kimi_k2_thinking", "qwen3"])
+def test_tool_call_turn_followed_by_a_user_message_equals_the_oracle(tokenizers, name):
+    """A user message right after tool results (no final answer between): Kimi thinking keeps the
+    reasoning of the tool-call turn before it in later prompts (no answer follows it there) while the full
+    rendering blanks it (an answer follows later). The composition must not take that turn from the full
+    rendering (the fast path once did, silently)."""
+    tokenizer = tokenizers[name]
+    dropped = 0
+    for seed in range(6):
+        messages, tools = conversation(name, random.Random(f"hole-{seed}"), 40)
+        kept = [message for number, message in enumerate(messages)
+                if not (message["role"] == "assistant" and not message.get("tool_calls")
+                        and 0 < number < len(messages) - 1 and messages[number - 1]["role"] == "tool"
+                        and messages[number + 1]["role"] == "user")]
+        dropped += len(messages) - len(kept)
+        fast, oracle = fast_and_oracle(tokenizer, name, kept, tools)
+        assert fast.samples == oracle.samples, f"{name}: conversation {seed}"
+    assert dropped >= 4
+
+
 def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenizers, monkeypatch):
     """The comparison has teeth where the composition's assumption matters. A fast path that takes a
     split sample's history from the full rendering up to the previous sample's end (Qwen3 drops the

@@ -1203,8 +1203,8 @@ class _Composer:
     """A split group's text without rendering the conversation up to it.
 
     A group's sample is a history rendering up to the end of an anchor turn, then what follows the
-    anchor in a small rendering: the anchor's own small context (`_small_context`), the anchor as
-    history (without reasoning) and the messages up to the group's last turn, written as generated.
+    anchor in a small rendering: the anchor's own small context (`_small_context`), the anchor and the
+    messages up to the group's last turn, written as generated.
     Templates rewrite earlier turns when a user message follows them (Qwen3 keeps the reasoning of
     every turn since the last user message; Mistral moves the system prompt and tools to the last one)
     or when the turn is no longer last, so the history up to the anchor reads as the group's own
@@ -1288,6 +1288,12 @@ class _Composer:
         if source is None:
             return None
         history_text, history = source
+        # The group's turns are found in the composed text from the end of the anchor turn on.
+        cursor, context_from = history[anchor_position][1], anchor_position + 1
+        if source_end == len(self.indices) - 1:
+            # A group that spans user messages (Kimi thinking) takes the stretches before its last turn's
+            # from the full rendering as well: in its last turn's prompt they precede a user message too.
+            anchor_position = max(anchor_position, self._before_stretch(last))
         history_start, history_end = history[anchor_position]
         after_anchor = self._after_anchor(anchor_position, last, history_text[history_start:history_end], source_end)
         if after_anchor is None:
@@ -1297,10 +1303,15 @@ class _Composer:
             if text != history_text:
                 return None
             self.checked.add((first, last))
-        located = _locate_group(text, self.bodies, first, last, self.layout, history_end, anchor_position + 1)
+        located = _locate_group(text, self.bodies, first, last, self.layout, cursor, context_from)
         if isinstance(located, _Rendered):
             located.history = history_text
         return located
+
+    def _before_stretch(self, position: int) -> int:
+        """The last turn before the user message that opens turn `position`'s stretch (-1: none)."""
+        opened = max((user for user in self.users if user < self.indices[position]), default=-1)
+        return max((before for before in range(position) if self.indices[before] < opened), default=-1)
 
     def _after_anchor(self, anchor_position: int, last: int, anchor_text: str, source_end: int) -> str | None:
         """Turn `last`'s prompt after the anchor turn, ending in the turn's header: read off its stretch's
@@ -1319,11 +1330,13 @@ class _Composer:
         result, so a template that looks for the last message of some kind (Kimi thinking: the last
         assistant turn without tool calls) finds the same one in both. None elsewhere, where `last` ends
         its stretch (its own rendering is the stretch's) or where its header cannot be found."""
-        if anchor_position == last - 1 and self.readable[last]:
+        anchor = self.template_messages[self.indices[anchor_position]]
+        if anchor_position == last - 1 and self.readable[last] and "reasoning_content" not in anchor:
             # No turn between the anchor and this one: what lies between (a user message, tool results)
             # reads as in the history rendering, where the anchor's history ends (the turn opens its
             # stretch, or its stretch's rendering is the history), and the turn's header as its small
-            # context's prompt showed it.
+            # context's prompt showed it. Not after an anchor with reasoning, which the turn's prompt may
+            # show where the history rendering does not (the small rendering's anchor check says).
             text, turns = self._source(source_end)
             return text[turns[anchor_position][1]: turns[last][0]] + self.bodies[last][0]
         end = self.stretch_end[last]
@@ -1343,16 +1356,15 @@ class _Composer:
 
     def _rendered_after_anchor(self, anchor_position: int, last: int, anchor_text: str) -> str | None:
         """Turn `last`'s prompt after the anchor, from one small rendering: the anchor's small context, the
-        anchor as history (without reasoning) and the messages up to the turn; None where the anchor does
-        not read there as `anchor_text` (its history rendering) or the template cannot render it."""
+        anchor (with its reasoning: a template may show it there, as Kimi thinking does for a tool-call turn
+        that a user message follows) and the messages up to the turn; None where the anchor does not read
+        there as `anchor_text` (its history rendering) or the template cannot render it."""
         messages = self.template_messages
         anchor = self.indices[anchor_position]
         if (anchor_position, last) not in self.small_prompts:
             context = _small_context(messages, anchor)
-            history_anchor = {key: value for key, value in messages[anchor].items()
-                              if key not in ("reasoning_content", "_reasoning")}
             try:  # the prompt of the turn; the turn follows as generated (as `_Renderer.last` writes it)
-                small = self.small.prompt(context + [history_anchor] + messages[anchor + 1: self.indices[last]])
+                small = self.small.prompt(context + messages[anchor: self.indices[last]])
             except ChatTemplateError:
                 small = None
             self.small_prompts[anchor_position, last] = small
