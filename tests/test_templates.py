@@ -179,24 +179,44 @@ def test_composed_split_samples_equal_the_oracle(tokenizers, name, agent):
     assert split >= (0 if (name, agent) == ("deepseek_r1", True) else 1)
 
 
+def user_after_tools(name: str, seed: int) -> tuple[list[dict], list | None]:
+    """A chat conversation whose answers between tool results and a user message are left out."""
+    messages, tools = conversation(name, random.Random(f"hole-{seed}"), 40)
+    return [message for number, message in enumerate(messages)
+            if not (message["role"] == "assistant" and not message.get("tool_calls")
+                    and 0 < number < len(messages) - 1 and messages[number - 1]["role"] == "tool"
+                    and messages[number + 1]["role"] == "user")], tools
+
+
 @pytest.mark.parametrize("name", ["kimi_k2_thinking", "qwen3"])
 def test_tool_call_turn_followed_by_a_user_message_equals_the_oracle(tokenizers, name):
-    """A user message right after tool results (no final answer between): Kimi thinking keeps the
-    reasoning of the tool-call turn before it in later prompts (no answer follows it there) while the full
-    rendering blanks it (an answer follows later). The composition must not take that turn from the full
-    rendering (the fast path once did, silently)."""
+    """A user message right after tool results (no answer between): Kimi thinking keeps the reasoning of
+    the tool-call turn before it in later prompts (no answer follows it there) while the full rendering
+    blanks it (an answer follows later). The composition must not take that turn from the full rendering
+    (the fast path once did, silently)."""
     tokenizer = tokenizers[name]
-    dropped = 0
     for seed in range(6):
-        messages, tools = conversation(name, random.Random(f"hole-{seed}"), 40)
-        kept = [message for number, message in enumerate(messages)
-                if not (message["role"] == "assistant" and not message.get("tool_calls")
-                        and 0 < number < len(messages) - 1 and messages[number - 1]["role"] == "tool"
-                        and messages[number + 1]["role"] == "user")]
-        dropped += len(messages) - len(kept)
-        fast, oracle = fast_and_oracle(tokenizer, name, kept, tools)
+        messages, tools = user_after_tools(name, seed)
+        fast, oracle = fast_and_oracle(tokenizer, name, messages, tools)
         assert fast.samples == oracle.samples, f"{name}: conversation {seed}"
-    assert dropped >= 4
+
+
+def test_template_that_shows_reasoning_before_a_user_message_does_not_keep_history(tokenizers, monkeypatch):
+    """The probe `keeps_history` is what stops a group's prompt being read off the full rendering after
+    an anchor with reasoning: Kimi thinking fails it; with its answer forced, the readings are wrong where
+    a tool-call turn right before a user message has reasoning, and the oracle says so."""
+    from eaglekit import chat
+
+    tokenizer = tokenizers["kimi_k2_thinking"]
+    assert not template_layout(tokenizer).keeps_history and template_layout(tokenizers["qwen3"]).keeps_history
+    monkeypatch.setattr(chat, "_LAYOUT_CACHE", {})
+    monkeypatch.setattr(chat, "_keeps_history", lambda *arguments: True)
+    differing = 0
+    for seed in range(6):
+        messages, tools = user_after_tools("kimi_k2_thinking", seed)
+        fast, oracle = fast_and_oracle(tokenizer, "kimi_k2_thinking", messages, tools)
+        differing += fast.samples != oracle.samples
+    assert differing > 0
 
 
 def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenizers, monkeypatch):

@@ -157,6 +157,9 @@ class TemplateLayout:
     # header (no message renders differently for the tool rounds after it; probed with reasoning on some
     # rounds and several calls on one): split groups then read their prompts off one rendering per stretch.
     reads_tool_rounds: bool = False
+    # Whether a turn with reasoning that a user message follows renders in every later prompt as in the
+    # first one that holds it (so in the full rendering as in the prompt of the turn after it).
+    keeps_history: bool = False
 
 
 @dataclass
@@ -315,9 +318,32 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
         family=_family(template, prompt, end_of_turn, reasoning),
         splits_at_control_tokens=_splits_at_control_tokens(tokenizer, end_of_turn),
     )
-    layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs))
+    layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs),
+                     keeps_history=_keeps_history(tokenizer, layout, template_kwargs))
     _LAYOUT_CACHE[key] = layout
     return layout
+
+
+def _probe_rounds(number: int, calls: int, reasoning: bool, content: str) -> list[dict]:
+    """A probe assistant turn (kit schema) with `calls` tool calls, then their results."""
+    turn = {"role": "assistant", "content": content, "tool_calls": [
+        {"id": f"call{number * 10 + call:05d}", "type": "function",
+         "function": {"name": "probe", "arguments": {"x": _PROBE_TOOL}}} for call in range(calls)]}
+    results = [{"role": "tool", "content": _PROBE_TOOL, "tool_call_id": call["id"]} for call in turn["tool_calls"]]
+    return [{**turn, "reasoning": _PROBE_REASONING} if reasoning else turn, *results]
+
+
+def _prompts_extend(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict, conversation: list[dict],
+                    ends: list[int]) -> bool:
+    """Whether the prompt of `conversation` extends the prompt of each of its prefixes up to `ends` (their
+    generation prompt's think opener left out)."""
+    messages = _template_messages(conversation, layout, _Marker(layout))
+    renderer = _Renderer(tokenizer, layout, None, template_kwargs)
+    try:
+        last = renderer.prompt(messages)
+        return all(last.startswith(_context_header(renderer.prompt(messages[:end]))) for end in ends)
+    except ChatTemplateError:
+        return False
 
 
 def _reads_tool_rounds(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict) -> bool:
@@ -325,27 +351,23 @@ def _reads_tool_rounds(tokenizer: Any, layout: TemplateLayout, template_kwargs: 
     on some, two calls on one) is the stretch's last prompt up to that turn's header."""
     if layout.tool_calls != "template":
         return False
-
-    def call_turn(number: int, calls: int, reasoning: bool, content: str) -> dict:
-        turn = {"role": "assistant", "content": content, "tool_calls": [
-            {"id": f"call{number * 10 + call:05d}", "type": "function",
-             "function": {"name": "probe", "arguments": {"x": _PROBE_TOOL}}} for call in range(calls)]}
-        return {**turn, "reasoning": _PROBE_REASONING} if reasoning else turn
-
     rounds: list[dict] = [{"role": "user", "content": _PROBE_USER}]
     for number, (calls, reasoning, content) in enumerate([(1, True, ""), (1, False, _PROBE_ASSISTANT), (2, True, ""),
                                                           (1, False, "")]):
-        turn = call_turn(number + 1, calls, reasoning, content)
-        rounds += [turn] + [{"role": "tool", "content": _PROBE_TOOL, "tool_call_id": call["id"]}
-                            for call in turn["tool_calls"]]
-    messages = _template_messages(rounds, layout, _Marker(layout))
-    turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
-    renderer = _Renderer(tokenizer, layout, None, template_kwargs)
-    try:
-        last = renderer.prompt(messages)
-        return all(last.startswith(_context_header(renderer.prompt(messages[:index]))) for index in turns[1:])
-    except ChatTemplateError:
-        return False
+        rounds += _probe_rounds(number + 1, calls, reasoning, content)
+    turns = [index for index, message in enumerate(rounds) if message["role"] == "assistant"]
+    return _prompts_extend(tokenizer, layout, template_kwargs, rounds, turns[1:])
+
+
+def _keeps_history(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict) -> bool:
+    """Whether turns with reasoning that a user message follows (a tool-call turn right after its results,
+    an answer) render in a prompt as in every later prompt, once answers and user messages follow (Kimi
+    thinking shows such a tool-call turn's reasoning until an answer follows)."""
+    answer = {"role": "assistant", "content": _PROBE_ASSISTANT, "reasoning": _PROBE_REASONING}
+    conversation = [{"role": "user", "content": _PROBE_USER}, *_probe_rounds(1, 1, True, ""),
+                    {"role": "user", "content": _PROBE_USER + "2"}, answer,
+                    {"role": "user", "content": _PROBE_USER + "3"}, answer, {"role": "user", "content": _PROBE_USER + "4"}]
+    return _prompts_extend(tokenizer, layout, template_kwargs, conversation, [4, 6])
 
 
 def _splits_at_control_tokens(tokenizer: Any, control_token: str) -> bool:
@@ -1331,12 +1353,14 @@ class _Composer:
         assistant turn without tool calls) finds the same one in both. None elsewhere, where `last` ends
         its stretch (its own rendering is the stretch's) or where its header cannot be found."""
         anchor = self.template_messages[self.indices[anchor_position]]
-        if anchor_position == last - 1 and self.readable[last] and "reasoning_content" not in anchor:
+        if anchor_position == last - 1 and self.readable[last] and \
+                (self.layout.keeps_history or "reasoning_content" not in anchor):
             # No turn between the anchor and this one: what lies between (a user message, tool results)
             # reads as in the history rendering, where the anchor's history ends (the turn opens its
             # stretch, or its stretch's rendering is the history), and the turn's header as its small
-            # context's prompt showed it. Not after an anchor with reasoning, which the turn's prompt may
-            # show where the history rendering does not (the small rendering's anchor check says).
+            # context's prompt showed it. After an anchor with reasoning only where the template keeps
+            # history (else the turn's prompt may show it where the history rendering does not: the small
+            # rendering's anchor check says).
             text, turns = self._source(source_end)
             return text[turns[anchor_position][1]: turns[last][0]] + self.bodies[last][0]
         end = self.stretch_end[last]
