@@ -645,10 +645,10 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
     (`_Rendered.history`: the full rendering or a long stretch's). The tokenizer splits text at control
     tokens before anything else (checked per tokenizer), so each sample keeps the tokens of whichever of
     the two shares more text with it, up to the last control token inside the shared text, and only its
-    rest is tokenized (all rests in one batched call); a history rendering is tokenized (whole) only
-    where a sample keeps from it, so no more text is tokenized than when every sample kept from its
-    history. Linear in the conversation, not quadratic. Where the kept text's tokens do not hold that
-    control token as one token at its place, the sample is tokenized whole."""
+    rest is tokenized; a history rendering is tokenized only where a sample keeps from it. Rests and
+    histories are cut at control tokens and each distinct piece is tokenized once (`_tokenize_pieces`).
+    Linear in the conversation, not quadratic. Where the kept text's tokens do not hold that control
+    token as one token at its place, the sample is tokenized whole."""
     control_ids = {tokenizer.convert_tokens_to_ids(token) for token in layout.control_tokens}
     control = re.compile("|".join(map(re.escape, layout.control_tokens)))
     # Per sample: what it keeps tokens of (0: the sample before it, 1: its history rendering, None:
@@ -667,8 +667,8 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[_Rendered], marker: 
         cut = _last_match(base, common, control)
         bases.append((-order, cut) if cut > 0 else (None, 0))
     histories = sorted({item.history for item, (order, _) in zip(rendered, bases) if order == 1})
-    tokens = _tokenize_many(tokenizer, [item.text[cut:] for item, (_, cut) in zip(rendered, bases)] + histories,
-                            marker)
+    tokens = _tokenize_pieces(tokenizer, [item.text[cut:] for item, (_, cut) in zip(rendered, bases)] + histories,
+                              marker, control, control_ids)
     whole = dict(zip(histories, tokens[len(rendered):]))  # the history renderings kept from, tokenized whole
     samples = []
     before: tuple[list[int], list[int]] = ([], [])  # the tokens of the sample before
@@ -700,6 +700,35 @@ def _last_match(text: str, end: int, pattern: re.Pattern) -> int:
         if found >= 0 or start == 0:
             return found
         window *= 4
+
+
+def _tokenize_pieces(tokenizer: Any, texts: list[str], marker: _Marker, control: re.Pattern,
+                     control_ids: set[int]) -> list[tuple[list[int], list[int]]]:
+    """`_tokenize_marked` of each text, for a tokenizer that splits text at control tokens first: every text
+    cut before each control token, each distinct piece tokenized once (the samples of a conversation share
+    most of theirs: user messages, tool results, Mistral's tool list), a text's tokens its pieces' tokens
+    in order. A text with a piece whose control token is not its first token is tokenized whole."""
+    cuts: list[list[int]] = []
+    pieces: dict[str, int] = {}
+    for text in texts:
+        starts = [0] + [match.start() for match in control.finditer(text) if match.start() > 0]
+        cuts.append(starts)
+        for start, end in zip(starts, starts[1:] + [len(text)]):
+            pieces.setdefault(text[start:end], len(pieces))
+    piece_tokens = _tokenize_many(tokenizer, list(pieces), marker)
+    results = []
+    for text, starts in zip(texts, cuts):
+        ids: list[int] = []
+        offsets: list[int] = []
+        for start, end in zip(starts, starts[1:] + [len(text)]):
+            piece_ids, piece_starts = piece_tokens[pieces[text[start:end]]]
+            if start > 0 and not (piece_ids and piece_ids[0] in control_ids and piece_starts[0] == 0):
+                ids, offsets = _tokenize_marked(tokenizer, text, marker)
+                break
+            ids += piece_ids
+            offsets += [start + offset for offset in piece_starts]
+        results.append((ids, offsets))
+    return results
 
 
 def _tokenize_many(tokenizer: Any, texts: list[str], marker: _Marker) -> list[tuple[list[int], list[int]]]:
