@@ -603,29 +603,7 @@ def _tokenize_marked(tokenizer: Any, text: str, marker: _Marker) -> tuple[list[i
     between are tokenized as usual (the template's control tokens stay control tokens) and each
     marked token as plain text (`split_special_tokens=True`), all of its tokens starting at the mark.
     """
-    marks = [match.start() for match in _MARK_RANGE.finditer(text)]
-    if not marks:
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        return list(encoding["input_ids"]), [start for start, _ in encoding["offset_mapping"]]
-    pieces, starts, cursor = [], [], 0
-    for position in marks:
-        pieces.append(text[cursor:position])
-        starts.append(cursor)
-        cursor = position + 1
-    pieces.append(text[cursor:])
-    starts.append(cursor)
-    plain = tokenizer([piece for piece in pieces], add_special_tokens=False, return_offsets_mapping=True)
-    literal = tokenizer([marker.unmark(text[position]) for position in marks], add_special_tokens=False,
-                        split_special_tokens=True)
-    ids: list[int] = []
-    offsets: list[int] = []
-    for index, start in enumerate(starts):
-        ids += plain["input_ids"][index]
-        offsets += [start + offset for offset, _ in plain["offset_mapping"][index]]
-        if index < len(marks):
-            ids += literal["input_ids"][index]
-            offsets += [marks[index]] * len(literal["input_ids"][index])
-    return ids, offsets
+    return _tokenize_many(tokenizer, [text], marker)[0]
 
 
 def _sample(tokenizer: Any, rendered: _Rendered, marker: _Marker,
@@ -732,17 +710,40 @@ def _tokenize_pieces(tokenizer: Any, texts: list[str], marker: _Marker, control:
 
 
 def _tokenize_many(tokenizer: Any, texts: list[str], marker: _Marker) -> list[tuple[list[int], list[int]]]:
-    """`_tokenize_marked` of each text; the texts without marks in one batched tokenizer call."""
-    plain = [index for index, text in enumerate(texts) if not _MARK_RANGE.search(text)]
-    results: list[tuple[list[int], list[int]]] = [([], [])] * len(texts)
-    if plain:
-        encoding = tokenizer([texts[index] for index in plain], add_special_tokens=False, return_offsets_mapping=True)
-        for position, index in enumerate(plain):
-            results[index] = (list(encoding["input_ids"][position]),
-                              [start for start, _ in encoding["offset_mapping"][position]])
-    for index, text in enumerate(texts):
-        if _MARK_RANGE.search(text):
-            results[index] = _tokenize_marked(tokenizer, text, marker)
+    """`_tokenize_marked` of each text, in two batched tokenizer calls: the pieces between marks of every
+    text in one, the marked tokens of every text (as plain text) in the other."""
+    pieces: list[str] = []
+    piece_starts: list[int] = []
+    literals: list[str] = []
+    marks: list[int] = []
+    plans: list[list[tuple[bool, int]]] = []  # per text: (a marked token?, its index) in order
+    for text in texts:
+        plan, cursor = [], 0
+        for match in _MARK_RANGE.finditer(text):
+            plan += [(False, len(pieces)), (True, len(literals))]
+            pieces.append(text[cursor: match.start()])
+            piece_starts.append(cursor)
+            literals.append(marker.unmark(match.group(0)))
+            marks.append(match.start())
+            cursor = match.end()
+        plan.append((False, len(pieces)))
+        pieces.append(text[cursor:])
+        piece_starts.append(cursor)
+        plans.append(plan)
+    plain = tokenizer(pieces, add_special_tokens=False, return_offsets_mapping=True) if pieces else None
+    literal = tokenizer(literals, add_special_tokens=False, split_special_tokens=True) if literals else None
+    results = []
+    for plan in plans:
+        ids: list[int] = []
+        offsets: list[int] = []
+        for marked, index in plan:
+            if marked:
+                ids += literal["input_ids"][index]
+                offsets += [marks[index]] * len(literal["input_ids"][index])
+            else:
+                ids += plain["input_ids"][index]
+                offsets += [piece_starts[index] + start for start, _ in plain["offset_mapping"][index]]
+        results.append((ids, offsets))
     return results
 
 
