@@ -15,7 +15,8 @@ The load average is printed with the table.
 The oracle renders and tokenizes every turn's prompt and turn: quadratic in the conversation. The fast
 path is linear: one render of the whole conversation, each turn as generated in a small context, and
 for templates that rewrite history (Qwen3, Kimi thinking, DeepSeek; split into one sample per
-stretch) each sample composed from a history rendering plus its own stretch rendered small.
+stretch) each sample composed from a history rendering plus its own stretch rendered small (one
+rendering per stretch of tool rounds, or read off the history rendering where the template allows it).
 Mistral moves the system prompt and tool definitions to the last user message (the system prompt only
 while that message is last): there every turn's prompt is composed (the history from the full
 rendering, each stretch from one small rendering with the system prompt and tools) and cut as the

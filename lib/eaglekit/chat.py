@@ -29,7 +29,9 @@ It learns each turn's span as generated from the small render above, renders the
 once and finds `header + span` in it left to right. Where that rendering does not show every turn as
 generated (the template rewrites history), each split sample is composed rather than rendered
 (`_Composer`): a history rendering up to an anchor turn (the full rendering, or for a long stretch of
-tool rounds the stretch's own), then the rest rendered in a small context; group ends are confirmed
+tool rounds the stretch's own), then the rest rendered in a small context, or read off a rendering
+already made where probes of the template say it reads the same there (one small rendering per stretch
+of tool rounds; the history rendering for a turn right after its anchor); group ends are confirmed
 with the oracle's own criterion on the composed texts; samples reuse the tokens of the sample before
 them or of the history rendering, whichever they share more text with (for tokenizers that split
 text at control tokens first, as byte-level BPE does). Each conversation gets real checks (the last sample is the full rendering, the one before it
