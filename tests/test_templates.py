@@ -459,3 +459,19 @@ def test_visible_policy_is_one_sequence_that_trains_only_assistant_text(tokenize
         assert masked.count(template_layout(tokenizer, kwargs).end_of_turn) == sum(
             message["role"] == "assistant" for message in messages)
         break
+
+
+def test_shape_cache_is_bounded_when_every_record_has_its_own_tools(tokenizers, monkeypatch):
+    """What a context's shape tells is kept per tool list (chat._SHAPE_CACHE); records with distinct tool
+    lists (Glaive gives each its own) must not grow it without bound, and the samples stay the oracle's."""
+    from eaglekit import chat
+
+    monkeypatch.setattr(chat, "_SHAPE_CACHE", {})
+    monkeypatch.setattr(chat, "_SHAPE_CACHE_SIZE", 3)
+    tokenizer = tokenizers["llama3"]  # tools inside the first user message: small renders keep them
+    messages, _ = conversation("llama3", random.Random("bounded"), 9)
+    for number in range(5):
+        tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": f"Run a shell command {number}"}}]
+        fast, oracle = fast_and_oracle(tokenizer, "llama3", messages, tools)
+        assert fast.samples == oracle.samples
+    assert len(chat._SHAPE_CACHE) == 3

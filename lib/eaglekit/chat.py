@@ -176,7 +176,9 @@ class _Rendered:
 _LAYOUT_CACHE: dict[tuple[int, int, str, str], TemplateLayout] = {}
 # What a small context's shape tells about the turns after it (see _generated_bodies), per tokenizer,
 # template, kwargs and tool list: found on the first conversation that has the shape, kept for the next.
+# Bounded: a dataset may give every record its own tool list (the oldest entry goes first).
 _SHAPE_CACHE: dict[tuple, "_ShapeFacts"] = {}
+_SHAPE_CACHE_SIZE = 64
 # A split group whose stretch (messages since the user message before it) is longer than this takes its
 # history from its stretch's own rendering rather than from the full one (see _Composer).
 _SHORT_STRETCH = 16
@@ -1457,6 +1459,8 @@ def _shape_facts(renderer: _Renderer, layout: TemplateLayout) -> _ShapeFacts:
     key = (layout, id(tokenizer), len(tokenizer), tokenizer.chat_template,
            json.dumps(renderer.kwargs, sort_keys=True, default=str), json.dumps(renderer.tools, sort_keys=True,
                                                                                  default=str))
+    if key not in _SHAPE_CACHE and len(_SHAPE_CACHE) >= _SHAPE_CACHE_SIZE:
+        del _SHAPE_CACHE[next(iter(_SHAPE_CACHE))]
     return _SHAPE_CACHE.setdefault(key, _ShapeFacts())
 
 
