@@ -475,3 +475,22 @@ def test_shape_cache_is_bounded_when_every_record_has_its_own_tools(tokenizers, 
         fast, oracle = fast_and_oracle(tokenizer, "llama3", messages, tools)
         assert fast.samples == oracle.samples
     assert len(chat._SHAPE_CACHE) == 3
+
+
+def test_template_whose_rendering_does_not_extend_the_last_prompt_renders_it(tokenizers, monkeypatch):
+    """The last turn's prompt is read off the conversation's rendering only where the probe
+    `extends_prompt` says that rendering extends it: Kimi thinking fails it (once the last turn is an
+    answer it blanks the reasoning of the tool rounds before it, which the prompt shows). With its answer
+    forced, the last samples are wrong and the oracle says so."""
+    from eaglekit import chat
+
+    tokenizer = tokenizers["kimi_k2_thinking"]
+    assert not template_layout(tokenizer).extends_prompt and template_layout(tokenizers["qwen3"]).extends_prompt
+    monkeypatch.setattr(chat, "_LAYOUT_CACHE", {})
+    monkeypatch.setattr(chat, "_extends_prompt", lambda *arguments: True)
+    differing = 0
+    for seed in range(8):  # one of them ends in tool rounds with reasoning, then an answer
+        messages, tools = conversation("kimi_k2_thinking", random.Random(f"extends-{seed}"), 40)
+        fast, oracle = fast_and_oracle(tokenizer, "kimi_k2_thinking", messages, tools)
+        differing += fast.samples != oracle.samples
+    assert differing > 0

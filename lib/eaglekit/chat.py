@@ -162,6 +162,10 @@ class TemplateLayout:
     # Whether a turn with reasoning that a user message follows renders in every later prompt as in the
     # first one that holds it (so in the full rendering as in the prompt of the turn after it).
     keeps_history: bool = False
+    # Whether a conversation's rendering up to its last turn extends that turn's prompt (its think opener
+    # left out), with earlier stretches and tool rounds with reasoning before it (Kimi thinking blanks
+    # them once the last turn is an answer): the prompt is then read off that rendering.
+    extends_prompt: bool = False
 
 
 @dataclass
@@ -323,7 +327,8 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
         splits_at_control_tokens=_splits_at_control_tokens(tokenizer, end_of_turn),
     )
     layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs),
-                     keeps_history=_keeps_history(tokenizer, layout, template_kwargs))
+                     keeps_history=_keeps_history(tokenizer, layout, template_kwargs),
+                     extends_prompt=_extends_prompt(tokenizer, layout, template_kwargs))
     _LAYOUT_CACHE[key] = layout
     return layout
 
@@ -372,6 +377,20 @@ def _keeps_history(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict
                     {"role": "user", "content": _PROBE_USER + "2"}, answer,
                     {"role": "user", "content": _PROBE_USER + "3"}, answer, {"role": "user", "content": _PROBE_USER + "4"}]
     return _prompts_extend(tokenizer, layout, template_kwargs, conversation, [4, 6])
+
+
+def _extends_prompt(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict) -> bool:
+    """Whether a probe conversation's rendering up to its last turn (an answer with reasoning after tool
+    rounds, one with reasoning, and an earlier stretch) extends the last turn's prompt."""
+    answer = {"role": "assistant", "content": _PROBE_ASSISTANT, "reasoning": _PROBE_REASONING}
+    conversation = [{"role": "user", "content": _PROBE_USER}, answer, {"role": "user", "content": _PROBE_USER + "2"},
+                    *_probe_rounds(1, 1, True, ""), *_probe_rounds(2, 1, False, _PROBE_ASSISTANT), answer]
+    messages = _template_messages(conversation, layout, _Marker(layout))
+    renderer = _Renderer(tokenizer, layout, None, template_kwargs)
+    try:
+        return renderer.whole(messages).startswith(_context_header(renderer.prompt(messages[:-1])))
+    except ChatTemplateError:
+        return False
 
 
 def _splits_at_control_tokens(tokenizer: Any, control_token: str) -> bool:
@@ -1121,7 +1140,7 @@ def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list
     check, every group is rendered whole (one render per group).
     """
     count = len(indices)
-    full = renderer.last(template_messages[: indices[-1] + 1])
+    full = _full_rendering(renderer, template_messages[: indices[-1] + 1], bodies, layout, readable)
     whole = _locate_group(full, bodies, 0, count - 1, layout)
     if isinstance(whole, _Rendered):
         return [whole]
@@ -1159,6 +1178,20 @@ def _split_groups(renderer: _Renderer, small: _Renderer, template_messages: list
     for group in groups or []:
         group.history = full  # samples share their beginning with the full rendering up to its first rewrite
     return groups
+
+
+def _full_rendering(renderer: _Renderer, messages: list[dict], bodies: list[tuple[str, str, int]],
+                    layout: TemplateLayout, readable: list[bool]) -> str:
+    """The conversation up to its last turn as the oracle's last sample holds it (`_Renderer.last`). The
+    turn's prompt is read off the conversation's rendering (up to the turn's header, then the header)
+    where the template's probe says that rendering extends the prompt (`extends_prompt`) and the turn's
+    small context showed the prompt to be its rendering up to its header; else it is rendered."""
+    if layout.extends_prompt and readable[-1]:
+        whole = renderer.whole(messages)
+        turns = _history_turns(whole, bodies, layout)
+        if turns is not None:
+            return renderer.last(messages, whole[: turns[-1][0]] + bodies[-1][0], whole)
+    return renderer.last(messages)
 
 
 def _greedy_groups(attempt, ends: list[int], count: int, kinds: Sequence[Any] = ()) -> list[_Rendered] | None:
