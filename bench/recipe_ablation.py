@@ -22,8 +22,8 @@ Levers (variants are changes to the baseline; `--variants` picks some):
                      feature RMS (TrainSettings.feature_noise; baseline 0)
   argmax             distil from the one-hot of the target's greedy token instead of its softmax over
                      the draft vocab (TrainSettings.distill)
-  anneal_60 / anneal_120   until_converged: once converged, a cosine from the peak lr to min_learning_rate
-                     over 60 / 120 steps, then stop (TrainSettings.decay_steps; baseline 0: stop at once)
+  anneal_60 / anneal_120 / anneal_240   until_converged: once converged, a cosine from the peak lr to
+                     min_learning_rate over 60 / 120 / 240 steps, then stop (TrainSettings.decay_steps; baseline 0: stop at once)
   smoothing_2        until_converged judges improvement on the mean of the last 2 held-out taus
   patience_6         until_converged: 6 evaluations without improvement before stopping
 A variant may combine levers with "+", e.g. vocab_double+anneal_120 (applied left to right).
@@ -59,7 +59,7 @@ from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, loa
 from eaglekit.vocab import count_generated_tokens, select_draft_vocab
 
 VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "ttt_7", "step_weight_1", "vocab_half",
-            "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax", "anneal_60", "anneal_120", "smoothing_2", "patience_6"]
+            "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax", "anneal_60", "anneal_120", "anneal_240", "smoothing_2", "patience_6"]
 
 
 def levers(name: str) -> list[str]:
@@ -92,6 +92,7 @@ def _lever_settings(name: str, base: TrainSettings) -> dict[str, Any]:
         "argmax": {"distill": "argmax"},
         "anneal_60": {"decay_steps": 60},
         "anneal_120": {"decay_steps": 120},
+        "anneal_240": {"decay_steps": 240},
         "smoothing_2": {"smoothing_evaluations": 2},
         "patience_6": {"patience": 6},
     }.get(name, {})

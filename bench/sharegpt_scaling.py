@@ -326,6 +326,8 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
                "feature_noise", "distill")},
            "load_average": os.getloadavg()}  # 1 / 5 / 15 min, when training ended: s/step follows it
     train_times = [record["seconds"] for record in iterate_train(result.metrics_path)]
+    restarts = [index for index in range(1, len(train_times)) if train_times[index] < train_times[index - 1]]
+    train_times = train_times[restarts[-1]:] if restarts else train_times  # a resumed or continued run: its last process only
     if len(train_times) > 1:
         row["seconds_per_step"] = (train_times[-1] - train_times[0]) / (len(train_times) - 1)  # this process's steps, evals included
     if args.loop_prompts:
