@@ -335,6 +335,36 @@ def test_mistral_composition_without_the_system_prompt_is_caught_by_the_real_che
     assert fast.fallback and fast.samples == oracle.samples
 
 
+def test_mistral_stretch_first_prompt_read_off_the_stretch_is_checked(tokenizers, monkeypatch):
+    """A stretch's first prompt (its user message last: Mistral shows the system prompt there) is read off
+    the stretch's rendering with the system prompt inserted as probed (chat._system_insertion: Mistral's
+    "[INST]" + system + "\\n\\n" + content + "[/INST]"; Qwen3 has no such reading). A wrong separator is
+    caught by the real check of the sample before the last where that is the last stretch's first turn
+    (the conversation goes to the oracle, and the samples stay the oracle's); the real checks do not
+    reach an earlier stretch's, and there the oracle comparison says the samples differ."""
+    from eaglekit import chat
+
+    def insertion(name: str) -> tuple[str, str] | None:
+        tokenizer = tokenizers[name]
+        layout = chat.template_layout(tokenizer, TEMPLATE_KWARGS.get(name))
+        return chat._system_insertion(chat._Renderer(tokenizer, layout, TOOLS, TEMPLATE_KWARGS.get(name) or {}))
+
+    assert insertion("mistral") == ("\n\n", "[/INST]")
+    assert insertion("qwen3") is None
+    tokenizer = tokenizers["mistral"]
+    # Seed "a": the last stretch has several turns; "b": one (its first prompt is rendered, as ever).
+    conversations = [mistral_conversation(random.Random(seed), 30, False, True, True) for seed in ("a", "b")]
+    for messages, tools in conversations:
+        fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
+        assert fast.samples == oracle.samples and not fast.fallback and fast.split
+    monkeypatch.setattr(chat, "_SHAPE_CACHE", {})
+    monkeypatch.setattr(chat, "_system_insertion", lambda renderer: ("\n", "[/INST]"))
+    fast, oracle = fast_and_oracle(tokenizer, "mistral", *conversations[0])
+    assert fast.fallback and fast.samples == oracle.samples
+    fast, oracle = fast_and_oracle(tokenizer, "mistral", *conversations[1])
+    assert not fast.fallback and fast.samples != oracle.samples
+
+
 def test_mistral_equal_user_messages_go_to_the_oracle(tokenizers, monkeypatch):
     """Mistral finds the last user message by equality, so an earlier user message equal to it gets the
     tool definitions too. The composition does not show that and the real checks (last two samples) do

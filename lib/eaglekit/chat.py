@@ -182,6 +182,7 @@ _LAYOUT_CACHE: dict[tuple[int, int, str, str], TemplateLayout] = {}
 # template, kwargs and tool list: found on the first conversation that has the shape, kept for the next.
 # Bounded: a dataset may give every record its own tool list (the oldest entry goes first).
 _SHAPE_CACHE: dict[tuple, "_ShapeFacts"] = {}
+_UNPROBED = object()  # a fact not probed yet (None is a probed "no")
 _SHAPE_CACHE_SIZE = 64
 # A split group whose stretch (messages since the user message before it) is longer than this takes its
 # history from its stretch's own rendering rather than from the full one (see _Composer).
@@ -1013,11 +1014,12 @@ def _injected_groups(renderer: _Renderer, template_messages: list[dict], indices
     Every turn's prompt P_i is composed, not rendered whole: the history before the last user message
     u as the full rendering shows it (there the tools sit before the conversation's last user message
     only and the system prompt nowhere), then what follows the assistant turn a before u (the anchor) in
-    a rendering of the system prompt, a's small context, a and the messages from u on. The first turn
-    after u gets its own small prompt (u is last there: the system prompt shows); the later turns of
-    u's stretch are read off one rendering of the stretch. Samples are then cut with the oracle's own
-    criterion (P_{i+1} does not extend P_i + turn i) on the composed texts. Checked: the anchor reads the
-    same in the full rendering and the small one, and the last turn's prompt and the last turn of the
+    a rendering of the system prompt, a's small context, a and the messages from u on. The turns of u's
+    stretch are read off one rendering of the stretch; the first turn's prompt (u is last there: the
+    system prompt shows) with the system prompt inserted as `_system_insertion` probed, or, where the
+    stretch has one turn or the probe does not read so, its own small prompt. Samples are then cut with
+    the oracle's own criterion (P_{i+1} does not extend P_i + turn i) on the composed texts. Checked: the
+    anchor reads the same in the full rendering and the small one, and the last turn's prompt and the last turn of the
     sample before the last sample equal their real renderings.
     """
     messages = template_messages[: indices[-1] + 1]
@@ -1029,6 +1031,10 @@ def _injected_groups(renderer: _Renderer, template_messages: list[dict], indices
     if not _users_distinct(messages, users):
         return None
     system = messages[: users[0]]
+    facts = _shape_facts(renderer, layout)
+    if facts.system_insertion is _UNPROBED:
+        facts.system_insertion = _system_insertion(renderer)
+    insertion = facts.system_insertion
     full = renderer.whole(messages)
     history = _history_turns(full, bodies, layout)
     if history is None:
@@ -1061,20 +1067,23 @@ def _injected_groups(renderer: _Renderer, template_messages: list[dict], indices
                     return None
                 return full[:anchor_end] + text[at:]
             cursor = anchor_end
-        first = compose(renderer.prompt(prefix + messages[user: indices[turns[0]]]))
+        first = None
+        if len(turns) > 1:
+            stretch = prefix + messages[user: indices[turns[-1]] + 1]
+            text = full if stretch == messages else \
+                compose(renderer.whole(stretch))
+            located = None if text is None else _locate_turns(text, bodies, turns[0], turns[-1], cursor)
+            if not isinstance(located, _Rendered):
+                return None
+            for position, (start, _) in zip(turns[1:], located.spans[1:]):
+                composed[position] = text[:start]
+            if indices[turns[0]] == user + 1:  # the first turn's prompt: the stretch's, cut, u last
+                first = _with_system(text[: located.spans[0][0]], prefix, messages[user], insertion)
+        if first is None:
+            first = compose(renderer.prompt(prefix + messages[user: indices[turns[0]]]))
         if first is None:
             return None
         composed[turns[0]] = first
-        if len(turns) == 1:
-            continue
-        stretch = prefix + messages[user: indices[turns[-1]] + 1]
-        text = full if stretch == messages else \
-            compose(renderer.whole(stretch))
-        located = None if text is None else _locate_turns(text, bodies, turns[0], turns[-1], cursor)
-        if not isinstance(located, _Rendered):
-            return None
-        for position, (start, _) in zip(turns[1:], located.spans[1:]):
-            composed[position] = text[:start]
     groups: list[_Rendered] = []
     current: _Rendered | None = None
     for position in range(count):
@@ -1100,6 +1109,62 @@ def _injected_groups(renderer: _Renderer, template_messages: list[dict], indices
     elif full.startswith(composed[-1]) and full != groups[-1].text:
         return None
     return groups
+
+
+def _system_insertion(renderer: _Renderer) -> tuple[str, str] | None:
+    """(separator, tail) where a prompt whose last message is a user message u reads off a rendering that
+    goes on after u: that rendering cut where the next turn's text starts, with the system prompt and the
+    separator inserted before u's content, followed by `tail` up to the cut (Mistral: "\\n\\n" and
+    "[/INST]"); probed with and without a system prompt, with and without a turn before u. None where the
+    probes do not all read so: the stretch's first prompt is then rendered."""
+    def pair(system: str | None, before: list[dict], user: str, answer: str) -> tuple[str, str, str] | None:
+        head = [{"role": "system", "content": system}] if system is not None else []
+        conversation = head + before + [{"role": "user", "content": user}]
+        prompt = renderer.prompt(conversation)
+        whole = renderer.whole(conversation + [{"role": "assistant", "content": answer}])
+        at = whole.rfind(answer)
+        return None if at < 0 else (prompt, whole[:at], system or "")
+
+    earlier = [{"role": "user", "content": _PROBE_USER + "0"}, {"role": "assistant", "content": _PROBE_ASSISTANT + "0"}]
+    try:
+        probes = [pair(_PROBE_USER + "SYSTEM1", [], _PROBE_USER + "1", _PROBE_ASSISTANT + "1"),
+                  pair(_PROBE_USER + "SYSTEM2", earlier, _PROBE_USER + "2", _PROBE_ASSISTANT + "2"),
+                  pair(None, earlier, _PROBE_USER + "3", _PROBE_ASSISTANT + "3")]
+    except ChatTemplateError:
+        return None
+    if any(probe is None for probe in probes):
+        return None
+    prompt, cut, system = probes[0]
+    user = _PROBE_USER + "1"
+    at = cut.rfind(user)
+    if at < 0 or not prompt.startswith(cut[:at] + system) or not prompt.endswith(cut[at:]):
+        return None
+    separator, tail = prompt[at + len(system): len(prompt) - len(cut) + at], cut[at + len(user):]
+    for number, (prompt, cut, system) in enumerate(probes):
+        content = {"role": "user", "content": _PROBE_USER + str(number + 1)}
+        head = [{"role": "system", "content": system}] if system else []
+        if _with_system(cut, head, content, (separator, tail)) != prompt:
+            return None
+    return separator, tail
+
+
+def _with_system(cut: str, prefix: list[dict], user: dict, insertion: tuple[str, str] | None) -> str | None:
+    """A stretch's rendering `cut` where its first turn starts, as the prompt of that turn (u last): the
+    system prompt (the prefix's first message, if a system message) inserted before u's content as
+    `_system_insertion` probed; None where it cannot be read so (the prompt is then rendered)."""
+    content = user.get("content")
+    if insertion is None or not isinstance(content, str) or not content:
+        return None
+    separator, tail = insertion
+    if not cut.endswith(content + tail):
+        return None
+    if not prefix or prefix[0]["role"] != "system":
+        return cut
+    system = prefix[0].get("content")
+    if not isinstance(system, str) or not system:  # the probes had a system prompt with text
+        return None
+    at = len(cut) - len(content) - len(tail)
+    return cut[:at] + system + separator + cut[at:]
 
 
 def _users_distinct(messages: list[dict], users: list[int]) -> bool:
@@ -1485,6 +1550,9 @@ class _ShapeFacts:
     readings: dict[tuple, tuple[int, int] | None] = field(default_factory=dict)
     up_to_header: dict[tuple, bool] = field(default_factory=dict)
     probe_prompt: str | None = None  # the prompt of the probe user turn alone (every turn after a user turn)
+    # Where a stretch's first prompt reads off the stretch's rendering (Mistral's system prompt), probed on
+    # first use: `_system_insertion`.
+    system_insertion: Any = _UNPROBED
 
 
 def _shape_facts(renderer: _Renderer, layout: TemplateLayout) -> _ShapeFacts:
