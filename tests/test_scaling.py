@@ -238,6 +238,8 @@ def test_three_sizes_and_a_three_parameter_curve_are_not_identified():
     assert "3 data sizes for a 3-parameter curve" in answer["ceiling"]["statement"]
     assert "No ceiling and no data-size forecast" in answer["ceiling"]["statement"]
     assert answer["ceiling"]["loo_rmse"] == {"log-linear": None, "saturating": None}
+    assert "too few sizes to choose a model" in answer["ceiling"]["statement"]
+    assert "not evaluable" not in answer["ceiling"]["statement"]  # no model is "chosen" when none could be tested
     # Data needed only as doublings at the measured slope: (2.07 - 1.54) / 0.05 = 10.6.
     needed = answer["doublings_needed"][0]
     assert needed["doublings"] == pytest.approx((2.07 - 1.54) / 0.05, rel=1e-6)
@@ -264,6 +266,7 @@ def test_four_sizes_cannot_test_the_curve_on_a_left_out_size():
     assert not result.identified and any("cannot be tested on a left-out size" in reason for reason in result.reasons)
     assert leave_one_size_out_error(sizes, truth, "saturating") is None
     assert leave_one_size_out_error(sizes, truth, "log-linear") > 0
+    assert "the model chosen by leave-one-size-out error is log-linear (log-linear 0." in result.statement()
 
 
 def test_plot_marks_lower_bounds_and_draws_slope_and_benchmark(tmp_path):

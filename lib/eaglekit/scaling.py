@@ -622,8 +622,13 @@ class CeilingIdentification:
             low, high = self.fit.ceiling_interval()
             return (f"The ceiling is identified: tau_inf = {self.fit.tau_inf:.3g} ({self.fit.confidence:.0%} interval {low:.3g} to "
                     f"{high:.3g}), from the saturating model, which predicts left-out sizes best (leave-one-size-out RMSE: {errors}).")
+        if any(value is not None for value in self.loo_error.values()):
+            choice = f"the model chosen by leave-one-size-out error is {self.chosen_model} ({errors})"
+        else:
+            choice = ("too few sizes to choose a model by leave-one-size-out error, so the answer rests on the "
+                      "log-linear slope alone")
         return ("The ceiling is not identified: " + "; ".join(self.reasons) + ". No ceiling and no data-size forecast from one "
-                f"is reported; the model chosen by leave-one-size-out error is {self.chosen_model} ({errors}).")
+                f"is reported; {choice}.")
 
     def to_dict(self) -> dict:
         return {
