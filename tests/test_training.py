@@ -32,8 +32,9 @@ from eaglekit.training import (
 )
 from test_draft import samples_from_target, target_head, tiny_draft, tiny_target
 
+# decay_steps 0: its until_converged variants stop at convergence (the stop-rule tests); the anneal tests set one.
 FAST = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=2, schedule="equal_steps", max_steps=6,
-                     micro_batch_size=2, grad_accumulation_steps=2, eval_interval=2, max_length=64)
+                     micro_batch_size=2, grad_accumulation_steps=2, eval_interval=2, max_length=64, decay_steps=0)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -426,34 +427,68 @@ def test_patience_counts_from_the_last_real_improvement():
 
 
 
-def test_a_converged_draft_anneals_then_stops(world, tmp_path):
-    """decay_steps: patience running out starts a cosine from the peak to min_learning_rate over decay_steps,
-    and training stops (converged) at the evaluation that ends it; a run resumed mid-anneal logs the same."""
+# Anneal lengths after a plateau at step 4 (patience 2 x eval_interval 2): decay_steps as given; None: the
+# fraction of the 4 steps taken to converge, round(0.75 * 4) = 3 (default) or round(0.5 * 4) = 2; a set
+# decay_steps overrides the fraction.
+ANNEALS = [({"decay_steps": 4}, 4), ({"decay_steps": None}, 3), ({"decay_steps": None, "decay_fraction": 0.5}, 2),
+           ({"decay_steps": 1, "decay_fraction": 0.5}, 1)]
+
+
+@pytest.mark.parametrize("anneal, length", ANNEALS, ids=["decay_steps_4", "default_fraction", "fraction_0.5", "decay_steps_overrides"])
+def test_a_converged_draft_anneals_then_stops(world, tmp_path, anneal, length):
+    """Patience running out at step 4 starts a cosine from the peak to min_learning_rate over the anneal's
+    length, and training stops (converged) at the first evaluation after it ends. The same run three ways:
+    straight, stopped mid-anneal and resumed, and converged without an anneal (decay_steps 0, or a
+    checkpoint from before decay_fraction existed) then continued with it."""
+    import shutil
+
     target, train, heldout = world
     head = target.lm_head.weight.detach()
     peak, floor = 1e-12, 1e-13  # the draft cannot improve: patience 2 runs out at step 4
     flat = dataclass_replace(FAST, schedule="until_converged", learning_rate=peak, min_learning_rate=floor, max_steps=40, patience=2)
-    plain = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "plain", flat)
+    plain = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "plain", flat)  # decay_steps 0: stop at once
     assert (plain.steps, plain.stopped) == (4, "converged")
-    annealing = dataclass_replace(flat, decay_steps=4)
+    annealing = dataclass_replace(flat, **anneal)
+    assert annealing.anneal_steps(4) == length
+    stop = 4 + length + length % 2  # the first evaluation (every 2 steps) at or after the anneal's end
     straight = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "straight", annealing)
-    assert (straight.steps, straight.stopped, straight.converged) == (8, "converged", True)
+    assert (straight.steps, straight.stopped, straight.converged) == (stop, "converged", True)
     rates = [r["lr"] for r in read_metrics(straight.metrics_path) if r["split"] == "train"]
     cosine = lambda fraction: floor + 0.5 * (1 + math.cos(math.pi * fraction)) * (peak - floor)
-    assert rates == pytest.approx([peak / 3, 2 * peak / 3, peak, peak, peak, cosine(0.25), cosine(0.5), cosine(0.75)], rel=1e-9)
+    expected = [peak / 3, 2 * peak / 3, peak, peak] + [cosine(k / length) for k in range(length)] + [floor] * (stop - 4 - length)
+    assert rates == pytest.approx(expected, rel=1e-9)
     assert load_checkpoint(straight.last_checkpoint)["progress"]["decay_start"] == 4
+    curve = lambda path: [(r["step"], r["lr"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"]
     train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(annealing, stop_at_step=6))
     resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", annealing)
-    curve = lambda path: [(r["step"], r["lr"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"]
-    assert curve(resumed.metrics_path) == curve(straight.metrics_path) and (resumed.steps, resumed.stopped) == (8, "converged")
+    assert curve(resumed.metrics_path) == curve(straight.metrics_path) and (resumed.steps, resumed.stopped) == (stop, "converged")
     # The converged run without an anneal, resumed with one: the anneal starts where it stopped, the same run.
-    import shutil
-
     shutil.copytree(tmp_path / "plain", tmp_path / "annealed-later")
     later = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "annealed-later", annealing)
-    assert curve(later.metrics_path) == curve(straight.metrics_path) and (later.steps, later.stopped, later.best_step) == (8, "converged", straight.best_step)
-    with pytest.raises(ValueError, match="different settings"):  # only decay_steps may change, and only on a converged run
+    assert curve(later.metrics_path) == curve(straight.metrics_path) and (later.steps, later.stopped, later.best_step) == (stop, "converged", straight.best_step)
+    if anneal == {"decay_steps": None}:  # the same from a checkpoint written before decay_fraction (and decay_steps) existed
+        shutil.copytree(tmp_path / "plain", tmp_path / "old")
+        checkpoint = load_checkpoint(tmp_path / "old" / "last.pt")
+        for added in ("decay_steps", "decay_fraction"):
+            checkpoint["settings"].pop(added)
+        torch.save(checkpoint, tmp_path / "old" / "last.pt")
+        old = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "old", annealing)
+        assert curve(old.metrics_path) == curve(straight.metrics_path) and (old.steps, old.stopped) == (stop, "converged")
+    with pytest.raises(ValueError, match="different settings"):  # only the anneal may change, and only on a converged run
         train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "plain", dataclass_replace(annealing, patience=5))
+
+
+def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_converge():
+    from eaglekit.training import anneal_length
+
+    assert [anneal_length(None, 0.75, start) for start in (1, 2, 4, 6, 270, 300, 360)] == [1, 2, 3, 4, 202, 225, 270]  # builtin round: 4.5 -> 4
+    assert anneal_length(None, 0.01, 10) == 1  # at least one step while the fraction is > 0
+    assert anneal_length(None, 0.0, 300) == 0 and anneal_length(0, 0.75, 300) == 0  # no anneal: stop at convergence
+    assert anneal_length(240, 0.75, 300) == 240 and anneal_length(240, 0.0, 300) == 240  # decay_steps overrides the fraction
+    with pytest.raises(ValueError, match="decay_fraction must be >= 0"):
+        dataclass_replace(FAST, decay_fraction=-0.5)
+    with pytest.raises(ValueError, match="decay_fraction must be >= 0 and finite"):
+        dataclass_replace(FAST, decay_fraction=math.inf)
 
 
 def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
@@ -473,15 +508,27 @@ def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
     assert capped["stopped"] == "step_cap"
     with pytest.raises(ValueError, match="decay_steps must be >= 0"):
         dataclass_replace(settings, decay_steps=-1)
+    # The default fraction: the plateau at step 50 starts an anneal of round(0.75 * 50) = 38 steps, to step 88.
+    by_fraction = dataclass_replace(settings, decay_steps=None)
+    progress = {"step": 0, "best_accept_length": -math.inf, "best_step": -1, "improved_step": 0, "reference_accept_length": -math.inf}
+    stops = []
+    for evaluation, tau in enumerate([1.0, 1.1, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2]):
+        progress = record_evaluation({**progress, "step": evaluation * 10}, tau, by_fraction, 1000)
+        stops.append((progress.get("decay_start"), progress["stopped"]))
+    assert stops[5:] == [(50, None)] * 4 + [(50, "converged")]  # steps 50-80 anneal, step 90 is the first past 88
+    assert record_evaluation({**progress, "step": 80, "stopped": None}, 1.2, dataclass_replace(by_fraction, decay_fraction=0.5), 1000)["stopped"] == "converged"
 
 
-def test_decay_steps_come_from_params():
+def test_the_anneal_comes_from_params():
     from eaglekit.config import Params
 
     assert TrainSettings.from_params(Params.model_validate({"training": {"decay_steps": 120}})).decay_steps == 120
-    assert TrainSettings.from_params(Params()).decay_steps == TrainSettings().decay_steps
-    with pytest.raises(ValueError, match="decay_steps"):
-        Params.model_validate({"training": {"decay_steps": -1}})
+    assert TrainSettings.from_params(Params.model_validate({"training": {"decay_fraction": 0.5}})).decay_fraction == 0.5
+    defaults = TrainSettings.from_params(Params())
+    assert (defaults.decay_steps, defaults.decay_fraction) == (TrainSettings().decay_steps, TrainSettings().decay_fraction) == (None, 0.75)
+    for bad in ({"decay_steps": -1}, {"decay_fraction": -0.1}, {"decay_fraction": math.inf}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Params.model_validate({"training": bad})
 
 
 def stop_on_curve(taus, settings, cap):
@@ -627,10 +674,12 @@ def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behavi
     from eaglekit.training import _check_resumable
 
     saved = dataclasses.asdict(FAST)
-    for added in ("feature_noise", "distill", "decay_steps"):
+    for added in ("feature_noise", "distill", "decay_steps", "decay_fraction"):
         saved.pop(added)
     _check_resumable(saved, FAST, tmp_path / "last.pt")  # the old code raised here: None != 0.0
-    for changed in ({"feature_noise": 0.1}, {"distill": "argmax"}, {"decay_steps": 30}):
+    # decay_fraction does nothing while decay_steps is set: any fraction resumes a stop-at-convergence run.
+    _check_resumable(saved, dataclass_replace(FAST, decay_fraction=0.3), tmp_path / "last.pt")
+    for changed in ({"feature_noise": 0.1}, {"distill": "argmax"}, {"decay_steps": 30}, {"decay_steps": None}):
         with pytest.raises(ValueError, match=next(iter(changed))):
             _check_resumable(saved, dataclass_replace(FAST, **changed), tmp_path / "last.pt")
 

@@ -181,7 +181,7 @@ class TrainingParams(Section):
     feature_noise: float = Field(default=0.0, ge=0)
     distill: Literal["soft", "argmax"] = "soft"  # teacher: target softmax over the draft vocab, or its greedy token
     learning_rate: float = Field(default=1.0e-4, gt=0)
-    min_learning_rate: float = Field(default=1.0e-5, ge=0)  # cosine floor of equal_steps/equal_epochs and of until_converged's decay_steps
+    min_learning_rate: float = Field(default=1.0e-5, ge=0)  # cosine floor of equal_steps/equal_epochs and of until_converged's anneal
     warmup_steps: int = Field(default=10, ge=0)
     # until_converged: each size trains until held-out tau stops improving (patience), max_steps a cap;
     # equal_steps: max_steps for every size; equal_epochs: num_epochs passes (more data, more steps).
@@ -193,9 +193,13 @@ class TrainingParams(Section):
     # until_converged: improvement is judged on the mean of this many recent held-out taus (1: each tau alone;
     # one tau on a small held-out set moves by about 0.014, and a lucky one stopped rising drafts).
     smoothing_evaluations: int = Field(default=2, ge=1)
-    # until_converged: once converged at the peak learning rate, anneal it (cosine) to min_learning_rate over
-    # this many steps, then stop; 0: stop at convergence. docs/recipe_ablation.md has the measurement.
-    decay_steps: int = Field(default=0, ge=0)
+    # until_converged: once converged at the peak learning rate (patience ran out at step S), anneal it (cosine)
+    # to min_learning_rate, then stop. Anneal length: decay_steps if set, else decay_fraction x the steps taken
+    # to converge (round(decay_fraction x S), at least 1). decay_steps 0 (or decay_fraction 0): stop at
+    # convergence. docs/recipe_ablation.md: the anneal won at 60/240/960 samples; a fixed 240 steps was 67-80%
+    # of the steps taken to converge.
+    decay_steps: int | None = Field(default=None, ge=0)
+    decay_fraction: float = Field(default=0.75, ge=0, allow_inf_nan=False)
     log_interval_s: float = Field(default=60.0, gt=0)  # progress lines on the eaglekit logger
     micro_batch_size: int = Field(default=1, gt=0)
     grad_accumulation_steps: int = Field(default=4, gt=0)

@@ -30,11 +30,14 @@ How long each draft trains (`TrainSettings.schedule`) decides what a data-size s
   reference the next evaluations could not beat and stopped rising drafts (`record_evaluation`). A
   draft stopped by the cap was still improving and its tau is a lower bound (`converged` False).
   The learning rate holds at its peak after warmup: a cosine over the cap would make the stopping
-  point (and tau) depend on the cap, since the decay itself ends the gains. With `decay_steps` > 0 the
-  stop becomes an anneal (warmup-stable-decay): once patience runs out, the learning rate falls by a
-  cosine from the peak to `min_learning_rate` over `decay_steps` steps, and training stops at the first
-  evaluation after it ends (still "converged"); the best checkpoint over the whole run is kept. A run
-  that converged without it and is resumed with decay_steps anneals from where it stopped (the same run).
+  point (and tau) depend on the cap, since the decay itself ends the gains. By default the stop becomes
+  an anneal (warmup-stable-decay): once patience runs out at step S, the learning rate falls by a cosine
+  from the peak to `min_learning_rate`, and training stops at the first evaluation after it ends (still
+  "converged"); the best checkpoint over the whole run is kept. Anneal length: `decay_steps` if set, else
+  `decay_fraction` x the steps taken to converge, round(decay_fraction * S), at least 1 (`anneal_length`;
+  decay_steps 0 or decay_fraction 0: stop at S). docs/recipe_ablation.md measured it. The length is a
+  function of S and the settings, so a run resumed mid-anneal keeps it; a run that converged without an
+  anneal and is resumed with one anneals from where it stopped (the same run, since S is the same).
 - "equal_steps": every size trains `max_steps` steps (larger sizes see each sample fewer times).
 - "equal_epochs": every size trains `num_epochs` passes, so larger sizes also get more steps: the
   curve then mixes data with compute.
@@ -101,7 +104,7 @@ class TrainSettings:
     feature_noise: float = _DEFAULTS.feature_noise
     distill: str = _DEFAULTS.distill  # teacher: "soft" (target softmax over the draft vocab) or "argmax" (one-hot target greedy token)
     learning_rate: float = _DEFAULTS.learning_rate
-    min_learning_rate: float = _DEFAULTS.min_learning_rate  # cosine floor (equal_*; until_converged: the end of its decay_steps)
+    min_learning_rate: float = _DEFAULTS.min_learning_rate  # cosine floor (equal_*; until_converged: the end of its anneal)
     warmup_steps: int = _DEFAULTS.warmup_steps
     schedule: str = _DEFAULTS.schedule  # "until_converged", "equal_steps" or "equal_epochs" (module docstring)
     max_steps: int = _DEFAULTS.max_steps  # equal_steps: the steps (the cosine decays over them); until_converged: the cap
@@ -110,9 +113,11 @@ class TrainSettings:
     min_improvement: float = _DEFAULTS.min_improvement  # until_converged: an improvement beats the last one's smoothed tau by more than this
     # until_converged: improvement is judged on the mean of this many recent held-out taus (1: each tau alone).
     smoothing_evaluations: int = _DEFAULTS.smoothing_evaluations
-    # until_converged: once converged at the peak, anneal the learning rate to min_learning_rate over this
-    # many steps, then stop (0: stop at convergence).
-    decay_steps: int = _DEFAULTS.decay_steps
+    # until_converged: once converged at the peak (at step S), anneal the learning rate to min_learning_rate,
+    # then stop. Anneal length: decay_steps if set, else decay_fraction x the steps taken to converge
+    # (`anneal_length`); decay_steps 0: stop at convergence.
+    decay_steps: int | None = _DEFAULTS.decay_steps
+    decay_fraction: float = _DEFAULTS.decay_fraction
     micro_batch_size: int = _DEFAULTS.micro_batch_size
     grad_accumulation_steps: int = _DEFAULTS.grad_accumulation_steps
     grad_clip: float = _DEFAULTS.grad_clip
@@ -144,8 +149,10 @@ class TrainSettings:
             raise ValueError(f"patience must be >= 1 evaluation, got {self.patience}")
         if self.smoothing_evaluations < 1:
             raise ValueError(f"smoothing_evaluations must be >= 1 evaluation, got {self.smoothing_evaluations}")
-        if self.decay_steps < 0:
-            raise ValueError(f"decay_steps must be >= 0 steps, got {self.decay_steps}")
+        if self.decay_steps is not None and self.decay_steps < 0:
+            raise ValueError(f"decay_steps must be >= 0 steps or None (decay_fraction decides), got {self.decay_steps}")
+        if not 0 <= self.decay_fraction < math.inf:
+            raise ValueError(f"decay_fraction must be >= 0 and finite (of the steps taken to converge), got {self.decay_fraction}")
 
     @classmethod
     def from_params(cls, params: Any) -> "TrainSettings":
@@ -157,13 +164,17 @@ class TrainSettings:
             min_learning_rate=training.min_learning_rate, warmup_steps=training.warmup_steps, schedule=training.schedule,
             max_steps=training.max_steps, num_epochs=training.num_epochs, patience=training.patience,
             min_improvement=training.min_improvement, smoothing_evaluations=training.smoothing_evaluations,
-            decay_steps=training.decay_steps, micro_batch_size=training.micro_batch_size,
+            decay_steps=training.decay_steps, decay_fraction=training.decay_fraction, micro_batch_size=training.micro_batch_size,
             grad_accumulation_steps=training.grad_accumulation_steps, grad_clip=training.grad_clip,
             weight_decay=training.weight_decay, max_length=training.max_length, eval_interval=training.eval_interval,
             eval_chain_steps=params.analysis.chain_steps, seed=params.run.seed, device=training.device,
             parallel=training.parallel, log_interval_s=training.log_interval_s, pack_tokens=training.pack_tokens,
             attention=training.attention, feature_noise=training.feature_noise, distill=training.distill,
         )
+
+    def anneal_steps(self, decay_start: int) -> int:
+        """until_converged's anneal length for a draft that converged at step `decay_start` (`anneal_length`)."""
+        return anneal_length(self.decay_steps, self.decay_fraction, decay_start)
 
     def resolved_max_steps(self, num_samples: int, world_size: int) -> int:
         """Total steps (equal_steps, equal_epochs) or the step cap (until_converged)."""
@@ -176,6 +187,15 @@ class TrainSettings:
 # ---------------------------------------------------------------------------------------------------
 # learning rate
 # ---------------------------------------------------------------------------------------------------
+def anneal_length(decay_steps: int | None, decay_fraction: float, decay_start: int) -> int:
+    """Steps of until_converged's anneal after converging at step `decay_start`: decay_steps if set, else
+    decay_fraction x the steps taken to converge, round(decay_fraction * decay_start), at least 1 when the
+    fraction is > 0. 0: no anneal (stop at convergence). Pure."""
+    if decay_steps is not None:
+        return decay_steps
+    return max(1, round(decay_fraction * decay_start)) if decay_fraction > 0 else 0
+
+
 def learning_rate_at(step: int, max_learning_rate: float, min_learning_rate: float, warmup_steps: int, total_steps: int | None,
                      decay_start: int | None = None) -> float:
     """Linear warmup to the peak, then cosine down to the floor at `total_steps`; with total_steps None
@@ -862,12 +882,17 @@ _RESUMABLE_DIFFERENCES = {"stop_at_step", "device", "log_interval_s"}
 
 # Settings added after checkpoints were already being written, with the value that reproduces how those
 # checkpoints trained: a checkpoint without the key resumes only under that value.
-_ADDED_SETTINGS = {"feature_noise": 0.0, "distill": "soft", "smoothing_evaluations": 1, "decay_steps": 0}
+_ADDED_SETTINGS = {"feature_noise": 0.0, "distill": "soft", "smoothing_evaluations": 1, "decay_steps": 0, "decay_fraction": 0.0}
+
+
+def _anneal_rule(settings: dict) -> dict:
+    """Settings as they train: decay_fraction does nothing while decay_steps is set."""
+    return {**settings, "decay_fraction": None} if settings["decay_steps"] is not None else settings
 
 
 def _check_resumable(saved: dict, settings: TrainSettings, path: Path, also_allowed: frozenset[str] = frozenset()) -> None:
-    current = dataclasses.asdict(settings)
-    saved = {**_ADDED_SETTINGS, **saved}
+    current = _anneal_rule(dataclasses.asdict(settings))
+    saved = _anneal_rule({**_ADDED_SETTINGS, **saved})
     allowed = _RESUMABLE_DIFFERENCES | also_allowed
     changed = {key: (saved.get(key), value) for key, value in current.items() if key not in allowed and saved.get(key) != value}
     if changed:
@@ -875,11 +900,14 @@ def _check_resumable(saved: dict, settings: TrainSettings, path: Path, also_allo
 
 
 def _anneals_a_converged_run(saved: dict, progress: dict, settings: TrainSettings) -> bool:
-    """A run that stopped converged without an anneal (decay_steps 0), resumed with decay_steps > 0: its
-    anneal starts at the step it stopped, which is where the same run with decay_steps from the start
-    would have started it (the same plateau), so the result is that run's (tests/test_training.py)."""
-    return ({**_ADDED_SETTINGS, **saved}["decay_steps"] == 0 and settings.decay_steps > 0 and progress["stopped"] == "converged"
-            and progress.get("decay_start") is None)
+    """A run that stopped converged without an anneal (decay_steps 0, or a checkpoint from before it),
+    resumed with one: its anneal starts at the step it stopped, which is where the same run with the anneal
+    from the start would have started it (the same plateau, so the same length), so the result is that
+    run's (tests/test_training.py)."""
+    saved = {**_ADDED_SETTINGS, **saved}
+    step = progress["step"]
+    return (progress["stopped"] == "converged" and progress.get("decay_start") is None
+            and anneal_length(saved["decay_steps"], saved["decay_fraction"], step) == 0 and settings.anneal_steps(step) > 0)
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -921,13 +949,13 @@ def _plateaued(progress: dict, settings: TrainSettings) -> bool:
 
 
 def _should_stop(progress: dict, settings: TrainSettings, total_steps: int) -> str | None:
-    """After an evaluation: "converged" when `patience` evaluations passed without an improvement (with
-    decay_steps: when the anneal that then started has ended), "step_cap" at the last step, else None.
+    """After an evaluation: "converged" when `patience` evaluations passed without an improvement (with an
+    anneal: when the anneal that then started has ended), "step_cap" at the last step, else None.
     Pure (a function of the saved progress), so resume agrees."""
     decay_start = progress.get("decay_start")
-    if decay_start is not None and progress["step"] >= decay_start + settings.decay_steps:
+    if decay_start is not None and progress["step"] >= decay_start + settings.anneal_steps(decay_start):
         return "converged"
-    if decay_start is None and settings.decay_steps == 0 and _plateaued(progress, settings):
+    if decay_start is None and settings.anneal_steps(progress["step"]) == 0 and _plateaued(progress, settings):
         return "converged"
     if progress["step"] >= total_steps:
         return "step_cap"
@@ -942,8 +970,8 @@ def record_evaluation(progress: dict, accept_length: float, settings: TrainSetti
     smoothed tau above the reference (the smoothed tau of the last improvement) by more than
     min_improvement; `_should_stop` counts patience from the last one. A lucky evaluation lifts the mean
     by a fraction of its luck instead of fixing a reference the next ones cannot reach, and an unlucky one
-    no longer reads as a plateau. With decay_steps, the first plateau starts the anneal (decay_start)
-    instead of stopping. The state holds floats, ints and None only (it is checkpointed).
+    no longer reads as a plateau. With an anneal (`anneal_length` > 0), the first plateau starts it
+    (decay_start) instead of stopping. The state holds floats, ints and None only (it is checkpointed).
     """
     recent = (list(progress.get("recent_accept_lengths", [])) + [accept_length])[-settings.smoothing_evaluations :]
     smoothed = sum(recent) / len(recent)
@@ -952,7 +980,7 @@ def record_evaluation(progress: dict, accept_length: float, settings: TrainSetti
         updated["best_accept_length"], updated["best_step"] = accept_length, progress["step"]
     if smoothed > progress["reference_accept_length"] + settings.min_improvement or progress["step"] == 0:
         updated["reference_accept_length"], updated["improved_step"] = smoothed, progress["step"]
-    if settings.decay_steps and updated.get("decay_start") is None and _plateaued(updated, settings):
+    if updated.get("decay_start") is None and settings.anneal_steps(progress["step"]) and _plateaued(updated, settings):
         updated["decay_start"] = progress["step"]  # converged at the peak: anneal from here, then stop
     updated["stopped"] = _should_stop(updated, settings, total_steps)
     return updated
@@ -960,12 +988,13 @@ def record_evaluation(progress: dict, accept_length: float, settings: TrainSetti
 
 def _decay_window(progress: dict, settings: TrainSettings, total_steps: int) -> tuple[int | None, int | None]:
     """(total_steps, decay_start) for learning_rate_at: equal_* decay over all their steps; until_converged
-    holds the peak (the cap is no length to decay over) until its anneal starts, then decays over decay_steps."""
+    holds the peak (the cap is no length to decay over) until its anneal starts, then decays over its length."""
     if settings.schedule != "until_converged":
         return total_steps, None
-    if progress["decay_start"] is None:
+    decay_start = progress["decay_start"]
+    if decay_start is None:
         return None, None
-    return progress["decay_start"] + settings.decay_steps, progress["decay_start"]
+    return decay_start + settings.anneal_steps(decay_start), decay_start
 
 
 def _duration(seconds: float) -> str:
@@ -1024,7 +1053,7 @@ def train_draft(
     # improved_step / reference_accept_length: the last evaluation whose smoothed tau beat the previous
     # reference by min_improvement (patience counts from it); best_*: the plain maximum (the kept
     # checkpoint); recent_accept_lengths: the taus the smoothed one averages (`record_evaluation`);
-    # decay_start: the step until_converged's anneal began (decay_steps), None before.
+    # decay_start: the step until_converged's anneal began (its length: settings.anneal_steps), None before.
     progress = {"step": 0, "samples_seen": 0, "best_accept_length": -math.inf, "best_step": -1,
                 "improved_step": 0, "reference_accept_length": -math.inf, "recent_accept_lengths": [],
                 "smoothed_accept_length": -math.inf, "decay_start": None, "stopped": None}
@@ -1035,7 +1064,7 @@ def train_draft(
         checkpoint = load_checkpoint(last_path)
         progress = {**progress, **checkpoint["progress"]}
         annealing = _anneals_a_converged_run(checkpoint["settings"], progress, settings)
-        _check_resumable(checkpoint["settings"], settings, last_path, frozenset({"decay_steps"}) if annealing else frozenset())
+        _check_resumable(checkpoint["settings"], settings, last_path, frozenset({"decay_steps", "decay_fraction"}) if annealing else frozenset())
         if annealing:
             progress.update(decay_start=progress["step"], stopped=None)
         if settings.parallel == "fsdp":
@@ -1067,10 +1096,12 @@ def train_draft(
                         "best_accept_length": progress["best_accept_length"], "improved_step": progress["improved_step"],
                         "stopped": progress["stopped"]})
             log.flush()
+            annealing = progress["decay_start"] == progress["step"] and not progress["stopped"]
             logger.info("%s: step %d/%d held-out tau %.4f, mean of last %d %.4f (best %.4f at step %d, last improvement at step %d)%s",
                         label, progress["step"], total_steps, tau, len(progress["recent_accept_lengths"]), progress["smoothed_accept_length"],
                         progress["best_accept_length"], progress["best_step"], progress["improved_step"],
-                        f": stopped, {progress['stopped']}" if progress["stopped"] else "")
+                        f": stopped, {progress['stopped']}" if progress["stopped"]
+                        else f": converged at the peak, annealing the lr over {settings.anneal_steps(progress['step'])} steps" if annealing else "")
         model_state, optimizer_state = _full_state_dicts(model, optimizer, settings.parallel)
         if distributed.is_main:
             if progress["best_step"] == progress["step"]:
