@@ -184,3 +184,24 @@ def test_training_defaults_live_in_config_only():
     differing = {field.name: (field.default, getattr(params_defaults, field.name)) for field in shared
                  if field.default != getattr(params_defaults, field.name)}
     assert differing == {}
+
+
+def test_ttt_steps_default_to_the_served_chain_and_never_fall_short_of_it(tmp_path):
+    """ttt_steps unset (or null) resolves to speculative_tokens at validation, so readers see an int; a
+    ttt_steps below speculative_tokens is refused naming both fields (served positions past the unroll
+    would never have been trained on the draft's own predictions)."""
+    from eaglekit.config import TrainingParams
+
+    assert TrainingParams().ttt_steps == TrainingParams().speculative_tokens == 3
+    assert TrainingParams(speculative_tokens=5).ttt_steps == 5
+    assert load_params(write(tmp_path, "training:\n  ttt_steps: null\n  speculative_tokens: 4\n")).training.ttt_steps == 4
+    assert TrainingParams(ttt_steps=7, speculative_tokens=3).ttt_steps == 7  # deeper than served: fine (the Kimi scenario)
+    resolved = TrainingParams(speculative_tokens=2)
+    assert TrainingParams.model_validate(resolved.model_dump()) == resolved  # a dump re-validates (the runner's round trip)
+    path = write(tmp_path, "run:\n  name: x\ntraining:\n  ttt_steps: 2\n")
+    with pytest.raises(ParamsError) as caught:
+        load_params(path)
+    message = str(caught.value)
+    assert f"{path}:3" in message and "ttt_steps 2 < speculative_tokens 3" in message
+    with pytest.raises(ParamsError, match="speculative_tokens"):
+        load_params(write(tmp_path, "training:\n  speculative_tokens: '3'\n"))  # a wrong type fails on its own key

@@ -49,7 +49,7 @@ def captured_run(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def write_params(path: Path, target_dir: Path, **training) -> Path:
-    settings = {"data_sizes": SIZES, "heldout_size": 4, "ttt_steps": 2, "learning_rate": 3.0e-3, "min_learning_rate": 3.0e-4,
+    settings = {"data_sizes": SIZES, "heldout_size": 4, "ttt_steps": 2, "speculative_tokens": 2, "learning_rate": 3.0e-3, "min_learning_rate": 3.0e-4,
                 "warmup_steps": 1, "schedule": "equal_steps", "max_steps": 4, "micro_batch_size": 1, "grad_accumulation_steps": 2,
                 "eval_interval": 2, "max_length": 48, "log_interval_s": 0.01, **training}
     path.write_text(yaml.safe_dump({"run": {"name": "stage5", "outputs_dir": str(path.parent)}, "target": {"model": str(target_dir)},

@@ -174,7 +174,10 @@ class TrainingParams(Section):
     data_sizes: list[int] = [16, 32, 64]  # nested training subsets, one draft each
     heldout_size: int = Field(default=16, gt=0)  # the same held-out samples for every size
     draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
-    ttt_steps: int = Field(default=7, gt=0)  # training-time-test unroll (EAGLE-3 code: 7)
+    # Training-time-test unroll; None: speculative_tokens (unroll as deep as the draft is served; EAGLE-3 code
+    # uses 7; docs/recipe_ablation.md: TTT 3 = TTT 7 per sample on a chain of 3 at half the cost). Resolved at
+    # validation (always an int after it); fewer than speculative_tokens is refused.
+    ttt_steps: int | None = Field(default=None, gt=0)
     step_weight: float = Field(default=0.8, gt=0, le=1)  # loss weight of TTT step i is step_weight**i
     # Noise on the target features the draft reads in training: std = feature_noise x each token's feature
     # RMS (uniform, eaglekit.training.add_feature_noise); 0: off. docs/recipe_ablation.md has the measurement.
@@ -213,7 +216,25 @@ class TrainingParams(Section):
     nproc_per_node: int = Field(default=1, gt=0)
     pack_tokens: int | None = Field(default=None, gt=0)  # pack samples into rows of this many tokens (>= max_length); None: pad
     attention: Literal["auto", "eager", "flex"] = "auto"  # TTT attention: auto = flex on CUDA, eager on CPU
-    speculative_tokens: int = Field(default=3, gt=0)  # written into the vLLM export's config
+    speculative_tokens: int = Field(default=3, gt=0)  # the chain depth the draft is served at: the vLLM export's config, ttt_steps' default
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ttt_as_deep_as_served(cls, data: Any) -> Any:
+        """ttt_steps None (or absent) -> speculative_tokens, so every reader sees an int."""
+        if isinstance(data, dict) and data.get("ttt_steps") is None:
+            served = data.get("speculative_tokens", cls.model_fields["speculative_tokens"].default)
+            if type(served) is int:  # anything else fails on speculative_tokens itself
+                return {**data, "ttt_steps": served}
+        return data
+
+    @model_validator(mode="after")
+    def _ttt_covers_the_served_chain(self) -> "TrainingParams":
+        if self.ttt_steps < self.speculative_tokens:
+            raise ValueError(f"ttt_steps {self.ttt_steps} < speculative_tokens {self.speculative_tokens}: draft positions beyond "
+                             f"{self.ttt_steps} would be served without ever being trained on the draft's own predictions; "
+                             "set ttt_steps >= speculative_tokens (or leave ttt_steps unset: it then equals speculative_tokens)")
+        return self
 
     @model_validator(mode="after")
     def _epochs_with_their_schedule(self) -> "TrainingParams":

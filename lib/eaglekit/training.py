@@ -97,7 +97,7 @@ class TrainSettings:
     """Hyperparameters of one draft training run. Defaults are config.TrainingParams' (the one place they
     live); the fields params do not set (betas, eval_chain_steps, seed, stop_at_step) have theirs here."""
 
-    ttt_steps: int = _DEFAULTS.ttt_steps  # EAGLE-3 code: 7; paper: 5
+    ttt_steps: int = _DEFAULTS.ttt_steps  # default: TrainingParams' speculative_tokens (EAGLE-3 code: 7; paper: 5)
     step_weight: float = _DEFAULTS.step_weight  # TTT step i weighs step_weight ** i
     # Uniform noise on the target features the draft reads (aux_hidden_states), training only; its std is
     # feature_noise x each token's feature RMS (`add_feature_noise`). 0: off. EAGLE adds uniform noise there.
