@@ -205,3 +205,12 @@ def test_ttt_steps_default_to_the_served_chain_and_never_fall_short_of_it(tmp_pa
     assert f"{path}:3" in message and "ttt_steps 2 < speculative_tokens 3" in message
     with pytest.raises(ParamsError, match="speculative_tokens"):
         load_params(write(tmp_path, "training:\n  speculative_tokens: '3'\n"))  # a wrong type fails on its own key
+
+
+def test_the_measured_recipe_is_the_default():
+    """docs/recipe_ablation.md: lr 3e-4, an anneal of 0.75 x the steps taken to converge, TTT as deep as served."""
+    from eaglekit.config import TrainingParams
+
+    defaults = TrainingParams()
+    assert (defaults.learning_rate, defaults.decay_steps, defaults.decay_fraction, defaults.ttt_steps) == (3.0e-4, None, 0.75, 3)
+    assert (defaults.draft_vocab_size, defaults.micro_batch_size, defaults.grad_accumulation_steps) == (None, 1, 4)  # unchanged
