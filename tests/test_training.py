@@ -479,7 +479,7 @@ def test_a_converged_draft_anneals_then_stops(world, tmp_path, anneal, length):
 
 
 def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_converge():
-    from eaglekit.training import anneal_length
+    from eaglekit.training import _anneal_note, anneal_length
 
     assert [anneal_length(None, 0.75, start) for start in (1, 2, 4, 6, 270, 300, 360)] == [1, 2, 3, 4, 202, 225, 270]  # builtin round: 4.5 -> 4
     assert anneal_length(None, 0.01, 10) == 1  # at least one step while the fraction is > 0
@@ -489,6 +489,12 @@ def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_con
         dataclass_replace(FAST, decay_fraction=-0.5)
     with pytest.raises(ValueError, match="decay_fraction must be >= 0 and finite"):
         dataclass_replace(FAST, decay_fraction=math.inf)
+    # The log says where the anneal ends, and when the cap will cut it (the TrainingParams defaults: a plateau
+    # at step 75, the earliest under patience 3 x eval_interval 25, anneals to step 131, past the cap of 100).
+    starting = {"step": 75, "decay_start": 75, "stopped": None}
+    assert _anneal_note(starting, TrainSettings(), 200) == ": converged at the peak, annealing the lr until step 131"
+    assert "past the step cap 100: raise max_steps" in _anneal_note(starting, TrainSettings(), 100)
+    assert _anneal_note({**starting, "step": 100}, TrainSettings(), 200) == _anneal_note({**starting, "decay_start": None}, FAST, 200) == ""
 
 
 def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():

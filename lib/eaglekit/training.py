@@ -997,6 +997,16 @@ def _decay_window(progress: dict, settings: TrainSettings, total_steps: int) -> 
     return decay_start + settings.anneal_steps(decay_start), decay_start
 
 
+def _anneal_note(progress: dict, settings: TrainSettings, total_steps: int) -> str:
+    """The held-out log line's note at the evaluation that starts the anneal ("" at any other), saying
+    when a step cap will cut it (the draft then ends "step_cap", a lower bound)."""
+    if progress["stopped"] or progress["decay_start"] is None or progress["decay_start"] != progress["step"]:
+        return ""
+    end = progress["decay_start"] + settings.anneal_steps(progress["decay_start"])
+    cut = f", past the step cap {total_steps}: raise max_steps or it ends capped mid-anneal" if end > total_steps else ""
+    return f": converged at the peak, annealing the lr until step {end}{cut}"
+
+
 def _duration(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     hours, rest = divmod(seconds, 3600)
@@ -1096,12 +1106,10 @@ def train_draft(
                         "best_accept_length": progress["best_accept_length"], "improved_step": progress["improved_step"],
                         "stopped": progress["stopped"]})
             log.flush()
-            annealing = progress["decay_start"] == progress["step"] and not progress["stopped"]
             logger.info("%s: step %d/%d held-out tau %.4f, mean of last %d %.4f (best %.4f at step %d, last improvement at step %d)%s",
                         label, progress["step"], total_steps, tau, len(progress["recent_accept_lengths"]), progress["smoothed_accept_length"],
                         progress["best_accept_length"], progress["best_step"], progress["improved_step"],
-                        f": stopped, {progress['stopped']}" if progress["stopped"]
-                        else f": converged at the peak, annealing the lr over {settings.anneal_steps(progress['step'])} steps" if annealing else "")
+                        f": stopped, {progress['stopped']}" if progress["stopped"] else _anneal_note(progress, settings, total_steps))
         model_state, optimizer_state = _full_state_dicts(model, optimizer, settings.parallel)
         if distributed.is_main:
             if progress["best_step"] == progress["step"]:
