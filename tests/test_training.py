@@ -427,14 +427,13 @@ def test_patience_counts_from_the_last_real_improvement():
 
 
 
-# Anneal lengths after a plateau at step 4 (patience 2 x eval_interval 2): decay_steps as given; None: the
-# fraction of the 4 steps taken to converge, round(0.75 * 4) = 3 (default) or round(0.5 * 4) = 2; a set
-# decay_steps overrides the fraction.
-ANNEALS = [({"decay_steps": 4}, 4), ({"decay_steps": None}, 3), ({"decay_steps": None, "decay_fraction": 0.5}, 2),
-           ({"decay_steps": 1, "decay_fraction": 0.5}, 1)]
+# Anneal lengths after a plateau at step 4 (patience 2 x eval_interval 2): a set decay_steps, overriding the
+# fraction (0.5 would give 2); None: the default fraction of the 4 steps taken to converge, round(0.75 * 4) = 3.
+# Other fractions and lengths: test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_converge.
+ANNEALS = [({"decay_steps": 4, "decay_fraction": 0.5}, 4), ({"decay_steps": None}, 3)]
 
 
-@pytest.mark.parametrize("anneal, length", ANNEALS, ids=["decay_steps_4", "default_fraction", "fraction_0.5", "decay_steps_overrides"])
+@pytest.mark.parametrize("anneal, length", ANNEALS, ids=["decay_steps_overrides_the_fraction", "default_fraction"])
 def test_a_converged_draft_anneals_then_stops(world, tmp_path, anneal, length):
     """Patience running out at step 4 starts a cosine from the peak to min_learning_rate over the anneal's
     length, and training stops (converged) at the first evaluation after it ends. The same run three ways:
