@@ -198,6 +198,10 @@ def test_ttt_steps_default_to_the_served_chain_and_never_fall_short_of_it(tmp_pa
     assert TrainingParams(ttt_steps=7, speculative_tokens=3).ttt_steps == 7  # deeper than served: fine (the Kimi scenario)
     resolved = TrainingParams(speculative_tokens=2)
     assert TrainingParams.model_validate(resolved.model_dump()) == resolved  # a dump re-validates (the runner's round trip)
+    # Unset stays unset in a dump: the injected parameters edited to serve deeper follow it; a set value stays.
+    assert TrainingParams.model_validate({**resolved.model_dump(), "speculative_tokens": 5}).ttt_steps == 5
+    assert TrainingParams.model_validate({**TrainingParams(ttt_steps=7).model_dump(), "speculative_tokens": 5}).ttt_steps == 7
+    assert load_params(write(tmp_path, "training:\n  ttt_steps: null\n")).sections()["training"]["ttt_steps"] is None
     path = write(tmp_path, "run:\n  name: x\ntraining:\n  ttt_steps: 2\n")
     with pytest.raises(ParamsError) as caught:
         load_params(path)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_serializer, field_validator, model_validator
 
 from eaglekit.paths import REPO_ROOT
 
@@ -191,7 +191,9 @@ class TrainingParams(Section):
     # until_converged: each size trains until held-out tau stops improving (patience), max_steps a cap;
     # equal_steps: max_steps for every size; equal_epochs: num_epochs passes (more data, more steps).
     schedule: Literal["until_converged", "equal_steps", "equal_epochs"] = "until_converged"
-    max_steps: int = Field(default=100, gt=0)  # equal_steps: the steps; until_converged: the cap
+    # equal_steps: the steps; until_converged: a safety cap (the rule and its anneal stop a draft before it; one
+    # stopped by the cap is reported as a lower bound). 1,000: room for a plateau plus its 0.75x anneal.
+    max_steps: int = Field(default=1000, gt=0)
     num_epochs: float | None = Field(default=None, gt=0)  # equal_epochs only: steps = epochs x size / batch
     patience: int = Field(default=3, gt=0)  # until_converged: evaluations without improvement before stopping
     min_improvement: float = Field(default=0.0, ge=0)  # until_converged: tau gain that counts as an improvement
@@ -220,23 +222,24 @@ class TrainingParams(Section):
     attention: Literal["auto", "eager", "flex"] = "auto"  # TTT attention: auto = flex on CUDA, eager on CPU
     speculative_tokens: int = Field(default=3, gt=0)  # the chain depth the draft is served at: the vLLM export's config, ttt_steps' default
 
-    @model_validator(mode="before")
-    @classmethod
-    def _ttt_as_deep_as_served(cls, data: Any) -> Any:
-        """ttt_steps None (or absent) -> speculative_tokens, so every reader sees an int."""
-        if isinstance(data, dict) and data.get("ttt_steps") is None:
-            served = data.get("speculative_tokens", cls.model_fields["speculative_tokens"].default)
-            if type(served) is int:  # anything else fails on speculative_tokens itself
-                return {**data, "ttt_steps": served}
-        return data
-
     @model_validator(mode="after")
-    def _ttt_covers_the_served_chain(self) -> "TrainingParams":
+    def _ttt_as_deep_as_served(self) -> "TrainingParams":
+        """ttt_steps unset (or null) -> speculative_tokens, so every reader sees an int; fewer is refused.
+
+        An unset ttt_steps stays unset in dumps (`_dump_ttt_steps`): a dump revalidated with another
+        speculative_tokens (papermill's injected parameters edited in JupyterLab, a bench's --set) follows it."""
+        if self.ttt_steps is None:
+            object.__setattr__(self, "ttt_steps", self.speculative_tokens)  # frozen: set once, here, at validation
+            self.model_fields_set.discard("ttt_steps")
         if self.ttt_steps < self.speculative_tokens:
             raise ValueError(f"ttt_steps {self.ttt_steps} < speculative_tokens {self.speculative_tokens}: draft positions beyond "
                              f"{self.ttt_steps} would be served without ever being trained on the draft's own predictions; "
                              "set ttt_steps >= speculative_tokens (or leave ttt_steps unset: it then equals speculative_tokens)")
         return self
+
+    @field_serializer("ttt_steps")
+    def _dump_ttt_steps(self, value: int) -> int | None:
+        return value if "ttt_steps" in self.model_fields_set else None
 
     @model_validator(mode="after")
     def _epochs_with_their_schedule(self) -> "TrainingParams":
