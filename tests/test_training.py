@@ -489,7 +489,8 @@ def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_con
     with pytest.raises(ValueError, match="decay_fraction must be >= 0 and finite"):
         dataclass_replace(FAST, decay_fraction=math.inf)
     # The log says where the anneal ends, and when the cap will cut it (the TrainingParams defaults: a plateau
-    # at step 75, the earliest under patience 3 x eval_interval 25, anneals to step 131, past the cap of 100).
+    # at step 75, the earliest under patience 3 x eval_interval 25, anneals to step 131; a cap of 100, the old
+    # default, cuts it, as the note says; the default cap is 1,000 now).
     starting = {"step": 75, "decay_start": 75, "stopped": None}
     assert _anneal_note(starting, TrainSettings(), 200) == ": converged at the peak, annealing the lr until step 131"
     assert "past the step cap 100: raise max_steps" in _anneal_note(starting, TrainSettings(), 100)
