@@ -11,7 +11,7 @@ Lines printed per k:
 - greedy: plain greedy loop with KV cache; generate: transformers' generate(do_sample=False) on the same prompts
 - loop: the speculative loop with the draft, accept length the way a server counts it, offline tau, and the ratio
 - oracle: the same loop with proposals forced right (what this loop gives at its ceiling accept length)
-Lines per --topology (chains or SGLang trees, through `eaglekit.evaluate`): tau of the loop (accepted + bonus per
+Lines per --topology (chains or SGLang trees, through `eaglekit.analysis.evaluate`): tau of the loop (accepted + bonus per
 verification), as a server counts it, and offline on the greedy continuations, each with a bootstrap interval over
 prompts; the lossless check; tokens/s against greedy; then the oracle tree loop.
 --fit-iterations N overfits the untrained draft for N Adam steps on the target's greedy answers to these very prompts
@@ -28,13 +28,13 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eaglekit.checkpoint_evaluation import evaluate_speculative_loop
-from eaglekit.draft import DraftConfig, Eagle3DraftModel, build_draft_from_target, load_target_head_weights
-from eaglekit.models import resolve_model
-from eaglekit.evaluate import evaluate_draft
-from eaglekit.specdec import OracleDraft, greedy_decode, speculative_decode, tree_speculative_decode
+from eaglekit.analysis.checkpoints import evaluate_speculative_loop
+from eaglekit.draft.model import DraftConfig, Eagle3DraftModel, build_draft_from_target, load_target_head_weights
+from eaglekit.target import resolve_model
+from eaglekit.analysis.evaluate import evaluate_draft
+from eaglekit.analysis.speculative import OracleDraft, greedy_decode, speculative_decode, tree_speculative_decode
 from eaglekit.topology import Topology
-from eaglekit.vocab import default_draft_vocab_size, select_draft_vocab
+from eaglekit.draft.vocab import default_draft_vocab_size, select_draft_vocab
 
 QUESTIONS = [
     "Write a short story about a robot learning to paint.",
@@ -57,7 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 keeps a shared machine's timings sane)")
     parser.add_argument("--skip-generate", action="store_true", help="do not time transformers' generate")
-    parser.add_argument("--topology", nargs="*", default=[], help="chain:k / tree:S,K,T topologies through eaglekit.evaluate")
+    parser.add_argument("--topology", nargs="*", default=[], help="chain:k / tree:S,K,T topologies through eaglekit.analysis.evaluate")
     parser.add_argument("--fit-iterations", type=int, default=0, help="overfit the draft on the prompts' greedy answers first")
     return parser.parse_args(argv)
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.capacity import hidden_state_bytes_per_token
+from eaglekit.generation.capacity import hidden_state_bytes_per_token
 from eaglekit.capture import (
     TokenizedSample,
     base_model_of,
@@ -41,7 +41,7 @@ from eaglekit.capture import (
     load_target,
     plan_batches,
 )
-from eaglekit.shards import INDEX_FILE
+from eaglekit.capture.shards import INDEX_FILE
 
 
 # Shapes for random-weight stand-ins where the real checkpoint cannot travel (a GPU machine with no hub):
@@ -184,7 +184,7 @@ def main() -> None:
     if arguments.dtype is None:
         arguments.dtype = "bfloat16" if arguments.device.startswith("cuda") else "float32"
     if arguments.model is None and arguments.random_like is None:
-        from eaglekit.models import resolve_model
+        from eaglekit.target import resolve_model
 
         arguments.model = resolve_model("embedded:smollm2-135m-instruct")
     if arguments.memory_probe:

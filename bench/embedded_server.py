@@ -13,8 +13,8 @@ import time
 
 import openai
 
-from eaglekit.models import resolve_model
-from eaglekit.embedded_server import DEFAULT_SERVER_SETTINGS, EmbeddedServer
+from eaglekit.target import resolve_model
+from eaglekit.generation.server import DEFAULT_SERVER_SETTINGS, EmbeddedServer
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a Python function that reverses a list.",

@@ -11,7 +11,7 @@
 3. `--embedded`: the real embedded server (SmolLM2-135M on CPU) through the engine at concurrency
    1, 8, 32: completion tokens/s.
 4. `--capacity`: the capacity plan checked against the embedded server with a small KV cache: a
-   pilot measures prompt and completion lengths and the rate, `eaglekit.capacity` plans the
+   pilot measures prompt and completion lengths and the rate, `eaglekit.generation.capacity` plans the
    concurrency from them, then the same prompts run at the no-preemption worst case and at the
    planned concurrency: errors, completion tokens/s, and the pilot-rate ETA against the wall time.
 
@@ -40,7 +40,7 @@ import openai
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from eaglekit.endpoint_client import EndpointSpec  # noqa: E402
+from eaglekit.generation.client import EndpointSpec  # noqa: E402
 from eaglekit.generation import PartitionSettings, PromptSource, generate, read_generations  # noqa: E402
 
 
@@ -151,8 +151,8 @@ def bench_overhead(workdir: Path, requests: int, concurrency: int) -> None:
 
 def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
     try:
-        from eaglekit.models import resolve_model
-        from eaglekit.embedded_server import EmbeddedServer
+        from eaglekit.target import resolve_model
+        from eaglekit.generation.server import EmbeddedServer
         model_dir = resolve_model("embedded:smollm2-135m-instruct")
     except Exception as error:  # the embedded model is optional for this bench
         print(f"[3] embedded server skipped: {type(error).__name__}: {error}")
@@ -173,10 +173,10 @@ def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
 
 
 def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, requested: int, count: int) -> None:
-    from eaglekit.capacity import length_plan, sequences_that_fit
-    from eaglekit.models import resolve_model
-    from eaglekit.planning import pilot_lengths
-    from eaglekit.embedded_server import DEFAULT_SERVER_SETTINGS, EmbeddedServer
+    from eaglekit.generation.capacity import length_plan, sequences_that_fit
+    from eaglekit.target import resolve_model
+    from eaglekit.generation.plan import pilot_lengths
+    from eaglekit.generation.server import DEFAULT_SERVER_SETTINGS, EmbeddedServer
 
     model_dir = resolve_model("embedded:smollm2-135m-instruct")
     context = "Background: " + " ".join(f"fact {index} is about item {index * 7}." for index in range(20))

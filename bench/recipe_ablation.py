@@ -6,7 +6,7 @@ and is scored on two sets that no variant trains on:
 - an outside-source held-out set: every captured sample of `--heldout-dataset` (a whole data source is
   left out of training), offline simulated tau of a greedy chain (DESIGN's offline tau);
 - benchmark prompts from a file outside the training sources, through the real speculative loop
-  (`eaglekit.benchmark.score_drafts_on_prompts`; tau = accepted + 1 per verification, pooled).
+  (`eaglekit.analysis.benchmark.score_drafts_on_prompts`; tau = accepted + 1 per verification, pooled).
 
 Levers (variants are changes to the baseline; `--variants` picks some):
   baseline           the params file's training section (TrainSettings.from_params), draft vocab as there
@@ -47,16 +47,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from eaglekit.acceptance import acceptance_tables
-from eaglekit.benchmark import read_benchmark_prompts, resolve_prompt_file, score_drafts_on_prompts, tokenize_prompts
+from eaglekit.analysis.acceptance import acceptance_tables
+from eaglekit.analysis.benchmark import read_benchmark_prompts, resolve_prompt_file, score_drafts_on_prompts, tokenize_prompts
 from eaglekit.capture import load_target
 from eaglekit.config import load_params
-from eaglekit.draft import build_draft_from_target, load_target_head_weights
-from eaglekit.models import load_tokenizer, resolve_model
-from eaglekit.shards import ShardDataset
-from eaglekit.checkpoint_evaluation import offline_agreements_by_dataset
+from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
+from eaglekit.target import load_tokenizer, resolve_model
+from eaglekit.capture.shards import ShardDataset
+from eaglekit.analysis.checkpoints import offline_agreements_by_dataset
 from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, load_draft_weights, stratified_order, train_draft
-from eaglekit.vocab import count_generated_tokens, select_draft_vocab
+from eaglekit.draft.vocab import count_generated_tokens, select_draft_vocab
 
 VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "ttt_7", "step_weight_1", "vocab_half",
             "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax", "anneal_60", "anneal_120", "anneal_240", "smoothing_2", "patience_6"]

@@ -27,7 +27,7 @@ The measurement of issue 14, point 3, on the embedded target (SmolLM2-135M-Instr
 5. score: each best checkpoint's offline simulated tau of a greedy chain (DESIGN's offline tau; pooled,
    95% percentile bootstrap over samples) on the outside-source set, which neither selects checkpoints
    nor trains; and `--loop-prompts` outside prompts through the real speculative loop
-   (`eaglekit.benchmark.score_drafts_on_prompts`) to check offline ~ loop.
+   (`eaglekit.analysis.benchmark.score_drafts_on_prompts`) to check offline ~ loop.
 
 Everything is cached under the output folder (prompts, answers appended per batch, capture shards,
 per-size training folders that resume), so a rerun only does what is missing.
@@ -61,8 +61,8 @@ import torch
 from eaglekit.chat import prompt_token_ids
 from eaglekit.config import Params, load_params
 from eaglekit.io import read_jsonl
-from eaglekit.models import load_tokenizer, resolve_model
-from eaglekit.sources import SourceRecord, SourceSpec, iter_source, prompt_messages
+from eaglekit.target import load_tokenizer, resolve_model
+from eaglekit.data.sources import SourceRecord, SourceSpec, iter_source, prompt_messages
 
 SHAREGPT = "sharegpt"
 OUTSIDE_SOURCES = (("chitchat", "chitchat"), ("alpaca", "llamafactory_alpaca"))
@@ -272,12 +272,12 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
     """One draft: the first `size` training prompts (after the held-out ones), the recipe changed by
     `variant` (bench/recipe_ablation.py), trained until converged on the ShareGPT held-out; scored
     offline on the outside sources and, for `--loop-prompts`, through the real loop."""
-    from eaglekit.acceptance import acceptance_tables
-    from eaglekit.benchmark import score_drafts_on_prompts
-    from eaglekit.checkpoint_evaluation import offline_agreements_by_dataset
-    from eaglekit.shards import ShardDataset
+    from eaglekit.analysis.acceptance import acceptance_tables
+    from eaglekit.analysis.benchmark import score_drafts_on_prompts
+    from eaglekit.analysis.checkpoints import offline_agreements_by_dataset
+    from eaglekit.capture.shards import ShardDataset
     from eaglekit.training import IndexedSubset, load_checkpoint, load_draft_weights, train_draft
-    from eaglekit.vocab import count_generated_tokens, default_draft_vocab_size
+    from eaglekit.draft.vocab import count_generated_tokens, default_draft_vocab_size
     from recipe_ablation import variant_draft, variant_settings
 
     captured = ShardDataset(out / "capture-sharegpt")
@@ -331,7 +331,7 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
     if len(train_times) > 1:
         row["seconds_per_step"] = (train_times[-1] - train_times[0]) / (len(train_times) - 1)  # this process's steps, evals included
     if args.loop_prompts:
-        from eaglekit.benchmark import tokenize_prompts
+        from eaglekit.analysis.benchmark import tokenize_prompts
 
         prompts = [{"id": prompt["id"], "input_ids": prompt["prompt_ids"]} for prompt in outside_prompts_for_loop(out, args.loop_prompts)]
         torch.set_num_threads(1)
@@ -358,11 +358,11 @@ def outside_prompts_for_loop(out: Path, count: int) -> list[dict]:
 
 
 def outside_counts(out: Path, label: str, head: Any, chain: int) -> Any:
-    """Per-sample chain counts (eaglekit.acceptance.ChainCounts) of one trained draft's best checkpoint
+    """Per-sample chain counts (eaglekit.analysis.acceptance.ChainCounts) of one trained draft's best checkpoint
     on the outside-source samples, in capture order (the same samples for every draft: paired)."""
-    from eaglekit.acceptance import ChainCounts, chain_counts
-    from eaglekit.checkpoint_evaluation import load_draft_checkpoint
-    from eaglekit.shards import ShardDataset
+    from eaglekit.analysis.acceptance import ChainCounts, chain_counts
+    from eaglekit.analysis.checkpoints import load_draft_checkpoint
+    from eaglekit.capture.shards import ShardDataset
     from eaglekit.training import IndexedSubset, per_position_agreement
 
     best = out / "drafts" / label / "best.pt"
@@ -382,7 +382,7 @@ def paired_summary(out: Path, rows: list[dict], head: Any, chain: int, num_resam
     """Markdown: every row's outside tau with its interval and its paired difference to the same size's
     baseline (one set of bootstrap weights over the outside samples for every draft), and the baseline's
     slope per doubling of data (least squares of tau on log2 N, per replicate)."""
-    from eaglekit.acceptance import bootstrap_weights, percentile_interval
+    from eaglekit.analysis.acceptance import bootstrap_weights, percentile_interval
 
     counts = [outside_counts(out, row["label"], head, chain) for row in rows]
     weights = bootstrap_weights(len(counts[0].positions), num_resamples, seed).astype(np.float64)  # (R, S)
@@ -422,7 +422,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # training's progress lines
     from eaglekit.capture import load_target
-    from eaglekit.draft import load_target_head_weights
+    from eaglekit.draft.model import load_target_head_weights
 
     params, base = recipe(args)
     tokenizer = load_tokenizer(params.target)

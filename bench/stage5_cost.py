@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglekit.draft import build_draft_from_target, load_target_head_weights
-from eaglekit.head_loss import chunked_ttt_loss
-from eaglekit.models import resolve_model
-from eaglekit.shards import ShardDataset
+from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
+from eaglekit.draft.head_loss import chunked_ttt_loss
+from eaglekit.target import resolve_model
+from eaglekit.capture.shards import ShardDataset
 from eaglekit.training import (IndexedSubset, TargetArgmaxCache, TrainSettings, collate, eligible_rows, per_position_agreement,
                                target_signals, train_draft)
-from eaglekit.vocab import count_generated_tokens, select_draft_vocab
+from eaglekit.draft.vocab import count_generated_tokens, select_draft_vocab
 
 
 class Timer:

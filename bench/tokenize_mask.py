@@ -63,7 +63,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per conversation and path; the best counts")
     arguments = parser.parse_args()
     try:
-        from eaglekit.models import resolve_model
+        from eaglekit.target import resolve_model
 
         model_dir = resolve_model("embedded:smollm2-135m-instruct")
     except Exception as error:  # the bench needs a real tokenizer; say which and why it is missing

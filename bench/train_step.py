@@ -8,8 +8,8 @@ variable-length samples:
   logits and all (T x Vd) logits of every step materialized (eaglekit.training.ttt_loss).
 - padded TTT (the kit before packing): padded batches, one layer pass per TTT step with the kept keys,
   the same full-logit loss.
-- kit: samples packed into fixed `--pack-tokens` rows with a document mask (eaglekit.packing), the
-  head and loss chunked over the rows that can count (eaglekit.head_loss), teacher chunked.
+- kit: samples packed into fixed `--pack-tokens` rows with a document mask (eaglekit.training.packing), the
+  head and loss chunked over the rows that can count (eaglekit.draft.head_loss), teacher chunked.
 
 All three must give the same loss (checked and printed). Per implementation it prints tokens/s over
 real (non-padding) tokens, achieved model TFLOP/s (model FLOPs: fc once, one layer pass and the head
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from eaglekit.draft import DraftConfig, Eagle3DraftModel, TrainingTimeTestKeyValues, shift_left
-from eaglekit.head_loss import chunked_ttt_loss
-from eaglekit.packing import packed_micro_batches, padding_share
+from eaglekit.draft.model import DraftConfig, Eagle3DraftModel, TrainingTimeTestKeyValues, shift_left
+from eaglekit.draft.head_loss import chunked_ttt_loss
+from eaglekit.training.packing import packed_micro_batches, padding_share
 from eaglekit.training import Batch, collate, eligible_rows, target_signals, ttt_loss
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from vendor data sheets, matched on the device name.

@@ -26,7 +26,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def embedded_model_dir():
     """The SmolLM2 GGUF converted to a transformers folder (cache_dir()/models), resolved once per run."""
-    from eaglekit.models import resolve_model
+    from eaglekit.target import resolve_model
 
     return resolve_model(EMBEDDED_SPEC)
 
@@ -34,7 +34,7 @@ def embedded_model_dir():
 @pytest.fixture(scope="session")
 def embedded_server(embedded_model_dir, tmp_path_factory):
     """`transformers serve` with the embedded model on 127.0.0.1, shared by the whole session."""
-    from eaglekit.embedded_server import EmbeddedServer
+    from eaglekit.generation.server import EmbeddedServer
 
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     with EmbeddedServer(embedded_model_dir, log_path=log_path) as server:

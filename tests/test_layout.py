@@ -1,23 +1,99 @@
-"""Test files say what they test: tests/test_<module>.py is about lib/eaglekit/<module>.py, so a renamed
-module (server.py -> embedded_server.py) leaves no test named after a module that is gone."""
+"""Tests mirror the library: tests/<package>/test_<module>.py is about lib/eaglekit/<package>/<module>.py,
+tests/<package>/test_<package>.py about the package itself, and tests/test_<module>.py about a top-level module.
+A renamed module leaves no test named after a module that is gone. Whole-pipeline tests live in tests/e2e/."""
 
+import ast
 from pathlib import Path
 
 TESTS = Path(__file__).parent
 LIBRARY = TESTS.parent / "lib" / "eaglekit"
-# Tests of a behaviour across modules rather than of one module.
+# Tests of a behaviour across modules rather than of one module, by folder.
 TOPICS = {
-    "chaos": "stage 03 under kill -9 of runner, kernel and endpoint",
-    "layout": "this file",
-    "notebooks": "committed notebooks: stripped, parameters cell, thin",
-    "pipeline": "the six notebooks through the runner on params/smoke.yaml",
-    "recipe_levers": "distillation target and feature noise through training",
-    "templates": "published chat templates through eaglekit.chat",
+    ".": {"layout": "this file", "notebooks": "committed notebooks: stripped, parameters cell, thin"},
+    "e2e": {"chaos": "stage 03 under kill -9 of runner, kernel and endpoint",
+            "pipeline": "the six notebooks through the runner on params/smoke.yaml"},
+    "chat": {"templates": "published chat templates through eaglekit.chat"},
+    "training": {"recipe_levers": "distillation target and feature noise through training"},
 }
+MAX_MODULE_LINES = 600
+
+
+def _subject_exists(folder: Path, name: str) -> bool:
+    relative = folder.relative_to(TESTS)
+    package = LIBRARY / relative
+    if name in TOPICS.get(str(relative), {}):
+        return True
+    if (package / f"{name}.py").is_file():
+        return True
+    return name == relative.name and (package / "__init__.py").is_file()
 
 
 def test_every_test_file_is_named_after_a_module_or_a_topic():
-    names = sorted(path.stem.removeprefix("test_") for path in TESTS.glob("test_*.py"))
-    stale = [name for name in names if not (LIBRARY / f"{name}.py").is_file() and name not in TOPICS]
-    assert not stale, (f"tests {['test_' + name + '.py' for name in stale]} are named after no module in {LIBRARY}: "
-                       "`git mv` them after the module they test, or name the topic in TOPICS")
+    stale = [str(path.relative_to(TESTS)) for path in sorted(TESTS.rglob("test_*.py"))
+             if "fixtures" not in path.parts and not _subject_exists(path.parent, path.stem.removeprefix("test_"))]
+    assert not stale, (f"tests {stale} are named after no module under {LIBRARY}: `git mv` them to "
+                       "tests/<package>/test_<module>.py after the module they test, or name the topic in TOPICS")
+
+
+def test_every_test_folder_is_a_package_of_the_library_or_e2e():
+    folders = sorted(path.name for path in TESTS.iterdir()
+                     if path.is_dir() and path.name not in {"fixtures", "__pycache__"})
+    stray = [name for name in folders if name != "e2e" and not (LIBRARY / name / "__init__.py").is_file()]
+    assert not stray, f"test folders {stray} mirror no package under {LIBRARY}"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(LIBRARY.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """eaglekit modules imported at module level (not inside functions), resolved to modules that exist."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eaglekit"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                names.add(candidate if _exists(candidate) else node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names if alias.name.startswith("eaglekit"))
+    return {name for name in names if _exists(name)}
+
+
+def _exists(module: str) -> bool:
+    path = LIBRARY.parent.joinpath(*module.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_the_library_has_no_import_circle():
+    graph = {_module_name(path): _module_level_imports(path) for path in LIBRARY.rglob("*.py")}
+    # a module importing a package's submodule also runs the package's __init__
+    for module, imports in graph.items():
+        for name in list(imports):
+            parts = name.split(".")
+            imports.update(".".join(parts[:i]) for i in range(2, len(parts)) if ".".join(parts[:i]) in graph)
+        imports.discard(module)
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(module: str, stack: list[str]) -> bool:
+        state[module] = 1
+        for name in sorted(graph.get(module, ())):
+            if state.get(name) == 1:
+                cycle.extend(stack[stack.index(name):] + [module, name] if name in stack else [module, name])
+                return True
+            if state.get(name) is None and visit(name, stack + [module]):
+                return True
+        state[module] = 2
+        return False
+
+    for module in sorted(graph):
+        if state.get(module) is None and visit(module, []):
+            break
+    assert not cycle, f"import circle: {' -> '.join(cycle)}"
+
+
+def test_no_module_is_over_the_line_budget():
+    long = {str(path.relative_to(LIBRARY)): count for path in sorted(LIBRARY.rglob("*.py"))
+            if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their concerns): {long}"

@@ -197,7 +197,7 @@ def test_one_writer_per_run_folder_and_a_dead_runners_lock_is_taken_over(tmp_pat
     import signal
     import time
 
-    from eaglekit.runs import RunFolderLock, RunLockedError
+    from eaglekit.run_folder import RunFolderLock, RunLockedError
 
     params = scenario(tmp_path)
     first = start_runner(params, "--stages", "busy", "--run-id", "shared")

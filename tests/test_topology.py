@@ -71,8 +71,8 @@ def test_parse_topologies_drops_duplicates_and_needs_one():
 # the sweep's cost model, table and recommendation (pure numbers; the measured sweep runs in test_evaluate)
 # ---------------------------------------------------------------------------------------------------
 def test_cost_model_reduces_to_the_break_even_model_of_scaling():
-    from eaglekit.scaling import break_even_from_timings, speedup_from_timings
-    from eaglekit.topology_sweep import StepCosts
+    from eaglekit.analysis.scaling import break_even_from_timings, speedup_from_timings
+    from eaglekit.analysis.topology_sweep import StepCosts
 
     costs = StepCosts(target_step_s=0.011, verify_base_s=0.012, verify_token_s=0.0, draft_base_s=0.002, draft_node_s=0.0)
     chain = Topology.chain(3)
@@ -93,7 +93,7 @@ def test_sweep_table_and_recommendation():
 
     matplotlib.use("Agg")
     import numpy as np
-    from eaglekit.topology_sweep import (
+    from eaglekit.analysis.topology_sweep import (
         StepCosts,
         default_topology_grid,
         plot_topology_sweep,
@@ -130,7 +130,7 @@ def test_sweep_table_and_recommendation():
 
 
 def test_cost_line_fit_is_robust_to_noise():
-    from eaglekit.topology_sweep import _fit_line
+    from eaglekit.analysis.topology_sweep import _fit_line
 
     assert _fit_line([1, 5, 9], [1.0, 1.4, 1.8]) == pytest.approx((1.0, 0.1))
     assert _fit_line([1, 5, 9], [1.2, 1.0, 1.1]) == pytest.approx((1.1, 0.0))  # no size effect measured: flat
@@ -141,12 +141,12 @@ def test_cost_line_fit_is_robust_to_noise():
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_recommendation_goes_through_the_real_loop_and_into_the_metrics_event(tmp_path, monkeypatch):
-    import eaglekit.evaluate as evaluate_module
-    from eaglekit.checkpoint_evaluation import heldout_prompts
-    from eaglekit.draft import build_draft_from_target, load_target_head_weights
-    from eaglekit.topology_sweep import LOOP_CHECK_FIELDS, check_recommendation, sweep_event
-    from eaglekit.vocab import count_generated_tokens, select_draft_vocab
-    from test_draft import samples_from_target, tiny_target
+    import eaglekit.analysis.evaluate as evaluate_module
+    from eaglekit.analysis.checkpoints import heldout_prompts
+    from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
+    from eaglekit.analysis.topology_sweep import LOOP_CHECK_FIELDS, check_recommendation, sweep_event
+    from eaglekit.draft.vocab import count_generated_tokens, select_draft_vocab
+    from support import samples_from_target, tiny_target
 
     target = tiny_target()
     target.save_pretrained(tmp_path / "target")

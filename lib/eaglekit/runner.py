@@ -29,7 +29,7 @@ import nbformat
 from eaglekit.config import Params, dump_params, load_params, repo_path
 from eaglekit.io import atomic_write, write_json
 from eaglekit.paths import NOTEBOOKS_DIR
-from eaglekit.runs import (
+from eaglekit.run_folder import (
     RunFolderLock,
     RunLockedError,
     clear_stage_outcome,
@@ -335,7 +335,7 @@ def run_pipeline(
 
     Raises RunError naming the failed cell (or the dead kernel), RunInterrupted after SIGINT/SIGTERM,
     RunLockedError when another live process writes into the run folder. A stage that finishes but
-    records errors (`eaglekit.runs.record_stage_outcome`) does not stop the run; it is reported
+    records errors (`eaglekit.run_folder.record_stage_outcome`) does not stop the run; it is reported
     "done with N errors" and `--resume` runs it again.
     """
     params = load_params(params_path)  # fail before creating anything
@@ -373,7 +373,7 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
                 lock: RunFolderLock, kernel_name: str) -> Path:
     from traitlets.config import Config
 
-    from eaglekit.embedded_server import serving_endpoints
+    from eaglekit.generation.server import serving_endpoints
 
     (run_dir / "figures").mkdir(exist_ok=True)
     logger = _logger(run_dir)

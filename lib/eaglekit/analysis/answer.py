@@ -1,0 +1,186 @@
+"""Stage 6's answer: the sweep's scaling answer, the `scaling_summary.json` record, the headline metrics
+event and the answer in plain words (notebook 06), every number taken from what was measured.
+
+Nothing here measures: it reads the sweep's offline acceptance (`acceptance.SweepAcceptance`), the real
+loop's summary (`checkpoint_evaluation.evaluate_speculative_loop`), the scaling answer
+(`scaling.scaling_answer`, fitted here on the pooled curve), the benchmark curve and the break-even cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from eaglekit.analysis.acceptance import SweepAcceptance, percentile_interval
+from eaglekit.io import write_json
+from eaglekit.analysis.scaling import BreakEven, ScalingAnswer, scaling_answer
+from eaglekit.topology import Topology
+
+
+@dataclass(frozen=True)
+class SweepScaling:
+    """The scaling answer on the sweep's pooled held-out curve, with the points it was read from."""
+
+    pooled_dataset: str  # "all" when the sweep pooled its datasets, else its one dataset
+    overall: pd.DataFrame  # acceptance.summary's rows for pooled_dataset, ascending data size
+    points: pd.DataFrame  # acceptance.summary plus `lower_bound`: pooled rows of drafts stopped while still improving
+    answer: ScalingAnswer | None  # None with fewer than two data sizes
+    statements: list[str]  # the answer's sentences, or why there is none, plus a note when no target is set
+
+    @property
+    def ceiling_identified(self) -> bool:
+        return self.answer is not None and self.answer.ceiling.identified
+
+    def tables(self) -> list[pd.DataFrame]:
+        """What notebook 06 displays: the local slope, the ceiling test, doublings per target (when any)."""
+        if self.answer is None:
+            return []
+        tables = [pd.Series({key: value for key, value in self.answer.slope.to_dict().items()
+                             if key not in ("statement", "data_sizes", "accept_lengths")}).to_frame("local slope"),
+                  pd.Series({key: value for key, value in self.answer.ceiling.to_dict().items()
+                             if key not in ("statement", "saturating_fit")}).to_frame("ceiling")]
+        if self.answer.doublings_needed:
+            tables.append(pd.DataFrame(self.answer.doublings_needed).drop(columns=["statement"]).round(2))
+        return tables
+
+
+def sweep_scaling(
+    acceptance: SweepAcceptance,
+    break_even_accept_length: float,
+    max_accept_length: float,
+    confidence: float,
+    target_accept_length: float | None = None,
+    lower_bound_sizes: Collection[float] = (),
+) -> SweepScaling:
+    """`scaling.scaling_answer` on the pooled curve ("all", else the only dataset), sized for break-even and,
+    when set, the target accept length. `lower_bound_sizes`: sizes whose drafts the step cap stopped while
+    still improving (`SweepRecord.still_improving()`), marked as lower bounds in the slope and the points."""
+    pooled = "all" if "all" in acceptance.pooled_replicates else str(acceptance.summary["dataset"].iloc[0])
+    overall = acceptance.summary[acceptance.summary["dataset"] == pooled].sort_values("data_size")
+    lower_bounds = sorted(lower_bound_sizes)
+    points = acceptance.summary.assign(lower_bound=acceptance.summary["data_size"].astype(float).isin(lower_bounds)
+                                       & (acceptance.summary["dataset"] == pooled))
+    targets = [("break-even", break_even_accept_length)] + ([("target", target_accept_length)] if target_accept_length is not None else [])
+    answer = None
+    if overall["data_size"].nunique() >= 2:
+        answer = scaling_answer(overall["data_size"].to_numpy(), overall["tau_pooled"].to_numpy(), acceptance.pooled_replicates[pooled],
+                                max_accept_length=max_accept_length, targets=targets, confidence=confidence, lower_bound_sizes=lower_bounds)
+        statements = answer.statements
+    else:
+        statements = [f"No slope: the sweep measured {overall['data_size'].nunique()} data size; add sizes to training.data_sizes."]
+    if target_accept_length is None:
+        statements.append("No target accept length is set (analysis.target_accept_length), so only break-even is sized.")
+    return SweepScaling(pooled_dataset=pooled, overall=overall, points=points, answer=answer, statements=statements)
+
+
+def analysis_summary_record(
+    topology: Topology,
+    heldout_samples: int,
+    scaling: SweepScaling,
+    embedded_case: BreakEven,
+    seed_case: BreakEven,
+    loop_summary: Mapping[str, Any],
+    benchmark_file: str | None = None,
+    benchmark_summary: pd.DataFrame | None = None,
+) -> dict[str, Any]:
+    """`analysis/scaling_summary.json` as far as the scaling answer: later cells add "topology_sweep",
+    "ablation", "serving" and "stage_seconds" (write it with `write_summary_record`)."""
+    return {
+        "topology": topology.to_dict(),
+        "heldout_samples": heldout_samples,
+        "points": scaling.points.to_dict(orient="records"),
+        "scaling": None if scaling.answer is None else scaling.answer.to_dict(),
+        "statements": scaling.statements,
+        "benchmark": None if benchmark_summary is None else {"file": benchmark_file, "summary": benchmark_summary.to_dict(orient="records")},
+        "break_even": embedded_case.to_dict(),
+        "seed_break_even": seed_case.to_dict(),
+        "speculative_loop": dict(loop_summary),
+    }
+
+
+def write_summary_record(path: str | os.PathLike, record: Mapping[str, Any]) -> None:
+    """Write the record as JSON; numpy scalars (pandas rows hold them) become plain numbers."""
+    write_json(path, json.loads(json.dumps(record, default=float)))
+
+
+def headline_metrics(
+    topology: Topology,
+    scaling: SweepScaling,
+    loop_summary: Mapping[str, Any],
+    embedded_case: BreakEven,
+    seed_case: BreakEven,
+    lower_bound_sizes: Collection[float],
+    stage_seconds: float,
+) -> dict[str, Any]:
+    """The `headline` metrics event: the largest draft's held-out tau with its interval, the real loop, both
+    break-evens, the slope per doubling, whether a ceiling is identified and doublings needed per target."""
+    largest = scaling.overall.iloc[-1]
+    answer = scaling.answer
+    return {
+        **topology.to_dict(),
+        "largest_data_size": float(largest["data_size"]),
+        "tau_offline_largest": float(largest["tau_pooled"]),
+        "tau_offline_largest_low": float(largest["tau_pooled_low"]),
+        "tau_offline_largest_high": float(largest["tau_pooled_high"]),
+        "tau_loop": loop_summary["tau_loop_pooled"],
+        "tau_loop_offline_same_prompts": loop_summary["tau_offline_pooled"],
+        "loop_speedup": loop_summary["speedup"],
+        "outputs_equal": loop_summary["outputs_equal"],
+        "break_even_embedded": embedded_case.break_even_accept_length,
+        "break_even_seed": seed_case.break_even_accept_length,
+        "slope_per_doubling": None if answer is None else answer.slope.slope,
+        "slope_low": None if answer is None else answer.slope.slope_low,
+        "slope_high": None if answer is None else answer.slope.slope_high,
+        "ceiling_identified": scaling.ceiling_identified,
+        "lower_bound_sizes": sorted(lower_bound_sizes),
+        "doublings_needed": {} if answer is None else {item["label"]: item["doublings"] for item in answer.doublings_needed},
+        "stage_seconds": stage_seconds,
+    }
+
+
+def answer_in_words(
+    acceptance: SweepAcceptance,
+    pooled_dataset: str,
+    topology: Topology,
+    heldout_samples: int,
+    confidence: float,
+    embedded_case: BreakEven,
+    loop_summary: dict,
+    scaling_statements: Sequence[str],
+    seed_case: BreakEven,
+    benchmark_summary: pd.DataFrame | None = None,
+    benchmark_name: str = "",
+) -> list[str]:
+    """The answer as paragraphs: held-out tau from the smallest to the largest draft with its interval, the
+    paired-bootstrap gain between them, the real loop against break-even, the scaling statements, the
+    benchmark curve (when measured) and the seed's serving case. Intervals are at `confidence`."""
+    overall = acceptance.summary[acceptance.summary["dataset"] == pooled_dataset].sort_values("data_size")
+    first, last = overall.iloc[0], overall.iloc[-1]
+    lines = [f"On {heldout_samples} held-out samples, a greedy {topology.label} (ceiling tau {topology.ceiling:g}): tau went from "
+             f"{first['tau_pooled']:.2f} with {first['data_size']:g} training samples to {last['tau_pooled']:.2f} "
+             f"({confidence:.0%} interval {last['tau_pooled_low']:.2f}-{last['tau_pooled_high']:.2f}) with {last['data_size']:g}."]
+    # The same resampled held-out sets score every draft, so the difference of two columns is a paired interval.
+    replicates = acceptance.pooled_replicates[pooled_dataset]  # (R, sizes), columns ascending in data size
+    gain_low, gain_high = (float(bound) for bound in percentile_interval(replicates[:, -1] - replicates[:, 0], confidence))
+    lines.append(f"More data {'helped' if gain_low > 0 else 'did not measurably help'} here: the paired bootstrap puts the gain from "
+                 f"the smallest to the largest draft at {gain_low:+.3f} to {gain_high:+.3f} ({confidence:.0%} interval).")
+    speedup = loop_summary["speedup"]
+    lines.append(f"On this machine the embedded loop needs tau above {embedded_case.break_even_accept_length:.2f} to beat plain decoding; "
+                 f"the largest draft reached {loop_summary['tau_loop_pooled']:.2f} in the real loop (offline estimate on the same prompts "
+                 f"{loop_summary['tau_offline_pooled']:.2f}), so speculation ran at {speedup:.2f}x plain greedy decoding "
+                 f"({'faster' if speedup > 1 else 'slower'}), outputs identical: {loop_summary['outputs_equal']}.")
+    lines.extend(scaling_statements)
+    if benchmark_summary is not None and len(benchmark_summary):
+        first_bench, last_bench = benchmark_summary.iloc[0], benchmark_summary.iloc[-1]
+        lines.append(f"On {int(last_bench['prompts'])} benchmark prompts from outside the training data ({benchmark_name}), the real "
+                     f"loop's tau went from {first_bench['tau']:.2f} ({first_bench['data_size']:g} samples) to {last_bench['tau']:.2f} "
+                     f"({confidence:.0%} interval {last_bench['tau_low']:.2f}-{last_bench['tau_high']:.2f}) with {last_bench['data_size']:g}.")
+    lines.append(f"For the seed's serving case ({seed_case.baseline_tokens_per_s:g} tok/s plain, {seed_case.speculative_tokens_per_s:g} tok/s "
+                 f"at tau {seed_case.accept_length:g}) the draft must reach tau {seed_case.break_even_accept_length:.2f} to break even; "
+                 "this run's curve is for the embedded target and its draft, not that deployment.")
+    return lines

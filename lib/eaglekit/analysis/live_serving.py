@@ -1,0 +1,602 @@
+"""Live serving measurement: accept length and tokens/s against SGLang and vLLM endpoints.
+
+Accept length follows DESIGN.md: tokens emitted per target verification step, bonus included.
+
+SGLang reports, per finished request, `meta_info.spec_verify_ct` (verification steps) beside
+`meta_info.completion_tokens`; tau = completion_tokens / spec_verify_ct, pooled over requests as
+sum/sum with the per-request mean beside it. Where SGLang returns meta_info:
+- native `POST /generate`: always, at the top level of the response (`{"text", "output_ids", "meta_info"}`);
+  `spec_verify_ct` is present only when the server was started with a speculative algorithm.
+- OpenAI `POST /v1/chat/completions`: only with `"return_meta_info": true` on a non-streaming request,
+  as `choices[i].meta_info` (recent releases; older ones ignore the flag and return no meta_info).
+The topology (chain or tree, steps, top-k, draft tokens) is read from SGLang's server info.
+
+vLLM exposes server-wide Prometheus counters at `/metrics` (vllm/v1/spec_decode/metrics.py):
+`vllm:spec_decode_num_drafts_total`, `vllm:spec_decode_num_draft_tokens_total`,
+`vllm:spec_decode_num_accepted_tokens_total` and `vllm:spec_decode_num_accepted_tokens_per_pos_total`
+(label `position`), one series per engine. tau = 1 + delta(accepted) / delta(drafts) between a read
+before and after the run. The counters are server-wide: any other traffic during the run is counted
+too, so measure on an otherwise idle server.
+
+Tokens/s here is client-side: completion tokens over the wall-clock time of each request, requests
+sent one at a time (concurrency 1), prefill included. The baseline endpoint gets the same prompts
+and the same sampling settings.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import httpx
+import pandas as pd
+
+from eaglekit.analysis.acceptance import server_accept_length
+
+Prompt = Mapping[str, Any]  # {"id", "messages"} for chat; {"id", "text"} or {"id", "input_ids"} for /generate
+SglangApi = Literal["generate", "chat"]
+
+
+def root_url(url: str) -> str:
+    """Server root from a base URL that may end in /v1 (OpenAI clients) or a slash."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _post_json(client: httpx.Client, url: str, body: dict) -> dict:
+    try:
+        response = client.post(url, json=body)
+    except httpx.HTTPError as error:
+        raise ConnectionError(f"POST {url} failed: {error!r}; is the server running and reachable?") from error
+    if response.status_code != 200:
+        raise RuntimeError(f"POST {url} answered {response.status_code}: {response.text[:500]}")
+    return response.json()
+
+
+def _get(client: httpx.Client, url: str) -> httpx.Response:
+    try:
+        return client.get(url)
+    except httpx.HTTPError as error:
+        raise ConnectionError(f"GET {url} failed: {error!r}; is the server running and reachable?") from error
+
+
+# ----------------------------------------------------------------------------- SGLang
+
+
+def get_sglang_server_info(url: str, timeout: float = 30.0) -> dict:
+    """SGLang's server info: `GET /server_info` (recent releases), falling back to `GET /get_server_info`."""
+    base = root_url(url)
+    with httpx.Client(timeout=timeout) as client:
+        for path in ("/server_info", "/get_server_info"):
+            response = _get(client, base + path)
+            if response.status_code == 200:
+                return response.json()
+            if response.status_code != 404:
+                raise RuntimeError(f"GET {base + path} answered {response.status_code}: {response.text[:300]}")
+    raise RuntimeError(f"{base} has neither /server_info nor /get_server_info: is it an SGLang server?")
+
+
+@dataclass(frozen=True)
+class SpeculationSetup:
+    """How a server speculates: recorded beside every accept length it reports."""
+
+    algorithm: str | None  # e.g. "EAGLE3"; None when the server does not speculate
+    topology: str | None  # "chain" (top-k 1) or "tree"
+    steps: int | None  # draft steps per cycle
+    topk: int | None
+    draft_tokens: int | None  # tokens verified per cycle (SGLang's speculative_num_draft_tokens)
+    draft_model_path: str | None = None
+
+
+def sglang_speculation(server_info: Mapping[str, Any]) -> SpeculationSetup:
+    """Read the speculative setup out of SGLang's server info (ServerArgs fields)."""
+    algorithm = server_info.get("speculative_algorithm")
+    if not algorithm:
+        return SpeculationSetup(None, None, None, None, None)
+    topk = server_info.get("speculative_eagle_topk")
+    return SpeculationSetup(
+        algorithm=str(algorithm),
+        topology=None if topk is None else ("chain" if int(topk) == 1 else "tree"),
+        steps=server_info.get("speculative_num_steps"),
+        topk=topk,
+        draft_tokens=server_info.get("speculative_num_draft_tokens"),
+        draft_model_path=server_info.get("speculative_draft_model_path"),
+    )
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request's measurement."""
+
+    prompt_id: str
+    completion_tokens: int
+    wall_s: float  # client-side, one request at a time
+    verification_steps: int | None  # SGLang spec_verify_ct; None when not reported
+    server_latency_s: float | None  # SGLang meta_info.e2e_latency, when present
+    finish_reason: str | None
+
+
+def _prompt_id(prompt: Prompt, index: int) -> str:
+    if "id" not in prompt:
+        raise ValueError(f"prompt {index} has no 'id'; give every prompt a stable id")
+    return str(prompt["id"])
+
+
+def _generate_body(prompt: Prompt, index: int, max_new_tokens: int, temperature: float) -> dict:
+    body: dict[str, Any] = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+    if "input_ids" in prompt:
+        body["input_ids"] = list(prompt["input_ids"])
+    elif "text" in prompt:
+        body["text"] = prompt["text"]
+    else:
+        raise ValueError(
+            f"prompt {index} ({prompt.get('id')!r}) has neither 'input_ids' nor 'text': /generate applies no chat "
+            "template, so render conversations first (render_generate_prompts) or use api='chat'"
+        )
+    return body
+
+
+def _chat_body(prompt: Prompt, index: int, model: str, max_tokens: int, temperature: float, return_meta_info: bool) -> dict:
+    if "messages" not in prompt:
+        raise ValueError(f"prompt {index} ({prompt.get('id')!r}) has no 'messages' for the chat API")
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": list(prompt["messages"]),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": False,
+    }
+    if return_meta_info:
+        body["return_meta_info"] = True  # SGLang extension; non-streaming only
+    return body
+
+
+def _record_from_meta(prompt_id: str, meta: Mapping[str, Any], wall_s: float) -> RequestRecord:
+    finish = meta.get("finish_reason")
+    return RequestRecord(
+        prompt_id=prompt_id,
+        completion_tokens=int(meta["completion_tokens"]),
+        wall_s=wall_s,
+        verification_steps=None if meta.get("spec_verify_ct") is None else int(meta["spec_verify_ct"]),
+        server_latency_s=None if meta.get("e2e_latency") is None else float(meta["e2e_latency"]),
+        finish_reason=finish.get("type") if isinstance(finish, Mapping) else finish,
+    )
+
+
+def run_sglang_requests(
+    url: str,
+    prompts: Sequence[Prompt],
+    api: SglangApi = "generate",
+    model: str = "default",
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+) -> list[RequestRecord]:
+    """Send prompts one at a time to an SGLang server and record tokens, time and verification steps."""
+    base = root_url(url)
+    records = []
+    with httpx.Client(timeout=timeout) as client:
+        for index, prompt in enumerate(prompts):
+            prompt_id = _prompt_id(prompt, index)
+            if api == "generate":
+                body = _generate_body(prompt, index, max_new_tokens, temperature)
+                started = time.perf_counter()
+                answer = _post_json(client, base + "/generate", body)
+                wall_s = time.perf_counter() - started
+                meta = answer.get("meta_info")
+            elif api == "chat":
+                body = _chat_body(prompt, index, model, max_new_tokens, temperature, return_meta_info=True)
+                started = time.perf_counter()
+                answer = _post_json(client, base + "/v1/chat/completions", body)
+                wall_s = time.perf_counter() - started
+                meta = answer["choices"][0].get("meta_info")
+                if meta is None:
+                    # Not an SGLang that honours return_meta_info: fall back to usage for tokens only.
+                    meta = {"completion_tokens": answer["usage"]["completion_tokens"], "finish_reason": answer["choices"][0].get("finish_reason")}
+            else:
+                raise ValueError(f"api must be 'generate' or 'chat', got {api!r}")
+            if meta is None or "completion_tokens" not in meta:
+                raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: is it an SGLang server?")
+            records.append(_record_from_meta(prompt_id, meta, wall_s))
+    return records
+
+
+def run_openai_chat_requests(
+    url: str,
+    prompts: Sequence[Prompt],
+    model: str,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+) -> list[RequestRecord]:
+    """Send prompts one at a time to any OpenAI-compatible chat endpoint (vLLM, a baseline); no meta_info."""
+    base = root_url(url)
+    records = []
+    with httpx.Client(timeout=timeout) as client:
+        for index, prompt in enumerate(prompts):
+            prompt_id = _prompt_id(prompt, index)
+            body = _chat_body(prompt, index, model, max_tokens, temperature, return_meta_info=False)
+            records.append(_openai_request(client, base, "/v1/chat/completions", body, prompt_id))
+    return records
+
+
+def run_openai_completion_requests(
+    url: str,
+    prompts: Sequence[Prompt],
+    model: str,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+) -> list[RequestRecord]:
+    """Send {"id", "input_ids"} prompts one at a time to `POST /v1/completions` with the token ids as `prompt`.
+
+    vLLM takes a list of ints as the prompt and applies no template to it, so it sees token for token what
+    SGLang's /generate gets from the same ids (a chat request would wrap the text in the template again).
+    """
+    base = root_url(url)
+    records = []
+    with httpx.Client(timeout=timeout) as client:
+        for index, prompt in enumerate(prompts):
+            prompt_id = _prompt_id(prompt, index)
+            if "input_ids" not in prompt:
+                raise ValueError(f"prompt {index} ({prompt_id!r}) has no 'input_ids' for /v1/completions")
+            body = {"model": model, "prompt": [int(token) for token in prompt["input_ids"]], "max_tokens": max_tokens,
+                    "temperature": temperature, "stream": False}
+            records.append(_openai_request(client, base, "/v1/completions", body, prompt_id))
+    return records
+
+
+def _openai_request(client: httpx.Client, base: str, path: str, body: dict, prompt_id: str) -> RequestRecord:
+    """One timed OpenAI-style request; its completion tokens from `usage` (required: the rate is built on it)."""
+    started = time.perf_counter()
+    answer = _post_json(client, base + path, body)
+    wall_s = time.perf_counter() - started
+    usage = answer.get("usage") or {}
+    if "completion_tokens" not in usage:
+        raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
+    return RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
+
+
+def render_generate_prompts(conversations: Sequence[Prompt], tokenizer: Any) -> list[dict]:
+    """Conversations -> {"id", "input_ids"} for SGLang /generate, with the target's chat template.
+
+    Token ids (not text) so SGLang does not add a second BOS when it tokenizes.
+    """
+    rendered = []
+    for index, conversation in enumerate(conversations):
+        text = tokenizer.apply_chat_template(list(conversation["messages"]), tokenize=False, add_generation_prompt=True)
+        input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        rendered.append({"id": _prompt_id(conversation, index), "input_ids": list(input_ids)})
+    return rendered
+
+
+# ----------------------------------------------------------------------------- summaries
+
+
+@dataclass(frozen=True)
+class ServingMeasurement:
+    """One endpoint's result over a prompt set; tau fields are None for a baseline."""
+
+    endpoint: str
+    server: str  # "sglang", "vllm" or "openai"
+    role: str  # "speculative" or "baseline"
+    algorithm: str | None
+    topology: str | None
+    steps: int | None
+    topk: int | None
+    draft_tokens: int | None
+    requests: int
+    completion_tokens: int
+    wall_s: float
+    tokens_per_s: float  # sum tokens / sum wall time
+    tokens_per_s_request_mean: float
+    tau_pooled: float | None
+    tau_request_mean: float | None
+    tau_source: str | None  # how tau was obtained
+    verification_steps: int | None = None
+
+
+def _throughput(records: Sequence[RequestRecord]) -> tuple[int, float, float, float]:
+    if not records:
+        raise ValueError("no requests were measured")
+    tokens = sum(record.completion_tokens for record in records)
+    wall = sum(record.wall_s for record in records)
+    per_request = [record.completion_tokens / record.wall_s for record in records if record.wall_s > 0]
+    return tokens, wall, tokens / wall, sum(per_request) / len(per_request)
+
+
+def summarize_sglang(records: Sequence[RequestRecord], endpoint: str, setup: SpeculationSetup, role: str) -> ServingMeasurement:
+    """Pool SGLang records: tau from completion_tokens / spec_verify_ct (sum/sum and per-request mean)."""
+    tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(records)
+    tau_pooled = tau_mean = None
+    steps_total = None
+    if role == "speculative":
+        missing = [record.prompt_id for record in records if record.verification_steps is None]
+        if missing:
+            raise RuntimeError(
+                f"{endpoint}: no spec_verify_ct in meta_info for {missing[:5]}: the server is not speculating "
+                "(start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT) or this "
+                "release does not return meta_info on the chat API (use api='generate')"
+            )
+        accept = server_accept_length([r.completion_tokens for r in records], [r.verification_steps for r in records])
+        tau_pooled, tau_mean, steps_total = accept.pooled, accept.per_request_mean, accept.verification_steps
+    else:
+        speculating = [record.prompt_id for record in records if record.verification_steps is not None]
+        if speculating:
+            raise RuntimeError(f"{endpoint}: the baseline reports spec_verify_ct for {speculating[:5]}: start it without --speculative-algorithm")
+    return ServingMeasurement(
+        endpoint=endpoint,
+        server="sglang",
+        role=role,
+        algorithm=setup.algorithm,
+        topology=setup.topology,
+        steps=setup.steps,
+        topk=setup.topk,
+        draft_tokens=setup.draft_tokens,
+        requests=len(records),
+        completion_tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_request_mean=tokens_per_s_mean,
+        tau_pooled=tau_pooled,
+        tau_request_mean=tau_mean,
+        tau_source=None if tau_pooled is None else "sglang meta_info completion_tokens / spec_verify_ct",
+        verification_steps=steps_total,
+    )
+
+
+def measurements_frame(measurements: Sequence[ServingMeasurement]) -> pd.DataFrame:
+    """Rows per endpoint; speedup = tokens/s over the baseline row's tokens/s (when there is one)."""
+    frame = pd.DataFrame([asdict(measurement) for measurement in measurements])
+    baselines = frame[frame["role"] == "baseline"]
+    frame["speedup"] = frame["tokens_per_s"] / float(baselines["tokens_per_s"].iloc[0]) if len(baselines) else math.nan
+    return frame
+
+
+def records_frame(records: Sequence[RequestRecord], endpoint: str) -> pd.DataFrame:
+    """Per-request rows (with each request's own tau where it has verification steps)."""
+    frame = pd.DataFrame([asdict(record) for record in records]).assign(endpoint=endpoint)
+    steps = frame["verification_steps"].astype("float64")
+    frame["tau"] = frame["completion_tokens"] / steps
+    frame["tokens_per_s"] = frame["completion_tokens"] / frame["wall_s"]
+    return frame
+
+
+def measure_sglang(
+    speculative_url: str,
+    prompts: Sequence[Prompt],
+    baseline_url: str | None = None,
+    api: SglangApi = "generate",
+    model: str = "default",
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """SGLang with speculation, and optionally the same prompts against a baseline SGLang without it.
+
+    Returns (summary, per_request): summary has one row per endpoint with topology, tau pooled and
+    per-request mean, tokens/s and speedup over the baseline.
+    """
+    setup = sglang_speculation(get_sglang_server_info(speculative_url, timeout))
+    if setup.algorithm is None:
+        raise RuntimeError(f"{speculative_url}: server info has no speculative_algorithm; start SGLang with --speculative-algorithm EAGLE3")
+    speculative = run_sglang_requests(speculative_url, prompts, api, model, max_new_tokens, temperature, timeout)
+    measurements = [summarize_sglang(speculative, speculative_url, setup, "speculative")]
+    per_request = [records_frame(speculative, speculative_url)]
+    if baseline_url is not None:
+        baseline = run_sglang_requests(baseline_url, prompts, api, model, max_new_tokens, temperature, timeout)
+        measurements.append(summarize_sglang(baseline, baseline_url, SpeculationSetup(None, None, None, None, None), "baseline"))
+        per_request.append(records_frame(baseline, baseline_url))
+    return measurements_frame(measurements), pd.concat(per_request, ignore_index=True)
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+_SAMPLE_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
+_LABEL = re.compile(r'(?P<key>[a-zA-Z_][a-zA-Z0-9_]*)="(?P<value>(?:[^"\\]|\\.)*)"')
+
+VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
+VLLM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_ACCEPTED_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+
+
+@dataclass(frozen=True)
+class VllmSpecCounters:
+    """vLLM's speculative-decoding counters summed over engines (and models)."""
+
+    drafts: float
+    draft_tokens: float
+    accepted_tokens: float
+    accepted_per_position: tuple[float, ...]  # index = draft position
+
+    def minus(self, earlier: "VllmSpecCounters") -> "VllmSpecCounters":
+        if len(self.accepted_per_position) != len(earlier.accepted_per_position):
+            raise RuntimeError("the number of draft positions changed between reads: was the server restarted with another config?")
+        return VllmSpecCounters(
+            drafts=self.drafts - earlier.drafts,
+            draft_tokens=self.draft_tokens - earlier.draft_tokens,
+            accepted_tokens=self.accepted_tokens - earlier.accepted_tokens,
+            accepted_per_position=tuple(a - b for a, b in zip(self.accepted_per_position, earlier.accepted_per_position)),
+        )
+
+
+def parse_vllm_spec_counters(metrics_text: str, source: str = "/metrics") -> VllmSpecCounters:
+    """Sum the `*_total` spec-decode series of a Prometheus text exposition (never the `*_created` gauges)."""
+    totals = {VLLM_DRAFTS: 0.0, VLLM_DRAFT_TOKENS: 0.0, VLLM_ACCEPTED: 0.0}
+    seen: set[str] = set()
+    per_position: dict[int, float] = {}
+    for line in metrics_text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE_LINE.match(line)
+        if match is None:
+            continue
+        name = match["name"]
+        if name in totals:
+            totals[name] += float(match["value"])
+            seen.add(name)
+        elif name == VLLM_ACCEPTED_PER_POSITION:
+            labels = {label["key"]: label["value"] for label in _LABEL.finditer(match["labels"] or "")}
+            position = int(labels["position"])
+            per_position[position] = per_position.get(position, 0.0) + float(match["value"])
+    missing = sorted(set(totals) - seen)
+    if missing:
+        raise RuntimeError(
+            f"{source}: no {', '.join(missing)}: vLLM is not running speculative decoding (start it with "
+            "--speculative-config '{\"method\": \"eagle3\", \"model\": DRAFT, \"num_speculative_tokens\": K}'), or it is "
+            "a release without the V1 drafts counter"
+        )
+    return VllmSpecCounters(
+        drafts=totals[VLLM_DRAFTS],
+        draft_tokens=totals[VLLM_DRAFT_TOKENS],
+        accepted_tokens=totals[VLLM_ACCEPTED],
+        accepted_per_position=tuple(per_position[index] for index in sorted(per_position)),
+    )
+
+
+def read_vllm_spec_counters(url: str, timeout: float = 30.0) -> VllmSpecCounters:
+    """GET {root}/metrics and parse the spec-decode counters."""
+    metrics_url = root_url(url) + "/metrics"
+    with httpx.Client(timeout=timeout) as client:
+        response = _get(client, metrics_url)
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {metrics_url} answered {response.status_code}")
+    return parse_vllm_spec_counters(response.text, metrics_url)
+
+
+def measure_vllm(
+    speculative_url: str,
+    prompts: Sequence[Prompt],
+    model: str,
+    baseline_url: str | None = None,
+    baseline_model: str | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    timeout: float = 600.0,
+    api: Literal["chat", "completions"] = "chat",
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """vLLM with speculation: tau = 1 + delta(accepted) / delta(drafts) around the run; optional baseline.
+
+    api "chat": prompts are {"id", "messages"}; "completions": {"id", "input_ids"} sent as token ids
+    (`run_openai_completion_requests`), the baseline likewise. Topology is recorded as a chain of as many
+    steps as vLLM reports draft positions. Returns (summary, per_request); summary also carries
+    per-position acceptance (accepted at position i / drafts) as `acceptance_per_position`.
+    """
+    if api not in ("chat", "completions"):
+        raise ValueError(f"api must be 'chat' or 'completions', got {api!r}")
+    run_requests = run_openai_chat_requests if api == "chat" else run_openai_completion_requests
+    before = read_vllm_spec_counters(speculative_url, timeout)
+    records = run_requests(speculative_url, prompts, model, max_tokens, temperature, timeout)
+    delta = read_vllm_spec_counters(speculative_url, timeout).minus(before)
+    if delta.drafts <= 0:
+        raise RuntimeError(f"{speculative_url}: the drafts counter did not move during the run; speculation was not used")
+    tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(records)
+    steps = len(delta.accepted_per_position) or None
+    speculative = ServingMeasurement(
+        endpoint=speculative_url,
+        server="vllm",
+        role="speculative",
+        algorithm="vllm speculative_config",
+        topology="chain",
+        steps=steps,
+        topk=1,
+        draft_tokens=None if steps is None else steps + 1,  # a chain verifies its k drafts plus one token, as SGLang counts
+        requests=len(records),
+        completion_tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_request_mean=tokens_per_s_mean,
+        tau_pooled=1.0 + delta.accepted_tokens / delta.drafts,
+        tau_request_mean=None,  # vLLM's counters are server-wide, not per request
+        tau_source="vllm /metrics 1 + delta accepted / delta drafts (server-wide counters)",
+        verification_steps=int(delta.drafts),
+    )
+    measurements = [speculative]
+    per_request = [records_frame(records, speculative_url)]
+    if baseline_url is not None:
+        baseline = run_requests(baseline_url, prompts, baseline_model or model, max_tokens, temperature, timeout)
+        tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(baseline)
+        measurements.append(
+            ServingMeasurement(baseline_url, "openai", "baseline", None, None, None, None, None, len(baseline), tokens, wall, tokens_per_s, tokens_per_s_mean, None, None, None)
+        )
+        per_request.append(records_frame(baseline, baseline_url))
+    summary = measurements_frame(measurements)
+    summary["acceptance_per_position"] = [
+        [count / delta.drafts for count in delta.accepted_per_position] if row.role == "speculative" else None for row in summary.itertuples()
+    ]
+    return summary, pd.concat(per_request, ignore_index=True)
+
+
+# ----------------------------------------------------------------------------- notebook 06's live measurement
+
+
+def served_model_id(url: str, timeout: float = 30.0) -> str:
+    """The model name an OpenAI-compatible server serves: the first entry of `GET /v1/models`.
+
+    vLLM answers chat requests only for the name it serves (`--served-model-name`, else the path it loaded).
+    """
+    models_url = root_url(url) + "/v1/models"
+    with httpx.Client(timeout=timeout) as client:
+        response = _get(client, models_url)
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {models_url} answered {response.status_code}: {response.text[:300]}")
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise RuntimeError(f"GET {models_url} answered without a model id (expected {{\"data\": [{{\"id\": ...}}]}}): "
+                           f"{response.text[:300]}") from None
+
+
+@dataclass(frozen=True)
+class LiveServing:
+    """Notebook 06's live measurement: one summary row per endpoint measured, per-request rows per server."""
+
+    summary: pd.DataFrame | None  # measure_sglang / measure_vllm summaries stacked; None when no endpoint is configured
+    per_request: dict[str, pd.DataFrame]  # "sglang" / "vllm" -> per-request rows (baseline rows included)
+
+    @property
+    def measured(self) -> bool:
+        return self.summary is not None
+
+    def records(self) -> list[dict] | None:
+        """The summary as JSON-ready rows (scaling_summary.json's "serving"), None when nothing was measured."""
+        return None if self.summary is None else self.summary.to_dict(orient="records")
+
+    def note(self) -> str:
+        if self.summary is None:
+            return "no live endpoints configured (analysis.sglang_endpoint / analysis.vllm_endpoint are unset): skipped"
+        return f"live serving measured on {len(self.summary)} endpoint(s): {', '.join(self.summary['endpoint'])}"
+
+
+def measure_live_serving(
+    prompts: Sequence[Prompt],
+    max_new_tokens: int,
+    sglang_endpoint: str | None = None,
+    baseline_endpoint: str | None = None,
+    vllm_endpoint: str | None = None,
+    timeout: float = 600.0,
+) -> LiveServing:
+    """The same prompts ({"id", "input_ids"}, chat template applied) against each configured endpoint.
+
+    Both servers get the token ids, so both measure the very prompts the embedded loop ran: SGLang on
+    /generate (with `baseline_endpoint`, the same target without speculation, beside it), vLLM on
+    /v1/completions under the model name it serves. No endpoint configured: nothing is sent and
+    `summary` is None.
+    """
+    summaries, per_request = [], {}
+    # Only id and token ids travel: loop prompts carry more (their dataset), which no server needs.
+    token_prompts = [{"id": _prompt_id(prompt, index), "input_ids": list(prompt["input_ids"])} for index, prompt in enumerate(prompts)]
+    if sglang_endpoint:
+        summary, per_request["sglang"] = measure_sglang(sglang_endpoint, token_prompts, baseline_url=baseline_endpoint,
+                                                        max_new_tokens=max_new_tokens, timeout=timeout)
+        summaries.append(summary)
+    if vllm_endpoint:
+        summary, per_request["vllm"] = measure_vllm(vllm_endpoint, token_prompts, model=served_model_id(vllm_endpoint),
+                                                    max_tokens=max_new_tokens, timeout=timeout, api="completions")
+        summaries.append(summary)
+    return LiveServing(summary=pd.concat(summaries, ignore_index=True) if summaries else None, per_request=per_request)

@@ -1,0 +1,830 @@
+"""Break-even accept length and the data-scaling fit: does more data make the draft fast enough?
+
+Accept length tau follows DESIGN.md: tokens emitted per target verification step, bonus included.
+
+Break-even (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"):
+with i.i.d. acceptance rate a, draft length g and cost ratio c = T_draft / T_target,
+
+    speedup = (1 - a^(g+1)) / ((1 - a) (g c + 1)),      expected tau = (1 - a^(g+1)) / (1 - a).
+
+With a measured tau and measured timings the same model reads speedup ~ tau * T_target / T_cycle,
+T_cycle = T_verify + g T_draft, so speculation pays off when tau > T_cycle / T_target.
+
+From throughput alone (baseline tok/s B, speculative tok/s S at measured tau): a plain step takes
+T_target = 1/B and one speculative cycle emits tau tokens in T_cycle = tau/S, so the break-even
+accept length is tau * B / S. The seed's case (B = 90, S = 82.3 at tau 2.1): T_target = 11.1 ms,
+T_cycle = 25.5 ms, break-even tau = 2.30; the cycle costs 1.30 target steps (14.4 ms) more than a
+plain step. Assumptions, stated on every result: the cycle cost does not depend on how many tokens
+are accepted (verification scores all drafted tokens whatever happens), the baseline and the
+speculative run share hardware, batch size, prompts and output lengths, and T_target is the
+baseline's time per token. Splitting the overhead into verify and draft parts needs one more
+assumption (T_verify ~ T_target, true when verification is memory-bound) and the draft length g.
+
+Scaling, in the order a careful reader should trust it:
+1. The local slope (`local_slope`): tau gained per doubling of training data over the measured range
+   (least squares of tau on log2 N), with a paired-bootstrap interval. It needs no model of what happens
+   beyond the data. "Data needed" is given from it only as "k more doublings at the measured slope".
+2. A model of the curve (`compare_models`), chosen by leave-one-size-out prediction error, not by
+   taste: the log-linear line (2 parameters, no ceiling) or the saturating power law below (3). The
+   ceiling tau_inf is reported only when it is identified (`ceiling_identification`): more sizes than
+   parameters, bootstrap refits that do not pile up at a bound, and the saturating model predicting
+   held-out sizes better than the line. Otherwise the summary says, in plain words, that the measured
+   range cannot pin the ceiling.
+
+The saturating model: tau(N) = tau_inf - b * N^(-c) fitted with scipy's curve_fit under bounds (1 <= tau_inf <=
+the topology's ceiling, b >= 0, 0 < c <= 5), internally on N / N_min so b is on the scale of the gap
+at the smallest size. Uncertainty is a bootstrap, one of two kinds, recorded in the result:
+- "per-sample" (preferred): the caller passes, per data size, bootstrap replicates of tau obtained
+  by resampling held-out samples (eaglekit.analysis.acceptance.bootstrap_accept_length with the same seed for
+  every size, so the resamples are paired when every draft is scored on the same held-out set); each
+  replicate row is refitted.
+- "residual": with only (N, tau) points, residuals of the point fit (rescaled by sqrt(n / (n - 3)))
+  are resampled onto the fitted curve and refitted. Crude with a handful of sizes; needs > 3 sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import pandas as pd
+from scipy.optimize import OptimizeWarning, brentq, curve_fit
+
+from eaglekit.analysis.acceptance import percentile_interval
+
+# ----------------------------------------------------------------------------- Leviathan model
+
+
+def leviathan_accept_length(acceptance_rate: float | np.ndarray, draft_length: int) -> float | np.ndarray:
+    """Expected tokens per verification step, (1 - a^(g+1)) / (1 - a); equals g + 1 at a = 1."""
+    a = np.asarray(acceptance_rate, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tau = np.where(a < 1.0, (1.0 - a ** (draft_length + 1)) / (1.0 - np.where(a < 1.0, a, 0.0)), draft_length + 1.0)
+    return float(tau) if tau.ndim == 0 else tau
+
+
+def leviathan_speedup(acceptance_rate: float | np.ndarray, draft_length: int, cost_ratio: float) -> float | np.ndarray:
+    """Leviathan et al. 2023 walltime speedup: (1 - a^(g+1)) / ((1 - a)(g c + 1))."""
+    tau = leviathan_accept_length(acceptance_rate, draft_length)
+    return tau / (draft_length * cost_ratio + 1.0)
+
+
+def acceptance_rate_for_accept_length(accept_length: float, draft_length: int) -> float:
+    """Invert the Leviathan tau(a) for a chain of g steps; tau must lie in [1, g + 1]."""
+    if not 1.0 <= accept_length <= draft_length + 1.0:
+        raise ValueError(f"accept length {accept_length} is outside [1, {draft_length + 1}] for draft length {draft_length}")
+    if accept_length == draft_length + 1.0:
+        return 1.0
+    return float(brentq(lambda a: leviathan_accept_length(a, draft_length) - accept_length, 0.0, 1.0 - 1e-15))
+
+
+def speedup_from_timings(
+    accept_length: float, target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int
+) -> float:
+    """speedup ~ tau * T_target / (T_verify + g * T_draft)."""
+    return accept_length * target_step_s / (verify_step_s + draft_length * draft_step_s)
+
+
+def break_even_from_timings(target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int) -> float:
+    """Accept length at which speculation matches plain decoding: (T_verify + g * T_draft) / T_target."""
+    for name, value in (("target_step_s", target_step_s), ("verify_step_s", verify_step_s), ("draft_step_s", draft_step_s)):
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive measured time in seconds, got {value}")
+    return (verify_step_s + draft_length * draft_step_s) / target_step_s
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    """Break-even analysis from baseline and speculative throughput at a measured accept length."""
+
+    baseline_tokens_per_s: float
+    speculative_tokens_per_s: float
+    accept_length: float
+    speedup: float  # speculative / baseline throughput
+    target_step_s: float  # 1 / baseline tok/s
+    cycle_s: float  # one draft-and-verify cycle: accept_length / speculative tok/s
+    overhead_s: float  # cycle_s - target_step_s: what speculation costs beyond a plain step
+    overhead_target_steps: float  # overhead in units of a plain target step
+    break_even_accept_length: float  # cycle_s / target_step_s
+    draft_length: int | None = None
+    cost_ratio: float | None = None  # c = T_draft / T_target, assuming T_verify = T_target
+    break_even_acceptance_rate: float | None = None  # Leviathan a at which speedup = 1
+    assumptions: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+THROUGHPUT_ASSUMPTIONS = (
+    "one draft-and-verify cycle costs the same whatever number of tokens it accepts",
+    "baseline and speculative runs share hardware, batch size, prompts and output lengths",
+    "a plain target step takes 1 / baseline tok/s",
+)
+
+
+def break_even_from_throughput(
+    baseline_tokens_per_s: float,
+    speculative_tokens_per_s: float,
+    accept_length: float,
+    draft_length: int | None = None,
+) -> BreakEven:
+    """Break-even accept length from baseline tok/s and speculative tok/s at a measured tau.
+
+    With `draft_length` (g), also the implied cost ratio c (assuming verification costs one target
+    step) and the Leviathan acceptance rate at which the speedup reaches 1.
+    """
+    if not baseline_tokens_per_s > 0 or not speculative_tokens_per_s > 0:
+        raise ValueError("throughputs must be positive measured tokens per second")
+    if not accept_length >= 1.0:
+        raise ValueError(f"accept length counts the bonus token, so it is at least 1; got {accept_length}")
+    target_step_s = 1.0 / baseline_tokens_per_s
+    cycle_s = accept_length / speculative_tokens_per_s
+    break_even = cycle_s / target_step_s
+    assumptions = THROUGHPUT_ASSUMPTIONS
+    cost_ratio = break_even_rate = None
+    if draft_length is not None:
+        if draft_length < 1:
+            raise ValueError(f"draft_length must be >= 1, got {draft_length}")
+        assumptions = assumptions + ("verification of the drafted tokens costs one plain target step (memory-bound)",)
+        cost_ratio = (break_even - 1.0) / draft_length
+        # Leviathan speedup = 1  <=>  tau(a) = g c + 1 = break_even; reachable only below g + 1.
+        if break_even < draft_length + 1.0:
+            break_even_rate = acceptance_rate_for_accept_length(max(break_even, 1.0), draft_length)
+    return BreakEven(
+        baseline_tokens_per_s=baseline_tokens_per_s,
+        speculative_tokens_per_s=speculative_tokens_per_s,
+        accept_length=accept_length,
+        speedup=speculative_tokens_per_s / baseline_tokens_per_s,
+        target_step_s=target_step_s,
+        cycle_s=cycle_s,
+        overhead_s=cycle_s - target_step_s,
+        overhead_target_steps=break_even - 1.0,
+        break_even_accept_length=break_even,
+        draft_length=draft_length,
+        cost_ratio=cost_ratio,
+        break_even_acceptance_rate=break_even_rate,
+        assumptions=assumptions,
+    )
+
+
+# ----------------------------------------------------------------------------- scaling fit
+
+
+def saturating_accept_length(data_size: float | np.ndarray, tau_inf: float, scale: float, exponent: float) -> np.ndarray:
+    """tau(N) = tau_inf - scale * N^(-exponent)."""
+    return tau_inf - scale * np.asarray(data_size, dtype=np.float64) ** (-exponent)
+
+
+MAX_EXPONENT = 5.0
+
+
+def _fit_normalized(relative_sizes: np.ndarray, accept_lengths: np.ndarray, ceiling: float) -> np.ndarray:
+    """Fit tau = tau_inf - gap * (N / N_min)^(-c); returns (tau_inf, gap, c). Raises RuntimeError if it fails."""
+    spread = float(accept_lengths.max() - accept_lengths.min())
+    tau_inf0 = min(float(accept_lengths.max()) + 0.5 * spread + 0.05, ceiling - 1e-6) if math.isfinite(ceiling) else float(accept_lengths.max()) + 0.5 * spread + 0.05
+    smallest = accept_lengths[np.argmin(relative_sizes)]
+    gap0 = max(tau_inf0 - float(smallest), 1e-3)
+    lower = [1.0, 0.0, 1e-3]
+    upper = [ceiling, np.inf, MAX_EXPONENT]
+    with warnings.catch_warnings():
+        # The covariance is unused (uncertainty comes from the bootstrap); its warning is noise.
+        warnings.simplefilter("ignore", OptimizeWarning)
+        params, _ = curve_fit(
+            lambda n, tau_inf, gap, c: tau_inf - gap * n ** (-c),
+            relative_sizes,
+            accept_lengths,
+            p0=[max(tau_inf0, 1.0 + 1e-6), gap0, 0.5],
+            bounds=(lower, upper),
+            method="trf",
+            maxfev=5000,
+        )
+    return params
+
+
+@dataclass(frozen=True)
+class ScalingFit:
+    """tau(N) = tau_inf - scale * N^(-exponent) with bootstrap replicates of (tau_inf, scale, exponent)."""
+
+    tau_inf: float
+    scale: float
+    exponent: float
+    data_sizes: np.ndarray  # (n,)
+    accept_lengths: np.ndarray  # (n,)
+    ceiling: float  # bound on tau_inf: steps + 1 for a chain of `steps`
+    replicates: np.ndarray  # (R_ok, 3) refitted (tau_inf, scale, exponent)
+    bootstrap_method: str  # "per-sample" or "residual"
+    failed_replicates: int
+    confidence: float
+
+    @property
+    def residuals(self) -> np.ndarray:
+        return self.accept_lengths - self.predict(self.data_sizes)
+
+    def predict(self, data_sizes: float | np.ndarray) -> np.ndarray:
+        return saturating_accept_length(data_sizes, self.tau_inf, self.scale, self.exponent)
+
+    def predict_band(self, data_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Percentile band of the replicate curves at `data_sizes`; (len,) low and high."""
+        sizes = np.asarray(data_sizes, dtype=np.float64)
+        # (R, 1) against (1, n) -> (R, n)
+        curves = self.replicates[:, :1] - self.replicates[:, 1:2] * sizes[None, :] ** (-self.replicates[:, 2:3])
+        return percentile_interval(curves, self.confidence)
+
+    def ceiling_interval(self) -> tuple[float, float]:
+        low, high = percentile_interval(self.replicates[:, 0], self.confidence)
+        return float(low), float(high)
+
+    def to_dict(self) -> dict:
+        low, high = self.ceiling_interval()
+        return {
+            "model": "tau(N) = tau_inf - scale * N^(-exponent)",
+            "tau_inf": self.tau_inf,
+            "tau_inf_low": low,
+            "tau_inf_high": high,
+            "scale": self.scale,
+            "exponent": self.exponent,
+            "ceiling_bound": self.ceiling,
+            "data_sizes": self.data_sizes.tolist(),
+            "accept_lengths": self.accept_lengths.tolist(),
+            "residuals": self.residuals.tolist(),
+            "bootstrap_method": self.bootstrap_method,
+            "bootstrap_replicates": int(len(self.replicates)),
+            "failed_replicates": self.failed_replicates,
+            "confidence": self.confidence,
+        }
+
+
+def fit_scaling(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray | None = None,
+    max_accept_length: float = math.inf,
+    num_resamples: int = 1000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> ScalingFit:
+    """Fit tau(N) with bootstrap uncertainty.
+
+    data_sizes, accept_lengths: (n,) one point per trained draft (n >= 3 distinct sizes).
+    replicate_accept_lengths: (R, n) bootstrap replicates of each point from resampling held-out
+      samples; when given, the bootstrap is "per-sample" and num_resamples/seed are unused.
+      Without it, a residual bootstrap with num_resamples and seed (needs n > 3).
+    max_accept_length: the topology's ceiling (steps + 1 for a chain), bounds tau_inf.
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    if sizes.shape != taus.shape or sizes.ndim != 1:
+        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
+    if (sizes <= 0).any():
+        raise ValueError("data sizes must be positive numbers of training samples")
+    if len(np.unique(sizes)) < 3:
+        raise ValueError(f"the fit has 3 parameters and needs at least 3 distinct data sizes; got {sorted(set(sizes.tolist()))}")
+    order = np.argsort(sizes)
+    sizes, taus = sizes[order], taus[order]
+    reference = sizes[0]
+    relative = sizes / reference
+    point = _fit_normalized(relative, taus, max_accept_length)
+
+    if replicate_accept_lengths is not None:
+        replicate_rows = np.asarray(replicate_accept_lengths, dtype=np.float64)
+        if replicate_rows.ndim != 2 or replicate_rows.shape[1] != len(sizes):
+            raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicate_rows.shape}")
+        replicate_rows = replicate_rows[:, order]
+        method = "per-sample"
+    else:
+        if len(sizes) <= 3:
+            raise ValueError(
+                "a residual bootstrap needs more than 3 data sizes (3 points fit exactly, leaving no residuals); "
+                "pass replicate_accept_lengths from acceptance.bootstrap_accept_length, or measure more sizes"
+            )
+        fitted = point[0] - point[1] * relative ** (-point[2])
+        residuals = (taus - fitted) * math.sqrt(len(sizes) / (len(sizes) - 3))
+        rng = np.random.default_rng(seed)
+        replicate_rows = fitted[None, :] + rng.choice(residuals, size=(num_resamples, len(sizes)), replace=True)
+        method = "residual"
+
+    refits, failed = [], 0
+    for row in replicate_rows:
+        try:
+            refits.append(_fit_normalized(relative, row, max_accept_length))
+        except (RuntimeError, ValueError):
+            failed += 1  # counted and reported, never silently replaced
+    if not refits:
+        raise RuntimeError("every bootstrap refit failed; check the points (are they increasing with data size?)")
+    normalized = np.array(refits)  # (R_ok, 3) in N / N_min units
+    # gap * (N / N_min)^(-c) = (gap * N_min^c) * N^(-c)
+    replicates = np.column_stack([normalized[:, 0], normalized[:, 1] * reference ** normalized[:, 2], normalized[:, 2]])
+    return ScalingFit(
+        tau_inf=float(point[0]),
+        scale=float(point[1] * reference ** point[2]),
+        exponent=float(point[2]),
+        data_sizes=sizes,
+        accept_lengths=taus,
+        ceiling=float(max_accept_length),
+        replicates=replicates,
+        bootstrap_method=method,
+        failed_replicates=failed,
+        confidence=confidence,
+    )
+
+
+def _size_for(tau_inf: np.ndarray, scale: np.ndarray, exponent: np.ndarray, target: float) -> np.ndarray:
+    """Invert tau(N) = target: N = (scale / (tau_inf - target))^(1/exponent); inf where unreachable."""
+    gap = tau_inf - target
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        size = np.where(gap > 0, (np.where(scale > 0, scale, 0.0) / np.where(gap > 0, gap, 1.0)) ** (1.0 / exponent), np.inf)
+    return size
+
+
+@dataclass(frozen=True)
+class DataNeeded:
+    """Training-data size needed to reach a target accept length, or why it will not be reached."""
+
+    target_accept_length: float
+    reachable: bool  # by the point fit: tau_inf > target
+    data_size: float | None  # point estimate; None when the fitted ceiling stays below the target
+    data_size_low: float  # percentile interval over bootstrap fits (inf = not reached)
+    data_size_high: float
+    reachable_fraction: float  # share of bootstrap fits whose ceiling exceeds the target
+    tau_inf: float
+    tau_inf_low: float
+    tau_inf_high: float
+    largest_measured_size: float
+    statement: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Beyond this multiple of the largest measured size a fitted N is reported as out of reach, not as a forecast.
+FORECAST_LIMIT = 100.0
+
+
+def data_needed(fit: ScalingFit, target_accept_length: float, label: str = "target") -> DataNeeded:
+    """How much training data the fit says reaches `target_accept_length` (break-even or a goal)."""
+    point = float(_size_for(np.array(fit.tau_inf), np.array(fit.scale), np.array(fit.exponent), target_accept_length))
+    sizes = _size_for(fit.replicates[:, 0], fit.replicates[:, 1], fit.replicates[:, 2], target_accept_length)
+    # "nearest" never interpolates between a finite size and inf (which would give NaN).
+    tail = (1.0 - fit.confidence) / 2.0 * 100.0
+    low, high = np.percentile(sizes, [tail, 100.0 - tail], method="nearest")
+    ceiling_low, ceiling_high = fit.ceiling_interval()
+    reachable_fraction = float(np.isfinite(sizes).mean())
+    largest = float(fit.data_sizes.max())
+    percent = f"{fit.confidence:.0%}"
+    if math.isfinite(point):
+        where = (
+            f"{point / largest:.3g}x beyond the largest size measured ({largest:.3g}), an extrapolation"
+            + (" too far to read as a forecast: within reach of this kind of data it is not" if point > FORECAST_LIMIT * largest else "")
+            if point > largest
+            else f"within the measured range (largest {largest:.3g})"
+        )
+        upper = "not reached" if not math.isfinite(high) else f"{high:.3g}"
+        statement = (
+            f"Reaching {label} accept length {target_accept_length:.3g} needs about {point:.3g} training samples "
+            f"({percent} interval {low:.3g} to {upper}; reached in {reachable_fraction:.0%} of bootstrap fits), {where}."
+        )
+    else:
+        statement = (
+            f"The fitted ceiling tau_inf = {fit.tau_inf:.3g} ({percent} interval {ceiling_low:.3g} to {ceiling_high:.3g}) "
+            f"stays below the {label} accept length {target_accept_length:.3g}: more data of this kind is not predicted "
+            f"to reach it (reached in {reachable_fraction:.0%} of bootstrap fits)."
+        )
+    return DataNeeded(
+        target_accept_length=target_accept_length,
+        reachable=math.isfinite(point),
+        data_size=point if math.isfinite(point) else None,
+        data_size_low=float(low),
+        data_size_high=float(high),
+        reachable_fraction=reachable_fraction,
+        tau_inf=fit.tau_inf,
+        tau_inf_low=ceiling_low,
+        tau_inf_high=ceiling_high,
+        largest_measured_size=largest,
+        statement=statement,
+    )
+
+
+def scaling_summary(fit: ScalingFit, needed: Sequence[DataNeeded], break_even: BreakEven | None = None) -> dict:
+    """One JSON-ready record of the scaling answer (fit, data needed per target, break-even)."""
+    return {
+        "fit": fit.to_dict(),
+        "data_needed": [item.to_dict() for item in needed],
+        "break_even": None if break_even is None else break_even.to_dict(),
+    }
+
+
+# ----------------------------------------------------------------------------- local slope
+
+
+def _slope_per_doubling(log2_sizes: np.ndarray, accept_lengths: np.ndarray) -> np.ndarray:
+    """Least-squares slope of tau on log2 N; accept_lengths (..., n) -> (...,)."""
+    centered = log2_sizes - log2_sizes.mean()
+    return (accept_lengths - accept_lengths.mean(axis=-1, keepdims=True)) @ centered / float(centered @ centered)
+
+
+# Beyond this many doublings (a millionfold the data) a doublings count is reported as out of reach.
+FAR_DOUBLINGS = 20
+
+
+@dataclass(frozen=True)
+class LocalSlope:
+    """Held-out tau gained per doubling of training data over the measured sizes, with a paired bootstrap.
+
+    slope: least squares of tau on log2 N over all sizes; last_segment: the same between the two largest
+    sizes (where the curve is now). Intervals are percentiles over bootstrap replicates of the held-out set,
+    paired across sizes (every draft scored on the same resampled samples).
+    """
+
+    slope: float
+    slope_low: float
+    slope_high: float
+    positive_fraction: float  # share of replicates with a positive slope
+    last_segment: float
+    last_segment_low: float
+    last_segment_high: float
+    data_sizes: np.ndarray  # (n,) ascending
+    accept_lengths: np.ndarray  # (n,)
+    replicate_slopes: np.ndarray  # (R,)
+    lower_bound_sizes: tuple[float, ...]  # sizes whose draft was still improving: tau is a lower bound
+    confidence: float
+
+    @property
+    def doublings_measured(self) -> float:
+        return float(math.log2(self.data_sizes[-1] / self.data_sizes[0]))
+
+    def doublings_to(self, target_accept_length: float) -> tuple[float, float, float]:
+        """More doublings beyond the largest size to reach the target at the measured slope:
+        (point, low, high); inf where the slope is not positive. 0 when already reached."""
+        gap = target_accept_length - float(self.accept_lengths[-1])
+        if gap <= 0:
+            return 0.0, 0.0, 0.0
+
+        def doublings(slope: np.ndarray) -> np.ndarray:
+            with np.errstate(divide="ignore"):
+                return np.where(slope > 0, gap / np.where(slope > 0, slope, 1.0), np.inf)
+
+        tail = (1.0 - self.confidence) / 2.0 * 100.0
+        low, high = np.percentile(doublings(self.replicate_slopes), [tail, 100.0 - tail], method="nearest")
+        return float(doublings(np.array(self.slope))), float(low), float(high)
+
+    def statement(self) -> str:
+        percent = f"{self.confidence:.0%}"
+        text = (
+            f"Over the measured range ({self.data_sizes[0]:g} to {self.data_sizes[-1]:g} training samples, "
+            f"{self.doublings_measured:.1f} doublings), held-out tau rose {self.slope:+.3f} per doubling of data "
+            f"({percent} paired-bootstrap interval {self.slope_low:+.3f} to {self.slope_high:+.3f}; positive in "
+            f"{self.positive_fraction:.0%} of resamples); between the two largest sizes {self.last_segment:+.3f} per doubling "
+            f"({self.last_segment_low:+.3f} to {self.last_segment_high:+.3f})."
+        )
+        if self.lower_bound_sizes:
+            sizes = ", ".join(f"{size:g}" for size in self.lower_bound_sizes)
+            text += (f" The drafts at {sizes} samples were still improving when training stopped, so their tau is a lower "
+                     "bound and the slope may be off (raise training.max_steps to let them converge).")
+        return text
+
+    def doublings_statement(self, target_accept_length: float, label: str = "target") -> str:
+        point, low, high = self.doublings_to(target_accept_length)
+        largest = float(self.accept_lengths[-1])
+        if point == 0.0:
+            return f"The largest draft already reaches the {label} accept length {target_accept_length:.3g} (tau {largest:.3g})."
+        if not math.isfinite(point):
+            return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g}: the measured slope is not "
+                    "positive, so more data of this kind is not shown to get there.")
+        upper = "never, within the interval (the slope's interval reaches zero)" if not math.isfinite(high) else f"{high:.1f}"
+        if point > FAR_DOUBLINGS:
+            return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take {point:.0f} more doublings "
+                    f"of data at the measured slope ({self.confidence:.0%} interval {low:.0f} to {upper}): more than {FAR_DOUBLINGS} doublings, "
+                    "over a millionfold the largest size. At this slope, more data of this kind is not a way to get there.")
+        return (
+            f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take {point:.1f} more doublings of "
+            f"data at the measured slope ({self.confidence:.0%} interval {low:.1f} to {upper}), i.e. about {2.0 ** point:.3g}x the largest "
+            f"size, if the slope held. Returns per doubling usually shrink as data grows, so read this as a lower bound on the data "
+            "needed, not a forecast."
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "slope_per_doubling": self.slope, "slope_low": self.slope_low, "slope_high": self.slope_high,
+            "positive_fraction": self.positive_fraction, "last_segment_per_doubling": self.last_segment,
+            "last_segment_low": self.last_segment_low, "last_segment_high": self.last_segment_high,
+            "doublings_measured": self.doublings_measured, "data_sizes": self.data_sizes.tolist(),
+            "accept_lengths": self.accept_lengths.tolist(), "lower_bound_sizes": list(self.lower_bound_sizes),
+            "bootstrap_replicates": int(len(self.replicate_slopes)), "confidence": self.confidence,
+            "statement": self.statement(),
+        }
+
+
+def local_slope(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray,
+    confidence: float = 0.95,
+    lower_bound_sizes: Sequence[float] = (),
+) -> LocalSlope:
+    """tau gained per doubling of data, over the measured sizes, with a paired-bootstrap interval.
+
+    data_sizes, accept_lengths: (n,) n >= 2 distinct sizes. replicate_accept_lengths: (R, n) bootstrap
+    replicates of each point, paired across sizes (acceptance.sweep_acceptance's pooled_replicates).
+    lower_bound_sizes: sizes whose draft had not converged (their tau is a lower bound), named in the statement.
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    replicates = np.asarray(replicate_accept_lengths, dtype=np.float64)
+    if sizes.ndim != 1 or sizes.shape != taus.shape:
+        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
+    if len(np.unique(sizes)) != len(sizes) or len(sizes) < 2 or (sizes <= 0).any():
+        raise ValueError(f"a slope needs at least 2 distinct positive data sizes, got {sizes.tolist()}")
+    if replicates.ndim != 2 or replicates.shape[1] != len(sizes):
+        raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicates.shape}")
+    order = np.argsort(sizes)
+    sizes, taus, replicates = sizes[order], taus[order], replicates[:, order]
+    log2_sizes = np.log2(sizes)
+    slopes = _slope_per_doubling(log2_sizes, replicates)
+    segment_doublings = log2_sizes[-1] - log2_sizes[-2]
+    segments = (replicates[:, -1] - replicates[:, -2]) / segment_doublings
+    low, high = percentile_interval(slopes, confidence)
+    segment_low, segment_high = percentile_interval(segments, confidence)
+    return LocalSlope(
+        slope=float(_slope_per_doubling(log2_sizes, taus)),
+        slope_low=float(low), slope_high=float(high), positive_fraction=float((slopes > 0).mean()),
+        last_segment=float((taus[-1] - taus[-2]) / segment_doublings),
+        last_segment_low=float(segment_low), last_segment_high=float(segment_high),
+        data_sizes=sizes, accept_lengths=taus, replicate_slopes=slopes,
+        lower_bound_sizes=tuple(float(size) for size in sorted(lower_bound_sizes)), confidence=confidence,
+    )
+
+
+# ----------------------------------------------------------------------------- model choice and identification
+
+# A bootstrap refit "piles up" at a bound when it lands within this relative distance of it; the ceiling
+# counts as identified only when at most PILE_UP_LIMIT of the refits do.
+BOUND_TOLERANCE = 1e-3
+PILE_UP_LIMIT = 0.05
+
+
+def _fit_log_linear(sizes: np.ndarray, taus: np.ndarray) -> np.ndarray:
+    """(intercept at log2 N = 0, slope per doubling)."""
+    slope = float(_slope_per_doubling(np.log2(sizes), taus))
+    return np.array([taus.mean() - slope * np.log2(sizes).mean(), slope])
+
+
+def _predict(model: str, params: np.ndarray, sizes: np.ndarray, reference: float) -> np.ndarray:
+    if model == "log-linear":
+        return params[0] + params[1] * np.log2(sizes)
+    return params[0] - params[1] * (sizes / reference) ** (-params[2])
+
+
+MODELS = {"log-linear": 2, "saturating": 3}  # name -> number of parameters
+
+
+def leave_one_size_out_error(data_sizes: Sequence[float], accept_lengths: Sequence[float], model: str, ceiling: float = math.inf) -> float | None:
+    """Root-mean-square error of predicting each size's tau from a fit to the other sizes.
+
+    None when leaving one out leaves no more points than the model has parameters (an exact fit
+    predicts nothing about the point it did not see).
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    if len(sizes) - 1 <= MODELS[model]:
+        return None
+    errors = []
+    for left_out in range(len(sizes)):
+        keep = np.arange(len(sizes)) != left_out
+        if model == "log-linear":
+            params, reference = _fit_log_linear(sizes[keep], taus[keep]), 1.0
+        else:
+            reference = float(sizes[keep].min())
+            try:
+                params = _fit_normalized(sizes[keep] / reference, taus[keep], ceiling)
+            except (RuntimeError, ValueError):
+                return None
+        errors.append(float(_predict(model, params, sizes[left_out : left_out + 1], reference)[0]) - taus[left_out])
+    return float(np.sqrt(np.mean(np.square(errors))))
+
+
+@dataclass(frozen=True)
+class CeilingIdentification:
+    """Whether the measured range pins the ceiling tau_inf, and why not when it does not."""
+
+    identified: bool
+    reasons: tuple[str, ...]  # empty when identified
+    fit: ScalingFit | None  # the saturating fit, when one could be made
+    loo_error: dict[str, float | None]  # model -> leave-one-size-out RMSE (None: not evaluable)
+    chosen_model: str  # the model with the lowest held-out error ("log-linear" when none is evaluable)
+    at_bound_fraction: float | None  # share of bootstrap refits with tau_inf or the exponent at a bound
+
+    def statement(self) -> str:
+        errors = ", ".join(f"{name} {value:.4f}" if value is not None else f"{name} not evaluable" for name, value in self.loo_error.items())
+        if self.identified and self.fit is not None:
+            low, high = self.fit.ceiling_interval()
+            return (f"The ceiling is identified: tau_inf = {self.fit.tau_inf:.3g} ({self.fit.confidence:.0%} interval {low:.3g} to "
+                    f"{high:.3g}), from the saturating model, which predicts left-out sizes best (leave-one-size-out RMSE: {errors}).")
+        if any(value is not None for value in self.loo_error.values()):
+            choice = f"the model chosen by leave-one-size-out error is {self.chosen_model} ({errors})"
+        else:
+            choice = ("too few sizes to choose a model by leave-one-size-out error, so the answer rests on the "
+                      "log-linear slope alone")
+        return ("The ceiling is not identified: " + "; ".join(self.reasons) + ". No ceiling and no data-size forecast from one "
+                f"is reported; {choice}.")
+
+    def to_dict(self) -> dict:
+        return {
+            "identified": self.identified, "reasons": list(self.reasons), "chosen_model": self.chosen_model,
+            "loo_rmse": self.loo_error, "at_bound_fraction": self.at_bound_fraction,
+            "saturating_fit": None if self.fit is None else self.fit.to_dict(), "statement": self.statement(),
+        }
+
+
+def ceiling_identification(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray | None,
+    max_accept_length: float = math.inf,
+    confidence: float = 0.95,
+) -> CeilingIdentification:
+    """Fit the saturating model where possible and decide whether its ceiling is identified.
+
+    Not identified when any of these holds (each named in `reasons`): no more sizes than the model's
+    3 parameters (the fit passes through the points, so nothing tests it); more than PILE_UP_LIMIT of
+    the bootstrap refits put tau_inf at the ceiling bound or the exponent at one of its bounds; the
+    saturating model does not predict left-out sizes better than the log-linear line (the curvature
+    that would pin a ceiling is not measurable).
+    """
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    order = np.argsort(sizes)
+    sizes, taus = sizes[order], taus[order]
+    if replicate_accept_lengths is not None:
+        replicate_accept_lengths = np.asarray(replicate_accept_lengths, dtype=np.float64)[:, order]
+    loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MODELS}
+    evaluable = {model: error for model, error in loo.items() if error is not None}
+    chosen = min(evaluable, key=evaluable.get) if evaluable else "log-linear"
+    reasons: list[str] = []
+    n = len(np.unique(sizes))
+    if n <= MODELS["saturating"]:
+        reasons.append(f"{n} data sizes for a 3-parameter curve: it passes through every point, so no point tests it "
+                       "(measure at least 5 sizes: 4 to fit, 1 to predict)")
+    elif loo["saturating"] is None:
+        reasons.append(f"with {n} data sizes the 3-parameter curve cannot be tested on a left-out size "
+                       "(measure at least 5 sizes: 4 to fit, 1 to predict)")
+    fit, at_bound = None, None
+    if n >= 3 and (replicate_accept_lengths is not None or n > 3):
+        try:
+            fit = fit_scaling(sizes, taus, replicate_accept_lengths, max_accept_length=max_accept_length, confidence=confidence)
+        except (RuntimeError, ValueError) as error:
+            reasons.append(f"the saturating fit failed ({error})")
+    if fit is not None:
+        tau_inf, exponent = fit.replicates[:, 0], fit.replicates[:, 2]
+        tolerance = BOUND_TOLERANCE * max(1.0, abs(max_accept_length) if math.isfinite(max_accept_length) else 1.0)
+        at_ceiling = (tau_inf >= max_accept_length - tolerance) if math.isfinite(max_accept_length) else np.zeros(len(tau_inf), bool)
+        at_exponent_bound = (exponent >= MAX_EXPONENT * (1 - BOUND_TOLERANCE)) | (exponent <= 1e-3 * (1 + BOUND_TOLERANCE))
+        at_bound = float((at_ceiling | at_exponent_bound).mean())
+        if at_ceiling.mean() > PILE_UP_LIMIT:
+            reasons.append(f"{at_ceiling.mean():.0%} of bootstrap refits put tau_inf at the bound {max_accept_length:g} (the chain's "
+                           "ceiling), so the data do not bound it from above")
+        if at_exponent_bound.mean() > PILE_UP_LIMIT:
+            reasons.append(f"{at_exponent_bound.mean():.0%} of bootstrap refits put the exponent at a bound")
+        if fit.failed_replicates > PILE_UP_LIMIT * (len(fit.replicates) + fit.failed_replicates):
+            reasons.append(f"{fit.failed_replicates} bootstrap refits failed")
+    if loo["saturating"] is not None and loo["log-linear"] is not None and loo["saturating"] >= loo["log-linear"]:
+        reasons.append(f"the saturating model predicts left-out sizes no better than a straight line in log N "
+                       f"(RMSE {loo['saturating']:.4f} vs {loo['log-linear']:.4f}): the curvature that would pin a ceiling is not measured")
+    return CeilingIdentification(
+        identified=not reasons and fit is not None, reasons=tuple(reasons), fit=fit, loo_error=loo, chosen_model=chosen,
+        at_bound_fraction=at_bound,
+    )
+
+
+@dataclass(frozen=True)
+class ScalingAnswer:
+    """The scaling answer: the local slope, whether a ceiling is identified, doublings to each target."""
+
+    slope: LocalSlope
+    ceiling: CeilingIdentification
+    doublings_needed: list[dict]  # label, target_accept_length, doublings (point, low, high), statement
+
+    @property
+    def statements(self) -> list[str]:
+        """Plain sentences in reading order, built from the numbers."""
+        return [self.slope.statement(), self.ceiling.statement(), *(item["statement"] for item in self.doublings_needed)]
+
+    def to_dict(self) -> dict:
+        return {"local_slope": self.slope.to_dict(), "ceiling": self.ceiling.to_dict(), "doublings_needed": self.doublings_needed,
+                "statements": self.statements}
+
+
+def scaling_answer(
+    data_sizes: Sequence[float],
+    accept_lengths: Sequence[float],
+    replicate_accept_lengths: np.ndarray,
+    max_accept_length: float,
+    targets: Sequence[tuple[str, float]] = (),
+    confidence: float = 0.95,
+    lower_bound_sizes: Sequence[float] = (),
+) -> ScalingAnswer:
+    """Slope, ceiling identification and doublings per target (label, tau), e.g. ("break-even", 2.07)."""
+    slope = local_slope(data_sizes, accept_lengths, replicate_accept_lengths, confidence, lower_bound_sizes)
+    ceiling = ceiling_identification(data_sizes, accept_lengths, replicate_accept_lengths, max_accept_length, confidence)
+    doublings = []
+    for label, target in targets:
+        point, low, high = slope.doublings_to(target)
+        doublings.append({"label": label, "target_accept_length": target, "doublings": point, "doublings_low": low,
+                          "doublings_high": high, "statement": slope.doublings_statement(target, label)})
+    return ScalingAnswer(slope=slope, ceiling=ceiling, doublings_needed=doublings)
+
+
+# ----------------------------------------------------------------------------- plots
+
+
+def plot_accept_length_vs_data_size(
+    points: pd.DataFrame,
+    fit: ScalingFit | None = None,
+    break_even_accept_length: float | None = None,
+    target_accept_length: float | None = None,
+    overall_dataset: str = "all",
+    size_column: str = "data_size",
+    dataset_column: str = "dataset",
+    value_column: str = "tau_pooled",
+    low_column: str = "tau_pooled_low",
+    high_column: str = "tau_pooled_high",
+    extend_to: float | None = None,
+    lower_bound_column: str = "lower_bound",
+    slope: LocalSlope | None = None,
+    benchmark: pd.DataFrame | None = None,
+    benchmark_label: str = "benchmark prompts (real loop)",
+):
+    """Accept length against training-data size: per dataset and overall, log x, confidence bands.
+
+    points: one row per (dataset, data size) with the value and its interval columns; a "topology"
+      and "steps" column, when present, label the y axis (topology recorded beside every tau). A True
+      in `lower_bound_column` (the draft was still improving when training stopped) draws that overall
+      point as an open marker with an upward arrow: its tau is a lower bound.
+    fit: drawn over the measured range (extended to `extend_to` when given) with its bootstrap band;
+      pass it only when its ceiling is identified (`ceiling_identification`).
+    slope: the local slope, drawn as the least-squares line over the measured range.
+    benchmark: rows of `size_column`, "tau", "tau_low", "tau_high" from the real loop on benchmark
+      prompts, drawn beside the held-out curve.
+    Returns the matplotlib Figure.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    missing = [c for c in (size_column, dataset_column, value_column, low_column, high_column) if c not in points.columns]
+    if missing:
+        raise ValueError(f"points is missing columns {missing}; it has {list(points.columns)}")
+    figure, axes = plt.subplots(figsize=(10.5, 4.8))
+    for name, group in points.groupby(dataset_column, sort=True):
+        group = group.sort_values(size_column)
+        overall = name == overall_dataset
+        style = {"color": "black", "linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
+        line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), **style)[0]
+        axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
+        if overall and lower_bound_column in group.columns:
+            still_improving = group[lower_bound_column].fillna(False).astype(bool)
+            converged = group[~still_improving]
+            if len(converged):  # said in the legend too, so a reader knows no point is a lower bound
+                axes.plot(converged[size_column], converged[value_column], linestyle="none", marker="o", markersize=9, color="black",
+                          zorder=4, label=f"converged, stopped by patience ({len(converged)} of {len(group)} sizes)")
+        if overall and lower_bound_column in group.columns and group[lower_bound_column].fillna(False).astype(bool).any():
+            bounded = group[group[lower_bound_column].fillna(False).astype(bool)]
+            axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
+                      markeredgecolor="black", zorder=4, label="still improving: tau is a lower bound")
+            for size, value in zip(bounded[size_column], bounded[value_column]):
+                axes.annotate("", xy=(size, value + 0.06), xytext=(size, value + 0.01), zorder=4,
+                              arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.4})
+    if benchmark is not None and len(benchmark):
+        bench = benchmark.sort_values(size_column)
+        line = axes.plot(bench[size_column], bench["tau"], marker="s", linestyle="-.", color="tab:cyan", linewidth=1.8, label=benchmark_label)[0]
+        axes.fill_between(bench[size_column], bench["tau_low"], bench["tau_high"], color=line.get_color(), alpha=0.12)
+    if slope is not None:
+        grid = np.geomspace(float(slope.data_sizes[0]), float(slope.data_sizes[-1]), 50)
+        intercept = float(slope.accept_lengths.mean() - slope.slope * np.log2(slope.data_sizes).mean())
+        axes.plot(grid, intercept + slope.slope * np.log2(grid), linestyle=":", color="tab:gray", linewidth=1.5,
+                  label=f"slope {slope.slope:+.3f}/doubling ({slope.confidence:.0%}: {slope.slope_low:+.3f} to {slope.slope_high:+.3f})")
+    if fit is not None:
+        right = max(float(points[size_column].max()), extend_to or 0.0)
+        grid = np.geomspace(float(points[size_column].min()) / 1.5, right * 1.5, 200)
+        axes.plot(grid, fit.predict(grid), linestyle="--", color="tab:purple", label=f"fit (ceiling identified): tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
+        band_low, band_high = fit.predict_band(grid)
+        axes.fill_between(grid, band_low, band_high, color="tab:purple", alpha=0.12, label=f"fit {fit.confidence:.0%} band ({fit.bootstrap_method} bootstrap)")
+    if break_even_accept_length is not None:
+        axes.axhline(break_even_accept_length, color="tab:red", linewidth=1.5, label=f"break-even tau = {break_even_accept_length:.2f}")
+    if target_accept_length is not None:
+        axes.axhline(target_accept_length, color="tab:green", linestyle=":", linewidth=1.5, label=f"target tau = {target_accept_length:.2f}")
+    axes.set_xscale("log")
+    axes.set_xlabel("training samples (log scale)")
+    topology = ""
+    if {"topology", "steps"} <= set(points.columns):
+        pairs = points[["topology", "steps"]].drop_duplicates()
+        topology = " (" + "; ".join(f"{row.topology}, {row.steps} steps" for row in pairs.itertuples()) + ")"
+    axes.set_ylabel(f"accept length tau{topology}")
+    axes.set_title("Accept length against training-data size")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the plot, never over a curve
+    figure.tight_layout()
+    return figure

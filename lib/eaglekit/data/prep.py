@@ -1,0 +1,353 @@
+"""Prompt prep (stage 2): normalize, deduplicate, id, split class A / B, tokenize A, partition B.
+
+Output layout under `out_dir` (the stage folder), all of it written into a sibling staging folder
+and swapped into place at the end, so an interrupted prep leaves the previous complete output (or
+nothing) and never a half-written file:
+
+    <out_dir>/<source>/tokenized_data.jsonl    class A: {"id", "input_ids", "loss_mask", "source", "meta"}
+    <out_dir>/<source>/prompts.short.jsonl     class B: conversations ending in the prompt to answer,
+    <out_dir>/<source>/prompts.long.jsonl      split by measured prompt tokens (<= threshold: short)
+    <out_dir>/rejects.jsonl                    one line per rejected record: source, file, line, record, field, reason
+    <out_dir>/summary.json                     per-source counts and the settings used (written last)
+
+Ids are `<source>-<first 16 hex of sha256>` over the normalized messages that are kept (the whole
+conversation for class A, the prompt for class B), so they survive reordering and re-runs. A class-A
+conversation whose chat template rewrites history is written as several samples under `history:
+split` (`<id>.0`, `<id>.1`, ... with `meta.conversation_id`, `meta.sample` and `meta.samples`; see
+eaglekit.chat).
+
+A conversation the target's chat template cannot render is a rejected record (file, line, the
+template's reason) like any other bad input; under `bad_input: fail` it stops the stage with that
+message. A killed prep's staging folder is removed by the next prep (its process is gone).
+Deduplication is global over sources in the given order: a later copy counts as a duplicate of its
+own source and is not written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import pandas as pd
+
+from eaglekit.chat import (
+    ChatTemplateError,
+    HistoryPolicy,
+    prompt_token_count,
+    template_family,
+    tokenize_answer,
+    tokenize_conversation,
+)
+from eaglekit.io import InputError, pid_alive
+from eaglekit.data.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
+
+BadInputPolicy = Literal["skip", "fail"]
+PARTITIONS = ("short", "long")
+
+
+def content_hash(messages: Sequence[dict]) -> str:
+    """sha256 hex of the canonical JSON of (role, content, reasoning[, tool_calls, tool_call_id]) per message."""
+    canonical = [[m["role"], m["content"], m.get("reasoning", "")]
+                 + ([m.get("tool_calls"), m.get("tool_call_id")] if m.get("tool_calls") or m.get("tool_call_id") else [])
+                 for m in messages]
+    return hashlib.sha256(json.dumps(canonical, ensure_ascii=False, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def conversation_id(source: str, digest: str) -> str:
+    return f"{source}-{digest[:16]}"
+
+
+def partition_of(prompt_tokens: int, long_prompt_threshold: int) -> str:
+    """short when the prompt fits the threshold, else long (by measured tokens, never by dataset)."""
+    return "short" if prompt_tokens <= long_prompt_threshold else "long"
+
+
+@dataclass
+class SourceCounts:
+    source: str
+    data_class: str
+    read: int = 0
+    kept: int = 0
+    duplicates: int = 0
+    rejected: int = 0
+    rejected_by_reason: dict[str, int] = field(default_factory=dict)
+    partitions: dict[str, int] = field(default_factory=dict)  # class B: short/long counts
+    tokens: int = 0  # class A: tokens written; class B: prompt tokens
+    split: int = 0  # class A conversations written as several samples (the template rewrites history)
+    samples: int = 0  # class A samples written
+    generated_tokens: int = 0  # class A: tokens the target generated (every assistant turn as generated)
+    trained_tokens: int = 0  # class A: tokens with loss_mask 1 (equal to generated under history "split")
+    template_family: str = ""
+    original_rejected: int = 0  # class B: dataset answers the template cannot render (listed in rejects.jsonl)
+
+
+@dataclass
+class PrepSummary:
+    out_dir: Path
+    sources: list[SourceCounts]
+    context_length: int
+    long_prompt_threshold: int
+
+    def table(self) -> pd.DataFrame:
+        """One row per source: read, kept, duplicates, rejected, short, long, tokens."""
+        rows = []
+        for counts in self.sources:
+            rows.append({"source": counts.source, "class": counts.data_class, "read": counts.read, "kept": counts.kept,
+                         "duplicates": counts.duplicates, "rejected": counts.rejected,
+                         "short": counts.partitions.get("short", 0), "long": counts.partitions.get("long", 0),
+                         "tokens": counts.tokens, "template": counts.template_family, "split": counts.split,
+                         "samples": counts.samples,
+                         "trained/generated": (round(counts.trained_tokens / counts.generated_tokens, 4)
+                                               if counts.generated_tokens else None)})
+        return pd.DataFrame(rows)
+
+    def rejects_by_reason(self) -> pd.DataFrame:
+        rows = [{"source": c.source, "reason": reason, "count": n}
+                for c in self.sources for reason, n in sorted(c.rejected_by_reason.items())]
+        return pd.DataFrame(rows, columns=["source", "reason", "count"])
+
+
+class _Outputs:
+    """Lazily opened output files inside the staging folder."""
+
+    def __init__(self, staging: Path):
+        self.staging = staging
+        self.handles: dict[Path, IO] = {}
+
+    def write(self, relative: str, record: dict) -> None:
+        path = self.staging / relative
+        handle = self.handles.get(path)
+        if handle is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = self.handles[path] = open(path, "w", encoding="utf-8")
+        handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.flush()
+            os.fsync(handle.fileno())
+            handle.close()
+        self.handles.clear()
+
+
+def _remove_stale_staging(out_dir: Path) -> None:
+    """Remove staging and old folders that a killed prep left beside `out_dir` (their process is gone)."""
+    for path in out_dir.parent.glob(f".{out_dir.name}.*"):
+        match = re.search(r"\.(?:staging|old)-(\d+)", path.name)
+        if match is None or not path.is_dir():
+            continue
+        pid = int(match.group(1))
+        if pid != os.getpid() and pid_alive(pid):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _swap_into_place(staging: Path, out_dir: Path) -> None:
+    """Replace `out_dir` by the finished staging folder (rename; the old output is removed after)."""
+    previous = None
+    if out_dir.exists():
+        previous = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        out_dir.rename(previous)
+    staging.rename(out_dir)
+    if previous is not None:
+        shutil.rmtree(previous)
+
+
+def prepare_sources(
+    specs: Sequence[SourceSpec],
+    tokenizer: Any,
+    out_dir: Path,
+    *,
+    context_length: int,
+    long_prompt_threshold: int,
+    bad_input: BadInputPolicy = "skip",
+    original_answers: bool = True,
+    history: HistoryPolicy = "split",
+    chat_template_kwargs: dict | None = None,
+) -> PrepSummary:
+    """Run prompt prep over `specs` with the target's tokenizer and write the stage folder atomically.
+
+    context_length: target context; class-A conversations with more tokens, and class-B prompts with
+        at least this many (no room to answer), are rejected as "longer than the context".
+    long_prompt_threshold: class-B prompts with more tokens go to the `long` partition.
+    bad_input: "skip" counts and lists bad records in rejects.jsonl; "fail" raises the first
+        InputError (file, line, field) and writes nothing.
+    original_answers: for class B, also tokenize the dataset's own answer to each kept prompt into
+        `<source>/original_tokenized_data.jsonl` (same ids), for the original-vs-regenerated ablation.
+    history: class A conversations whose template rewrites earlier turns: "split" into one sample per
+        stretch the template renders as generated (ids `<id>.<k>`), or "visible" (one sample, only what
+        the template shows is trained). See eaglekit.chat.
+    chat_template_kwargs: passed to the template (e.g. {"thinking": true} for DeepSeek-V3.1).
+    A conversation the template cannot render is a rejected record (file, line, reason), never a
+    failed stage, under bad_input "skip".
+    """
+    if bad_input not in ("skip", "fail"):
+        raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"source names must be unique (they name output folders): {names}")
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(out_dir)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.staging-{os.getpid()}-", dir=out_dir.parent))
+    family = template_family(tokenizer, chat_template_kwargs)
+    outputs = _Outputs(staging)
+    seen: set[bytes] = set()
+    all_counts: list[SourceCounts] = []
+    try:
+        for spec in specs:
+            counts = SourceCounts(source=spec.name, data_class=spec.data_class, template_family=family)
+            all_counts.append(counts)
+            rejected_by_reason: Counter[str] = Counter()
+
+            def reject(error: InputError, record: int | None) -> None:
+                if bad_input == "fail":
+                    raise error
+                counts.rejected += 1
+                rejected_by_reason[Reject(error, record).reason_kind] += 1
+                outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
+
+            def reject_answer(error: InputError, record: int | None) -> None:
+                if bad_input == "fail":
+                    raise error
+                counts.original_rejected += 1
+                outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
+
+            for item in iter_source(spec):
+                counts.read += 1
+                if isinstance(item, Reject):
+                    reject(item.error, item.record)
+                    continue
+                _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject,
+                                context_length=context_length, long_prompt_threshold=long_prompt_threshold,
+                                original_answers=original_answers, history=history,
+                                template_kwargs=chat_template_kwargs, reject_answer=reject_answer)
+            counts.rejected_by_reason = dict(rejected_by_reason)
+        outputs.close()
+        summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
+        with open(staging / "summary.json", "w", encoding="utf-8") as handle:
+            json.dump({"context_length": context_length, "long_prompt_threshold": long_prompt_threshold,
+                       "bad_input": bad_input, "history": history, "template_family": family, "sources": [asdict(c) for c in all_counts]}, handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        _swap_into_place(staging, out_dir)
+        return summary
+    except BaseException:
+        outputs.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
+                    outputs: _Outputs, reject, *, context_length: int, long_prompt_threshold: int,
+                    original_answers: bool = False, history: HistoryPolicy = "split",
+                    template_kwargs: dict | None = None, reject_answer=None) -> None:
+    location = item.location
+    tools = item.meta.get("tools")
+    if spec.data_class == "A":
+        if not any(m["role"] == "assistant" for m in item.messages):
+            reject(InputError(location.path, location.line, "messages", "no assistant turn (class A needs one)"),
+                   location.record)
+            return
+        kept_messages = item.messages
+    else:
+        kept_messages, original_answer = prompt_messages(item.messages, spec.multi_turn)
+    digest = content_hash(kept_messages)
+    key = bytes.fromhex(digest[:32])
+    if key in seen:
+        counts.duplicates += 1
+        return
+    record_id = conversation_id(spec.name, digest)
+    if spec.data_class == "A":
+        try:
+            result = tokenize_conversation(tokenizer, kept_messages, tools=tools, history=history,
+                                           template_kwargs=template_kwargs)
+        except ChatTemplateError as error:
+            reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
+            return
+        longest = max(len(sample.input_ids) for sample in result.samples)
+        if longest > context_length:
+            reject(InputError(location.path, location.line, "messages",
+                              f"longer than the context ({longest} tokens > {context_length})"),
+                   location.record)
+            return
+        seen.add(key)
+        counts.kept += 1
+        counts.split += result.split
+        counts.samples += len(result.samples)
+        counts.generated_tokens += result.generated_tokens
+        counts.trained_tokens += result.trained_tokens
+        for index, sample in enumerate(result.samples):
+            counts.tokens += len(sample.input_ids)
+            # Split samples name their conversation, so held-out selection can keep them together.
+            sample_meta = item.meta if not result.split else {**item.meta, "conversation_id": record_id,
+                                                               "sample": index, "samples": len(result.samples)}
+            outputs.write(f"{spec.name}/tokenized_data.jsonl", {
+                "id": record_id if not result.split else f"{record_id}.{index}", "input_ids": sample.input_ids,
+                "loss_mask": sample.loss_mask, "source": spec.name, "meta": sample_meta})
+        return
+    try:
+        prompt_tokens = prompt_token_count(tokenizer, kept_messages, tools=tools, template_kwargs=template_kwargs)
+    except ChatTemplateError as error:
+        reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
+        return
+    if prompt_tokens >= context_length:
+        reject(InputError(location.path, location.line, "messages",
+                          f"longer than the context (prompt of {prompt_tokens} tokens >= {context_length})"),
+               location.record)
+        return
+    seen.add(key)
+    partition = partition_of(prompt_tokens, long_prompt_threshold)
+    counts.kept += 1
+    counts.tokens += prompt_tokens
+    counts.partitions[partition] = counts.partitions.get(partition, 0) + 1
+    meta = {**item.meta, "prompt_tokens": prompt_tokens, "partition": partition, "multi_turn": spec.multi_turn}
+    outputs.write(f"{spec.name}/prompts.{partition}.jsonl",
+                  {"id": record_id, "source": spec.name, "messages": kept_messages, "meta": meta})
+    if original_answers and original_answer is not None:
+        try:
+            _, original = tokenize_answer(tokenizer, kept_messages, original_answer, tools=tools,
+                                          template_kwargs=template_kwargs)
+        except ChatTemplateError as error:
+            # The prompt is kept for regeneration; only the ablation loses this answer (listed, counted).
+            if reject_answer is None:
+                raise
+            reject_answer(InputError(location.path, location.line, "messages",
+                                     f"chat template (dataset answer, prompt kept): {error}"), location.record)
+            return
+        outputs.write(f"{spec.name}/original_tokenized_data.jsonl", {
+            "id": record_id, "input_ids": original.input_ids[:context_length],
+            "loss_mask": original.loss_mask[:context_length], "source": spec.name,
+            "meta": {**meta, "origin": "dataset answer"}})
+
+
+def read_summary(out_dir: Path) -> dict:
+    """The summary of a finished prep (its presence marks the stage folder complete)."""
+    path = Path(out_dir) / "summary.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing: prep has not finished in {out_dir}; run prepare_sources first")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+
+def first_sample(out_dir: Path):
+    """The first class-A sample written by a finished prep (for display), or None."""
+    from eaglekit.chat import TokenizedConversation
+
+    for path in sorted(Path(out_dir).glob("*/tokenized_data.jsonl")):
+        with open(path, encoding="utf-8") as handle:
+            line = handle.readline()
+        if line.strip():
+            record = json.loads(line)
+            return TokenizedConversation(record["input_ids"], record["loss_mask"])
+    return None

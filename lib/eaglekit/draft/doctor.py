@@ -1,0 +1,396 @@
+"""Preflight ("doctor"): catch the silent ways an EAGLE-3 draft ends up bypassed when served.
+
+Each check returns findings (level, check, message, fix). Levels: "error" (the draft will not work
+as trained: accept length near 1.0 with no error from the server), "warning" (suspicious), "ok".
+
+What SGLang does that makes these failures silent (sglang python/sglang/srt/models/llama_eagle3.py,
+models/llama.py, entrypoints/http_server.py):
+- `load_weights` tries each checkpoint name as is and as `model.<name>`; a name matching no
+  parameter is skipped without a message, leaving that weight random.
+- `d2t` becomes the hot-token map (`d2t + arange`); `t2d` is ignored; `draft_vocab_size` missing
+  means the lm_head is taken from the target over the full vocab.
+- `tie_word_embeddings: true` makes the draft's lm_head its embed_tokens (SmolLM2 ties them).
+- `fc` (3H -> H) runs only when the incoming hidden states are wider than the embeddings; with
+  `--speculative-algorithm EAGLE` the target passes its final H-wide state, so `fc` is skipped.
+- Capture layers: `eagle_config.eagle_aux_hidden_state_layer_ids` are layer-output ids; SGLang
+  captures the residual stream entering layer id + 1, i.e. transformers `output_hidden_states`
+  index id + 1. Without the key it captures indices [2, N//2, N-3]. A config holding the
+  hidden-states indices themselves captures one layer too deep, silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
+BYPASS_ACCEPT_LENGTH = 1.1  # below this the draft is effectively never accepted
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # "error", "warning" or "ok"
+    check: str
+    message: str
+    fix: str = ""
+
+
+class DoctorError(RuntimeError):
+    """Raised by raise_on_errors; the message lists every error with its fix."""
+
+
+def _ok(check: str, message: str) -> Finding:
+    return Finding("ok", check, message)
+
+
+def load_config(path: str | Path) -> dict:
+    """A config.json (or a folder holding one); multimodal configs are reduced to their text_config."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no config.json; pass the model folder or its config.json")
+    config = json.loads(path.read_text())
+    return config
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    return config.get("text_config") or config
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def check_draft_config(
+    draft_config: Mapping[str, Any],
+    target_config: Mapping[str, Any],
+    capture_layers: Sequence[int] | None = None,
+) -> list[Finding]:
+    """Draft config.json against the target's config.
+
+    capture_layers: the transformers output_hidden_states indices the draft was trained on
+    (default DESIGN's [2, N//2, N-3] for an N-layer target).
+    """
+    target = _text_config(target_config)
+    findings: list[Finding] = []
+
+    architectures = draft_config.get("architectures") or []
+    if architectures != [DRAFT_ARCHITECTURE]:
+        findings.append(Finding("error", "architectures", f"draft architectures is {architectures}; SGLang picks the EAGLE-3 model class from it",
+                                f'set "architectures": ["{DRAFT_ARCHITECTURE}"] in the draft config.json'))
+    else:
+        findings.append(_ok("architectures", DRAFT_ARCHITECTURE))
+
+    layers = draft_config.get("num_hidden_layers")
+    if layers != 1:
+        findings.append(Finding("error", "num_hidden_layers", f"draft num_hidden_layers is {layers}; the kit's EAGLE-3 draft has exactly one decoder layer (midlayer)",
+                                'set "num_hidden_layers": 1 and export the single layer as midlayer.*'))
+    else:
+        findings.append(_ok("num_hidden_layers", "1"))
+
+    target_hidden = target.get("hidden_size")
+    # SGLang sizes fc from target_hidden_size when the draft declares one, else from hidden_size.
+    draft_hidden = draft_config.get("target_hidden_size", draft_config.get("hidden_size"))
+    if target_hidden is None or draft_hidden != target_hidden:
+        findings.append(Finding("error", "hidden_size", f"draft expects target hidden size {draft_hidden}, target config says {target_hidden}",
+                                "train the draft against this target's hidden states (fc maps 3H -> H with the target's H)"))
+    else:
+        findings.append(_ok("hidden_size", str(target_hidden)))
+
+    vocab, target_vocab = draft_config.get("vocab_size"), target.get("vocab_size")
+    if vocab != target_vocab:
+        findings.append(Finding("error", "vocab_size", f"draft vocab_size {vocab} != target vocab_size {target_vocab}; d2t/t2d and the shared embedding index the target vocab",
+                                f'set "vocab_size": {target_vocab} (the target\'s) in the draft config and rebuild d2t/t2d for it'))
+    else:
+        findings.append(_ok("vocab_size", str(vocab)))
+
+    draft_vocab = draft_config.get("draft_vocab_size")
+    if draft_vocab is None:
+        findings.append(Finding("error", "draft_vocab_size", "draft_vocab_size is missing: SGLang then loads lm_head from the target over the full vocab, ignoring the trained head",
+                                'set "draft_vocab_size" to the number of rows of lm_head.weight'))
+    elif target_vocab is not None and draft_vocab > target_vocab:
+        findings.append(Finding("error", "draft_vocab_size", f"draft_vocab_size {draft_vocab} exceeds the target vocab {target_vocab}", "choose the draft vocab from the target's tokens"))
+    else:
+        findings.append(_ok("draft_vocab_size", str(draft_vocab)))
+
+    positions, target_positions = draft_config.get("max_position_embeddings"), target.get("max_position_embeddings")
+    if target_positions is not None and (positions is None or positions < target_positions):
+        findings.append(Finding("error", "max_position_embeddings", f"draft max_position_embeddings {positions} < target's {target_positions}; long contexts get wrong RoPE and accept length collapses",
+                                f'set "max_position_embeddings": {target_positions} (at least the target\'s)'))
+    else:
+        findings.append(_ok("max_position_embeddings", f"{positions} >= {target_positions}"))
+
+    if draft_config.get("tie_word_embeddings", False):
+        findings.append(Finding("error", "tie_word_embeddings", "tie_word_embeddings is true: SGLang then uses embed_tokens as the draft's lm_head and ignores lm_head.weight",
+                                'set "tie_word_embeddings": false in the draft config (the target may tie; the draft must not)'))
+    else:
+        findings.append(_ok("tie_word_embeddings", "false"))
+
+    findings.extend(_check_capture_layers(draft_config, target, capture_layers))
+    return findings
+
+
+def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any], capture_layers: Sequence[int] | None) -> list[Finding]:
+    from eaglekit.capture import default_capture_layer_ids  # the one definition; imported here so the doctor loads without torch
+
+    num_layers = target.get("num_hidden_layers")
+    if num_layers is None:
+        return [Finding("error", "capture_layers", "target config has no num_hidden_layers", "pass the target's own config.json")]
+    expected = list(capture_layers) if capture_layers is not None else default_capture_layer_ids(num_layers)
+    bad = [index for index in expected if not 1 <= index <= num_layers]
+    if len(expected) != 3 or bad:
+        return [Finding("error", "capture_layers", f"training capture layers {expected} are not 3 hidden-states indices in [1, {num_layers}]",
+                        "capture exactly three layers of the target (fc takes 3H)")]
+    wanted_ids = [index - 1 for index in expected]
+    ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        served = default_capture_layer_ids(num_layers)
+        if served == expected:
+            return [_ok("capture_layers", f"no eagle_aux_hidden_state_layer_ids; SGLang's default {served} matches training")]
+        return [Finding("error", "capture_layers", f"no eagle_aux_hidden_state_layer_ids: SGLang captures its default {served}, but the draft was trained on {expected}",
+                        f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {wanted_ids}}}')]
+    served = [value + 1 for value in ids]  # SGLang: layers_to_capture = [id + 1 for id in layer_ids]
+    if served == expected:
+        return [_ok("capture_layers", f"eagle_aux_hidden_state_layer_ids {list(ids)} -> SGLang captures {served}, as trained")]
+    hint = " (the config holds the hidden-states indices themselves; SGLang adds 1 to each)" if list(ids) == expected else ""
+    return [Finding("error", "capture_layers", f"eagle_aux_hidden_state_layer_ids {list(ids)} make SGLang capture {served}, but the draft was trained on {expected}{hint}",
+                    f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {wanted_ids}}} (layer-output ids = hidden-states index - 1)')]
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def expected_tensors(draft_config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """DESIGN's tensor names with their shapes (and dtype where the contract fixes one)."""
+    hidden = int(draft_config["hidden_size"])
+    target_hidden = int(draft_config.get("target_hidden_size", hidden))
+    heads = int(draft_config["num_attention_heads"])
+    kv_heads = int(draft_config.get("num_key_value_heads") or heads)
+    head_dim = int(draft_config.get("head_dim") or hidden // heads)
+    intermediate = int(draft_config["intermediate_size"])
+    vocab = int(draft_config["vocab_size"])
+    draft_vocab = int(draft_config.get("draft_vocab_size") or vocab)
+    return {
+        "fc.weight": ((hidden, 3 * target_hidden), None),
+        "midlayer.self_attn.q_proj.weight": ((heads * head_dim, 2 * hidden), None),
+        "midlayer.self_attn.k_proj.weight": ((kv_heads * head_dim, 2 * hidden), None),
+        "midlayer.self_attn.v_proj.weight": ((kv_heads * head_dim, 2 * hidden), None),
+        "midlayer.self_attn.o_proj.weight": ((hidden, heads * head_dim), None),
+        "midlayer.mlp.gate_proj.weight": ((intermediate, hidden), None),
+        "midlayer.mlp.up_proj.weight": ((intermediate, hidden), None),
+        "midlayer.mlp.down_proj.weight": ((hidden, intermediate), None),
+        "midlayer.input_layernorm.weight": ((hidden,), None),
+        "midlayer.hidden_norm.weight": ((hidden,), None),
+        "midlayer.post_attention_layernorm.weight": ((hidden,), None),
+        "norm.weight": ((hidden,), None),
+        "lm_head.weight": ((draft_vocab, hidden), None),
+        "d2t": ((draft_vocab,), "int64"),
+        "t2d": ((vocab,), "bool"),
+    }
+
+
+_DTYPE_NAMES = {"I64": "int64", "BOOL": "bool", "BF16": "bfloat16", "F16": "float16", "F32": "float32", "I32": "int32"}
+
+
+def _rename_hint(name: str, known: set[str]) -> str:
+    if name.startswith("model.") and name[len("model."):] in known:
+        return f"rename {name} to {name[len('model.'):]}"
+    for old in ("layers.0.", "model.layers.0.", "midlayers.0."):
+        if name.startswith(old):
+            return f"rename {name} to midlayer.{name[len(old):]}"
+    return f"rename or drop {name}"
+
+
+def check_draft_weights(weights_path: str | Path, draft_config: Mapping[str, Any]) -> list[Finding]:
+    """Tensor names, shapes and dtypes of model.safetensors against DESIGN's contract; d2t/t2d consistency."""
+    from safetensors import safe_open
+
+    weights_path = Path(weights_path)
+    if not weights_path.exists():
+        return [Finding("error", "weights", f"{weights_path} does not exist", "export the draft weights as model.safetensors beside config.json")]
+    try:
+        expected = expected_tensors(draft_config)
+    except (KeyError, TypeError, ValueError) as error:
+        return [Finding("error", "weights", f"cannot derive tensor shapes from the draft config: missing or bad {error}", "write hidden_size, num_attention_heads, intermediate_size and vocab_size into config.json")]
+    findings: list[Finding] = []
+    with safe_open(str(weights_path), framework="pt") as handle:
+        names = set(handle.keys())
+        missing = sorted(set(expected) - names)
+        unknown = sorted(names - set(expected) - ({"fc.bias"} if draft_config.get("bias") else set()))
+        embed = [name for name in unknown if name in ("embed_tokens.weight", "model.embed_tokens.weight")]
+        unknown = [name for name in unknown if name not in embed]
+        if missing:
+            findings.append(Finding("error", "tensor_names", f"missing tensors {missing}: SGLang leaves those weights random and accept length falls to about 1.0",
+                                    "export every tensor under DESIGN's exact names"))
+        if unknown:
+            findings.append(Finding("error", "tensor_names", f"tensors SGLang would silently skip: {unknown}",
+                                    "; ".join(_rename_hint(name, set(expected)) for name in unknown[:6])))
+        if embed:
+            findings.append(Finding("warning", "tensor_names", f"{embed} exported: the draft shares the target's frozen embed_tokens, which is not part of the checkpoint",
+                                    "drop embed_tokens from the export"))
+        if not missing and not unknown:
+            findings.append(_ok("tensor_names", f"all {len(expected)} tensors present under DESIGN's names"))
+        shape_errors = []
+        for name, (shape, dtype) in expected.items():
+            if name not in names:
+                continue
+            actual_shape = tuple(handle.get_slice(name).get_shape())
+            actual_dtype = _DTYPE_NAMES.get(handle.get_slice(name).get_dtype(), handle.get_slice(name).get_dtype())
+            if actual_shape != shape:
+                shape_errors.append(f"{name} {actual_shape} (expected {shape})")
+            elif dtype is not None and actual_dtype != dtype:
+                shape_errors.append(f"{name} dtype {actual_dtype} (expected {dtype})")
+        if shape_errors:
+            findings.append(Finding("error", "tensor_shapes", "wrong shapes or dtypes: " + "; ".join(shape_errors),
+                                    "re-export from a draft built with this config (q/k/v take 2H inputs, fc takes 3H, lm_head has draft_vocab_size rows)"))
+        elif not missing:
+            findings.append(_ok("tensor_shapes", "shapes and dtypes match the config"))
+        if "d2t" in names and "t2d" in names and not shape_errors:
+            findings.extend(_check_vocab_maps(handle.get_tensor("d2t"), handle.get_tensor("t2d")))
+    return findings
+
+
+def _check_vocab_maps(d2t, t2d) -> list[Finding]:
+    """d2t[i] = target_id - draft_id; t2d marks the target ids in the draft vocab: they must agree."""
+    import torch
+
+    target_ids = d2t + torch.arange(d2t.shape[0])  # what SGLang computes as hot_token_id
+    if (target_ids < 0).any() or (target_ids >= t2d.shape[0]).any():
+        return [Finding("error", "vocab_maps", "d2t maps draft ids outside the target vocab", "rebuild d2t as target_id - draft_id for the chosen draft tokens")]
+    if len(torch.unique(target_ids)) != len(target_ids):
+        return [Finding("error", "vocab_maps", "d2t maps two draft ids to one target id", "rebuild d2t from a list of distinct target tokens")]
+    marked = torch.zeros_like(t2d)
+    marked[target_ids] = True
+    if not torch.equal(marked, t2d):
+        return [Finding("error", "vocab_maps", f"t2d marks {int(t2d.sum())} target ids but d2t maps to {len(target_ids)} (or different ones)", "rebuild t2d from d2t: t2d[d2t + arange] = True")]
+    return [_ok("vocab_maps", f"d2t and t2d agree on {len(target_ids)} draft tokens")]
+
+
+# ----------------------------------------------------------------------------- endpoint and accept length
+
+
+def check_server_info(server_info: Mapping[str, Any], draft_dir: str | Path | None = None) -> list[Finding]:
+    """SGLang server info: EAGLE3 algorithm, the served draft, and the server's own accept length."""
+    findings: list[Finding] = []
+    algorithm = server_info.get("speculative_algorithm")
+    if not algorithm:
+        findings.append(Finding("error", "speculative_algorithm", "the server runs without speculative decoding",
+                                "start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT"))
+    elif str(algorithm).upper() == "EAGLE":
+        findings.append(Finding("error", "speculative_algorithm", "the server runs EAGLE, not EAGLE3: the target passes only its final hidden state, fc is skipped and the EAGLE-3 draft is bypassed without any error",
+                                "restart SGLang with --speculative-algorithm EAGLE3"))
+    elif str(algorithm).upper() != "EAGLE3":
+        findings.append(Finding("error", "speculative_algorithm", f"the server runs {algorithm}, not EAGLE3", "restart SGLang with --speculative-algorithm EAGLE3"))
+    else:
+        findings.append(_ok("speculative_algorithm", "EAGLE3"))
+    served = server_info.get("speculative_draft_model_path")
+    if draft_dir is not None and served and Path(str(served)).name != Path(draft_dir).name:
+        findings.append(Finding("warning", "draft_model_path", f"the server serves draft {served}, not {draft_dir}", "point --speculative-draft-model-path at the checked draft"))
+    for rank, state in enumerate(server_info.get("internal_states") or []):
+        if isinstance(state, Mapping) and state.get("avg_spec_accept_length") is not None:
+            findings.extend(check_accept_length(float(state["avg_spec_accept_length"]), f"server avg_spec_accept_length (DP rank {rank})"))
+    return findings
+
+
+def check_accept_length(accept_length: float, source: str = "measured accept length") -> list[Finding]:
+    """Warn when an accept length shows the draft being bypassed (< 1.1)."""
+    if accept_length < 1.0:
+        return [Finding("error", "accept_length", f"{source} {accept_length:.3f} is below 1, impossible under the bonus-token definition", "check how it was computed: tokens emitted / verification steps")]
+    if accept_length < BYPASS_ACCEPT_LENGTH:
+        return [Finding("warning", "accept_length", f"{source} {accept_length:.3f} < {BYPASS_ACCEPT_LENGTH}: the draft is almost never accepted (being bypassed)",
+                        "run the doctor on the draft folder and endpoint: EAGLE vs EAGLE3, tensor names, capture layers, tie_word_embeddings")]
+    return [_ok("accept_length", f"{source} {accept_length:.3f}")]
+
+
+def run_doctor(
+    target_config: str | Path | Mapping[str, Any],
+    draft_dir: str | Path | None = None,
+    endpoint: str | None = None,
+    accept_length: float | None = None,
+    capture_layers: Sequence[int] | None = None,
+    timeout: float = 30.0,
+) -> list[Finding]:
+    """All checks that the given inputs allow; never raises for a failed check (see raise_on_errors)."""
+    target = load_config(target_config) if not isinstance(target_config, Mapping) else target_config
+    findings: list[Finding] = []
+    if draft_dir is not None:
+        draft_dir = Path(draft_dir)
+        try:
+            draft_config = load_config(draft_dir)
+        except (FileNotFoundError, json.JSONDecodeError) as error:
+            findings.append(Finding("error", "draft_config", str(error), "export config.json beside model.safetensors"))
+        else:
+            findings.extend(check_draft_config(draft_config, target, capture_layers))
+            findings.extend(check_draft_weights(draft_dir / "model.safetensors", draft_config))
+    if endpoint is not None:
+        from eaglekit.analysis.live_serving import get_sglang_server_info
+
+        try:
+            info = get_sglang_server_info(endpoint, timeout)
+        except (ConnectionError, RuntimeError) as error:
+            findings.append(Finding("error", "endpoint", f"cannot read SGLang server info: {error}", "check the URL (server root or .../v1) and that it is an SGLang server"))
+        else:
+            findings.extend(check_server_info(info, draft_dir))
+    if accept_length is not None:
+        findings.extend(check_accept_length(accept_length))
+    return findings
+
+
+def findings_frame(findings: Sequence[Finding]) -> pd.DataFrame:
+    return pd.DataFrame([asdict(finding) for finding in findings], columns=["level", "check", "message", "fix"])
+
+
+def preflight_table(
+    target_config: str | Path | Mapping[str, Any],
+    draft_dir: str | Path,
+    draft_label: str,
+    capture_layers: Sequence[int] | None,
+    accept_length: float,
+    accept_length_label: str = "specdec loop",
+) -> pd.DataFrame:
+    """Stage 6's preflight as one table: the exported draft folder checked against the target (rows
+    labelled `draft_label`), then the measured accept length (rows labelled `accept_length_label`).
+    Columns: folder, level, check, message, fix."""
+    tables = [findings_frame(run_doctor(target_config, draft_dir=draft_dir, capture_layers=capture_layers)).assign(folder=draft_label),
+              findings_frame(run_doctor(target_config, accept_length=accept_length)).assign(folder=accept_length_label)]
+    return pd.concat(tables, ignore_index=True)[["folder", "level", "check", "message", "fix"]]
+
+
+def raise_on_errors(findings: Sequence[Finding]) -> None:
+    """Raise DoctorError listing every error finding with its fix; return quietly when there are none."""
+    errors = [finding for finding in findings if finding.level == "error"]
+    if errors:
+        lines = [f"- [{finding.check}] {finding.message}\n  fix: {finding.fix}" for finding in errors]
+        raise DoctorError(f"preflight found {len(errors)} error(s):\n" + "\n".join(lines))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eaglekit.draft.doctor", description="Preflight an EAGLE-3 draft and an SGLang endpoint.")
+    parser.add_argument("--target-config", required=True, help="the target's config.json or model folder")
+    parser.add_argument("--draft", help="draft checkpoint folder (config.json + model.safetensors)")
+    parser.add_argument("--endpoint", help="SGLang server URL (root or .../v1)")
+    parser.add_argument("--accept-length", type=float, help="a measured accept length to sanity-check")
+    parser.add_argument("--capture-layers", help="hidden-states indices the draft was trained on, e.g. 2,15,27 (default [2, N//2, N-3])")
+    args = parser.parse_args(argv)
+    if args.draft is None and args.endpoint is None and args.accept_length is None:
+        parser.error("give --draft, --endpoint or --accept-length")
+    capture = [int(value) for value in args.capture_layers.split(",")] if args.capture_layers else None
+    findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture)
+    for finding in findings:
+        print(f"{finding.level.upper():8} {finding.check:24} {finding.message}")
+        if finding.fix and finding.level != "ok":
+            print(f"{'':8} {'':24} fix: {finding.fix}")
+    errors = sum(finding.level == "error" for finding in findings)
+    print(f"\n{errors} error(s), {sum(f.level == 'warning' for f in findings)} warning(s)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

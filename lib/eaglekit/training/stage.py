@@ -1,0 +1,274 @@
+"""Stage 5 as one library call, in one process or under torchrun, and the launcher that starts torchrun.
+
+`run_training_stage(params, run_dir)` does what notebook 05 computes, without the plots: reads the
+capture (offline shards or online), picks the draft vocab from the largest training subset, trains
+one draft per data size (`train_size_sweep`), exports the largest size's best draft for SGLang and
+vLLM, trains the ablation pair when configured, and writes `training/sweep.json` (a
+`sweep_record.SweepRecord`, what stage 6 loads) and the stage's metrics events. Every rank runs it; training is data parallel
+(`training.parallel`: ddp, or fsdp on GPUs); rank 0 alone writes exports, metrics and sweep.json.
+
+    torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R           # the whole sweep
+    torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R --sizes 5000   # one size
+
+Each size resumes from its `last.pt`, so rerunning the same command after a kill continues every
+loss curve where its last checkpoint left it. `--sizes` trains those sizes only (the split and the
+draft vocab are those of the whole sweep) and writes no sweep.json; a later run without `--sizes`
+finds them trained and only evaluates the rest.
+
+`launch_training_stage(params, run_dir, nproc_per_node)` starts that command as a subprocess (what
+notebook 05 does when `training.nproc_per_node > 1`), hands each output line to a callback as it
+arrives (the `eaglekit.training` progress lines), and returns the SweepRecord it wrote. Interrupting
+the caller (Ctrl-C, a stopped kernel) stops the whole torchrun process group; the next launch resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from eaglekit.capture import load_target, open_captured_samples, read_capture_plan
+from eaglekit.config import Params, dump_params, load_params, repo_path
+from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
+from eaglekit.training.record import SWEEP_FILE, DraftEntry, DraftVocabRecord, SweepRecord
+from eaglekit.topology import Topology
+
+LAUNCH_PARAMS_FILE = "launch_params.yaml"
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _training_device(params: Params) -> str:
+    """Under torchrun each process takes the GPU of its LOCAL_RANK; otherwise the configured device."""
+    device = params.training.device
+    if device.startswith("cuda") and params.training.parallel != "none":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
+def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequence[int] | None = None) -> SweepRecord | None:
+    """Stage 5 without plots: the data-size sweep, exports, ablation and `training/sweep.json`.
+
+    sizes: train only these sizes of `training.data_sizes` (no exports, no ablation, no sweep.json).
+    Returns the sweep record it saved (rank 0; None on other ranks and with `sizes`).
+    """
+    from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
+    from eaglekit.target import resolve_model
+    from eaglekit.training import (IndexedSubset, TargetArgmaxCache, TrainSettings, nested_subsets, read_conversation_keys, split_heldout,
+                                   train_draft, train_size_sweep)
+    from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
+
+    out = Path(run_dir)
+    capture_dir, training_dir = stage_dir(out, "capture"), stage_dir(out, "training")
+    capture_plan = read_capture_plan(capture_dir)  # fails before any model loads when stage 4 has not run
+    selected = list(params.training.data_sizes) if sizes is None else sorted(int(size) for size in sizes)
+    unknown = sorted(set(selected) - set(params.training.data_sizes))
+    if unknown:
+        raise ValueError(f"--sizes {unknown} are not in training.data_sizes {params.training.data_sizes}: the split and the draft "
+                         "vocab come from the whole sweep, so train one of its sizes")
+    model_dir = resolve_model(params.target.model, revision=params.target.revision)
+    target_weights = load_target_head_weights(model_dir)
+    settings = dataclasses.replace(TrainSettings.from_params(params), device=_training_device(params))
+    is_main = _rank() == 0
+    metrics = Metrics(out, "training") if is_main else None
+
+    # Shards or the target recomputing features online, as stage 4 planned: one interface (capture.CapturedSamples).
+    data_files = tokenized_data_files(out)
+    samples = open_captured_samples(capture_dir, data_files,
+                                    lambda: load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype)),
+                                    capture_layer_ids=params.target.capture_layers, max_seq_len=params.capture.max_seq_len)
+    keys = samples.keys
+    capture_layer_ids = samples.capture_layer_ids
+    datasets = [dataset for dataset, _ in keys]
+
+    conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
+    heldout_indices, train_order = split_heldout(datasets, params.training.heldout_size, params.run.seed, conversations)
+    # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
+    largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
+    vocab_size = target_weights.config.vocab_size
+    token_counts = count_generated_tokens((samples.tokens(index) for index in largest_subset), vocab_size)
+    vocab = select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
+    coverage_grid = sorted({2**power for power in range(6, 17) if 2**power < vocab_size} | {vocab.size, vocab_size})
+    if metrics is not None:
+        metrics.log(event="draft_vocab", size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens)
+
+    capture_layer_indices = tuple(capture_layer_ids)
+    evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)  # the chain train_draft scores held-out tau with
+    build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed)
+    # One target argmax per sample for the sweep and the ablation: they share the held-out set, and the
+    # regenerated-answers draft trains on samples of the sweep (keys are content digests, so the original
+    # answers, which share ids with them, get their own).
+    target_cache = TargetArgmaxCache(target_weights.lm_head)
+    sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
+                                  training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations,
+                                  target_cache=target_cache)
+    if metrics is not None:
+        for row in sweep_rows:
+            metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})
+    if sizes is not None:
+        if metrics is not None:
+            metrics.close()
+        return None
+
+    ablation: list[DraftEntry] = []
+    original_dir = capture_dir / "original"
+    if params.analysis.ablation and (original_dir / "index.json").exists():
+        from eaglekit.capture.shards import ShardDataset
+
+        original = ShardDataset(original_dir)
+        position_of_key = {key: index for index, key in enumerate(keys)}
+        pairs = [(index, position_of_key[key]) for index, key in enumerate(original.keys) if key in position_of_key]
+        samples_by_dataset = dict(Counter(keys[position][0] for _, position in pairs))
+        variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
+                    "regenerated answers": IndexedSubset(samples, [r for _, r in pairs])}
+        for variant, train_samples in variants.items():
+            result = train_draft(build_model(), target_weights.lm_head, train_samples, IndexedSubset(samples, heldout_indices),
+                                 training_dir / "ablation" / variant.split()[0], settings, target_cache=target_cache)
+            ablation.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(heldout_indices),
+                                                   settings.schedule, settings.patience, out))
+            if metrics is not None:
+                metrics.log(event="ablation", **ablation[-1].to_dict())
+    if not is_main:
+        return None
+
+    from transformers import AutoConfig
+
+    from eaglekit.draft.export import export_sglang, export_vllm, validate_export
+    from eaglekit.training import load_checkpoint, load_draft_weights
+
+    largest = max(sweep_rows, key=lambda row: row["size"])
+    draft = build_model()
+    load_draft_weights(draft, load_checkpoint(largest["best_checkpoint"]))
+    target_config = AutoConfig.from_pretrained(model_dir)
+    export_dirs = {
+        "sglang": export_sglang(draft, target_config, training_dir / "export" / "sglang"),
+        "vllm": export_vllm(draft, target_config, training_dir / "export" / "vllm", verifier_name_or_path=str(model_dir),
+                            speculative_tokens=params.training.speculative_tokens),
+    }
+    for folder in export_dirs.values():
+        validate_export(folder, target_config)
+    sweep = SweepRecord(
+        runs=[DraftEntry.from_sweep_row(row, evaluated, out) for row in sweep_rows],
+        ablation=ablation,
+        heldout=[keys[index] for index in heldout_indices],
+        topology=evaluated,
+        draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens,
+                                     coverage_curve=[[size, share] for size, share in coverage_curve(token_counts, coverage_grid).items()]),
+        capture_dir=str(capture_dir.relative_to(out)), capture_mode=capture_plan.mode, capture_layer_ids=list(capture_layer_ids),
+        split_seed=params.run.seed,
+        export={name: str(Path(folder).relative_to(out)) for name, folder in export_dirs.items()},
+    )
+    sweep.save(training_dir / SWEEP_FILE)
+    metrics.close()
+    return sweep
+
+
+# ---------------------------------------------------------------------------------------------------
+# torchrun: the command, and a launcher that streams it
+# ---------------------------------------------------------------------------------------------------
+def torchrun_command(params_path: str | os.PathLike, run_dir: str | os.PathLike, nproc_per_node: int,
+                     sizes: Sequence[int] | None = None) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m eaglekit.training --params P --run-dir D [--sizes ...]`."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+               "-m", "eaglekit.training", "--params", str(params_path), "--run-dir", str(run_dir)]
+    if sizes:
+        command += ["--sizes", *(str(size) for size in sizes)]
+    return command
+
+
+class TrainingLaunchError(RuntimeError):
+    """torchrun exited non-zero: the message carries its exit code and last output lines."""
+
+
+def launch_training_stage(
+    params: Params,
+    run_dir: str | os.PathLike,
+    nproc_per_node: int | None = None,
+    on_line: Callable[[str], None] = print,
+    sizes: Sequence[int] | None = None,
+    environment: dict[str, str] | None = None,
+) -> SweepRecord | None:
+    """Run stage 5 under torchrun in a subprocess, streaming its output lines to `on_line`.
+
+    Writes the resolved params next to the results (training/launch_params.yaml) for the subprocess.
+    Returns the sweep.json record it wrote (None with `sizes`). If this call is interrupted (an
+    exception in `on_line`, Ctrl-C), the whole torchrun process group is stopped before re-raising.
+    """
+    run_dir = Path(run_dir)
+    nproc_per_node = nproc_per_node or params.training.nproc_per_node
+    if params.training.parallel == "none" and nproc_per_node > 1:
+        raise ValueError(f"{nproc_per_node} processes with training.parallel 'none': set training.parallel to 'ddp' (or 'fsdp' on GPUs)")
+    params_path = stage_dir(run_dir, "training") / LAUNCH_PARAMS_FILE
+    params_path.write_text(dump_params(params), encoding="utf-8")
+    env = {**os.environ, **(environment or {}), "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; stated so it does not warn
+    process = subprocess.Popen(torchrun_command(params_path, run_dir, nproc_per_node, sizes), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True)
+    tail: deque[str] = deque(maxlen=40)
+    try:
+        for line in process.stdout:
+            tail.append(line.rstrip("\n"))
+            on_line(line.rstrip("\n"))
+        code = process.wait()
+    except BaseException:
+        _stop_group(process)
+        raise
+    if code != 0:
+        raise TrainingLaunchError(f"torchrun exited with code {code}; last lines:\n" + "\n".join(tail) +
+                                  f"\nrerun to resume: {' '.join(torchrun_command(params_path, run_dir, nproc_per_node, sizes))}")
+    if sizes:
+        return None
+    return SweepRecord.load(stage_dir(run_dir, "training") / SWEEP_FILE)
+
+
+def _stop_group(process: subprocess.Popen) -> None:
+    """SIGTERM to torchrun's process group (it forwards to the workers), then SIGKILL after 30 s."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command line (python -m eaglekit.training)
+# ---------------------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eaglekit.training", description="Stage 5 (draft training) from params; "
+                                     "run it under torchrun for several processes: torchrun --nproc-per-node N -m eaglekit.training ...")
+    parser.add_argument("--params", required=True, help="params YAML (the run's params.yaml, or a scenario)")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-id", help="run folder outputs/<run-id> (run.outputs_dir), holding the capture of stage 4")
+    where.add_argument("--run-dir", help="run folder path")
+    parser.add_argument("--sizes", type=int, nargs="+", help="train only these data sizes (of training.data_sizes)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    params = load_params(args.params)
+    run_dir = Path(args.run_dir) if args.run_dir else repo_path(params.run.outputs_dir) / args.run_id
+    if not run_dir.is_dir():
+        raise SystemExit(f"run folder {run_dir} not found: pass the run id of a run whose stage 4 (capture) finished")
+    try:
+        sweep = run_training_stage(params, run_dir, args.sizes)
+        if sweep is not None:
+            print(f"wrote {stage_dir(run_dir, 'training') / SWEEP_FILE}: sizes {sweep.sizes}, best held-out tau "
+                  f"{[round(entry.best_accept_length, 4) for entry in sweep.runs]}", flush=True)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0

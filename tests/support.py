@@ -1,0 +1,159 @@
+"""Helpers shared by tests in several folders: tiny random-weight targets and drafts, samples as stage 4
+yields them, published chat-template fixtures, prompts as stage 2 writes them, a sweep record.
+Importable from any test as `from support import ...` (tests/ is on sys.path through its conftest)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from eaglekit.capture import default_capture_layer_ids
+from eaglekit.draft.model import DraftKVCache, Eagle3DraftModel, TargetHeadWeights, build_draft_from_target, shift_left
+from eaglekit.draft.vocab import count_generated_tokens, select_draft_vocab
+from eaglekit.topology import Topology
+from eaglekit.training.record import DraftEntry, DraftVocabRecord, SweepRecord
+
+
+# from tests/draft/test_model.py
+TINY_TARGET = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=300, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=True,
+)
+
+
+def tiny_target(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**TINY_TARGET)).eval()
+
+
+@torch.no_grad()
+def samples_from_target(target: LlamaForCausalLM, count: int, seed: int = 0, datasets: tuple[str, ...] = ("alpha", "beta"),
+                        min_length: int = 12, max_length: int = 40) -> list[dict]:
+    """Training samples exactly as stage 4 yields them, from a real (tiny) target's hidden states.
+
+    Tokens come from greedy continuation of a random prompt, so the "generated" part is the target's
+    own argmax (loss_mask 1 there), as regenerated data is.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    capture = tuple(default_capture_layer_ids(target.config.num_hidden_layers))
+    samples = []
+    for index in range(count):
+        prompt_length = int(torch.randint(3, 8, (1,), generator=generator))
+        total_length = int(torch.randint(min_length, max_length + 1, (1,), generator=generator))
+        prompt = torch.randint(0, target.config.vocab_size, (1, prompt_length), generator=generator)
+        input_ids = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=total_length - prompt_length,
+                                    min_new_tokens=total_length - prompt_length, do_sample=False, pad_token_id=0)[0]
+        outputs = target(input_ids[None], output_hidden_states=True)
+        aux = torch.cat([outputs.hidden_states[i][0] for i in capture], dim=-1)
+        loss_mask = torch.zeros_like(input_ids)
+        loss_mask[prompt_length:] = 1
+        samples.append({
+            "id": f"sample-{seed}-{index}",
+            "dataset": datasets[index % len(datasets)],
+            "input_ids": input_ids,
+            "loss_mask": loss_mask,
+            "aux_hidden_states": aux.to(torch.bfloat16),
+            "final_hidden_states": outputs.hidden_states[-1][0].to(torch.bfloat16),
+        })
+    return samples
+
+
+def target_head(target: LlamaForCausalLM) -> TargetHeadWeights:
+    return TargetHeadWeights(embed_tokens=target.model.embed_tokens.weight.detach().clone(), lm_head=target.lm_head.weight.detach().clone(),
+                             final_norm=target.model.norm.weight.detach().clone(), config=target.config)
+
+
+def tiny_draft(target: LlamaForCausalLM, samples: list[dict], draft_vocab_size: int = 200, seed: int = 0) -> Eagle3DraftModel:
+    vocab = select_draft_vocab(count_generated_tokens(samples, target.config.vocab_size), draft_vocab_size)
+    return build_draft_from_target(target_head(target), vocab.d2t, vocab.t2d, seed=seed)
+
+
+def randomize_norms(model: Eagle3DraftModel, seed: int = 1) -> None:
+    """Norm weights start at one; make them distinct so a swapped norm shows in the outputs."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in (model.midlayer.input_layernorm, model.midlayer.hidden_norm, model.midlayer.post_attention_layernorm, model.norm):
+            module.weight.copy_(1.0 + 0.5 * torch.randn(module.weight.shape, generator=generator))
+
+
+def serve_chain(model: Eagle3DraftModel, input_ids: torch.Tensor, aux: torch.Tensor, last_row: int, chain_tokens: list[int],
+                position_offset: int = 0) -> list[torch.Tensor]:
+    """How a server drafts after accepting up to row `last_row`: extend rows 0..last_row, then decode
+    one token per step with a KV cache, feeding back the pre-norm state. Returns logits per step (V_d,)."""
+    cache = DraftKVCache()
+    rows = last_row + 1
+    logits, prenorm = model.extend(shift_left(input_ids[None], 1)[:, :rows], aux[None, :rows], 0, cache)
+    out = [logits[0, -1]]
+    hidden = prenorm[:, -1:]
+    for step, token in enumerate(chain_tokens, start=1):
+        logits, hidden = model.decode(torch.tensor([[token]]), hidden, last_row + step + position_offset, cache)
+        out.append(logits[0, 0])
+    return out
+
+
+# from tests/chat/test_templates.py
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "chat_templates"
+
+
+META = json.loads((FIXTURES / "templates.json").read_text())
+
+
+TOOLS = [{"type": "function", "function": {"name": "bash", "description": "Run a shell command",
+                                            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                                                           "required": ["cmd"]}}},
+         {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                            "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                                                           "required": ["path"]}}}]
+
+
+def fixture_tokenizer(model_dir, name: str):
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    meta = META[name]
+    tokenizer.add_special_tokens({"additional_special_tokens": meta["special_tokens"]})
+    for key in ("bos_token", "eos_token"):
+        if meta.get(key) and meta[key] in meta["special_tokens"]:
+            setattr(tokenizer, key, meta[key])
+    tokenizer.chat_template = (FIXTURES / f"{name}.jinja").read_text()
+    return tokenizer
+
+
+# from tests/generation/test_generation.py
+def write_prompts(path: Path, texts: list[str], prefix: str = "p") -> Path:
+    with open(path, "w") as handle:
+        for index, text in enumerate(texts):
+            handle.write(json.dumps({"id": f"{prefix}{index}", "source": "test",
+                                     "messages": [{"role": "system", "content": "Be brief."},
+                                                  {"role": "user", "content": text}], "meta": {"n": index}}) + "\n")
+    return path
+
+
+# from tests/training/test_record.py
+CHAIN = Topology.chain(3)
+
+
+def entry(size: int, variant: str | None = None, converged: bool = True) -> DraftEntry:
+    return DraftEntry(
+        variant=variant or f"{size} samples", size=size, topology=CHAIN, best_step=8, best_accept_length=1.25 + size / 1000,
+        best_checkpoint=f"training/size-{size:07d}/best.pt", metrics_path=f"training/size-{size:07d}/metrics.jsonl",
+        samples_by_dataset={"alpha": size // 2, "beta": size - size // 2}, schedule="until_converged", steps=12, step_cap=12,
+        samples_seen=48, epochs=48 / size, converged=converged, stopped="converged" if converged else "step_cap", improved_step=8,
+        recent_gain=None if converged else 0.02, recent_window_steps=None if converged else [8, 12],
+        recent_evaluations=0 if converged else 2, heldout_size=6,
+    )
+
+
+def record() -> SweepRecord:
+    return SweepRecord(
+        runs=[entry(20), entry(40, converged=False)],
+        ablation=[entry(16, "original answers"), entry(16, "regenerated answers")],
+        heldout=[("alpha", "a-1"), ("beta", "b-2")], topology=CHAIN,
+        draft_vocab=DraftVocabRecord(size=300, coverage=0.97, counted_tokens=1234, coverage_curve=[[64, 0.5], [300, 1.0]]),
+        capture_dir="capture", capture_mode="offline", capture_layer_ids=[1, 2, 3], split_seed=0,
+        export={"sglang": "training/export/sglang", "vllm": "training/export/vllm"},
+    )
+
+
+

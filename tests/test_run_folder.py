@@ -1,0 +1,80 @@
+"""Run-folder records: a stage's own verdict (record_stage_outcome) survives a kill and is read back whole."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from eaglekit.run_folder import clear_stage_outcome, read_stage_outcome, record_stage_outcome
+
+
+def test_stage_outcome_round_trip_and_clear(tmp_path):
+    assert read_stage_outcome(tmp_path, "generation") is None
+    record_stage_outcome(tmp_path, "generation", errors=3, detail="3 prompts failed: 2 bad_response, 1 http_400")
+    outcome = read_stage_outcome(tmp_path, "generation")
+    assert outcome["errors"] == 3 and outcome["detail"].startswith("3 prompts") and outcome["stage"] == "generation"
+    record_stage_outcome(tmp_path, "generation", errors=0)  # a later attempt replaces the verdict
+    assert read_stage_outcome(tmp_path, "generation")["errors"] == 0
+    clear_stage_outcome(tmp_path, "generation")
+    assert read_stage_outcome(tmp_path, "generation") is None
+    with pytest.raises(ValueError):
+        record_stage_outcome(tmp_path, "generation", errors=-1)
+
+
+def test_stage_outcome_is_never_half_written(tmp_path):
+    # A writer killed mid-write leaves the previous verdict whole (temp file + rename), never a torn JSON.
+    record_stage_outcome(tmp_path, "capture", errors=1)
+    code = (
+        "import os\n"
+        "os.replace = lambda *args: os.kill(os.getpid(), 9)  # killed between the temp file's fsync and its rename\n"
+        "from eaglekit.run_folder import record_stage_outcome\n"
+        f"record_stage_outcome({str(tmp_path)!r}, 'capture', errors=7, detail='x' * 100000)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert result.returncode == -9
+    assert read_stage_outcome(tmp_path, "capture")["errors"] == 1
+    leftovers = [name for name in os.listdir(tmp_path / "stage_outcomes") if name != "capture.json"]
+    assert all(name.endswith(".tmp") for name in leftovers)
+    json.loads((tmp_path / "stage_outcomes" / "capture.json").read_text())
+
+
+HOLD_LOCK = (
+    "import sys, time\n"
+    "from eaglekit.run_folder import RunFolderLock\n"
+    "RunFolderLock(sys.argv[1]).acquire()\n"
+    "print('locked', flush=True)\n"
+    "time.sleep(300)\n"
+)
+
+
+def test_a_live_holder_fails_the_second_writer_at_once_naming_it(tmp_path):
+    import time
+
+    from eaglekit.run_folder import RunFolderLock, RunLockedError
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        started = time.monotonic()
+        with pytest.raises(RunLockedError, match=f"in use by another eaglekit process \\(pid {holder.pid} on "):
+            RunFolderLock(tmp_path).acquire()
+        assert time.monotonic() - started < 1.0  # at once, not after a wait
+        holder.kill()  # kill -9: the kernel drops the flock with the process
+        holder.wait()
+        with RunFolderLock(tmp_path) as lock:
+            assert lock.holder()["pid"] == os.getpid()
+    finally:
+        holder.kill()
+
+
+def test_a_lock_file_left_by_a_dead_process_is_taken_over(tmp_path):
+    from eaglekit.run_folder import RunFolderLock
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": int(dead), "host": "elsewhere", "started": "yesterday"}))
+    with RunFolderLock(tmp_path) as lock:
+        assert lock.holder()["pid"] == os.getpid()
+    with RunFolderLock(tmp_path):  # and released on exit
+        pass

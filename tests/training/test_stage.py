@@ -1,0 +1,171 @@
+"""Stage 5 under torchrun: `torchrun -m eaglekit.training` with 2 gloo processes (launched and streamed the
+way notebook 05 does) writes the same weights and sweep.json as one process on the same global batch;
+killed mid-run and launched again, it continues the same loss curve."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from eaglekit.capture import capture_to_shards
+from eaglekit.config import load_params
+from eaglekit.io import write_json
+from eaglekit.training.record import SweepRecord
+from eaglekit.topology import Topology
+from eaglekit.training import load_checkpoint
+from eaglekit.training.stage import launch_training_stage, run_training_stage
+from support import samples_from_target, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+SIZES = [4, 8]
+
+
+@pytest.fixture(scope="module")
+def captured_run(tmp_path_factory) -> tuple[Path, Path]:
+    """A run folder whose stage 4 finished offline on a tiny real target; returns (run folder, target folder)."""
+    root = tmp_path_factory.mktemp("stage5")
+    target = tiny_target()
+    target_dir = root / "target"
+    target.save_pretrained(target_dir)
+    run_dir = root / "run"
+    for dataset in ("alpha", "beta"):
+        folder = run_dir / "prep" / dataset
+        folder.mkdir(parents=True)
+        with open(folder / "tokenized_data.jsonl", "w") as handle:
+            for sample in samples_from_target(target, 7, seed=len(dataset), datasets=(dataset,), max_length=30):
+                handle.write(json.dumps({"id": sample["id"], "input_ids": sample["input_ids"].tolist(),
+                                         "loss_mask": sample["loss_mask"].tolist(), "source": dataset, "meta": {}}) + "\n")
+    files = {dataset: run_dir / "prep" / dataset / "tokenized_data.jsonl" for dataset in ("alpha", "beta")}
+    capture_to_shards(target, files, run_dir / "capture", model_name=str(target_dir), capture_layer_ids=[1, 2, 3], max_seq_len=64,
+                      progress=False)
+    write_json(run_dir / "capture" / "plan.json", {"mode": "offline"})
+    return run_dir, target_dir
+
+
+def write_params(path: Path, target_dir: Path, **training) -> Path:
+    settings = {"data_sizes": SIZES, "heldout_size": 4, "ttt_steps": 2, "speculative_tokens": 2, "learning_rate": 3.0e-3, "min_learning_rate": 3.0e-4,
+                "warmup_steps": 1, "schedule": "equal_steps", "max_steps": 4, "micro_batch_size": 1, "grad_accumulation_steps": 2,
+                "eval_interval": 2, "max_length": 48, "log_interval_s": 0.01, **training}
+    path.write_text(yaml.safe_dump({"run": {"name": "stage5", "outputs_dir": str(path.parent)}, "target": {"model": str(target_dir)},
+                                    "training": settings, "analysis": {"chain_steps": 2, "ablation": False}}))
+    return path
+
+
+def fresh_run(captured_run, name: str) -> Path:
+    source, _ = captured_run
+    run_dir = source.parent / name
+    shutil.copytree(source, run_dir)
+    return run_dir
+
+
+def train_losses(run_dir: Path, size: int) -> list[tuple[int, float]]:
+    lines = (run_dir / "training" / f"size-{size:07d}" / "metrics.jsonl").read_text().splitlines()
+    return [(record["step"], record["loss"]) for record in map(json.loads, lines) if record["split"] == "train"]
+
+
+def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured_run, tmp_path):
+    _, target_dir = captured_run
+    # One process, padded micro-batches: global batch 1 sample x 4 micro-batches.
+    single_dir = fresh_run(captured_run, "single")
+    single_params = load_params(write_params(tmp_path / "single.yaml", target_dir, grad_accumulation_steps=4))
+    single = run_training_stage(single_params, single_dir)
+
+    # torchrun, 2 gloo processes, packed: 2 ranks x 1 sample x 2 micro-batches, through the notebook's launcher.
+    parallel_dir = fresh_run(captured_run, "torchrun")
+    parallel_params = load_params(write_params(tmp_path / "ddp.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64))
+    lines: list[str] = []
+    sweep = launch_training_stage(parallel_params, parallel_dir, on_line=lines.append)
+    assert any("step 4/4" in line for line in lines), lines[-20:]  # progress lines streamed as they came
+    assert sweep == SweepRecord.load_run(parallel_dir)
+    for key in ("sizes", "heldout", "draft_vocab", "capture_layer_ids", "topology", "export", "capture_mode"):
+        assert getattr(sweep, key) == getattr(single, key), key
+    assert sweep.draft_vocab.coverage_curve[-1] == [300, 1.0] and sweep.sizes == SIZES
+    assert sweep.topology == Topology.chain(2) and all(entry.topology == Topology.chain(2) for entry in sweep.runs)
+    for size in SIZES:
+        one = load_checkpoint(single_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]
+        two = load_checkpoint(parallel_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]
+        for name in one:
+            torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=2e-5, msg=f"size {size}: {name}")
+        assert [loss for _, loss in train_losses(parallel_dir, size)] == pytest.approx([loss for _, loss in train_losses(single_dir, size)], rel=1e-5)
+    assert (parallel_dir / "training" / "export" / "sglang" / "model.safetensors").exists()
+
+    # Kill the torchrun group after the first size's third step, launch again: the same curve.
+    killed_dir = fresh_run(captured_run, "killed")
+    metrics = killed_dir / "training" / f"size-{SIZES[0]:07d}" / "metrics.jsonl"
+
+    def interrupt_after_step_three(line: str) -> None:
+        if metrics.exists() and sum('"split": "train"' in record for record in metrics.read_text().splitlines()) >= 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        launch_training_stage(parallel_params, killed_dir, on_line=interrupt_after_step_three)
+    assert not (killed_dir / "training" / "sweep.json").exists()
+    launch_training_stage(parallel_params, killed_dir, on_line=lambda line: None)
+    for size in SIZES:
+        assert train_losses(killed_dir, size) == train_losses(parallel_dir, size)
+
+
+def test_online_capture_trains_through_the_same_interface_as_the_shards(captured_run, tmp_path):
+    """Stage 5 does not branch on the capture mode: with plan.json saying online and no shards, the target
+    recomputes the features and the sweep has the same split, vocab and (bf16 features aside) the same taus."""
+    _, target_dir = captured_run
+    path = write_params(tmp_path / "p.yaml", target_dir)
+    scenario = yaml.safe_load(path.read_text())
+    scenario["target"]["capture_layers"] = [1, 2, 3]  # as the shards were captured (the tiny target's defaults collide)
+    path.write_text(yaml.safe_dump(scenario))
+    params = load_params(path)
+    offline = run_training_stage(params, fresh_run(captured_run, "offline"))
+    online_dir = fresh_run(captured_run, "online")
+    for path in (online_dir / "capture").iterdir():
+        path.unlink()
+    write_json(online_dir / "capture" / "plan.json", {"mode": "online"})
+    online = run_training_stage(params, online_dir)
+    assert online.capture_mode == "online" and offline.capture_mode == "offline"
+    assert sorted(online.heldout) == sorted(offline.heldout) and online.draft_vocab == offline.draft_vocab
+    assert online.capture_layer_ids == offline.capture_layer_ids == [1, 2, 3]
+    # Online features are float32 where the shards hold bf16: the taus agree to bf16 rounding.
+    for one, two in zip(online.runs, offline.runs):
+        assert one.size == two.size and one.best_accept_length == pytest.approx(two.best_accept_length, abs=0.05)
+
+
+def test_params_and_sizes_are_checked_before_training(captured_run, tmp_path):
+    from eaglekit.config import ParamsError
+
+    run_dir, target_dir = captured_run
+    with pytest.raises(ParamsError, match="nproc_per_node 2 needs parallel"):
+        load_params(write_params(tmp_path / "a.yaml", target_dir, nproc_per_node=2))
+    with pytest.raises(ParamsError, match="pack_tokens 32 < max_length 48"):
+        load_params(write_params(tmp_path / "b.yaml", target_dir, pack_tokens=32))
+    with pytest.raises(ValueError, match=r"--sizes \[5\] are not in training.data_sizes"):
+        run_training_stage(load_params(write_params(tmp_path / "c.yaml", target_dir)), run_dir, sizes=[5])
+
+
+def test_notebook_05_launches_torchrun_streams_its_lines_and_plots_the_sweep(captured_run, tmp_path):
+    """With training.nproc_per_node > 1, notebook 05 runs the stage under torchrun (2 gloo processes here),
+    prints the workers' progress lines as its own output, and draws its figures from the files they wrote."""
+    import papermill
+
+    from eaglekit.paths import NOTEBOOKS_DIR
+
+    _, target_dir = captured_run
+    run_dir = fresh_run(captured_run, "notebook")
+    (run_dir / "figures").mkdir(exist_ok=True)
+    params = load_params(write_params(tmp_path / "nb.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64))
+    notebook = NOTEBOOKS_DIR / "05_training.ipynb"
+    declared = set(papermill.inspect_notebook(str(notebook)))
+    parameters = {key: value for key, value in dict(params.sections(), run_dir=str(run_dir)).items() if key in declared}
+    executed = tmp_path / "05_training.ipynb"
+    papermill.execute_notebook(str(notebook), str(executed), parameters=parameters, kernel_name="python3",
+                               cwd=str(notebook.parent), progress_bar=False)
+    printed = "".join("".join(output["text"]) for cell in json.loads(executed.read_text())["cells"]
+                      for output in cell.get("outputs", []) if output.get("output_type") == "stream")
+    assert f"size-{SIZES[-1]:07d}: step 4/4" in printed, printed[-2000:]  # a worker's progress line, streamed
+    assert SweepRecord.load_run(run_dir).sizes == SIZES
+    for figure in ("05_vocab_coverage.png", "05_loss_accuracy_by_position.png", "05_heldout_accept_length.png"):
+        assert (run_dir / "figures" / figure).stat().st_size > 0, figure
