@@ -172,3 +172,12 @@ def pid_alive(pid: Any) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def format_duration(seconds: float | None) -> str:
+    """`1h05m`, `4m07s`; `?` when unknown. Progress lines of long stages (generation, training) use it."""
+    if seconds is None:
+        return "?"
+    seconds = max(0, int(round(seconds)))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"

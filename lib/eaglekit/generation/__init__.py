@@ -57,6 +57,7 @@ from eaglekit.generation.client import (
     TransientError,
 )
 from eaglekit.io import (
+    format_duration,
     AppendLog,
     InputError,
     read_jsonl,
@@ -1036,23 +1037,15 @@ def progress_line(snapshot: dict[str, Any]) -> str:
     The final line's rates are over the whole session (`rate_window_s`), the others' over the interval.
     """
     datasets = ", ".join(f"{name} {snapshot['done'][name]}/{snapshot['total'][name]}" for name in snapshot["done"])
-    etas = " ".join(f"{name} {_duration(eta)}" for name, eta in snapshot["eta_s"].items())
+    etas = " ".join(f"{name} {format_duration(eta)}" for name, eta in snapshot["eta_s"].items())
     mean = snapshot["mean_completion_tokens"]
     per_endpoint = ", ".join(f"{name} {count}" for name, count in snapshot.get("endpoints_in_flight", {}).items())
-    label = f"final (session {snapshot.get('session', '?')}, rates over {_duration(snapshot['rate_window_s'])})" \
+    label = f"final (session {snapshot.get('session', '?')}, rates over {format_duration(snapshot['rate_window_s'])})" \
         if snapshot.get("final") else "progress"
-    return (f"{label} {_duration(snapshot['elapsed_s'])} | {datasets} | errors {snapshot['errors']} "
+    return (f"{label} {format_duration(snapshot['elapsed_s'])} | {datasets} | errors {snapshot['errors']} "
             f"truncated {snapshot['truncated']} | {snapshot['requests_per_s']:.2f} req/s "
             f"{snapshot['completion_tokens_per_s']:.0f} tok/s mean {'-' if mean is None else f'{mean:.0f}'} tok | "
-            f"in flight {snapshot['in_flight']} ({per_endpoint}) | ETA {etas} total {_duration(snapshot['eta_total_s'])}")
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+            f"in flight {snapshot['in_flight']} ({per_endpoint}) | ETA {etas} total {format_duration(snapshot['eta_total_s'])}")
 
 
 # ---------------------------------------------------------------------------------------------

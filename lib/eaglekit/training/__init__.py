@@ -79,7 +79,7 @@ from eaglekit.analysis.acceptance import chain_counts, pooled_accept_length
 from eaglekit.config import TrainingParams
 from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.draft.head_loss import chunked_ttt_loss
-from eaglekit.io import AppendLog, atomic_write, read_jsonl
+from eaglekit.io import AppendLog, atomic_write, read_jsonl, format_duration
 from eaglekit.topology import Topology
 
 LAST_CHECKPOINT = "last.pt"
@@ -1007,12 +1007,6 @@ def _anneal_note(progress: dict, settings: TrainSettings, total_steps: int) -> s
     return f": converged at the peak, annealing the lr until step {end}{cut}"
 
 
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
-
-
 def train_draft(
     model: Eagle3DraftModel,
     target_lm_head: torch.Tensor,
@@ -1198,7 +1192,7 @@ def train_draft(
             remaining = (total_steps - progress["step"]) * elapsed / max(1, steps_done)
             logger.info("%s: step %d/%d, loss %.4f, %.0f tok/s, %.2f steps/s, held-out tau %.4f (best), ETA %s%s",
                         label, progress["step"], total_steps, loss_total, tokens_seen / max(elapsed, 1e-9),
-                        steps_done / max(elapsed, 1e-9), progress["best_accept_length"], _duration(remaining),
+                        steps_done / max(elapsed, 1e-9), progress["best_accept_length"], format_duration(remaining),
                         " at most (stops earlier once converged)" if settings.schedule == "until_converged" else "")
             last_logged = now
         if progress["step"] % settings.eval_interval == 0 or progress["step"] == total_steps:
