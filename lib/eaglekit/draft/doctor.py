@@ -30,6 +30,8 @@ from typing import Any
 
 import pandas as pd
 
+from eaglekit.draft.tensors import tensor_table_from_config
+
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 BYPASS_ACCEPT_LENGTH = 1.1  # below this the draft is effectively never accepted
 
@@ -168,32 +170,8 @@ def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, 
 
 
 def expected_tensors(draft_config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str | None]]:
-    """DESIGN's tensor names with their shapes (and dtype where the contract fixes one)."""
-    hidden = int(draft_config["hidden_size"])
-    target_hidden = int(draft_config.get("target_hidden_size", hidden))
-    heads = int(draft_config["num_attention_heads"])
-    kv_heads = int(draft_config.get("num_key_value_heads") or heads)
-    head_dim = int(draft_config.get("head_dim") or hidden // heads)
-    intermediate = int(draft_config["intermediate_size"])
-    vocab = int(draft_config["vocab_size"])
-    draft_vocab = int(draft_config.get("draft_vocab_size") or vocab)
-    return {
-        "fc.weight": ((hidden, 3 * target_hidden), None),
-        "midlayer.self_attn.q_proj.weight": ((heads * head_dim, 2 * hidden), None),
-        "midlayer.self_attn.k_proj.weight": ((kv_heads * head_dim, 2 * hidden), None),
-        "midlayer.self_attn.v_proj.weight": ((kv_heads * head_dim, 2 * hidden), None),
-        "midlayer.self_attn.o_proj.weight": ((hidden, heads * head_dim), None),
-        "midlayer.mlp.gate_proj.weight": ((intermediate, hidden), None),
-        "midlayer.mlp.up_proj.weight": ((intermediate, hidden), None),
-        "midlayer.mlp.down_proj.weight": ((hidden, intermediate), None),
-        "midlayer.input_layernorm.weight": ((hidden,), None),
-        "midlayer.hidden_norm.weight": ((hidden,), None),
-        "midlayer.post_attention_layernorm.weight": ((hidden,), None),
-        "norm.weight": ((hidden,), None),
-        "lm_head.weight": ((draft_vocab, hidden), None),
-        "d2t": ((draft_vocab,), "int64"),
-        "t2d": ((vocab,), "bool"),
-    }
+    """DESIGN's tensor names with their shapes (and dtype where the contract fixes one): `draft.tensors`' table."""
+    return tensor_table_from_config(draft_config)
 
 
 _DTYPE_NAMES = {"I64": "int64", "BOOL": "bool", "BF16": "bfloat16", "F16": "float16", "F32": "float32", "I32": "int32"}

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig
 
 from eaglekit.draft.model import DraftConfig, Eagle3DraftModel
+from eaglekit.draft.tensors import VOCAB_MAPS, draft_tensor_table
 from eaglekit.io import InputError, atomic_write, write_json
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -36,6 +37,7 @@ VLLM_SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_FIXED_DTYPES = {"int64": torch.int64, "bool": torch.bool}  # the vocab maps' dtypes in the tensor table
 
 
 class DraftTargetMismatch(ValueError):
@@ -43,26 +45,12 @@ class DraftTargetMismatch(ValueError):
 
 
 def expected_tensors(config: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor an export holds: name -> (shape, dtype). Exactly DESIGN's names, nothing else."""
-    hidden, attention_width = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv_width, intermediate = config.num_key_value_heads * config.head_dim, config.intermediate_size
-    return {
-        "fc.weight": ((hidden, 3 * hidden), dtype),
-        "midlayer.self_attn.q_proj.weight": ((attention_width, 2 * hidden), dtype),
-        "midlayer.self_attn.k_proj.weight": ((kv_width, 2 * hidden), dtype),
-        "midlayer.self_attn.v_proj.weight": ((kv_width, 2 * hidden), dtype),
-        "midlayer.self_attn.o_proj.weight": ((hidden, attention_width), dtype),
-        "midlayer.mlp.gate_proj.weight": ((intermediate, hidden), dtype),
-        "midlayer.mlp.up_proj.weight": ((intermediate, hidden), dtype),
-        "midlayer.mlp.down_proj.weight": ((hidden, intermediate), dtype),
-        "midlayer.input_layernorm.weight": ((hidden,), dtype),
-        "midlayer.hidden_norm.weight": ((hidden,), dtype),
-        "midlayer.post_attention_layernorm.weight": ((hidden,), dtype),
-        "norm.weight": ((hidden,), dtype),
-        "lm_head.weight": ((config.draft_vocab_size, hidden), dtype),
-        "d2t": ((config.draft_vocab_size,), torch.int64),
-        "t2d": ((config.vocab_size,), torch.bool),
-    }
+    """Every tensor an export holds: name -> (shape, dtype). `draft.tensors`' table, float weights in `dtype`."""
+    table = draft_tensor_table(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+                               num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
+                               intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+                               draft_vocab_size=config.draft_vocab_size)
+    return {name: (shape, dtype if dtype_name is None else _FIXED_DTYPES[dtype_name]) for name, (shape, dtype_name) in table.items()}
 
 
 def _as_llama_config(target_config: LlamaConfig | dict) -> LlamaConfig:
@@ -101,7 +89,7 @@ def check_against_target(model: Eagle3DraftModel, target_config: LlamaConfig | d
 
 def _export_tensors(model: Eagle3DraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = model.trainable_state_dict()
-    tensors = {name: state[name].detach().to("cpu", dtype).contiguous() for name in expected_tensors(model.config, dtype) if name not in ("d2t", "t2d")}
+    tensors = {name: state[name].detach().to("cpu", dtype).contiguous() for name in expected_tensors(model.config, dtype) if name not in VOCAB_MAPS}
     tensors["d2t"] = model.d2t.detach().cpu().to(torch.int64).contiguous()
     tensors["t2d"] = model.t2d.detach().cpu().to(torch.bool).contiguous()
     return tensors
