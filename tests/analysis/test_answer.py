@@ -18,7 +18,8 @@ from eaglekit.analysis.answer import (
     sweep_scaling,
     write_summary_record,
 )
-from eaglekit.analysis.scaling import break_even_from_throughput, scaling_answer
+from eaglekit.analysis.break_even import break_even_from_throughput
+from eaglekit.analysis.scaling import scaling_answer
 from eaglekit.topology import Topology
 
 

@@ -1,4 +1,4 @@
-"""Break-even arithmetic (Leviathan et al. 2023) and the saturating scaling fit with bootstrap."""
+"""The saturating scaling fit with bootstrap, the local slope and ceiling identification, and the scaling curve's figure."""
 
 from __future__ import annotations
 
@@ -9,60 +9,9 @@ import pandas as pd
 import pytest
 
 from eaglekit.analysis.acceptance import acceptance_tables, bootstrap_accept_length, chain_counts
-from eaglekit.analysis.scaling import (
-    acceptance_rate_for_accept_length,
-    break_even_from_throughput,
-    break_even_from_timings,
-    data_needed,
-    fit_scaling,
-    leviathan_accept_length,
-    leviathan_speedup,
-    plot_accept_length_vs_data_size,
-    saturating_accept_length,
-    scaling_summary,
-    speedup_from_timings,
-)
-
-
-def test_leviathan_formula_by_hand_and_limits():
-    # a = 0.5, g = 3, c = 0.1: (1 - 0.5^4) / (0.5 * 1.3) = 0.9375 / 0.65
-    assert leviathan_speedup(0.5, 3, 0.1) == pytest.approx(0.9375 / 0.65)
-    assert leviathan_accept_length(1.0, 4) == 5.0  # every draft accepted: g + 1 tokens
-    assert leviathan_accept_length(0.0, 4) == 1.0  # only the bonus token
-    assert leviathan_speedup(0.0, 2, 0.5) == pytest.approx(1 / 2.0)
-    for tau in (1.0, 1.7, 2.9, 4.0):
-        assert leviathan_accept_length(acceptance_rate_for_accept_length(tau, 3), 3) == pytest.approx(tau)
-    with pytest.raises(ValueError, match="outside"):
-        acceptance_rate_for_accept_length(4.5, 3)
-
-
-def test_break_even_from_timings_is_where_speedup_is_one():
-    target, verify, draft, g = 0.020, 0.024, 0.004, 3
-    tau_star = break_even_from_timings(target, verify, draft, g)
-    assert tau_star == pytest.approx((0.024 + 3 * 0.004) / 0.020)
-    assert speedup_from_timings(tau_star, target, verify, draft, g) == pytest.approx(1.0)
-    assert speedup_from_timings(tau_star * 1.5, target, verify, draft, g) == pytest.approx(1.5)
-    with pytest.raises(ValueError, match="draft_step_s"):
-        break_even_from_timings(target, verify, 0.0, g)
-
-
-def test_seed_case_90_tok_s_baseline_82_3_at_tau_2_1():
-    result = break_even_from_throughput(90.0, 82.3, 2.1)
-    assert result.speedup == pytest.approx(82.3 / 90)
-    assert result.target_step_s == pytest.approx(1 / 90)  # 11.1 ms
-    assert result.cycle_s == pytest.approx(2.1 / 82.3)  # 25.5 ms per draft-and-verify cycle
-    assert result.break_even_accept_length == pytest.approx(2.1 * 90 / 82.3)  # 2.2965
-    assert round(result.break_even_accept_length, 2) == 2.30
-    assert result.overhead_s * 1000 == pytest.approx(14.405, abs=1e-3)
-    assert result.overhead_target_steps == pytest.approx(1.2965, abs=1e-4)
-    assert len(result.assumptions) == 3
-
-    # With a chain of 3 steps: c = (2.2965 - 1) / 3, and the Leviathan speedup at the break-even
-    # acceptance rate is exactly 1.
-    chain = break_even_from_throughput(90.0, 82.3, 2.1, draft_length=3)
-    assert chain.cost_ratio == pytest.approx((chain.break_even_accept_length - 1) / 3)
-    assert leviathan_speedup(chain.break_even_acceptance_rate, 3, chain.cost_ratio) == pytest.approx(1.0)
-    assert "memory-bound" in chain.assumptions[-1]
+from eaglekit.analysis.break_even import break_even_from_throughput
+from eaglekit.analysis.plots import plot_accept_length_vs_data_size
+from eaglekit.analysis.scaling import data_needed, fit_scaling, saturating_accept_length, scaling_summary
 
 
 def _synthetic_sizes_and_counts(rng: np.random.Generator):

@@ -2,7 +2,7 @@
 event and the answer in plain words (notebook 06), every number taken from what was measured.
 
 Nothing here measures: it reads the sweep's offline acceptance (`acceptance.SweepAcceptance`), the real
-loop's summary (`checkpoint_evaluation.evaluate_speculative_loop`), the scaling answer
+loop's summary (`checkpoints.evaluate_speculative_loop`), the scaling answer
 (`scaling.scaling_answer`, fitted here on the pooled curve), the benchmark curve and the break-even cases.
 """
 
@@ -18,7 +18,8 @@ import pandas as pd
 
 from eaglekit.analysis.acceptance import SweepAcceptance, percentile_interval
 from eaglekit.io import write_json
-from eaglekit.analysis.scaling import BreakEven, ScalingAnswer, scaling_answer
+from eaglekit.analysis.break_even import BreakEven
+from eaglekit.analysis.scaling import ScalingAnswer, scaling_answer
 from eaglekit.topology import Topology
 
 

@@ -1,30 +1,11 @@
-"""Break-even accept length and the data-scaling fit: does more data make the draft fast enough?
-
-Accept length tau follows DESIGN.md: tokens emitted per target verification step, bonus included.
-
-Break-even (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding"):
-with i.i.d. acceptance rate a, draft length g and cost ratio c = T_draft / T_target,
-
-    speedup = (1 - a^(g+1)) / ((1 - a) (g c + 1)),      expected tau = (1 - a^(g+1)) / (1 - a).
-
-With a measured tau and measured timings the same model reads speedup ~ tau * T_target / T_cycle,
-T_cycle = T_verify + g T_draft, so speculation pays off when tau > T_cycle / T_target.
-
-From throughput alone (baseline tok/s B, speculative tok/s S at measured tau): a plain step takes
-T_target = 1/B and one speculative cycle emits tau tokens in T_cycle = tau/S, so the break-even
-accept length is tau * B / S. The seed's case (B = 90, S = 82.3 at tau 2.1): T_target = 11.1 ms,
-T_cycle = 25.5 ms, break-even tau = 2.30; the cycle costs 1.30 target steps (14.4 ms) more than a
-plain step. Assumptions, stated on every result: the cycle cost does not depend on how many tokens
-are accepted (verification scores all drafted tokens whatever happens), the baseline and the
-speculative run share hardware, batch size, prompts and output lengths, and T_target is the
-baseline's time per token. Splitting the overhead into verify and draft parts needs one more
-assumption (T_verify ~ T_target, true when verification is memory-bound) and the draft length g.
+"""The data-scaling fit: accept length (DESIGN.md's tau) against training-data size, its local slope and whether a
+ceiling is identified. Break-even, one of the targets the answer sizes data for, is `break_even`'s.
 
 Scaling, in the order a careful reader should trust it:
 1. The local slope (`local_slope`): tau gained per doubling of training data over the measured range
    (least squares of tau on log2 N), with a paired-bootstrap interval. It needs no model of what happens
    beyond the data. "Data needed" is given from it only as "k more doublings at the measured slope".
-2. A model of the curve (`compare_models`), chosen by leave-one-size-out prediction error, not by
+2. A model of the curve (`leave_one_size_out_error`), chosen by leave-one-size-out prediction error, not by
    taste: the log-linear line (2 parameters, no ceiling) or the saturating power law below (3). The
    ceiling tau_inf is reported only when it is identified (`ceiling_identification`): more sizes than
    parameters, bootstrap refits that do not pile up at a bound, and the saturating model predicting
@@ -47,131 +28,15 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import numpy as np
-import pandas as pd
-from scipy.optimize import OptimizeWarning, brentq, curve_fit
+from scipy.optimize import OptimizeWarning, curve_fit
 
 from eaglekit.analysis.acceptance import percentile_interval
-
-# ----------------------------------------------------------------------------- Leviathan model
-
-
-def leviathan_accept_length(acceptance_rate: float | np.ndarray, draft_length: int) -> float | np.ndarray:
-    """Expected tokens per verification step, (1 - a^(g+1)) / (1 - a); equals g + 1 at a = 1."""
-    a = np.asarray(acceptance_rate, dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tau = np.where(a < 1.0, (1.0 - a ** (draft_length + 1)) / (1.0 - np.where(a < 1.0, a, 0.0)), draft_length + 1.0)
-    return float(tau) if tau.ndim == 0 else tau
-
-
-def leviathan_speedup(acceptance_rate: float | np.ndarray, draft_length: int, cost_ratio: float) -> float | np.ndarray:
-    """Leviathan et al. 2023 walltime speedup: (1 - a^(g+1)) / ((1 - a)(g c + 1))."""
-    tau = leviathan_accept_length(acceptance_rate, draft_length)
-    return tau / (draft_length * cost_ratio + 1.0)
-
-
-def acceptance_rate_for_accept_length(accept_length: float, draft_length: int) -> float:
-    """Invert the Leviathan tau(a) for a chain of g steps; tau must lie in [1, g + 1]."""
-    if not 1.0 <= accept_length <= draft_length + 1.0:
-        raise ValueError(f"accept length {accept_length} is outside [1, {draft_length + 1}] for draft length {draft_length}")
-    if accept_length == draft_length + 1.0:
-        return 1.0
-    return float(brentq(lambda a: leviathan_accept_length(a, draft_length) - accept_length, 0.0, 1.0 - 1e-15))
-
-
-def speedup_from_timings(
-    accept_length: float, target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int
-) -> float:
-    """speedup ~ tau * T_target / (T_verify + g * T_draft)."""
-    return accept_length * target_step_s / (verify_step_s + draft_length * draft_step_s)
-
-
-def break_even_from_timings(target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int) -> float:
-    """Accept length at which speculation matches plain decoding: (T_verify + g * T_draft) / T_target."""
-    for name, value in (("target_step_s", target_step_s), ("verify_step_s", verify_step_s), ("draft_step_s", draft_step_s)):
-        if not value > 0:
-            raise ValueError(f"{name} must be a positive measured time in seconds, got {value}")
-    return (verify_step_s + draft_length * draft_step_s) / target_step_s
-
-
-@dataclass(frozen=True)
-class BreakEven:
-    """Break-even analysis from baseline and speculative throughput at a measured accept length."""
-
-    baseline_tokens_per_s: float
-    speculative_tokens_per_s: float
-    accept_length: float
-    speedup: float  # speculative / baseline throughput
-    target_step_s: float  # 1 / baseline tok/s
-    cycle_s: float  # one draft-and-verify cycle: accept_length / speculative tok/s
-    overhead_s: float  # cycle_s - target_step_s: what speculation costs beyond a plain step
-    overhead_target_steps: float  # overhead in units of a plain target step
-    break_even_accept_length: float  # cycle_s / target_step_s
-    draft_length: int | None = None
-    cost_ratio: float | None = None  # c = T_draft / T_target, assuming T_verify = T_target
-    break_even_acceptance_rate: float | None = None  # Leviathan a at which speedup = 1
-    assumptions: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-THROUGHPUT_ASSUMPTIONS = (
-    "one draft-and-verify cycle costs the same whatever number of tokens it accepts",
-    "baseline and speculative runs share hardware, batch size, prompts and output lengths",
-    "a plain target step takes 1 / baseline tok/s",
-)
-
-
-def break_even_from_throughput(
-    baseline_tokens_per_s: float,
-    speculative_tokens_per_s: float,
-    accept_length: float,
-    draft_length: int | None = None,
-) -> BreakEven:
-    """Break-even accept length from baseline tok/s and speculative tok/s at a measured tau.
-
-    With `draft_length` (g), also the implied cost ratio c (assuming verification costs one target
-    step) and the Leviathan acceptance rate at which the speedup reaches 1.
-    """
-    if not baseline_tokens_per_s > 0 or not speculative_tokens_per_s > 0:
-        raise ValueError("throughputs must be positive measured tokens per second")
-    if not accept_length >= 1.0:
-        raise ValueError(f"accept length counts the bonus token, so it is at least 1; got {accept_length}")
-    target_step_s = 1.0 / baseline_tokens_per_s
-    cycle_s = accept_length / speculative_tokens_per_s
-    break_even = cycle_s / target_step_s
-    assumptions = THROUGHPUT_ASSUMPTIONS
-    cost_ratio = break_even_rate = None
-    if draft_length is not None:
-        if draft_length < 1:
-            raise ValueError(f"draft_length must be >= 1, got {draft_length}")
-        assumptions = assumptions + ("verification of the drafted tokens costs one plain target step (memory-bound)",)
-        cost_ratio = (break_even - 1.0) / draft_length
-        # Leviathan speedup = 1  <=>  tau(a) = g c + 1 = break_even; reachable only below g + 1.
-        if break_even < draft_length + 1.0:
-            break_even_rate = acceptance_rate_for_accept_length(max(break_even, 1.0), draft_length)
-    return BreakEven(
-        baseline_tokens_per_s=baseline_tokens_per_s,
-        speculative_tokens_per_s=speculative_tokens_per_s,
-        accept_length=accept_length,
-        speedup=speculative_tokens_per_s / baseline_tokens_per_s,
-        target_step_s=target_step_s,
-        cycle_s=cycle_s,
-        overhead_s=cycle_s - target_step_s,
-        overhead_target_steps=break_even - 1.0,
-        break_even_accept_length=break_even,
-        draft_length=draft_length,
-        cost_ratio=cost_ratio,
-        break_even_acceptance_rate=break_even_rate,
-        assumptions=assumptions,
-    )
-
+from eaglekit.analysis.break_even import BreakEven, break_even_from_timings, speedup_from_timings  # noqa: F401 (the last two: re-exported)
 
 # ----------------------------------------------------------------------------- scaling fit
-
 
 def saturating_accept_length(data_size: float | np.ndarray, tau_inf: float, scale: float, exponent: float) -> np.ndarray:
     """tau(N) = tau_inf - scale * N^(-exponent)."""
@@ -417,7 +282,6 @@ def scaling_summary(fit: ScalingFit, needed: Sequence[DataNeeded], break_even: B
 
 
 # ----------------------------------------------------------------------------- local slope
-
 
 def _slope_per_doubling(log2_sizes: np.ndarray, accept_lengths: np.ndarray) -> np.ndarray:
     """Least-squares slope of tau on log2 N; accept_lengths (..., n) -> (...,)."""
@@ -734,97 +598,3 @@ def scaling_answer(
         doublings.append({"label": label, "target_accept_length": target, "doublings": point, "doublings_low": low,
                           "doublings_high": high, "statement": slope.doublings_statement(target, label)})
     return ScalingAnswer(slope=slope, ceiling=ceiling, doublings_needed=doublings)
-
-
-# ----------------------------------------------------------------------------- plots
-
-
-def plot_accept_length_vs_data_size(
-    points: pd.DataFrame,
-    fit: ScalingFit | None = None,
-    break_even_accept_length: float | None = None,
-    target_accept_length: float | None = None,
-    overall_dataset: str = "all",
-    size_column: str = "data_size",
-    dataset_column: str = "dataset",
-    value_column: str = "tau_pooled",
-    low_column: str = "tau_pooled_low",
-    high_column: str = "tau_pooled_high",
-    extend_to: float | None = None,
-    lower_bound_column: str = "lower_bound",
-    slope: LocalSlope | None = None,
-    benchmark: pd.DataFrame | None = None,
-    benchmark_label: str = "benchmark prompts (real loop)",
-):
-    """Accept length against training-data size: per dataset and overall, log x, confidence bands.
-
-    points: one row per (dataset, data size) with the value and its interval columns; a "topology"
-      and "steps" column, when present, label the y axis (topology recorded beside every tau). A True
-      in `lower_bound_column` (the draft was still improving when training stopped) draws that overall
-      point as an open marker with an upward arrow: its tau is a lower bound.
-    fit: drawn over the measured range (extended to `extend_to` when given) with its bootstrap band;
-      pass it only when its ceiling is identified (`ceiling_identification`).
-    slope: the local slope, drawn as the least-squares line over the measured range.
-    benchmark: rows of `size_column`, "tau", "tau_low", "tau_high" from the real loop on benchmark
-      prompts, drawn beside the held-out curve.
-    Returns the matplotlib Figure.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    missing = [c for c in (size_column, dataset_column, value_column, low_column, high_column) if c not in points.columns]
-    if missing:
-        raise ValueError(f"points is missing columns {missing}; it has {list(points.columns)}")
-    figure, axes = plt.subplots(figsize=(10.5, 4.8))
-    for name, group in points.groupby(dataset_column, sort=True):
-        group = group.sort_values(size_column)
-        overall = name == overall_dataset
-        style = {"color": "black", "linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
-        line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), **style)[0]
-        axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
-        if overall and lower_bound_column in group.columns:
-            still_improving = group[lower_bound_column].fillna(False).astype(bool)
-            converged = group[~still_improving]
-            if len(converged):  # said in the legend too, so a reader knows no point is a lower bound
-                axes.plot(converged[size_column], converged[value_column], linestyle="none", marker="o", markersize=9, color="black",
-                          zorder=4, label=f"converged, stopped by patience ({len(converged)} of {len(group)} sizes)")
-        if overall and lower_bound_column in group.columns and group[lower_bound_column].fillna(False).astype(bool).any():
-            bounded = group[group[lower_bound_column].fillna(False).astype(bool)]
-            axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
-                      markeredgecolor="black", zorder=4, label="still improving: tau is a lower bound")
-            for size, value in zip(bounded[size_column], bounded[value_column]):
-                axes.annotate("", xy=(size, value + 0.06), xytext=(size, value + 0.01), zorder=4,
-                              arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.4})
-    if benchmark is not None and len(benchmark):
-        bench = benchmark.sort_values(size_column)
-        line = axes.plot(bench[size_column], bench["tau"], marker="s", linestyle="-.", color="tab:cyan", linewidth=1.8, label=benchmark_label)[0]
-        axes.fill_between(bench[size_column], bench["tau_low"], bench["tau_high"], color=line.get_color(), alpha=0.12)
-    if slope is not None:
-        grid = np.geomspace(float(slope.data_sizes[0]), float(slope.data_sizes[-1]), 50)
-        intercept = float(slope.accept_lengths.mean() - slope.slope * np.log2(slope.data_sizes).mean())
-        axes.plot(grid, intercept + slope.slope * np.log2(grid), linestyle=":", color="tab:gray", linewidth=1.5,
-                  label=f"slope {slope.slope:+.3f}/doubling ({slope.confidence:.0%}: {slope.slope_low:+.3f} to {slope.slope_high:+.3f})")
-    if fit is not None:
-        right = max(float(points[size_column].max()), extend_to or 0.0)
-        grid = np.geomspace(float(points[size_column].min()) / 1.5, right * 1.5, 200)
-        axes.plot(grid, fit.predict(grid), linestyle="--", color="tab:purple", label=f"fit (ceiling identified): tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
-        band_low, band_high = fit.predict_band(grid)
-        axes.fill_between(grid, band_low, band_high, color="tab:purple", alpha=0.12, label=f"fit {fit.confidence:.0%} band ({fit.bootstrap_method} bootstrap)")
-    if break_even_accept_length is not None:
-        axes.axhline(break_even_accept_length, color="tab:red", linewidth=1.5, label=f"break-even tau = {break_even_accept_length:.2f}")
-    if target_accept_length is not None:
-        axes.axhline(target_accept_length, color="tab:green", linestyle=":", linewidth=1.5, label=f"target tau = {target_accept_length:.2f}")
-    axes.set_xscale("log")
-    axes.set_xlabel("training samples (log scale)")
-    topology = ""
-    if {"topology", "steps"} <= set(points.columns):
-        pairs = points[["topology", "steps"]].drop_duplicates()
-        topology = " (" + "; ".join(f"{row.topology}, {row.steps} steps" for row in pairs.itertuples()) + ")"
-    axes.set_ylabel(f"accept length tau{topology}")
-    axes.set_title("Accept length against training-data size")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the plot, never over a curve
-    figure.tight_layout()
-    return figure
