@@ -13,12 +13,12 @@ from eaglekit.analysis.live_serving import (
     measure_live_serving,
     measure_sglang,
     measure_vllm,
-    parse_vllm_spec_counters,
     root_url,
     run_sglang_requests,
     served_model_id,
     sglang_speculation,
 )
+from eaglekit.analysis.vllm_counters import parse_vllm_spec_counters
 
 
 PROMPTS = replay.load("prompts.json")
