@@ -425,7 +425,7 @@ def test_capture_logs_progress_lines_and_a_final_line(tiny_model, data_files, tm
 
     caplog.set_level(logging.INFO, logger="eaglekit.capture")
     report = capture_to_shards(tiny_model, data_files, tmp_path, **{**RUN_SETTINGS, "log_interval_s": 1e-9})
-    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.capture"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.capture.run"]
     progress = [line for line in lines if line.startswith("progress capture")]
     final = [line for line in lines if line.startswith("final capture")]
     assert len(progress) >= 3 and len(final) == 1

@@ -1,0 +1,91 @@
+"""The storage plan of stage 4: the bytes offline shards would take against the free disk, and the mode chosen.
+
+`plan_capture_storage` decides offline (shards) or online (features recomputed in stage 5); stage 4
+writes the plan to `capture/plan.json` and `read_capture_plan` reads it back for the later stages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from eaglekit.capture.inputs import read_tokenized_samples
+from eaglekit.capture.shards import stored_bytes_per_token
+from eaglekit.io import InputError
+
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class StoragePlan:
+    """What offline capture would store, against the free disk, and the mode chosen from it."""
+
+    tokens: int  # tokens to capture, after truncation to max_seq_len
+    samples: int
+    bytes_per_token: int  # 4H x 2 (bf16 features) + id and mask bytes
+    planned_bytes: int
+    free_bytes: int
+    requested_mode: str  # auto | offline | online
+    mode: str  # offline | online
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def plan_capture_storage(
+    data_files: Mapping[str, str | os.PathLike], hidden_size: int, vocab_size: int, max_seq_len: int, output_dir: str | os.PathLike, mode: str = "auto"
+) -> StoragePlan:
+    """Count the tokens to capture (validated, truncated) and decide offline vs online.
+
+    auto: offline when the planned shard bytes fit the free disk of `output_dir`, else online.
+    offline: refuses (InsufficientDiskError) when they do not fit. online: always online.
+    """
+    if mode not in ("auto", "offline", "online"):
+        raise ValueError(f"capture mode must be auto, offline or online, got {mode!r}")
+    samples, stats = read_tokenized_samples(data_files, vocab_size, max_seq_len)
+    tokens = sum(dataset_stats.tokens for dataset_stats in stats.values())
+    bytes_per_token = stored_bytes_per_token(hidden_size)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    free_bytes = shutil.disk_usage(output_dir).free
+    planned_bytes = tokens * bytes_per_token
+    if mode == "offline":
+        check_disk_space(output_dir, planned_bytes)
+    chosen = "online" if mode == "online" or (mode == "auto" and planned_bytes > free_bytes) else "offline"
+    return StoragePlan(tokens, len(samples), bytes_per_token, planned_bytes, free_bytes, mode, chosen)
+
+
+class InsufficientDiskError(RuntimeError):
+    pass
+
+
+def check_disk_space(output_dir: Path, planned_bytes: int) -> int:
+    """Refuse to start when the planned shard bytes exceed the free space; returns the free bytes."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    free_bytes = shutil.disk_usage(output_dir).free
+    if planned_bytes > free_bytes:
+        raise InsufficientDiskError(
+            f"capture needs {planned_bytes:,} bytes ({planned_bytes / 1e9:.2f} GB) in {output_dir} but only "
+            f"{free_bytes:,} bytes ({free_bytes / 1e9:.2f} GB) are free: free space, pick another folder, "
+            "lower max_seq_len, or use online capture (OnlineCaptureDataset)"
+        )
+    return free_bytes
+
+
+
+def read_capture_plan(capture_dir: str | os.PathLike) -> StoragePlan:
+    """The storage plan stage 4 wrote (`capture/plan.json`): which mode the capture ran in."""
+    path = Path(capture_dir) / PLAN_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run stage 4 (capture) first")
+    record = json.loads(path.read_text(encoding="utf-8"))
+    if record.get("mode") not in ("offline", "online"):
+        raise InputError(path, None, "mode", f"expected 'offline' or 'online', got {record.get('mode')!r}; rerun stage 4")
+    known = {item.name for item in fields(StoragePlan)}
+    return StoragePlan(**{name: record.get(name) for name in known})
+

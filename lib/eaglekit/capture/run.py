@@ -1,0 +1,306 @@
+"""Offline capture: every sample's features into bounded-size shards, resumable, data parallel under torchrun.
+
+`capture_to_shards` is the library call; `main` is `python -m eaglekit.capture` (CLI, the torchrun entry).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as distributed
+from torch import nn
+
+from eaglekit.capture.forward import capture_batches, load_target, plan_batches
+from eaglekit.capture.inputs import read_tokenized_samples
+from eaglekit.capture.layers import resolve_capture_layer_ids
+from eaglekit.capture.plan import check_disk_space
+from eaglekit.capture.shards import (
+    FINAL_HIDDEN_STATE_NOTE,
+    ShardWriter,
+    completed_sample_keys,
+    stored_bytes_per_token,
+    write_config_once,
+    write_merged_index,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class CaptureReport:
+    """What a capture run did. Sample and token counts cover all ranks; `captured_*`/`shards_*` this rank."""
+
+    output_dir: str
+    capture_layer_ids: list[int]
+    hidden_size: int
+    samples: int
+    tokens: int
+    truncated_samples: int
+    truncated_tokens: int
+    resumed_samples: int
+    planned_bytes: int
+    free_bytes_before: int
+    captured_samples: int = 0
+    captured_tokens: int = 0
+    shards_written: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    rank: int = 0
+    world_size: int = 1
+    index_path: str | None = None
+    datasets: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+
+class _CaptureProgress:
+    """Progress lines through the `eaglekit` logger every `interval_s` (they reach run.log and the
+    runner's output), and a final line with whole-run rates: samples and tokens done of this rank's
+    share, tokens/s since this session started, ETA."""
+
+    def __init__(self, total_samples: int, total_tokens: int, done_samples: int, done_tokens: int,
+                 interval_s: float, rank: int, world_size: int):
+        self.total_samples, self.total_tokens = total_samples, total_tokens
+        self.samples, self.tokens = done_samples, done_tokens
+        self.resumed_tokens = done_tokens
+        self.interval_s = interval_s
+        self.where = f"rank {rank} of {world_size}" if world_size > 1 else "capture"
+        self.started = self.last_logged = time.monotonic()
+
+    def add(self, samples: int, tokens: int) -> None:
+        self.samples += samples
+        self.tokens += tokens
+        now = time.monotonic()
+        if now - self.last_logged >= self.interval_s:
+            self.last_logged = now
+            logger.info("progress %s", self.line(now))
+
+    def line(self, now: float) -> str:
+        elapsed = max(now - self.started, 1e-9)
+        rate = (self.tokens - self.resumed_tokens) / elapsed  # this session's tokens over its whole span
+        left = self.total_tokens - self.tokens
+        eta = f"{left / rate:.0f} s" if rate > 0 else "unknown"
+        return (f"{self.where} {elapsed:.0f} s | samples {self.samples}/{self.total_samples} | "
+                f"tokens {self.tokens:,}/{self.total_tokens:,} | {rate:,.0f} tok/s | ETA {eta}")
+
+    def finish(self) -> None:
+        logger.info("final %s", self.line(time.monotonic()))
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if distributed.is_available() and distributed.is_initialized():
+        return distributed.get_rank(), distributed.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if distributed.is_available() and distributed.is_initialized():
+        distributed.barrier()
+
+
+def capture_to_shards(
+    model: nn.Module,
+    data_files: Mapping[str, str | os.PathLike],
+    output_dir: str | os.PathLike,
+    *,
+    model_name: str,
+    capture_layer_ids: Sequence[int] | None = None,
+    max_seq_len: int = 4096,
+    max_tokens_per_batch: int = 16384,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+    log_interval_s: float = 60.0,
+) -> CaptureReport:
+    """Capture every sample of `data_files` ({dataset: tokenized_data.jsonl}) into shards in `output_dir`.
+
+    `progress` shows a tqdm bar; every `log_interval_s` a progress line (samples and tokens done,
+    tok/s, ETA) goes to the `eaglekit.capture` logger, and a final one at the end.
+
+    Resumable: samples already indexed are skipped (their batch is recomputed whole so the features
+    are bit-identical to an uninterrupted run). Under torchrun (process group initialized) batch i
+    goes to rank i % world_size, each rank writes its own shards, and rank 0 writes `index.json`.
+    Refuses to start when the planned bytes exceed free disk.
+    """
+    started = time.perf_counter()
+    output_dir = Path(output_dir)
+    rank, world_size = _rank_and_world_size()
+    num_hidden_layers = model.config.num_hidden_layers
+    hidden_size = model.config.hidden_size
+    layer_ids = resolve_capture_layer_ids(capture_layer_ids, num_hidden_layers)
+    if max_seq_len > max_tokens_per_batch:
+        raise ValueError(
+            f"max_seq_len {max_seq_len} exceeds max_tokens_per_batch {max_tokens_per_batch}: "
+            "the longest sample must fit one batch; raise the budget or lower max_seq_len"
+        )
+    samples, stats = read_tokenized_samples(data_files, model.config.vocab_size, max_seq_len)
+    config = {
+        "model": model_name,
+        "capture_layer_ids": layer_ids,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "datasets": {name: str(Path(path).resolve()) for name, path in data_files.items()},
+        "max_seq_len": max_seq_len,
+        "max_tokens_per_batch": max_tokens_per_batch,
+        "max_shard_bytes": max_shard_bytes,
+        "dtype": "bfloat16",
+        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    }
+    # Rank 0 records the settings first; the others then check theirs against it.
+    if rank == 0:
+        write_config_once(output_dir, config)
+    _barrier()
+    if rank != 0:
+        write_config_once(output_dir, config)
+    done = completed_sample_keys(output_dir)
+    remaining_tokens = sum(len(sample.input_ids) for sample in samples if sample.key not in done)
+    planned_bytes = remaining_tokens * stored_bytes_per_token(hidden_size)
+    free_bytes = check_disk_space(output_dir, planned_bytes)
+    # Every rank has read the finished set before any rank writes a new shard.
+    _barrier()
+
+    report = CaptureReport(
+        output_dir=str(output_dir),
+        capture_layer_ids=layer_ids,
+        hidden_size=hidden_size,
+        samples=len(samples),
+        tokens=sum(dataset_stats.tokens for dataset_stats in stats.values()),
+        truncated_samples=sum(dataset_stats.truncated_samples for dataset_stats in stats.values()),
+        truncated_tokens=sum(dataset_stats.truncated_tokens for dataset_stats in stats.values()),
+        resumed_samples=sum(sample.key in done for sample in samples),
+        planned_bytes=planned_bytes,
+        free_bytes_before=free_bytes,
+        rank=rank,
+        world_size=world_size,
+        datasets={name: asdict(dataset_stats) for name, dataset_stats in stats.items()},
+    )
+
+    batches = plan_batches([len(sample.input_ids) for sample in samples], max_tokens_per_batch)
+    my_batches = [batch for number, batch in enumerate(batches) if number % world_size == rank]
+    mine = [samples[position] for batch in my_batches for position in batch]  # this rank's share, done or not
+    my_batches = [batch for batch in my_batches if any(samples[position].key not in done for position in batch)]
+    writer = ShardWriter(output_dir, rank, max_shard_bytes)
+    mine_done = [sample for sample in mine if sample.key in done]
+    tracker = _CaptureProgress(len(mine), sum(len(sample.input_ids) for sample in mine), len(mine_done),
+                               sum(len(sample.input_ids) for sample in mine_done), log_interval_s, rank, world_size)
+    try:
+        batch_iterator: Any = my_batches
+        if progress and rank == 0:
+            from tqdm.auto import tqdm
+
+            batch_iterator = tqdm(my_batches, desc=f"capture (rank 0 of {world_size})", unit="batch")
+        batch_samples = ([samples[position] for position in batch] for batch in batch_iterator)
+        for captured_batch in capture_batches(model, batch_samples, layer_ids):
+            new = [captured for captured in captured_batch if (captured.dataset, captured.id) not in done]
+            for captured in new:
+                writer.add(captured)
+                report.captured_samples += 1
+                report.captured_tokens += captured.length
+            tracker.add(len(new), sum(captured.length for captured in new))
+    except BaseException:
+        # Only a clean finish flushes the partial last shard: a resume then rewrites it exactly as an
+        # uninterrupted run would have, so shard boundaries never depend on where a run stopped.
+        writer.abandon()
+        raise
+    writer.close()
+    tracker.finish()
+    report.shards_written = writer.shards_written
+    report.bytes_written = writer.bytes_written
+    _barrier()
+    if rank == 0:
+        header = {
+            "model": model_name,
+            "capture_layer_ids": layer_ids,
+            "hidden_size": hidden_size,
+            "num_hidden_layers": num_hidden_layers,
+            "dtype": "bfloat16",
+            "final_hidden_states": FINAL_HIDDEN_STATE_NOTE,
+            "aux_hidden_states": "residual stream entering each capture layer (output_hidden_states[i]), concatenated in capture_layer_ids order",
+            "max_seq_len": max_seq_len,
+            "truncated_samples": report.truncated_samples,
+            "truncated_tokens": report.truncated_tokens,
+            "datasets": report.datasets,
+        }
+        report.index_path = str(write_merged_index(output_dir, header, [sample.key for sample in samples]))
+    _barrier()
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line (torchrun entry)
+
+
+def _parse_data_argument(value: str) -> tuple[str, str]:
+    name, separator, path = value.partition("=")
+    if not separator or not name or not path:
+        raise argparse.ArgumentTypeError(f"--data expects NAME=PATH/tokenized_data.jsonl, got {value!r}")
+    return name, path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m eaglekit.capture",
+        description="Capture EAGLE-3 hidden states into shards. Data parallel: torchrun --nproc_per_node K -m eaglekit.capture ...",
+    )
+    parser.add_argument("--model", required=True, help="target model folder (transformers format)")
+    parser.add_argument("--model-name", default=None, help="name recorded in the index (default: the model path)")
+    parser.add_argument("--data", action="append", type=_parse_data_argument, required=True, help="NAME=PATH, repeatable")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--layers", default=None, help="comma-separated output_hidden_states indices (default [2, N//2, N-3])")
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    parser.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--device-map", default=None, help="'auto' to spread one process's model over all GPUs (not with torchrun)")
+    parser.add_argument("--no-progress", action="store_true")
+    arguments = parser.parse_args(argv)
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    device = arguments.device
+    if world_size > 1:
+        if arguments.device_map is not None:
+            parser.error("--device-map spreads one model over GPUs in one process; with torchrun each rank holds a whole copy")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        distributed.init_process_group(backend=backend)
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+    dtype_name = arguments.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    try:
+        model = load_target(arguments.model, device=device, dtype=getattr(torch, dtype_name), device_map=arguments.device_map)
+        report = capture_to_shards(
+            model,
+            dict(arguments.data),
+            arguments.output_dir,
+            model_name=arguments.model_name or str(arguments.model),
+            capture_layer_ids=[int(part) for part in arguments.layers.split(",")] if arguments.layers else None,
+            max_seq_len=arguments.max_seq_len,
+            max_tokens_per_batch=arguments.max_tokens_per_batch,
+            max_shard_bytes=int(arguments.max_shard_mb * 2**20),
+            progress=not arguments.no_progress,
+        )
+    finally:
+        if distributed.is_initialized():
+            distributed.destroy_process_group()
+    print(
+        f"rank {report.rank}/{report.world_size}: captured {report.captured_samples} samples "
+        f"({report.captured_tokens} tokens) into {report.shards_written} shards, {report.bytes_written:,} bytes; "
+        f"resumed past {report.resumed_samples}; truncated {report.truncated_samples} samples "
+        f"({report.truncated_tokens} tokens dropped); {report.seconds:.1f}s"
+        + (f"; index {report.index_path}" if report.index_path else "")
+    )
+    return 0

@@ -1,0 +1,154 @@
+"""Stage 4 as one library call: `run_capture_stage(params, run_dir)` does what notebook 04 computes, without the plots.
+
+In order: load the target; plan the storage (`capture/plan.json`: offline shards when they fit the
+disk, else online); capture the shards (offline); count truncation per dataset; read a few samples
+back through the interface stages 5 and 6 use (`open_captured_samples`) and check them against their
+source lines; take per-layer feature norms; and, when `analysis.ablation` is on, capture the class-B
+datasets' own answers into `capture/original/`: only those the ablation draft trains on, outside the
+held-out split stage 5 makes (`training.ablation_sample_keys`). Each step logs its metrics event.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglekit.capture.checks import check_captured_samples, feature_norms, write_sample_subset
+from eaglekit.capture.forward import load_target
+from eaglekit.capture.inputs import read_tokenized_samples
+from eaglekit.capture.layers import resolve_capture_layer_ids
+from eaglekit.capture.online import CapturedSamples, open_captured_samples
+from eaglekit.capture.plan import PLAN_FILE, StoragePlan, plan_capture_storage
+from eaglekit.capture.run import CaptureReport, capture_to_shards
+from eaglekit.config import Params
+from eaglekit.io import read_jsonl, write_json
+from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
+from eaglekit.target import resolve_model
+from eaglekit.training import ablation_sample_keys, read_conversation_keys
+
+CHECKED_SAMPLES = 6  # samples read back and compared with their source lines
+NORM_SAMPLES = 64  # samples whose per-layer feature norms are taken
+
+
+@dataclass(frozen=True)
+class CaptureResult:
+    """What stage 4 did, for display: the plan, the capture (None online), and what was read back."""
+
+    run_dir: Path
+    capture_dir: Path
+    data_files: dict[str, Path]  # dataset -> tokenized_data.jsonl
+    model_dir: Path
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    load_seconds: float
+    plan: StoragePlan
+    capture_layer_ids: list[int]
+    report: CaptureReport | None  # None in online mode: nothing stored
+    datasets: dict[str, dict[str, int]]  # per dataset: samples, tokens, loss_tokens, truncated_samples, truncated_tokens, ...
+    checks: list[dict[str, Any]]  # one row per checked sample (`check_captured_samples`)
+    norms: dict[str, torch.Tensor]  # "layer <i>" and "final" -> per-token L2 norms (sum T,)
+    ablation_report: CaptureReport | None  # the original answers' capture, when the ablation ran
+    ablation_note: str  # what happened to the ablation input, in words
+
+    @property
+    def truncated_samples(self) -> int:
+        return sum(stats["truncated_samples"] for stats in self.datasets.values())
+
+    @property
+    def truncated_tokens(self) -> int:
+        return sum(stats["truncated_tokens"] for stats in self.datasets.values())
+
+
+def _capture_original_answers(params: Params, model: torch.nn.Module, capture_dir: Path, out: Path, data_files: dict[str, Path],
+                              captured: CapturedSamples, capture_layer_ids: list[int], mode: str, metrics: Metrics
+                              ) -> tuple[CaptureReport | None, str]:
+    """The ablation's input: the class-B datasets' own answers that the ablation draft trains on, into capture/original/."""
+    original_files = {path.parent.name: path for path in sorted((out / "prep").glob("*/original_tokenized_data.jsonl"))}
+    if params.analysis.ablation and original_files and mode == "offline":
+        main_keys = captured.keys
+        original_keys = [(name, record["id"]) for name, path in original_files.items() for _, record in read_jsonl(path)]
+        chosen = ablation_sample_keys(main_keys, original_keys, params.training.heldout_size, params.analysis.ablation_size, params.run.seed,
+                                      read_conversation_keys(data_files, main_keys))  # the held-out split training makes
+        original_dir = capture_dir / "original"
+        subset_files = write_sample_subset(original_files, set(chosen), original_dir / "inputs")
+        report = capture_to_shards(model, subset_files, original_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
+                                   max_seq_len=params.capture.max_seq_len, max_tokens_per_batch=params.capture.max_tokens_per_batch,
+                                   max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=False,
+                                   log_interval_s=params.capture.log_interval_s)
+        metrics.log(event="capture_original", samples=report.samples, tokens=report.tokens, seconds=report.seconds,
+                    truncated_samples=report.truncated_samples)
+        return report, (f"ablation input: {report.samples} original answers ({report.tokens:,} tokens, "
+                        f"{report.truncated_samples} truncated) into {original_dir.relative_to(out)} in {report.seconds:.1f}s")
+    if params.analysis.ablation and mode == "online":
+        return None, "ablation skipped: online mode keeps no shards; run the ablation where offline capture fits"
+    if params.analysis.ablation:
+        return None, "ablation skipped: no class-B dataset kept its own answers (prep.original_answers)"
+    return None, "analysis.ablation is false: no original answers captured"
+
+
+def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResult:
+    """Stage 4 without plots: storage plan, capture, truncation counts, read-back checks, feature norms, ablation input.
+
+    Writes `capture/plan.json`, the shards (offline) and the stage's metrics events (storage_plan, capture,
+    truncation, feature_norms, capture_original). Resumes past samples already in the shards.
+    """
+    out = Path(run_dir)
+    capture_dir = stage_dir(out, "capture")
+    data_files = tokenized_data_files(out)
+    if not data_files:
+        raise FileNotFoundError(f"no tokenized_data.jsonl under {out}/prep or {out}/generation/tokenized: run stages 2-3 first")
+    model_dir = resolve_model(params.target.model)
+    metrics = Metrics(out, "capture")
+    try:
+        started = time.perf_counter()
+        device_map = "auto" if params.capture.device == "auto" else None
+        model = load_target(model_dir, device="cpu" if device_map else params.capture.device,
+                            dtype=getattr(torch, params.target.dtype), device_map=device_map)
+        load_seconds = time.perf_counter() - started
+        config = model.config
+
+        plan = plan_capture_storage(data_files, config.hidden_size, config.vocab_size, params.capture.max_seq_len,
+                                    capture_dir, mode=params.capture.mode)
+        write_json(capture_dir / PLAN_FILE, plan.as_dict())
+        metrics.log(event="storage_plan", **plan.as_dict())
+
+        capture_layer_ids = resolve_capture_layer_ids(params.target.capture_layers or None, config.num_hidden_layers)
+        report = None
+        if plan.mode == "offline":
+            report = capture_to_shards(model, data_files, capture_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
+                                       max_seq_len=params.capture.max_seq_len, max_tokens_per_batch=params.capture.max_tokens_per_batch,
+                                       max_shard_bytes=params.capture.max_shard_mb * 2**20,
+                                       log_interval_s=params.capture.log_interval_s)
+            metrics.log(event="capture", **{key: value for key, value in report.as_dict().items() if key != "datasets"})
+            datasets = report.datasets
+        else:
+            _, stats = read_tokenized_samples(data_files, config.vocab_size, params.capture.max_seq_len)
+            datasets = {name: dict(vars(dataset_stats)) for name, dataset_stats in stats.items()}
+        metrics.log(event="truncation", max_seq_len=params.capture.max_seq_len,
+                    truncated_samples=sum(stats["truncated_samples"] for stats in datasets.values()),
+                    truncated_tokens=sum(stats["truncated_tokens"] for stats in datasets.values()))
+
+        # In the mode plan.json names, through the interface stages 5 and 6 read: shards, or features recomputed per access.
+        captured = open_captured_samples(capture_dir, data_files, model, capture_layer_ids=capture_layer_ids,
+                                         max_seq_len=params.capture.max_seq_len)
+        step = max(1, len(captured) // CHECKED_SAMPLES)
+        some = [captured[position] for position in range(0, len(captured), step)][:CHECKED_SAMPLES]
+        checks = check_captured_samples(some, data_files, config.hidden_size, len(capture_layer_ids))
+        norm_step = max(1, len(captured) // NORM_SAMPLES)
+        norms = feature_norms((captured[position] for position in range(0, len(captured), norm_step)), capture_layer_ids)
+        metrics.log(event="feature_norms", **{name: float(values.median()) for name, values in norms.items()})
+
+        ablation_report, ablation_note = _capture_original_answers(params, model, capture_dir, out, data_files, captured,
+                                                                   capture_layer_ids, plan.mode, metrics)
+    finally:
+        metrics.close()
+    return CaptureResult(run_dir=out, capture_dir=capture_dir, data_files=data_files, model_dir=Path(model_dir),
+                         num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                         load_seconds=load_seconds, plan=plan, capture_layer_ids=capture_layer_ids, report=report, datasets=datasets,
+                         checks=checks, norms=norms, ablation_report=ablation_report, ablation_note=ablation_note)
