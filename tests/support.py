@@ -157,3 +157,62 @@ def record() -> SweepRecord:
 
 
 
+
+
+# Tiny random-weight targets of the families the kit must handle, built from transformers' own classes
+# and saved in the key layout their real checkpoints use. Vocab 49,152 so the embedded SmolLM2
+# tokenizer (copied in) tokenizes for them.
+TINY_VOCAB = 49152
+_TINY_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5, tie_word_embeddings=False)
+_DEEPSEEK_V3 = dict(_TINY_COMMON, num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                    n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                    qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1)
+TINY_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", _TINY_COMMON),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_TINY_COMMON, head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_TINY_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                                 moe_intermediate_size=32, decoder_sparse_step=1)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),
+    "kimi_k25": ("DeepseekV3Config", "DeepseekV3ForCausalLM", _DEEPSEEK_V3),  # the text model inside the wrapper
+}
+
+
+def tiny_target_folder(family: str, folder: Path, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
+    """Save a tiny `family` target to `folder` and return it.
+
+    Plain families are saved by save_pretrained. `kimi_k25` is a Kimi-K2.5-shaped multimodal wrapper:
+    config.json from transformers' Kimi_K25Config (the decoder under `text_config`), the text model's
+    tensors under `language_model.model.*` / `language_model.lm_head.weight` and vision tensors beside
+    them, as the published checkpoint stores them (transformers' kimi_k25 conversion mapping reads
+    exactly these names; its save_pretrained writes `blocks` for `layers`, so it is not used here).
+    """
+    import transformers
+    from safetensors.torch import save_file
+
+    config_name, model_name, fields = TINY_FAMILIES[family]
+    torch.manual_seed(seed)
+    text_config = getattr(transformers, config_name)(**fields)
+    model = getattr(transformers, model_name)(text_config).eval()
+    folder = Path(folder)
+    if family != "kimi_k25":
+        model.save_pretrained(folder)
+    else:
+        from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+
+        folder.mkdir(parents=True, exist_ok=True)
+        text = {key: value for key, value in text_config.to_dict().items() if key not in ("architectures", "transformers_version")}
+        config = Kimi_K25Config(text_config=text, vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                                   intermediate_size=64))
+        config.architectures = ["KimiK25ForConditionalGeneration"]
+        config.save_pretrained(folder)
+        tensors = {f"language_model.{name}": tensor.contiguous() for name, tensor in model.state_dict().items()}
+        generator = torch.Generator().manual_seed(seed + 1)
+        tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(32, 3, 14, 14, generator=generator)
+        tensors["mm_projector.proj.0.weight"] = torch.randn(64, 128, generator=generator)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder

@@ -80,3 +80,58 @@ def test_unknown_spec_lists_what_is_accepted():
         resolve_model("embedded:nope")
     with pytest.raises(ModelResolutionError, match="neither an existing folder"):
         resolve_model("./missing/folder")
+
+
+# The target's layout, on tiny random-weight targets of every family the kit serves, in their real key layouts.
+from support import TINY_FAMILIES, tiny_target_folder  # noqa: E402
+
+from eaglekit.target import target_layout  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_targets(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_targets")
+    return {family: tiny_target_folder(family, root / family) for family in TINY_FAMILIES}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_layout_finds_the_text_model_and_its_head_tensors(tiny_targets, family):
+    layout = target_layout(tiny_targets[family])
+    assert (layout.hidden_size, layout.num_hidden_layers, layout.vocab_size) == (64, 6, 49152)
+    assert layout.prefix == ("language_model." if family == "kimi_k25" else "")
+    assert layout.is_wrapper == (family == "kimi_k25")
+    assert (layout.num_experts is not None) == (family in ("qwen3_moe", "deepseek_v3", "kimi_k25"))
+    assert (layout.mla is not None) == (family in ("deepseek_v3", "kimi_k25"))
+    tensors = layout.read_tensors([layout.embed_tokens_name, layout.final_norm_name, layout.lm_head_name])
+    assert tensors[layout.embed_tokens_name].shape == (49152, 64) and tensors[layout.final_norm_name].shape == (64,)
+
+
+@pytest.mark.parametrize("family", ["llama", "kimi_k25"])
+def test_loaded_text_model_is_the_saved_one(tiny_targets, family):
+    """A wrong key mapping leaves tensors randomly initialized without an error: compare logits."""
+    import torch
+    import transformers
+
+    config_name, model_name, fields = TINY_FAMILIES[family]
+    torch.manual_seed(0)
+    original = getattr(transformers, model_name)(getattr(transformers, config_name)(**fields)).eval()
+    loaded = target_layout(tiny_targets[family]).load_text_model(dtype=torch.float32).eval()
+    input_ids = torch.arange(1, 17)[None]
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids).logits, original(input_ids).logits, atol=1e-5)
+
+
+def test_layout_errors_name_the_file_line_and_field(tmp_path, tiny_targets):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{\n  "hidden_size": 64,\n  oops\n}')
+    with pytest.raises(ModelResolutionError, match=r"config\.json, line 3"):
+        target_layout(broken)
+    wrapper = tmp_path / "wrapper"
+    wrapper.mkdir()
+    config = json.loads((tiny_targets["kimi_k25"] / "config.json").read_text())
+    del config["text_config"]["hidden_size"]
+    (wrapper / "config.json").write_text(json.dumps(config))
+    (wrapper / "model.safetensors").symlink_to(tiny_targets["kimi_k25"] / "model.safetensors")
+    with pytest.raises(ModelResolutionError, match=r"text_config\.hidden_size"):
+        target_layout(wrapper).hidden_size

@@ -143,3 +143,189 @@ def load_tokenizer(target) -> PreTrainedTokenizerBase:
 
     folder = resolve_model(target.model, revision=target.revision)
     return AutoTokenizer.from_pretrained(folder, trust_remote_code=target.trust_remote_code)
+
+
+# ---------------------------------------------------------------------------------------------
+# The target's layout: one description, resolved from config.json and the checkpoint's tensor names
+
+# Where checkpoints keep the text decoder. A plain causal LM has it at the top; multimodal wrappers
+# (Kimi-K2.5, Llava-style) keep it under `language_model.` with its config in `text_config`
+# (transformers' own conversion mapping for kimi_k25 reads `language_model.model.*` and
+# `language_model.lm_head`).
+TEXT_MODEL_PREFIXES = ("", "language_model.", "model.language_model.")
+# Config fields that name a mixture-of-experts or a latent-attention (MLA) decoder.
+MOE_EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
+@dataclass(frozen=True)
+class TargetLayout:
+    """What every stage needs to know about a target checkpoint, read once from its folder.
+
+    `config` is the whole config.json; `text_config` the decoder's part of it (the same dict for a
+    plain causal LM). `prefix` is what the checkpoint puts before the text model's tensor names, so the
+    embedding is `{prefix}model.embed_tokens.weight`. `trust_remote_code` travels with the layout so
+    every load (config, tokenizer, model) passes it.
+    """
+
+    folder: Path
+    config: dict
+    text_config: dict
+    prefix: str
+    trust_remote_code: bool = False
+
+    @property
+    def architecture(self) -> str:
+        return (self.config.get("architectures") or ["?"])[0]
+
+    @property
+    def model_type(self) -> str:
+        return str(self.text_config.get("model_type", "?"))
+
+    @property
+    def is_wrapper(self) -> bool:
+        return self.text_config is not self.config
+
+    def _int(self, field: str) -> int:
+        value = self.text_config.get(field)
+        if not isinstance(value, int) or isinstance(value, bool):
+            where = "text_config." if self.is_wrapper else ""
+            raise ModelResolutionError(f"{self.folder / 'config.json'}: field {where}{field} is missing or not an integer")
+        return value
+
+    @property
+    def hidden_size(self) -> int:
+        return self._int("hidden_size")
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self._int("num_hidden_layers")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._int("vocab_size")
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self._int("num_attention_heads")
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self._int("max_position_embeddings")
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        # A wrapper may state it at the top, its text config, or both; the text model's own flag decides.
+        return bool(self.text_config.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
+
+    @property
+    def num_experts(self) -> int | None:
+        """Routed experts of an MoE decoder (DeepSeek-V3: n_routed_experts, Qwen3-MoE: num_experts), else None."""
+        for field in MOE_EXPERT_FIELDS:
+            if isinstance(self.text_config.get(field), int) and self.text_config[field] > 0:
+                return int(self.text_config[field])
+        return None
+
+    @property
+    def mla(self) -> dict[str, int] | None:
+        """The latent-attention fields when the decoder uses MLA (DeepSeek-V3, Kimi-K2 family), else None."""
+        if not self.text_config.get("kv_lora_rank"):
+            return None
+        return {field: int(self.text_config[field]) for field in MLA_FIELDS if isinstance(self.text_config.get(field), int)}
+
+    # Tensor names in the checkpoint -------------------------------------------------------------
+    @property
+    def embed_tokens_name(self) -> str:
+        return f"{self.prefix}model.embed_tokens.weight"
+
+    @property
+    def final_norm_name(self) -> str:
+        return f"{self.prefix}model.norm.weight"
+
+    @property
+    def lm_head_name(self) -> str:
+        return f"{self.prefix}lm_head.weight"
+
+    @property
+    def layers_path(self) -> str:
+        """Attribute path of the decoder layers in the text model transformers builds (`model.layers`)."""
+        return "model.layers"
+
+    def text_config_object(self):
+        """The decoder's transformers config (a LlamaConfig, DeepseekV3Config, ...), remote code passed through."""
+        from transformers import AutoConfig
+
+        if not self.is_wrapper:
+            return AutoConfig.from_pretrained(self.folder, trust_remote_code=self.trust_remote_code)
+        data = dict(self.text_config)
+        model_type = data.pop("model_type")
+        if model_type == "kimi_k2":  # Kimi's text config names DeepSeek-V3's architecture (as transformers' kimi_k25 does)
+            model_type = "deepseek_v3"
+        return AutoConfig.for_model(model_type, **data)
+
+    def load_text_model(self, dtype=None, device_map=None):
+        """The text decoder as a transformers causal LM: for a wrapper, its `language_model.*` tensors only.
+
+        (A target too large for one process is captured through a serving engine instead: capture.engine.)
+        """
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"dtype": dtype, "device_map": device_map, "trust_remote_code": self.trust_remote_code}
+        if not self.is_wrapper:
+            return AutoModelForCausalLM.from_pretrained(self.folder, **kwargs)
+        key_mapping = {f"^{self.prefix.replace('.', '[.]')}": ""}
+        return AutoModelForCausalLM.from_pretrained(self.folder, config=self.text_config_object(), key_mapping=key_mapping, **kwargs)
+
+    def weight_map(self) -> dict[str, str]:
+        """Tensor name -> safetensors file (relative to the folder), from the index or the single file."""
+        return _weight_map(self.folder)
+
+    def read_tensors(self, names: list[str]) -> dict:
+        """Read named tensors straight from the safetensors files (no model load)."""
+        from safetensors import safe_open
+
+        weight_map = self.weight_map()
+        missing = [name for name in names if name not in weight_map]
+        if missing:
+            raise ModelResolutionError(f"{self.folder}: tensors {missing} are not in the checkpoint "
+                                       f"(layout prefix {self.prefix!r}, architecture {self.architecture})")
+        tensors = {}
+        for file_name in sorted({weight_map[name] for name in names}):
+            with safe_open(str(self.folder / file_name), framework="pt") as handle:
+                tensors.update({name: handle.get_tensor(name) for name in names if weight_map[name] == file_name})
+        return tensors
+
+
+def _weight_map(folder: Path) -> dict[str, str]:
+    index_path = folder / "model.safetensors.index.json"
+    if index_path.is_file():
+        return dict(json.loads(index_path.read_text())["weight_map"])
+    single = folder / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: "model.safetensors" for name in handle.keys()}
+    raise ModelResolutionError(f"{folder}: no model.safetensors or model.safetensors.index.json; pass a transformers model folder")
+
+
+def target_layout(folder: str | os.PathLike, trust_remote_code: bool = False) -> TargetLayout:
+    """Describe the target checkpoint in `folder`: its text config and where its text tensors live."""
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelResolutionError(f"{config_path}: missing; pass a transformers model folder") from None
+    except json.JSONDecodeError as error:
+        raise ModelResolutionError(f"{config_path}, line {error.lineno}: malformed JSON ({error.msg})") from None
+    text_config = config["text_config"] if isinstance(config.get("text_config"), dict) else config
+    names = _weight_map(folder)
+    for prefix in TEXT_MODEL_PREFIXES:
+        if f"{prefix}model.embed_tokens.weight" in names:
+            break
+    else:
+        embeds = sorted(name for name in names if name.endswith("embed_tokens.weight"))
+        raise ModelResolutionError(f"{folder}: no text-model embedding among the checkpoint's tensors (looked for "
+                                   f"{[p + 'model.embed_tokens.weight' for p in TEXT_MODEL_PREFIXES]}; found {embeds})")
+    return TargetLayout(folder=folder, config=config, text_config=text_config, prefix=prefix, trust_remote_code=trust_remote_code)
