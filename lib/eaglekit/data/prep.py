@@ -35,23 +35,30 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 import pandas as pd
 
 from eaglekit.chat import (
     ChatTemplateError,
-    HistoryPolicy,
+    TokenizedConversation,
     prompt_token_count,
     template_family,
     tokenize_answer,
     tokenize_conversation,
 )
+from eaglekit.config import PrepParams
 from eaglekit.io import InputError, pid_alive
 from eaglekit.data.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
 
-BadInputPolicy = Literal["skip", "fail"]
 PARTITIONS = ("short", "long")
+
+
+def prep_settings(prep: PrepParams | None, fields: dict[str, Any]) -> PrepParams:
+    """The `prep` section itself, or one validated from its fields given as keywords (not both)."""
+    if prep is not None and fields:
+        raise TypeError(f"pass the prep section or its fields, not both (got prep and {sorted(fields)})")
+    return prep if prep is not None else PrepParams(**fields)
 
 
 def content_hash(messages: Sequence[dict]) -> str:
@@ -166,16 +173,13 @@ def prepare_sources(
     specs: Sequence[SourceSpec],
     tokenizer: Any,
     out_dir: Path,
-    *,
-    context_length: int,
-    long_prompt_threshold: int,
-    bad_input: BadInputPolicy = "skip",
-    original_answers: bool = True,
-    history: HistoryPolicy = "split",
-    chat_template_kwargs: dict | None = None,
+    prep: PrepParams | None = None,
+    **fields: Any,
 ) -> PrepSummary:
     """Run prompt prep over `specs` with the target's tokenizer and write the stage folder atomically.
 
+    prep: the `prep` params section; or its fields as keywords (`context_length=256, ...`), validated
+    into one by PrepParams (an unknown key or a wrong value fails there, naming it). Its fields:
     context_length: target context; class-A conversations with more tokens, and class-B prompts with
         at least this many (no room to answer), are rejected as "longer than the context".
     long_prompt_threshold: class-B prompts with more tokens go to the `long` partition.
@@ -190,8 +194,9 @@ def prepare_sources(
     A conversation the template cannot render is a rejected record (file, line, reason), never a
     failed stage, under bad_input "skip".
     """
-    if bad_input not in ("skip", "fail"):
-        raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
+    settings = prep_settings(prep, fields)
+    context_length, long_prompt_threshold = settings.context_length, settings.long_prompt_threshold
+    bad_input, history, chat_template_kwargs = settings.bad_input, settings.history, settings.chat_template_kwargs
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"source names must be unique (they name output folders): {names}")
@@ -227,10 +232,7 @@ def prepare_sources(
                 if isinstance(item, Reject):
                     reject(item.error, item.record)
                     continue
-                _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject,
-                                context_length=context_length, long_prompt_threshold=long_prompt_threshold,
-                                original_answers=original_answers, history=history,
-                                template_kwargs=chat_template_kwargs, reject_answer=reject_answer)
+                _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject, settings, reject_answer)
             counts.rejected_by_reason = dict(rejected_by_reason)
         outputs.close()
         summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
@@ -249,9 +251,9 @@ def prepare_sources(
 
 
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
-                    outputs: _Outputs, reject, *, context_length: int, long_prompt_threshold: int,
-                    original_answers: bool = False, history: HistoryPolicy = "split",
-                    template_kwargs: dict | None = None, reject_answer=None) -> None:
+                    outputs: _Outputs, reject, settings: PrepParams, reject_answer) -> None:
+    context_length, long_prompt_threshold = settings.context_length, settings.long_prompt_threshold
+    history, template_kwargs = settings.history, settings.chat_template_kwargs
     location = item.location
     tools = item.meta.get("tools")
     if spec.data_class == "A":
@@ -314,14 +316,12 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
     meta = {**item.meta, "prompt_tokens": prompt_tokens, "partition": partition, "multi_turn": spec.multi_turn}
     outputs.write(f"{spec.name}/prompts.{partition}.jsonl",
                   {"id": record_id, "source": spec.name, "messages": kept_messages, "meta": meta})
-    if original_answers and original_answer is not None:
+    if settings.original_answers and original_answer is not None:
         try:
             _, original = tokenize_answer(tokenizer, kept_messages, original_answer, tools=tools,
                                           template_kwargs=template_kwargs)
         except ChatTemplateError as error:
             # The prompt is kept for regeneration; only the ablation loses this answer (listed, counted).
-            if reject_answer is None:
-                raise
             reject_answer(InputError(location.path, location.line, "messages",
                                      f"chat template (dataset answer, prompt kept): {error}"), location.record)
             return
@@ -329,6 +329,28 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
             "id": record_id, "input_ids": original.input_ids[:context_length],
             "loss_mask": original.loss_mask[:context_length], "source": spec.name,
             "meta": {**meta, "origin": "dataset answer"}})
+
+
+def plot_partitions(summary: PrepSummary, figure_path: Path) -> Path:
+    """Class-B prompts per source, stacked by partition (what stage 3 will regenerate); a PNG at `figure_path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = summary.table()
+    class_b = table[table["class"] == "B"].set_index("source")
+    partition_columns = [column for column in PARTITIONS if column in class_b.columns]
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    class_b[partition_columns].plot.barh(stacked=True, ax=axis)
+    axis.set_xlabel("prompts")
+    axis.set_title(f"class-B prompts by partition (long > {summary.long_prompt_threshold} prompt tokens)")
+    figure.tight_layout()
+    figure_path = Path(figure_path)
+    figure_path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(figure_path, dpi=120)
+    plt.close(figure)
+    return figure_path
 
 
 def read_summary(out_dir: Path) -> dict:
@@ -339,11 +361,8 @@ def read_summary(out_dir: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-
-def first_sample(out_dir: Path):
+def first_sample(out_dir: Path) -> TokenizedConversation | None:
     """The first class-A sample written by a finished prep (for display), or None."""
-    from eaglekit.chat import TokenizedConversation
-
     for path in sorted(Path(out_dir).glob("*/tokenized_data.jsonl")):
         with open(path, encoding="utf-8") as handle:
             line = handle.readline()

@@ -30,14 +30,17 @@ import pandas as pd
 
 from eaglekit.chat import ChatTemplateError, render_conversation
 from eaglekit.io import atomic_write, write_json
-from eaglekit.data.prep import content_hash, partition_of
+from eaglekit.config import PrepParams
+from eaglekit.data.prep import content_hash, partition_of, prep_settings
 from eaglekit.data.sources import Reject, SourceSpec, iter_source, prompt_messages
 
 _BATCH = 256
 
 
-@dataclass
-class SurveyResult:
+@dataclass(frozen=True)
+class SurveyTables:
+    """What `survey_sources` measured, as DataFrames (one streaming pass per source)."""
+
     summary: pd.DataFrame  # one row per source
     lengths: pd.DataFrame  # one row per kept record: source, turns, prompt_tokens, response_tokens, conversation_tokens
     rejects: pd.DataFrame  # source, reason, count
@@ -64,11 +67,16 @@ def _token_counts(tokenizer: Any, texts: list[str]) -> list[int]:
 def survey_sources(
     specs: Sequence[SourceSpec],
     tokenizer: Any,
-    *,
-    context_length: int,
-    long_prompt_threshold: int,
-) -> SurveyResult:
-    """Stream every source once and return the summary, per-row lengths and reject counts."""
+    prep: PrepParams | None = None,
+    **fields: Any,
+) -> SurveyTables:
+    """Stream every source once and return the summary, per-row lengths and reject counts.
+
+    prep: the `prep` params section (its context_length and long_prompt_threshold, as prep uses them);
+    or its fields as keywords, validated into one (see `prep.prepare_sources`).
+    """
+    settings = prep_settings(prep, fields)
+    context_length, long_prompt_threshold = settings.context_length, settings.long_prompt_threshold
     seen: set[bytes] = set()
     all_stats: list[_SourceStats] = []
     for spec in specs:
@@ -114,7 +122,7 @@ def survey_sources(
             if len(pending) >= _BATCH:
                 flush()
         flush()
-    return SurveyResult(
+    return SurveyTables(
         summary=_summary(all_stats, context_length, long_prompt_threshold),
         lengths=_lengths(all_stats),
         rejects=pd.DataFrame([{"source": s.spec.name, "reason": reason, "count": count}
@@ -171,7 +179,7 @@ def _lengths(all_stats: list[_SourceStats]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
 
-def save_survey(result: SurveyResult, out_dir: Path) -> list[Path]:
+def save_survey(result: SurveyTables, out_dir: Path) -> list[Path]:
     """Write summary.csv, summary.json and rejects.csv atomically into `out_dir` (the run directory)."""
     out_dir = Path(out_dir)
     paths = [out_dir / "survey_summary.csv", out_dir / "survey_summary.json", out_dir / "survey_rejects.csv"]
@@ -183,7 +191,7 @@ def save_survey(result: SurveyResult, out_dir: Path) -> list[Path]:
     return paths
 
 
-def plot_survey(result: SurveyResult, figures_dir: Path) -> list[Path]:
+def plot_survey(result: SurveyTables, figures_dir: Path) -> list[Path]:
     """Length histograms per source (log x), turns distribution, partition sizes; PNGs in `figures_dir`."""
     import matplotlib
 
