@@ -175,15 +175,15 @@ class TrainingParams(Section):
     heldout_size: int = Field(default=16, gt=0)  # the same held-out samples for every size
     draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
     # Training-time-test unroll; None: speculative_tokens (unroll as deep as the draft is served; EAGLE-3 code
-    # uses 7; docs/recipe_ablation.md: TTT 3 = TTT 7 per sample on a chain of 3 at half the cost). Resolved at
-    # validation (always an int after it); fewer than speculative_tokens is refused.
+    # uses 7; docs/recipe_ablation.md compares the depths). Resolved at validation (always an int after it);
+    # fewer than speculative_tokens is refused.
     ttt_steps: int | None = Field(default=None, gt=0)
     step_weight: float = Field(default=0.8, gt=0, le=1)  # loss weight of TTT step i is step_weight**i
     # Noise on the target features the draft reads in training: std = feature_noise x each token's feature
-    # RMS (uniform, eaglekit.training.add_feature_noise); 0: off. docs/recipe_ablation.md has the measurement.
+    # RMS (uniform, eaglekit.training.batch.add_feature_noise); 0: off. docs/recipe_ablation.md has the measurement.
     feature_noise: float = Field(default=0.0, ge=0)
     distill: Literal["soft", "argmax"] = "soft"  # teacher: target softmax over the draft vocab, or its greedy token
-    # Peak lr. 3e-4: measured (docs/recipe_ablation.md: 3e-4 and 9e-4 reach the same tau); DESIGN's published
+    # Peak lr, for the embedded target (docs/recipe_ablation.md has the measurement); DESIGN's published
     # 5e-5..1e-4 are for 8B-class targets: set it per target.
     learning_rate: float = Field(default=3.0e-4, gt=0)
     min_learning_rate: float = Field(default=1.0e-5, ge=0)  # cosine floor of equal_steps/equal_epochs and of until_converged's anneal
@@ -198,16 +198,15 @@ class TrainingParams(Section):
     patience: int = Field(default=3, gt=0)  # until_converged: evaluations without improvement before stopping
     min_improvement: float = Field(default=0.0, ge=0)  # until_converged: tau gain that counts as an improvement
     # until_converged: improvement is judged on the mean of this many recent held-out taus (1: each tau alone;
-    # one tau on a small held-out set moves by about 0.014, and a lucky one stopped rising drafts).
+    # on a small held-out set one lucky tau stops a rising draft: docs/recipe_ablation.md).
     smoothing_evaluations: int = Field(default=2, ge=1)
     # until_converged: once converged at the peak learning rate (patience ran out at step S), anneal it (cosine)
     # to min_learning_rate, then stop. Anneal length: decay_steps if set, else decay_fraction x the steps taken
     # to converge (round(decay_fraction x S), at least 1). decay_steps 0 (or decay_fraction 0): stop at
-    # convergence. docs/recipe_ablation.md: the anneal won at 60/240/960 samples; a fixed 240 steps was 67-80%
-    # of the steps taken to converge.
+    # convergence. docs/recipe_ablation.md has the measurement.
     decay_steps: int | None = Field(default=None, ge=0)
     decay_fraction: float = Field(default=0.75, ge=0, allow_inf_nan=False)
-    log_interval_s: float = Field(default=60.0, gt=0)  # progress lines on the eaglekit logger
+    log_interval_s: float = Field(default=60.0, ge=0)  # seconds between progress lines on the eaglekit logger (0: every step)
     micro_batch_size: int = Field(default=1, gt=0)
     grad_accumulation_steps: int = Field(default=4, gt=0)
     grad_clip: float = Field(default=0.5, gt=0)
@@ -244,8 +243,8 @@ class TrainingParams(Section):
     @model_validator(mode="after")
     def _epochs_with_their_schedule(self) -> "TrainingParams":
         if (self.schedule == "equal_epochs") != (self.num_epochs is not None):
-            raise ValueError(f"num_epochs is for schedule 'equal_epochs' only and that schedule needs it "
-                             f"(schedule {self.schedule!r}, num_epochs {self.num_epochs!r})")
+            raise ValueError(f"num_epochs={self.num_epochs!r} with schedule={self.schedule!r}: num_epochs is set exactly "
+                             "when schedule is 'equal_epochs'")
         return self
 
     @model_validator(mode="after")

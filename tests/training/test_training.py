@@ -173,7 +173,7 @@ def test_length_sorted_evaluation_keeps_each_samples_agreement(world, tmp_path, 
     gets alone (a batch of one, no padding), at its own place in the result. Returning results in batch
     order, or pairing a row of the batch with another sample, fails here: lengths differ, and after a few
     steps at a high learning rate the draft agrees with the target on some samples and not on others."""
-    import eaglekit.training as training
+    import eaglekit.training.loop as training
 
     target, train, heldout = world
     samples, head = train + heldout, target.lm_head.weight.detach()
@@ -416,7 +416,7 @@ def test_until_converged_stops_on_patience_and_resume_keeps_the_decision(world, 
 
 
 def test_patience_counts_from_the_last_real_improvement():
-    from eaglekit.training import _should_stop
+    from eaglekit.training.stopping import should_stop as _should_stop
 
     settings = dataclass_replace(FAST, schedule="until_converged", patience=3, eval_interval=10, max_steps=1000)
     assert _should_stop({"step": 29, "improved_step": 0}, settings, 1000) is None
@@ -478,7 +478,8 @@ def test_a_converged_draft_anneals_then_stops(world, tmp_path, anneal, length):
 
 
 def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_converge():
-    from eaglekit.training import _anneal_note, anneal_length
+    from eaglekit.training import anneal_length
+    from eaglekit.training.stopping import anneal_note as _anneal_note
 
     assert [anneal_length(None, 0.75, start) for start in (1, 2, 4, 6, 270, 300, 360)] == [1, 2, 3, 4, 202, 225, 270]  # builtin round: 4.5 -> 4
     assert anneal_length(None, 0.01, 10) == 1  # at least one step while the fraction is > 0
@@ -652,7 +653,7 @@ def test_progress_lines_reach_the_eaglekit_logger(world, tmp_path, caplog):
     caplog.set_level("INFO", logger="eaglekit")
     train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "size-0000010",
                 dataclass_replace(FAST, max_steps=3, eval_interval=3, log_interval_s=0.0))
-    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.training"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.training.loop"]
     steps = [line for line in lines if "tok/s" in line]
     assert len(steps) == 3 and steps[0].startswith("training size-0000010: step 1/3, loss ")
     assert all("ETA" in line and "held-out tau" in line for line in steps)
@@ -677,9 +678,9 @@ def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behavi
     values it trained with (no noise, soft teacher) and refuses any other, naming the setting."""
     import dataclasses
 
-    from eaglekit.training import _check_resumable
+    from eaglekit.training.checkpoint import check_resumable as _check_resumable
 
-    saved = dataclasses.asdict(FAST)
+    saved = FAST.to_dict()
     for added in ("feature_noise", "distill", "decay_steps", "decay_fraction"):
         saved.pop(added)
     _check_resumable(saved, FAST, tmp_path / "last.pt")  # the old code raised here: None != 0.0
@@ -762,7 +763,7 @@ def test_target_signals_from_cached_argmax_and_draft_rows_equal_the_full_head(wo
 
 def test_size_sweep_computes_each_target_argmax_once(world, tmp_path, monkeypatch):
     """One cache for all sizes: every distinct sample's argmax is computed once in the whole sweep."""
-    import eaglekit.training as training
+    import eaglekit.training.sweep as training
 
     caches = []
 

@@ -40,6 +40,7 @@ import torch
 from eaglekit.generation.capacity import load_model_config
 from eaglekit.draft.model import DraftConfig, Eagle3DraftModel
 from eaglekit.draft.head_loss import chunked_ttt_loss
+from eaglekit.training.teacher import TargetSignals
 
 ADAM_BYTES_PER_TRAINABLE = 4 + 4 + 4 + 4  # fp32 master weight, fp32 gradient, AdamW exp_avg and exp_avg_sq
 FROZEN_BYTES_PER_PARAMETER = 4  # the target's embedding table, kept in fp32 by build_draft_from_target
@@ -71,7 +72,6 @@ def activation_bytes(config: DraftConfig, pack_tokens: int, ttt_steps: int, atte
     """
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype {dtype!r}: use 'bf16' or 'fp32'")
-    from eaglekit.training import TargetSignals
 
     meta = torch.device("meta")
     with meta:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from eaglekit.training import Batch
+from eaglekit.training.batch import Batch
 
 
 def sample_length(sample: dict, max_length: int) -> int:

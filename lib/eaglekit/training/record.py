@@ -28,7 +28,8 @@ import pandas as pd
 
 from eaglekit.io import InputError, write_json
 from eaglekit.topology import Topology
-from eaglekit.training import TrainResult, recent_gain
+from eaglekit.training.loop import TrainResult
+from eaglekit.training.metrics import recent_gain
 
 SWEEP_FILE = "sweep.json"
 RECORD_VERSION = 1

@@ -39,7 +39,13 @@ import torch
 from eaglekit.capture import load_target, open_captured_samples, read_capture_plan
 from eaglekit.config import Params, dump_params, load_params, repo_path
 from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
+from eaglekit.training.checkpoint import load_checkpoint, load_draft_weights
+from eaglekit.training.loop import train_draft
 from eaglekit.training.record import SWEEP_FILE, DraftEntry, DraftVocabRecord, SweepRecord
+from eaglekit.training.settings import TrainSettings
+from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys, split_heldout
+from eaglekit.training.sweep import train_size_sweep
+from eaglekit.training.teacher import TargetArgmaxCache
 from eaglekit.topology import Topology
 
 LAUNCH_PARAMS_FILE = "launch_params.yaml"
@@ -65,8 +71,6 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     """
     from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
     from eaglekit.target import resolve_model
-    from eaglekit.training import (IndexedSubset, TargetArgmaxCache, TrainSettings, nested_subsets, read_conversation_keys, split_heldout,
-                                   train_draft, train_size_sweep)
     from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
 
     out = Path(run_dir)
@@ -145,7 +149,6 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     from transformers import AutoConfig
 
     from eaglekit.draft.export import export_sglang, export_vllm, validate_export
-    from eaglekit.training import load_checkpoint, load_draft_weights
 
     largest = max(sweep_rows, key=lambda row: row["size"])
     draft = build_model()
