@@ -15,15 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from eaglekit.analysis.acceptance import chain_counts, pooled_accept_length
 from eaglekit.analysis.checkpoints import evaluate_speculative_loop
 from eaglekit.draft.model import Eagle3DraftModel, build_draft_from_target, load_target_head_weights
-from eaglekit.analysis.speculative import (
-    OracleDraft,
-    accept,
-    greedy_decode,
-    offline_chain_agreement,
-    offline_tree_acceptance,
-    speculative_decode,
-    tree_speculative_decode,
-)
+from eaglekit.analysis.offline_estimate import offline_chain_agreement, offline_tree_acceptance
+from eaglekit.analysis.speculative import OracleDraft, accept, greedy_decode, speculative_decode, tree_speculative_decode
 from eaglekit.topology import Topology
 from eaglekit.draft.vocab import select_draft_vocab
 

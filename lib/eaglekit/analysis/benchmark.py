@@ -16,6 +16,11 @@ pooled over prompts (sum / sum): the quantity the offline chain estimate predict
 token that a server's completion_tokens / spec_verify_ct also counts (that one is reported beside it).
 Intervals: percentile bootstrap over prompts, with the same resampling weights for every draft, so the
 differences between sizes are paired.
+
+Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
+the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
+prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
+training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
 """
 
 from __future__ import annotations

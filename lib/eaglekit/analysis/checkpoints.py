@@ -4,6 +4,11 @@ agreement by dataset, and compare the real speculative loop with plain greedy an
 The decoding itself (greedy, propose/verify/accept, chain and tree loops, the offline agreement primitives)
 is `eaglekit.analysis.speculative`; this module only runs it over prompts and reports. Exported drafts (SGLang or vLLM
 folders) are evaluated by `eaglekit.analysis.evaluate`.
+
+Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
+the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
+prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
+training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
 """
 
 from __future__ import annotations
@@ -26,14 +31,8 @@ from eaglekit.analysis.acceptance import (
 )
 from eaglekit.capture import CapturedSamples
 from eaglekit.draft.model import DraftConfig, Eagle3DraftModel
-from eaglekit.analysis.speculative import (
-    GreedyResult,
-    OfflineChainAgreement,
-    SpeculativeResult,
-    greedy_decode,
-    offline_chain_agreement,
-    speculative_decode,
-)
+from eaglekit.analysis.offline_estimate import OfflineChainAgreement, offline_chain_agreement
+from eaglekit.analysis.speculative import GreedyResult, SpeculativeResult, greedy_decode, speculative_decode
 from eaglekit.training.record import SweepRecord
 from eaglekit.topology import Topology
 

@@ -1,8 +1,8 @@
 """Evaluate an exported draft against its target on a prompts file, for one or more serving topologies.
 
 What `eaglekit evaluate` runs, per prompt: plain greedy decoding (the reference output and the baseline
-speed), then for each topology the real speculative loop (`specdec.decode_with_topology`: the chain loop or
-SGLang's tree loop) and the offline estimate (`specdec.offline_tree_acceptance`) on the prompt + the greedy
+speed), then for each topology the real speculative loop (`speculative.decode_with_topology`: the chain loop or
+SGLang's tree loop) and the offline estimate (`offline_estimate.offline_tree_acceptance`) on the prompt + the greedy
 continuation. Greedy and speculative runs alternate per prompt, so load on the machine hits both alike.
 
 Three accept lengths per topology, each with a percentile-bootstrap interval over prompts:
@@ -18,6 +18,11 @@ Inputs: an export folder in either format (`export.load_export` reads SGLang's a
 JSONL prompts file, one conversation per line: the kit's schema ({"id", "messages": [...]}) or OpenAI's
 ({"messages": [...]} or a bare list of messages). A trailing assistant message is the reference answer and is
 dropped: the target answers the conversation up to it.
+
+Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
+the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
+prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
+training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
 """
 
 from __future__ import annotations
@@ -42,14 +47,8 @@ from eaglekit.analysis.acceptance import (
 from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.analysis.tree import SGLANG_SLOTS
 from eaglekit.io import InputError, read_jsonl, write_json
-from eaglekit.analysis.speculative import (
-    GreedyResult,
-    OfflineTreeAcceptance,
-    SpeculativeResult,
-    decode_with_topology,
-    greedy_decode,
-    offline_tree_acceptance,
-)
+from eaglekit.analysis.offline_estimate import OfflineTreeAcceptance, offline_tree_acceptance
+from eaglekit.analysis.speculative import GreedyResult, SpeculativeResult, decode_with_topology, greedy_decode
 from eaglekit.topology import Topology
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -154,7 +153,7 @@ def evaluate_draft(
     draft_attention: str = SGLANG_SLOTS,
 ) -> Evaluation:
     """Greedy, then each topology's loop, per prompt; then the offline estimate on the greedy continuations.
-    draft_attention: how tree nodes attend earlier draft keys (`draft_tree`; SGLang's per-slot layout by default)."""
+    draft_attention: how tree nodes attend earlier draft keys (`tree`; SGLang's per-slot layout by default)."""
     if not prompts:
         raise ValueError("no prompts given")
     if not topologies:

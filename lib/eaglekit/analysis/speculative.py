@@ -25,16 +25,16 @@ Accept length is reported as SGLang reports it: completion tokens / verification
 (`acceptance.server_accept_length`). The first token comes from the prefill, not from a verification
 step, and counts as a completion token there too, so a request's tau is (1 + sum(a_i + 1)) / steps.
 
-`offline_chain_agreement` computes DESIGN's offline tau on the same sequence (the draft unrolled by its
-training-time-test forward over the target's own greedy continuation), so the two can be compared.
+`offline_estimate.offline_chain_agreement` computes DESIGN's offline tau on the same sequence (the draft
+unrolled by its training-time-test forward over the target's own greedy continuation), so the two can be compared.
 
 Trees (SGLang's `--speculative-eagle-topk K > 1`, `topology.Topology`): `tree_speculative_decode` replaces
-propose/verify/accept/rollback with their tree forms (`draft_tree`): the draft grows SGLang's tree from the
+propose/verify/accept/rollback with their tree forms (`tree`): the draft grows SGLang's tree from the
 pending row (its tree keys live apart from the draft cache, so the draft's rollback is to drop them), the
 target verifies the T tree tokens in one forward under a 4-D ancestor mask (transformers passes a 4-D mask
 to the attention unchanged) at positions cached + depth, the deepest matching root path is accepted, and
-the target cache keeps only that path's rows (`keep_target_cache_rows`). `offline_tree_acceptance` is the
-offline estimate for any topology; with K = 1 it equals the chain's. `decode_with_topology` picks the loop.
+the target cache keeps only that path's rows (`keep_target_cache_rows`). `offline_estimate.offline_tree_acceptance`
+is the offline estimate for any topology; with K = 1 it equals the chain's. `decode_with_topology` picks the loop.
 """
 
 from __future__ import annotations
@@ -44,15 +44,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-from eaglekit.analysis.acceptance import depth_agreement
 from eaglekit.capture import LayerInputCapture, base_model_of, validate_capture_layer_ids
 from eaglekit.draft.model import DraftConfig, DraftKVCache, Eagle3DraftModel
-from eaglekit.analysis.tree import SGLANG_SLOTS, DraftTree, accept_tree, grow_tree, offline_tree_depths, path_to, select_tree, verification_mask
+from eaglekit.analysis.tree import SGLANG_SLOTS, DraftTree, accept_tree, grow_tree, path_to, select_tree, verification_mask
 from eaglekit.topology import Topology
 
 STOP_LENGTH = "length"
@@ -163,7 +161,7 @@ def _check_budget(target: nn.Module, prompt_length: int, max_new_tokens: int, st
 # ---------------------------------------------------------------------------------------------------
 # the target side
 # ---------------------------------------------------------------------------------------------------
-def _device_of(target: nn.Module) -> torch.device:
+def device_of(target: nn.Module) -> torch.device:
     return base_model_of(target).get_input_embeddings().weight.device
 
 
@@ -209,7 +207,7 @@ def greedy_decode(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: 
     """Plain greedy decoding with the target's KV cache, one token per forward (what `generate(do_sample=False)`
     does, without its per-step bookkeeping). Stops after an EOS token (kept) or `max_new_tokens`."""
     _check_budget(target, len(prompt_ids), max_new_tokens, steps=0)
-    device = _device_of(target)
+    device = device_of(target)
     eos = set(int(token) for token in eos_token_ids)
     started = time.perf_counter()
     cache = DynamicCache(config=target.config)
@@ -296,7 +294,7 @@ def _prefill(
     logits (1, n, Vd) and pre-norm states (1, n, H) over the prompt rows).
     """
     target_cache, draft_cache = DynamicCache(config=target.config), DraftKVCache()
-    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=_device_of(target))
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device_of(target))
     target_choices, aux_hidden_states = target_forward(target, prompt, target_cache, capture_layer_ids)
     pending_token = int(target_choices[-1])
     result.output_ids.append(pending_token)
@@ -324,7 +322,7 @@ def speculative_decode(
         raise ValueError(f"draft steps k must be >= 1, got {steps}")
     capture_layer_ids = check_draft_fits_target(target, draft)
     _check_budget(target, len(prompt_ids), max_new_tokens, steps)
-    device = _device_of(target)
+    device = device_of(target)
     eos = set(int(token) for token in eos_token_ids)
     draft_to_target = draft.draft_to_target_ids().to(device)
     result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=steps, topology=Topology.chain(steps))
@@ -377,7 +375,7 @@ def propose_tree(
     draft: DraftModel, first_logits: torch.Tensor, last_state: torch.Tensor, last_row: int, pending_token: int,
     cache: DraftKVCache, topology: Topology, draft_to_target: torch.Tensor, draft_attention: str = SGLANG_SLOTS,
 ) -> DraftTree:
-    """SGLang's draft tree from the row carrying the pending token (`draft_tree.grow_tree`, `select_tree`).
+    """SGLang's draft tree from the row carrying the pending token (`tree.grow_tree`, `select_tree`).
 
     first_logits (1, Vd), last_state (1, 1, H): that row's logits and pre-norm state; last_row: its position.
     The tree's draft keys live in a `TreeKeyValues` of their own: `cache` (the extend rows) is not touched,
@@ -418,7 +416,7 @@ def tree_speculative_decode(
     """
     capture_layer_ids = check_draft_fits_target(target, draft)
     _check_budget(target, len(prompt_ids), max_new_tokens, topology.steps)
-    device = _device_of(target)
+    device = device_of(target)
     eos = {int(token) for token in eos_token_ids}
     draft_to_target = draft.draft_to_target_ids().to(device)
     result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=topology.steps, topology=topology)
@@ -465,104 +463,6 @@ def decode_with_topology(
     if topology.is_chain:
         return speculative_decode(target, draft, prompt_ids, topology.steps, max_new_tokens, eos_token_ids)
     return tree_speculative_decode(target, draft, prompt_ids, topology, max_new_tokens, eos_token_ids, draft_attention)
-
-
-# ---------------------------------------------------------------------------------------------------
-# offline estimate on the same sequence
-# ---------------------------------------------------------------------------------------------------
-@dataclass
-class OfflineChainAgreement:
-    """Draft top-1 agreement with the target along one greedy sequence.
-
-    agreement (P, k) bool: row = a chain start, column i = step i + 1 proposed the target's argmax there.
-    start_rows (P,): the draft row that proposes d_1 (the row carrying the pending token), matching
-    `SpeculativeResult.chain_start_rows`. Only complete chains inside the sequence are kept.
-    """
-
-    agreement: np.ndarray
-    start_rows: np.ndarray
-    tokens: int
-    seconds: float
-
-
-@torch.inference_mode()
-def offline_chain_agreement(
-    target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int], prompt_length: int, steps: int
-) -> OfflineChainAgreement:
-    """DESIGN's offline chain evaluation of one sequence: prompt + the target's own greedy continuation.
-
-    One target forward gives the features and argmax at every position; the draft's training-time-test
-    unroll (`Eagle3DraftModel.forward`, equal to KV-cache decoding) runs k steps from every row at once.
-    Row t, step i feeds token t+1+i at position t+i and proposes token t+2+i; it agrees when that equals
-    the target's argmax at t+1+i. On a greedy continuation the unroll's input tokens equal the draft's own
-    proposals whenever earlier steps agreed, so a row's leading agreements are what the loop accepts there.
-    Chain starts: rows prompt_length-1 (the first generated token pending) .. T-1-k (all k targets exist).
-    """
-    check_draft_fits_target(target, draft)
-    capture_layer_ids = list(draft.config.capture_layer_indices)
-    length = len(sequence_ids)
-    if not 1 <= prompt_length <= length:
-        raise ValueError(f"prompt_length {prompt_length} must be in [1, {length}] (the sequence length)")
-    started = time.perf_counter()
-    device = _device_of(target)
-    input_ids = torch.tensor([list(sequence_ids)], dtype=torch.long, device=device)
-    target_argmax, aux_hidden_states = target_forward(target, input_ids, DynamicCache(config=target.config), capture_layer_ids)
-    step_logits = draft(input_ids, aux_hidden_states, steps)  # k x (1, T, Vd)
-    draft_to_target = draft.draft_to_target_ids().to(device)
-    first_row, last_row = prompt_length - 1, length - 1 - steps
-    start_rows = np.arange(first_row, last_row + 1) if last_row >= first_row else np.zeros(0, dtype=np.int64)
-    agreement = np.zeros((len(start_rows), steps), dtype=bool)
-    if len(start_rows):
-        rows = torch.as_tensor(start_rows, device=device)
-        for step, logits in enumerate(step_logits):
-            proposed = draft_to_target[logits[0, rows].argmax(-1)]  # (P,)
-            agreement[:, step] = (proposed == target_argmax[rows + 1 + step]).cpu().numpy()
-    return OfflineChainAgreement(agreement=agreement, start_rows=start_rows, tokens=length, seconds=time.perf_counter() - started)
-
-
-@dataclass
-class OfflineTreeAcceptance:
-    """SGLang's tree scored from every chain start of one greedy sequence.
-
-    accepted_depths (P,): drafted tokens the tree from each start row would have accepted (0..S);
-    start_rows (P,): as `OfflineChainAgreement.start_rows`. `agreement` is the (P, S) depth table
-    (column j-1: accepted >= j) that `acceptance.chain_counts` and the bootstrap tables take as they are.
-    """
-
-    accepted_depths: np.ndarray
-    start_rows: np.ndarray
-    topology: Topology
-    tokens: int
-    seconds: float
-
-    @property
-    def agreement(self) -> np.ndarray:
-        return depth_agreement(self.accepted_depths, self.topology.steps)
-
-
-@torch.inference_mode()
-def offline_tree_acceptance(
-    target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int], prompt_length: int, topology: Topology,
-    draft_attention: str = SGLANG_SLOTS,
-) -> OfflineTreeAcceptance:
-    """The offline estimate for any topology on one sequence (prompt + the target's greedy continuation):
-    one target forward for features and argmax, then `draft_tree.offline_tree_depths` from every start row
-    `offline_chain_agreement` uses (prompt_length - 1 .. T - 1 - S). With K = 1 its depths are the chain's
-    leading agreements."""
-    check_draft_fits_target(target, draft)
-    capture_layer_ids = list(draft.config.capture_layer_indices)
-    length = len(sequence_ids)
-    if not 1 <= prompt_length <= length:
-        raise ValueError(f"prompt_length {prompt_length} must be in [1, {length}] (the sequence length)")
-    started = time.perf_counter()
-    device = _device_of(target)
-    input_ids = torch.tensor(list(sequence_ids), dtype=torch.long, device=device)
-    target_argmax, aux_hidden_states = target_forward(target, input_ids.view(1, -1), DynamicCache(config=target.config), capture_layer_ids)
-    first_row, last_row = prompt_length - 1, length - 1 - topology.steps
-    start_rows = torch.arange(first_row, max(last_row + 1, first_row), device=device)
-    depths = offline_tree_depths(draft, input_ids, aux_hidden_states[0], target_argmax, start_rows, topology, draft_attention=draft_attention)
-    return OfflineTreeAcceptance(accepted_depths=depths.cpu().numpy(), start_rows=start_rows.cpu().numpy(), topology=topology,
-                                 tokens=length, seconds=time.perf_counter() - started)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Which topology to serve: offline tau and predicted speedup for a grid of chains and SGLang trees.
 
-The cost model extends the break-even model of `scaling.py` (Leviathan et al.; speedup ~ tau T_target /
+The cost model extends the break-even model of `break_even` (Leviathan et al.; speedup ~ tau T_target /
 (T_verify + g T_draft)) to trees, where a verification scores T tokens and each draft step runs K nodes:
 
     cycle(S, K, T) = verify(T) + draft(tau) + (S - 1) draft(K)
@@ -9,14 +9,19 @@ The cost model extends the break-even model of `scaling.py` (Leviathan et al.; s
     speedup        = tau T_target / cycle,                   break-even tau = cycle / T_target
 
 (SGLang runs S draft forwards per cycle: the extend over the accepted rows, about tau of them, then S - 1
-tree steps over K nodes.) With verify_token = draft_node = 0 this is `scaling.speedup_from_timings` with
+tree steps over K nodes.) With verify_token = draft_node = 0 this is `break_even.speedup_from_timings` with
 g = S. The four costs come from `measure_step_costs` (real forwards of the target and the draft on this
 machine) or from the user's own server measurements (`StepCosts(...)`).
 
-tau comes from `draft_tree.offline_tree_depths_grid` on held-out samples (captured features and the target's
+tau comes from `tree.offline_tree_depths_grid` on held-out samples (captured features and the target's
 argmax from its final hidden states): each top-k is grown once to the deepest S, so a whole grid costs little
 more than its widest tree. Every topology of a sweep is scored on the same start rows (those with S_max
 generated tokens after them), so the rows compare like with like.
+
+Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
+the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
+prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
+training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
 """
 
 from __future__ import annotations
@@ -117,14 +122,14 @@ def measure_step_costs(
 
     from eaglekit.draft.model import DraftKVCache
     from eaglekit.analysis.speculative import (
-        _device_of,
+        device_of,
         check_draft_fits_target,
         crop_target_cache,
         target_forward,
     )
 
     capture_layer_ids = check_draft_fits_target(target, draft)
-    device = _device_of(target)
+    device = device_of(target)
     generator = torch.Generator().manual_seed(seed)
     vocab = int(target.config.vocab_size)
     context = torch.randint(0, vocab, (1, context_length), generator=generator).to(device)
