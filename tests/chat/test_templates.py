@@ -117,12 +117,12 @@ def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizer
         assert last.loss_mask[-1] == 1 and last.input_ids[-1] != template_layout(tokenizer, kwargs).end_of_turn_id
     assert rejected <= (len(lengths) - 1 if name == "deepseek_r1" else 0)
     # No template hands these conversations to the oracle, Mistral with a system prompt and tools included
-    # (its prompts are composed: chat._injected_groups).
+    # (its prompts are composed: chat.injected.injected_groups).
     assert fallbacks == 0
 
 
 # Templates that rewrite history: the fast path composes each split sample from a history rendering
-# and a small rendering of its own stretch (chat._Composer), so they get more conversations below.
+# and a small rendering of its own stretch (chat.split._Composer), so they get more conversations below.
 SPLIT_TEMPLATES = ["deepseek_r1", "deepseek_v31", "kimi_k2_thinking", "qwen3", "qwen3_thinking"]
 
 
@@ -189,12 +189,12 @@ def test_template_that_shows_reasoning_before_a_user_message_does_not_keep_histo
     """The probe `keeps_history` is what stops a group's prompt being read off the full rendering after
     an anchor with reasoning: Kimi thinking fails it; with its answer forced, the readings are wrong where
     a tool-call turn right before a user message has reasoning, and the oracle says so."""
-    from eaglekit import chat
+    from eaglekit.chat import layout
 
     tokenizer = tokenizers["kimi_k2_thinking"]
     assert not template_layout(tokenizer).keeps_history and template_layout(tokenizers["qwen3"]).keeps_history
-    monkeypatch.setattr(chat, "_LAYOUT_CACHE", {})
-    monkeypatch.setattr(chat, "_keeps_history", lambda *arguments: True)
+    monkeypatch.setattr(layout, "_LAYOUT_CACHE", {})
+    monkeypatch.setattr(layout, "_keeps_history", lambda *arguments: True)
     differing = 0
     for seed in range(6):
         messages, tools = user_after_tools("kimi_k2_thinking", seed)
@@ -208,9 +208,9 @@ def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenize
     split sample's history from the full rendering up to the previous sample's end (Qwen3 drops the
     reasoning of a stretch there, which the stretch's own samples still show) passes the fast path's
     own checks, and the oracle comparison must catch it."""
-    from eaglekit import chat
+    from eaglekit.chat import split
 
-    monkeypatch.setattr(chat._Composer, "_anchor",
+    monkeypatch.setattr(split._Composer, "_anchor",
                         lambda self, first: None if first == 0 else (first - 1, len(self.indices) - 1))
     tokenizer = tokenizers["qwen3"]
     differing = 0
@@ -224,18 +224,18 @@ def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenize
 def test_property_check_catches_prompts_read_off_the_full_rendering(tokenizers, monkeypatch):
     """Split groups read their last turn's prompt off a rendering they already have: the history
     rendering for a turn right after its anchor, else within tool rounds the stretch's
-    (chat._Composer._read_after_anchor). A reading taken off the full rendering across earlier turns of
+    (chat.split._Composer._read_after_anchor). A reading taken off the full rendering across earlier turns of
     the stretch (which it shows without their reasoning, as Qwen3 writes them once a later user message
     follows) passes the fast path's own checks, and the oracle comparison must catch it."""
-    from eaglekit import chat
+    from eaglekit.chat import split
 
     def read_off_full(self, anchor_position, last, anchor_text, source_end):
         text, turns = self.sources[len(self.indices) - 1]
         if last == self.stretch_end[last]:
             return None
-        return text[turns[anchor_position][1]: turns[last][0]] + self.bodies[last][0]
+        return text[turns[anchor_position][1]: turns[last][0]] + self.generated[last].header
 
-    monkeypatch.setattr(chat._Composer, "_read_after_anchor", read_off_full)
+    monkeypatch.setattr(split._Composer, "_read_after_anchor", read_off_full)
     tokenizer = tokenizers["qwen3"]
     differing = 0
     for seed in range(4):
@@ -250,7 +250,7 @@ def test_template_that_rewrites_earlier_tool_rounds_is_not_read(embedded_model_d
     Qwen3 variant that drops a turn's reasoning once two more assistant turns follow it renders a tool
     round differently as more rounds follow: the probe says so, the fast path renders each group's prompt
     and equals the oracle; with the probe's answer forced, the readings are wrong and the oracle says so."""
-    from eaglekit import chat
+    from eaglekit.chat import layout
 
     tokenizer = fixture_tokenizer(embedded_model_dir, "qwen3")
     condition = "{%- if loop.index0 > ns.last_query_index %}"
@@ -264,8 +264,8 @@ def test_template_that_rewrites_earlier_tool_rounds_is_not_read(embedded_model_d
     for messages, tools in conversations:
         fast, oracle = fast_and_oracle(tokenizer, "qwen3", messages, tools)
         assert fast.samples == oracle.samples and not fast.fallback and fast.split
-    monkeypatch.setattr(chat, "_LAYOUT_CACHE", {})
-    monkeypatch.setattr(chat, "_reads_tool_rounds", lambda *arguments: True)
+    monkeypatch.setattr(layout, "_LAYOUT_CACHE", {})
+    monkeypatch.setattr(layout, "_reads_tool_rounds", lambda *arguments: True)
     assert template_layout(tokenizer).reads_tool_rounds
     differing = sum(pair[0].samples != pair[1].samples for pair in
                     (fast_and_oracle(tokenizer, "qwen3", messages, tools) for messages, tools in conversations))
@@ -287,7 +287,7 @@ def test_mistral_composed_prompts_equal_the_oracle(tokenizers, agent):
     """Mistral writes the tool definitions before the last user message and the system prompt into it
     while it is the last message, so the oracle cuts at every user message (tools) and after the first
     turn of each stretch (system prompt). The fast path composes every turn's prompt
-    (chat._injected_groups); with and without each, truncated too, it must equal the oracle, never
+    (chat.injected.injected_groups); with and without each, truncated too, it must equal the oracle, never
     handing the conversation over."""
     tokenizer = tokenizers["mistral"]
     rng = random.Random(f"mistral-{agent}")
@@ -307,31 +307,32 @@ def test_mistral_composition_without_the_system_prompt_is_caught_by_the_real_che
     """A composition that leaves the system prompt out of every small rendering (so no composed prompt
     shows it) is caught by the fast path's own check against the last turn's prompt rendered whole: the
     conversation goes to the oracle, and the samples stay the oracle's."""
-    from eaglekit import chat
+    from eaglekit.chat import injected
 
     tokenizer = tokenizers["mistral"]
     messages, tools = mistral_conversation(random.Random("mistral-system"), 30, False, True, False)
     fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
     assert fast.samples == oracle.samples and not fast.fallback and fast.split
-    original = chat._stretch_prefix
-    monkeypatch.setattr(chat, "_stretch_prefix", lambda messages, system, anchor: original(messages, [], anchor))
+    original = injected._stretch_prefix
+    monkeypatch.setattr(injected, "_stretch_prefix", lambda messages, system, anchor: original(messages, [], anchor))
     fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
     assert fast.fallback and fast.samples == oracle.samples
 
 
 def test_mistral_stretch_first_prompt_read_off_the_stretch_is_checked(tokenizers, monkeypatch):
     """A stretch's first prompt (its user message last: Mistral shows the system prompt there) is read off
-    the stretch's rendering with the system prompt inserted as probed (chat._system_insertion: Mistral's
+    the stretch's rendering with the system prompt inserted as probed (chat.injected._system_insertion: Mistral's
     "[INST]" + system + "\\n\\n" + content + "[/INST]"; Qwen3 has no such reading). A wrong separator is
     caught by the real check of the sample before the last where that is the last stretch's first turn
     (the conversation goes to the oracle, and the samples stay the oracle's); the real checks do not
     reach an earlier stretch's, and there the oracle comparison says the samples differ."""
-    from eaglekit import chat
+    from eaglekit.chat import injected, turns
+    from eaglekit.chat.render import Renderer
 
     def insertion(name: str) -> tuple[str, str] | None:
         tokenizer = tokenizers[name]
-        layout = chat.template_layout(tokenizer, TEMPLATE_KWARGS.get(name))
-        return chat._system_insertion(chat._Renderer(tokenizer, layout, TOOLS, TEMPLATE_KWARGS.get(name) or {}))
+        layout = template_layout(tokenizer, TEMPLATE_KWARGS.get(name))
+        return injected._system_insertion(Renderer(tokenizer, layout, TOOLS, TEMPLATE_KWARGS.get(name) or {}))
 
     assert insertion("mistral") == ("\n\n", "[/INST]")
     assert insertion("qwen3") is None
@@ -341,8 +342,8 @@ def test_mistral_stretch_first_prompt_read_off_the_stretch_is_checked(tokenizers
     for messages, tools in conversations:
         fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
         assert fast.samples == oracle.samples and not fast.fallback and fast.split
-    monkeypatch.setattr(chat, "_SHAPE_CACHE", {})
-    monkeypatch.setattr(chat, "_system_insertion", lambda renderer: ("\n", "[/INST]"))
+    monkeypatch.setattr(turns, "_SHAPE_CACHE", {})
+    monkeypatch.setattr(injected, "_system_insertion", lambda renderer: ("\n", "[/INST]"))
     fast, oracle = fast_and_oracle(tokenizer, "mistral", *conversations[0])
     assert fast.fallback and fast.samples == oracle.samples
     fast, oracle = fast_and_oracle(tokenizer, "mistral", *conversations[1])
@@ -354,7 +355,7 @@ def test_mistral_equal_user_messages_go_to_the_oracle(tokenizers, monkeypatch):
     tool definitions too. The composition does not show that and the real checks (last two samples) do
     not reach an early stretch: such conversations go to the oracle. Without that guard the fast path is
     wrong, and the oracle comparison says so."""
-    from eaglekit import chat
+    from eaglekit.chat import injected
 
     tokenizer = tokenizers["mistral"]
     messages, tools = mistral_conversation(random.Random("mistral-equal"), 40, False, True, True)
@@ -363,7 +364,7 @@ def test_mistral_equal_user_messages_go_to_the_oracle(tokenizers, monkeypatch):
     messages[users[1]] = dict(messages[users[0]])  # the second stretch's prompt has the tools twice
     fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
     assert fast.fallback and fast.samples == oracle.samples
-    monkeypatch.setattr(chat, "_users_distinct", lambda messages, users: True)
+    monkeypatch.setattr(injected, "_users_distinct", lambda messages, users: True)
     fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
     assert not fast.fallback and fast.samples != oracle.samples
 
@@ -476,19 +477,19 @@ def test_visible_policy_is_one_sequence_that_trains_only_assistant_text(tokenize
 
 
 def test_shape_cache_is_bounded_when_every_record_has_its_own_tools(tokenizers, monkeypatch):
-    """What a context's shape tells is kept per tool list (chat._SHAPE_CACHE); records with distinct tool
+    """What a context's shape tells is kept per tool list (chat.turns._SHAPE_CACHE); records with distinct tool
     lists (Glaive gives each its own) must not grow it without bound, and the samples stay the oracle's."""
-    from eaglekit import chat
+    from eaglekit.chat import turns
 
-    monkeypatch.setattr(chat, "_SHAPE_CACHE", {})
-    monkeypatch.setattr(chat, "_SHAPE_CACHE_SIZE", 3)
+    monkeypatch.setattr(turns, "_SHAPE_CACHE", {})
+    monkeypatch.setattr(turns, "_SHAPE_CACHE_SIZE", 3)
     tokenizer = tokenizers["llama3"]  # tools inside the first user message: small renders keep them
     messages, _ = conversation("llama3", random.Random("bounded"), 9)
     for number in range(5):
         tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": f"Run a shell command {number}"}}]
         fast, oracle = fast_and_oracle(tokenizer, "llama3", messages, tools)
         assert fast.samples == oracle.samples
-    assert len(chat._SHAPE_CACHE) == 3
+    assert len(turns._SHAPE_CACHE) == 3
 
 
 def test_template_whose_rendering_does_not_extend_the_last_prompt_renders_it(tokenizers, monkeypatch):
@@ -496,12 +497,12 @@ def test_template_whose_rendering_does_not_extend_the_last_prompt_renders_it(tok
     `extends_prompt` says that rendering extends it: Kimi thinking fails it (once the last turn is an
     answer it blanks the reasoning of the tool rounds before it, which the prompt shows). With its answer
     forced, the last samples are wrong and the oracle says so."""
-    from eaglekit import chat
+    from eaglekit.chat import layout
 
     tokenizer = tokenizers["kimi_k2_thinking"]
     assert not template_layout(tokenizer).extends_prompt and template_layout(tokenizers["qwen3"]).extends_prompt
-    monkeypatch.setattr(chat, "_LAYOUT_CACHE", {})
-    monkeypatch.setattr(chat, "_extends_prompt", lambda *arguments: True)
+    monkeypatch.setattr(layout, "_LAYOUT_CACHE", {})
+    monkeypatch.setattr(layout, "_extends_prompt", lambda *arguments: True)
     differing = 0
     for seed in range(8):  # one of them ends in tool rounds with reasoning, then an answer
         messages, tools = conversation("kimi_k2_thinking", random.Random(f"extends-{seed}"), 40)

@@ -1,0 +1,68 @@
+"""What every part of chat tokenization shares about a chat template: its errors, the probe words, the
+history policies, and `TemplateLayout` (what probing a template reveals; the probe is `layout`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+HistoryPolicy = Literal["split", "visible"]
+HISTORY_POLICIES = ("split", "visible")
+
+# Probe strings: plain ASCII words no template transforms and no tokenizer merges with neighbours.
+PROBE_USER = "EAGLEKITPROBEUSER"
+PROBE_ASSISTANT = "EAGLEKITPROBEASSISTANT"
+PROBE_REASONING = "EAGLEKITPROBEREASONING"
+PROBE_TOOL = "EAGLEKITPROBETOOL"
+PROBE_CALL_ID = "call00001"  # 9 alphanumerics: Mistral's templates insist
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot render or mask this conversation (says why and what to do)."""
+
+
+class NotPrefixStableError(ChatTemplateError):
+    """A turn's rendering does not extend the rendering of its prompt (the template rewrites it)."""
+
+
+@dataclass(frozen=True)
+class TemplateLayout:
+    """What probing a chat template reveals; computed once per tokenizer, template and kwargs."""
+
+    end_of_turn: str  # the control token closing an assistant turn, e.g. "<|im_end|>"
+    end_of_turn_id: int
+    reasoning: Literal["field", "fold", "splice"]
+    tool_arguments: Literal["object", "string"]  # how the template wants `function.arguments`
+    tool_calls: Literal["template", "hermes-text"]  # hermes-text: the template renders no tool calls
+    # Whether a prompt's rendering stays a prefix when the conversation goes on, with a system prompt
+    # and with tool definitions (Mistral moves both to the last user turn): where not, the fast path
+    # hands such conversations to the oracle.
+    stable_with_system: bool
+    stable_with_tools: bool
+    control_tokens: tuple[str, ...]  # longest first: what is text when it appears inside a message
+    family: str
+    # Whether tokenizing text in pieces cut before a control token gives the same tokens as a whole
+    # (byte-level BPE: yes; SentencePiece with a prefix space: no). Split samples then reuse the tokens
+    # of the text they share with the previous sample.
+    splits_at_control_tokens: bool = False
+    # Whether tool definitions only add text before the first message (Qwen3's system block, Kimi's
+    # tool_declare), never inside or after a turn (Llama 3's first user turn, Mistral's last): small
+    # renderings whose beginning is discarded (a turn as generated, a split group's stretch) then leave
+    # them out, which makes them several times cheaper.
+    tools_in_preamble: bool = False
+    # Whether tool definitions only add one block of text before the last user message's content
+    # (Mistral): small renderings that start with a probe user turn and keep only what follows it
+    # (each turn as generated) then leave them out too.
+    tools_before_last_user: bool = False
+    # Whether, inside a stretch of tool rounds, a turn's prompt is a later turn's prompt up to the turn's
+    # header (no message renders differently for the tool rounds after it; probed with reasoning on some
+    # rounds and several calls on one): split groups then read their prompts off one rendering per stretch.
+    reads_tool_rounds: bool = False
+    # Whether a turn with reasoning that a user message follows renders in every later prompt as in the
+    # first one that holds it (so in the full rendering as in the prompt of the turn after it).
+    keeps_history: bool = False
+    # Whether a conversation's rendering up to its last turn extends that turn's prompt (its think opener
+    # left out), with earlier stretches and tool rounds with reasoning before it (Kimi thinking blanks
+    # them once the last turn is an answer): the prompt is then read off that rendering.
+    extends_prompt: bool = False
