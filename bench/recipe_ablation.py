@@ -182,7 +182,7 @@ def main() -> None:
             "benchmark": Path(args.benchmark).name, "benchmark_prompts": int(scores["prompts"]), "benchmark_tau": float(scores["tau"]),
             "benchmark_low": float(scores["tau_low"]), "benchmark_high": float(scores["tau_high"]),
             "outputs_equal": bool(scores["outputs_equal"]), "train_seconds": train_seconds,
-            "settings": {key: value for key, value in dataclasses.asdict(settings).items() if value != getattr(base, key)},
+            "settings": {key: value for key, value in settings.to_dict().items() if value != getattr(base, key)},
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

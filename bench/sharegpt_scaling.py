@@ -320,7 +320,7 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
            "sharegpt_heldout_tau": result.best_accept_length, "draft_vocab": vocab.size, "vocab_coverage": vocab.coverage,
            "outside_tau": taus["outside"], "outside_tau_by_source": {key: value for key, value in taus.items() if key != "outside"},
            "train_seconds": train_seconds, "seconds_per_step": None,
-           "settings": {key: value for key, value in dataclasses.asdict(settings).items() if key in (
+           "settings": {key: value for key, value in settings.to_dict().items() if key in (
                "ttt_steps", "step_weight", "learning_rate", "min_learning_rate", "warmup_steps", "max_steps", "patience",
                "min_improvement", "smoothing_evaluations", "decay_steps", "eval_interval", "micro_batch_size", "grad_accumulation_steps",
                "feature_noise", "distill")},

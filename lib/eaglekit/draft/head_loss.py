@@ -1,6 +1,6 @@
 """The draft head's training loss, chunked: soft cross-entropy over the draft vocab, never all logits at once.
 
-The TTT loss (eaglekit.training's module docstring has the definition) needs, per TTT step i and
+The TTT loss (eaglekit.training.loss's module docstring has the definition) needs, per TTT step i and
 counted row t, the draft's log-softmax over the draft vocab against the target's distribution at
 row t+1+i. Written plainly (`eaglekit.training.ttt_loss`, the reference) it materializes logits,
 log-probabilities and their gradients for every row of every step: k x T x Vd floats several times
