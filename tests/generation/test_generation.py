@@ -443,7 +443,7 @@ def test_progress_lines_in_the_log_with_endpoint_names_and_whole_session_final_r
         specs = [EndpointSpec(first.base_url, name="node-a"), EndpointSpec(second.base_url, name="node-b")]
         generate([PromptSource("ds", "short", prompts)], specs, tmp_path / "out", [PartitionSettings("short", 2, 16)],
                  **{**FAST, "log_interval_s": 0.25})
-    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.generation"]
+    lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.generation.engine"]
     progress = [line for line in lines if line.startswith("progress ")]
     final = [line for line in lines if line.startswith("final ")]
     assert progress and len(final) == 1

@@ -24,7 +24,7 @@ import numpy as np
 
 from eaglekit.generation.capacity import CapacityPlan, plan_capacity
 from eaglekit.config import Params, repo_path
-from eaglekit.generation import generation_table
+from eaglekit.generation.logs import generation_table
 from eaglekit.io import read_jsonl
 from eaglekit.target import resolve_model
 

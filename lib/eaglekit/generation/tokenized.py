@@ -18,7 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglekit.generation import QUALITY_FLAGS, TRUNCATED_POLICIES, GenerationLog, PromptSource
+from eaglekit.generation.logs import GenerationLog
+from eaglekit.generation.prompts import PromptSource
+from eaglekit.generation.quality import QUALITY_FLAGS, TRUNCATED_POLICIES
 from eaglekit.io import InputError, read_jsonl, write_jsonl
 
 logger = logging.getLogger(__name__)

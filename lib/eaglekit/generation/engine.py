@@ -1,0 +1,506 @@
+"""The async generation engine: every prompt through the endpoints, with each partition's concurrency kept full.
+
+A new request starts the moment one finishes (never waves that wait for their slowest member),
+partitions run in the order given (default short, then long), and requests go to the least busy
+healthy endpoint (`eaglekit.generation.client`). Answers and errors are appended to the files
+`eaglekit.generation.logs` reads; a progress record and line every `log_interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from eaglekit.generation.client import (
+    ChatAnswer,
+    Endpoint,
+    EndpointAuthError,
+    EndpointPool,
+    EndpointSpec,
+    RequestRejected,
+    TransientError,
+)
+from eaglekit.generation.logs import (
+    ERRORS_FILE,
+    GENERATIONS_FILE,
+    METRICS_FILE,
+    SESSIONS_FILE,
+    GenerationSummary,
+    count_answers,
+    failure_record,
+    compact_errors,
+    count_lines,
+    finished_keys,
+    progress_line,
+    summarize_generations,
+)
+from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
+from eaglekit.generation.quality import QUALITY_FLAGS, quality_flags
+from eaglekit.generation.settings import DEFAULT_RETRY, PartitionSettings, RetryPolicy
+from eaglekit.io import AppendLog, repair_torn_tail, write_json
+
+logger = logging.getLogger(__name__)
+
+# A server answering 429/503 with Retry-After is honoured without spending the prompt's attempts,
+# up to this many waits per prompt and session (then the waits count like any transient failure).
+MAX_RETRY_AFTER_WAITS = 100
+
+
+@dataclass
+class _PartitionProgress:
+    total: int = 0            # to do this session
+    finished: int = 0         # done or errored this session
+    started_at: float | None = None
+    ended_at: float | None = None
+
+    def rate(self, now: float) -> float | None:
+        if self.started_at is None or self.finished == 0:
+            return None
+        return self.finished / max(1e-9, (self.ended_at or now) - self.started_at)
+
+
+class _Slot:
+    """The endpoint slot one prompt's task holds. Released exactly once per acquire, on every path:
+    by the attempt's `finally`, or by the task's done-callback if the task ends (even cancelled before
+    it first ran) still holding it."""
+
+    __slots__ = ("endpoint", "pool")
+
+    def __init__(self, pool: EndpointPool, endpoint: Endpoint | None = None):
+        self.pool, self.endpoint = pool, endpoint
+
+    def release(self, transient_failure: bool = False) -> None:
+        endpoint, self.endpoint = self.endpoint, None
+        if endpoint is not None:
+            self.pool.release(endpoint, transient_failure=transient_failure)
+
+
+class GenerationEngine:
+    """Runs prompts through endpoints; see `generate` for the blocking entry point and arguments."""
+
+    def __init__(self, sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
+                 partitions: Sequence[PartitionSettings], *, temperature: float | None = None,
+                 top_p: float | None = None, extra_body: dict[str, Any] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None,
+                 retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
+                 log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
+                 progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
+                 probe_wait_s: float = 60.0, seed: int = 0):
+        self.sources = list(sources)
+        self.endpoint_specs = list(endpoints)
+        self.output_dir = Path(output_dir)
+        self.partitions = list(partitions)
+        names = [partition.name for partition in self.partitions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"partition names repeat: {names}")
+        for source in self.sources:
+            if source.partition not in names:
+                raise ValueError(f"{source.path}: partition {source.partition!r} has no settings; known: {names}")
+        for partition in self.partitions:
+            if partition.concurrency < 1 or partition.max_tokens < 1:
+                raise ValueError(f"partition {partition.name!r}: concurrency and max_tokens must be >= 1")
+        labels = [spec.label for spec in self.endpoint_specs]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"endpoint names repeat: {labels}; give each endpoint its own name")
+        if shutdown_grace_s < 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
+        self.temperature, self.top_p, self.extra_body = temperature, top_p, dict(extra_body or {})
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.retry = retry
+        self.request_timeout_s = request_timeout_s
+        self.retry_errors = retry_errors
+        self.log_interval_s, self.flush_interval_s = log_interval_s, flush_interval_s
+        self.shutdown_grace_s = shutdown_grace_s
+        self.progress_bar = progress_bar
+        self.health_interval_s, self.unhealthy_after, self.probe_wait_s = health_interval_s, unhealthy_after, probe_wait_s
+        self.rng = random.Random(seed)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._abandon: asyncio.Event | None = None
+        self._stopped_at: float | None = None
+        self._fatal: BaseException | None = None
+        self._stop_requested = threading.Event()  # set from any thread, before or during the run
+
+    # -- control from other threads -----------------------------------------------------------
+
+    def request_stop(self, abandon: bool = False) -> None:
+        """Stop dispatching; in-flight requests get shutdown_grace_s (abandon=True: none). Thread-safe."""
+        self._stop_requested.set()
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._set_stop, abandon)
+
+    def _set_stop(self, abandon: bool) -> None:
+        if self._stop is not None and not self._stop.is_set():
+            self._stopped_at = time.monotonic()
+            if self._fatal is None:
+                logger.warning("stopping: no new requests; waiting up to %.0f s for %d in flight (rerun to resume)",
+                               self.shutdown_grace_s, self.pool.in_flight)
+            self._stop.set()
+            self.pool.notify()
+        if abandon and self._abandon is not None:
+            self._abandon.set()
+
+    def _fail_run(self, error: BaseException) -> None:
+        """Stop at once for a run-wide fault (the key refused): nothing more is sent, in-flight abandoned."""
+        if self._fatal is None:
+            self._fatal = error
+            logger.error("%s", error)
+        self._set_stop(abandon=True)
+
+    # -- run ----------------------------------------------------------------------------------
+
+    async def run(self) -> GenerationSummary:
+        self._loop = asyncio.get_running_loop()
+        self._stop, self._abandon = asyncio.Event(), asyncio.Event()
+        if self._stop_requested.is_set():
+            self._stop.set()
+            self._stopped_at = time.monotonic()
+        session_started = time.monotonic()
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        items, duplicates = load_prompts(self.sources)
+        if duplicates:
+            logger.warning("%d duplicate prompt ids skipped (first occurrence kept)", duplicates)
+        self.generations = AppendLog(self.output_dir / GENERATIONS_FILE)
+        self.metrics = AppendLog(self.output_dir / METRICS_FILE, sync_every=1)
+        errors_repaired = repair_torn_tail(self.output_dir / ERRORS_FILE)
+        for path, repaired in ((self.generations.path, self.generations.repaired_bytes),
+                               (self.output_dir / ERRORS_FILE, errors_repaired)):
+            if repaired:
+                logger.warning("%s: cut a torn last line (%d bytes) left by a crash", path, repaired)
+        # Counters start from the files (every earlier session), so they stay cumulative and equal
+        # to a recount at every moment: done, truncated, flags and completion lengths.
+        self.datasets, answered, duplicate_records = count_answers(self.output_dir, items)
+        if duplicate_records:
+            logger.warning("%s: %d prompts recorded more than once (counted once)", self.generations.path,
+                           duplicate_records)
+        self.previous_errors = compact_errors(self.output_dir, answered)
+        self.errors = AppendLog(self.output_dir / ERRORS_FILE)
+        self.errored_keys = set(self.previous_errors)
+        sessions_path = self.output_dir / SESSIONS_FILE
+        self.session = 1 + count_lines(sessions_path)
+        todo_by_partition: dict[str, list[PromptItem]] = {partition.name: [] for partition in self.partitions}
+        errored_here = 0
+        for item in items:
+            key = (item.dataset, item.id)
+            if key in answered:
+                continue
+            if key in self.errored_keys:
+                errored_here += 1
+                self.datasets[item.dataset].errors += 1  # still failed until answered (or failed again)
+                if not self.retry_errors:
+                    continue
+            todo_by_partition[item.partition].append(item)
+        todo = sum(len(partition_items) for partition_items in todo_by_partition.values())
+        with AppendLog(sessions_path, sync_every=1) as sessions:
+            sessions.append({"session": self.session, "started_at": time.time(), "pid": os.getpid(),
+                             "prompts": len(items), "done_before": len(answered), "errored_before": errored_here,
+                             "to_request": todo})
+        logger.info("session %d: %d prompts, %d already done, %d errored before (%s), %d to request",
+                    self.session, len(items), len(answered), errored_here,
+                    "retrying them" if self.retry_errors else "skipped", todo)
+        self.progress = {name: _PartitionProgress(total=len(todo_by_partition[name])) for name in todo_by_partition}
+        self.requests_this_session = 0
+        self.completion_tokens_this_session = 0
+        self.finished_this_session = 0
+        self.session_started = session_started
+        self.dispatch_started: float | None = None
+        self._window = (time.monotonic(), 0, 0)  # (time, finished, completion tokens) at the last tick
+        self.current_partition: str | None = None
+        max_concurrency = max(partition.concurrency for partition in self.partitions)
+        self.pool = EndpointPool(
+            [Endpoint(spec, max_connections=max_concurrency, request_timeout_s=self.request_timeout_s)
+             for spec in self.endpoint_specs],
+            unhealthy_after=self.unhealthy_after, health_interval_s=self.health_interval_s)
+        self.bar = tqdm(total=todo, desc="generation", unit="req", disable=not self.progress_bar, dynamic_ncols=True)
+        background: list[asyncio.Task] = []
+        try:
+            if todo and not self._stop.is_set():
+                await self.pool.probe_all(self.probe_wait_s)
+                write_json(self.output_dir / "endpoints.json",
+                           [{"name": endpoint.name, "base_url": endpoint.base_url,
+                             "capabilities": asdict(endpoint.capabilities) if endpoint.capabilities else None}
+                            for endpoint in self.pool.endpoints])
+                health = asyncio.create_task(self.pool.health_loop())
+                health.add_done_callback(self._background_ended)
+                background = [health, asyncio.create_task(self._tick_loop())]
+                self.dispatch_started = time.monotonic()
+                for partition in self.partitions:
+                    if self._stop.is_set():
+                        break
+                    await self._run_partition(partition, todo_by_partition[partition.name])
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            self._tick(final=True)
+            self.bar.close()
+            for log in (self.generations, self.errors, self.metrics):
+                log.close()
+            await self.pool.aclose()
+        summary = summarize_generations(self.output_dir, self.sources, items=items)
+        compact_errors(self.output_dir, {key for key in finished_keys(self.output_dir / GENERATIONS_FILE)})
+        summary.duplicate_prompt_ids = duplicates
+        summary.requests_this_session = self.requests_this_session
+        summary.elapsed_s = time.monotonic() - session_started
+        summary.interrupted = self._stop.is_set()
+        summary.session = self.session
+        summary.endpoints = [{"name": endpoint.name, "base_url": endpoint.base_url,
+                              **(asdict(endpoint.capabilities) if endpoint.capabilities else {})}
+                             for endpoint in self.pool.endpoints]
+        write_json(self.output_dir / "summary.json", {**asdict(summary), "output_dir": str(self.output_dir),
+                                                      "errors": summary.errors})
+        if self._fatal is not None:
+            raise self._fatal
+        return summary
+
+    def _background_ended(self, task: asyncio.Task) -> None:
+        """A task of the run ended with an exception: stop the run and raise it from `run`."""
+        if not task.cancelled() and task.exception() is not None:
+            self._fail_run(task.exception())
+
+    async def _run_partition(self, partition: PartitionSettings, items: list[PromptItem]) -> None:
+        progress = self.progress[partition.name]
+        self.current_partition = partition.name
+        progress.started_at = time.monotonic()
+        tasks: set[asyncio.Task] = set()
+        for item in items:
+            endpoint = await self.pool.acquire(partition.concurrency, self._stop)
+            if endpoint is None:
+                break
+            slot = _Slot(self.pool, endpoint)
+            task = asyncio.create_task(self._process(item, partition, slot))
+            # The backstop: a task that ends holding its slot (cancelled before it first ran, or a
+            # bug) gives it back, so no path can leave a slot taken and the run waiting for ever.
+            task.add_done_callback(lambda _task, slot=slot: slot.release())
+            # A task that fails (a full disk while recording) stops the run: nothing is lost silently.
+            task.add_done_callback(self._background_ended)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)  # finished tasks are not kept: 80,000 of them add up
+        await self._drain(tasks)
+        progress.ended_at = time.monotonic()
+
+    async def _drain(self, tasks: set[asyncio.Task]) -> None:
+        """Wait for in-flight requests; once stopping, give them what is left of shutdown_grace_s
+        (counted from the stop), then cancel them. Abandoned requests wrote nothing, so a rerun
+        requests them again: still exactly once."""
+        pending = set(tasks)
+        if not pending:
+            return
+        all_done = asyncio.gather(*pending, return_exceptions=True)
+        stop_waiter = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({all_done, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+        stop_waiter.cancel()
+        if not all_done.done():
+            grace = 0.0 if self._abandon.is_set() else \
+                max(0.0, self.shutdown_grace_s - (time.monotonic() - (self._stopped_at or time.monotonic())))
+            abandon_waiter = asyncio.create_task(self._abandon.wait())
+            await asyncio.wait({all_done, abandon_waiter}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
+            abandon_waiter.cancel()
+            if not all_done.done():
+                logger.warning("abandoning %d requests still in flight (requested again on resume)",
+                               sum(not task.done() for task in pending))
+                for task in pending:
+                    task.cancel()
+        results = await all_done
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+                raise result
+
+    async def _process(self, item: PromptItem, partition: PartitionSettings, slot: _Slot) -> None:
+        """One prompt to a final record: retry transient failures, record rejections and answers.
+
+        Every attempt runs on a slot it releases in `finally`; a stop while waiting for a slot or
+        backing off abandons the prompt unrecorded (requested again on resume).
+        """
+        attempts, waits = 0, 0
+        failures: list[str] = []
+        while True:
+            if slot.endpoint is None:
+                slot.endpoint = await self.pool.acquire(partition.concurrency, self._stop)
+                if slot.endpoint is None:
+                    return
+            endpoint = slot.endpoint
+            attempts += 1
+            self.requests_this_session += 1
+            started = time.monotonic()
+            outcome: BaseException | ChatAnswer
+            transient = False
+            try:
+                outcome = await endpoint.chat(item.messages, partition.max_tokens, self.temperature, self.top_p,
+                                              self.extra_body, tools=item.tools,
+                                              chat_template_kwargs=self.chat_template_kwargs)
+            except TransientError as error:
+                outcome = error
+                if error.retry_after_s is not None:
+                    endpoint.pause(error.retry_after_s)  # the server is alive and asks us to wait
+                else:
+                    transient = True
+            except (RequestRejected, EndpointAuthError) as error:
+                outcome = error
+            except Exception as error:  # a client bug must cost one prompt, never the slot or the run
+                logger.exception("%s/%s: unexpected error on %s", item.dataset, item.id, endpoint.name)
+                outcome = error
+            finally:
+                slot.release(transient_failure=transient)
+            latency = time.monotonic() - started
+            if isinstance(outcome, ChatAnswer):
+                self._record_answer(item, endpoint.name, attempts, latency, outcome)
+                return
+            if isinstance(outcome, EndpointAuthError):
+                self._fail_run(outcome)  # not the prompt's fault: no record, requested again on resume
+                return
+            if isinstance(outcome, RequestRejected):
+                self._record_error(item, endpoint.name, attempts, "rejected", outcome.status, outcome.message, failures)
+                return
+            if not isinstance(outcome, TransientError):
+                self._record_error(item, endpoint.name, attempts, "client_error", None,
+                                   f"{type(outcome).__name__}: {outcome}", failures)
+                return
+            failures.append(f"{endpoint.name}: {outcome.kind}")
+            if outcome.retry_after_s is not None and waits < MAX_RETRY_AFTER_WAITS:
+                # Honour the server's Retry-After: the endpoint is paused, `acquire` waits for it (or
+                # routes to another endpoint), and the wait does not spend one of the prompt's attempts.
+                waits += 1
+                attempts -= 1
+                logger.info("%s/%s: %s asks to retry after %.1f s (%s)", item.dataset, item.id, endpoint.name,
+                            outcome.retry_after_s, outcome.kind)
+                continue
+            if attempts >= self.retry.max_attempts:
+                self._record_error(item, endpoint.name, attempts, outcome.kind, outcome.status, outcome.message,
+                                   failures)
+                return
+            # Back off, then take whichever endpoint is free and healthy (maybe another one).
+            delay = self.retry.backoff_seconds(attempts, self.rng)
+            logger.info("%s/%s attempt %d on %s: %s; retrying in %.1f s", item.dataset, item.id, attempts,
+                        endpoint.name, str(outcome)[:200], delay)
+            if await self._sleep_unless_stopped(delay):
+                return
+
+    async def _sleep_unless_stopped(self, seconds: float) -> bool:
+        """Sleep; True when the run is stopping (the caller abandons its prompt)."""
+        try:
+            await asyncio.wait_for(self._stop.wait(), timeout=seconds)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # -- records --------------------------------------------------------------------------------
+
+    def _record_answer(self, item: PromptItem, endpoint_name: str, attempts: int, latency: float,
+                       answer: ChatAnswer) -> None:
+        flags = quality_flags(answer.content, answer.reasoning, answer.finish_reason, answer.tool_calls)
+        completion_tokens = answer.completion_tokens
+        if completion_tokens is None and answer.token_ids is not None:
+            completion_tokens = len(answer.token_ids)
+        # Small fields first, "content" and the bulky fields after it: readers that need no text
+        # (`iter_record_heads`) parse only the head of the line.
+        record = {
+            "dataset": item.dataset, "id": item.id, "partition": item.partition, "endpoint": endpoint_name,
+            "session": self.session, "attempts": attempts, "latency_s": round(latency, 4),
+            "prompt_tokens": answer.prompt_tokens, "completion_tokens": completion_tokens,
+            "finish_reason": answer.finish_reason, "truncated": answer.finish_reason == "length", "flags": flags,
+            "reasoning_field": answer.reasoning_field, "finished_at": time.time(),
+            "content": answer.content, "reasoning": answer.reasoning, "tool_calls": answer.tool_calls,
+            "prompt_token_ids": answer.prompt_token_ids, "token_ids": answer.token_ids}
+        self.generations.append(record)
+        key = (item.dataset, item.id)
+        counts = self.datasets[item.dataset]
+        counts.add_answer(record)
+        if key in self.errored_keys:  # an earlier failure is superseded by this answer
+            self.errored_keys.discard(key)
+            counts.errors -= 1
+        self.completion_tokens_this_session += completion_tokens or 0
+        self._finished(item)
+
+    def _record_error(self, item: PromptItem, endpoint_name: str, attempts: int, kind: str, status: int | None,
+                      message: str, failures: list[str]) -> None:
+        key = (item.dataset, item.id)
+        previous = self.previous_errors.get(key)
+        history = [*previous.get("history", []), failure_record(previous)] if previous else []
+        self.errors.append({"dataset": item.dataset, "id": item.id, "partition": item.partition,
+                            "endpoint": endpoint_name, "session": self.session, "attempts": attempts, "kind": kind,
+                            "status": status, "message": message, "at": time.time(),
+                            "attempt_errors": failures[-20:], "history": history})
+        if key not in self.errored_keys:
+            self.errored_keys.add(key)
+            self.datasets[item.dataset].errors += 1
+        logger.info("%s/%s failed for good after %d attempts on %s: %s %s", item.dataset, item.id, attempts,
+                    endpoint_name, kind, message[:200])
+        self._finished(item)
+
+    def _finished(self, item: PromptItem) -> None:
+        self.progress[item.partition].finished += 1
+        self.finished_this_session += 1
+        self.bar.update(1)
+
+    # -- progress -------------------------------------------------------------------------------
+
+    async def _tick_loop(self) -> None:
+        last_log = time.monotonic()
+        while True:
+            await asyncio.sleep(min(self.flush_interval_s, self.log_interval_s))
+            self.generations.flush()
+            self.errors.flush()
+            if time.monotonic() - last_log >= self.log_interval_s:
+                last_log = time.monotonic()
+                self._tick()
+
+    def _snapshot(self, final: bool) -> dict[str, Any]:
+        """Cumulative counts (every session) and rates: over the last interval, or the whole session
+        when final (the final line must not report the rate of its last half second)."""
+        now = time.monotonic()
+        finished, tokens = self.finished_this_session, self.completion_tokens_this_session
+        window_time, window_finished, window_tokens = self._window
+        self._window = (now, finished, tokens)
+        if final:
+            window_time = self.dispatch_started or now
+            window_finished, window_tokens = 0, 0
+        span = max(1e-9, now - window_time)
+        etas: dict[str, float | None] = {}
+        last_rate = None
+        for partition in self.partitions:
+            progress = self.progress[partition.name]
+            rate = progress.rate(now) or last_rate  # not started yet: the last measured rate, a rough guess
+            last_rate = progress.rate(now) or last_rate
+            remaining = progress.total - progress.finished
+            etas[partition.name] = 0.0 if remaining == 0 else (remaining / rate if rate else None)
+        total_eta = None if any(eta is None for eta in etas.values()) else sum(etas.values())
+        completion_tokens = sum(counts.completion_tokens for counts in self.datasets.values())
+        measured = sum(counts.measured_answers for counts in self.datasets.values())
+        flags = {flag: sum(counts.flags.get(flag, 0) for counts in self.datasets.values()) for flag in QUALITY_FLAGS}
+        return {
+            "time": time.time(), "session": self.session, "elapsed_s": round(now - self.session_started, 3),
+            "partition": self.current_partition,
+            "done": {name: counts.done for name, counts in self.datasets.items()},
+            "total": {name: counts.total for name, counts in self.datasets.items()},
+            "errors": sum(counts.errors for counts in self.datasets.values()),
+            "truncated": sum(counts.truncated for counts in self.datasets.values()),
+            "flags": flags,
+            "rate_window_s": round(span, 3),
+            "requests_per_s": round((finished - window_finished) / span, 4),
+            "completion_tokens_per_s": round((tokens - window_tokens) / span, 2),
+            "mean_completion_tokens": round(completion_tokens / measured, 2) if measured else None,
+            "finished_this_session": finished, "requests_this_session": self.requests_this_session,
+            "in_flight": self.pool.in_flight,
+            "endpoints_in_flight": {endpoint.name: endpoint.in_flight for endpoint in self.pool.endpoints},
+            "healthy_endpoints": sum(endpoint.healthy for endpoint in self.pool.endpoints),
+            "eta_s": etas, "eta_total_s": total_eta}
+
+    def _tick(self, final: bool = False) -> None:
+        snapshot = self._snapshot(final)
+        snapshot["final"] = final
+        self.metrics.append(snapshot)
+        self.bar.set_postfix(in_flight=snapshot["in_flight"], errors=snapshot["errors"],
+                             truncated=snapshot["truncated"], refresh=False)
+        logger.info("%s", progress_line(snapshot))
