@@ -90,7 +90,7 @@ def plot_per_position_acceptance(per_position: pd.DataFrame, title: str) -> Figu
 
 
 def plot_ablation(table: pd.DataFrame, pooled_dataset: str = "all") -> Figure:
-    """Pooled held-out tau per ablation variant with its interval (`checkpoint_evaluation.score_ablation`'s table)."""
+    """Pooled held-out tau per ablation variant with its interval (`checkpoints.score_ablation`'s table)."""
     if not (table["dataset"] == pooled_dataset).any():  # one dataset: acceptance_tables adds no pooled row
         pooled_dataset = table["dataset"].iloc[0]
     pooled = table[table["dataset"] == pooled_dataset]

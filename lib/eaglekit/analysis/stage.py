@@ -1,0 +1,220 @@
+"""Stage 6 as one library call: every draft of the stage-5 sweep scored, the real loop, break-even and the scaling answer.
+
+`run_analysis_stage(params, run_dir)` does what notebook 06 computes, without the plots, in this order:
+1. offline acceptance per draft and dataset on the sweep's held-out samples (`checkpoints`, `acceptance`);
+2. the real speculative-decoding loop with the largest draft on held-out prompts (`checkpoints.evaluate_speculative_loop`);
+3. preflight (the doctor) on the exported SGLang draft;
+4. break-even (`break_even`) for the seed's serving case (params) and for the loop's own timings;
+5. the benchmark prompts through the real loop with every draft (`benchmark`);
+6. the scaling answer on the pooled held-out curve (`answer.sweep_scaling`);
+7. which topology to serve (`topology_sweep`), checked through the real tree loop;
+8. the ablation (original vs regenerated answers) when stage 5 trained it;
+9. live serving measurements when endpoints are configured (`live_serving`).
+It writes analysis/{acceptance, acceptance_per_position, doctor, topology_sweep}.csv, benchmark.csv, ablation.csv and
+serving.csv when measured, analysis/scaling_summary.json, and the `topology_sweep` and `headline` metrics events, and
+returns an `AnalysisResult` that the notebook displays and plots (figures/06_*.png are the notebook's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from eaglekit.analysis.acceptance import SweepAcceptance, sweep_acceptance
+from eaglekit.analysis.answer import (SweepScaling, analysis_summary_record, answer_in_words, headline_metrics, sweep_scaling,
+                                      write_summary_record)
+from eaglekit.analysis.benchmark import BenchmarkRun, benchmark_drafts
+from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
+from eaglekit.analysis.checkpoints import (LoopReport, evaluate_speculative_loop, heldout_prompts, heldout_samples, load_draft_checkpoint,
+                                           offline_agreements_by_size, score_ablation)
+from eaglekit.analysis.live_serving import LiveServing, measure_live_serving
+from eaglekit.analysis.topology_sweep import (StepCosts, check_recommendation, default_topology_grid, measure_step_costs, pool_datasets,
+                                              recommend, sweep_event, sweep_table, tree_depths_by_dataset)
+from eaglekit.capture import load_target, open_captured_samples
+from eaglekit.config import Params
+from eaglekit.draft.doctor import findings_frame, preflight_table, run_doctor
+from eaglekit.draft.model import load_target_head_weights
+from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
+from eaglekit.target import load_tokenizer, resolve_model
+from eaglekit.topology import Topology
+from eaglekit.training.record import SweepRecord
+
+SUMMARY_FILE = "scaling_summary.json"
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the timed loops on one torch thread: on a shared 2-core machine two threads contend and slow plain
+    decoding several-fold, which would distort the greedy-vs-speculative comparison."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+@dataclass(frozen=True)
+class AnalysisResult:
+    """What stage 6 measured, in the order `run_analysis_stage` measured it. Every tau is for `topology`
+    (a greedy chain of analysis.chain_steps) unless a table names its own."""
+
+    run_dir: Path
+    topology: Topology
+    sweep: SweepRecord
+    heldout: list[dict]  # the held-out samples every draft is scored on: id, dataset, input_ids, loss_mask, ...
+    acceptance: SweepAcceptance  # offline acceptance per draft and dataset, with bootstrap intervals
+    offline_seconds: float
+    loop_prompts: list[dict]  # held-out prompts of the real loop (and the topology check and live serving)
+    loop: LoopReport  # the largest draft through the real loop against plain greedy decoding
+    loop_seconds: float
+    doctor: pd.DataFrame  # preflight findings on the exported SGLang draft
+    seed_case: BreakEven  # the seed's serving measurement (params.analysis)
+    embedded_case: BreakEven  # the loop's own timings
+    benchmark: BenchmarkRun
+    scaling: SweepScaling
+    step_costs: StepCosts
+    topology_grid_size: int
+    topology_samples: int
+    topology_table: pd.DataFrame  # offline tau and predicted speedup per chain and SGLang tree
+    serve: dict  # the recommended SGLang flags and vLLM setting, with the real tree loop's check
+    ablation: pd.DataFrame | None  # None when stage 5 trained no ablation
+    live_doctor: pd.DataFrame | None  # the doctor against the SGLang server's info, when an endpoint is set
+    live: LiveServing
+    summary: dict[str, Any]  # what analysis/scaling_summary.json holds
+    stage_seconds: float
+    answer: list[str]  # the answer in plain words, paragraphs built from the numbers
+
+    @property
+    def largest_size(self) -> int:
+        return self.sweep.largest.size
+
+    @property
+    def break_even(self) -> float:
+        """Break-even tau of the embedded loop: what the scaling answer sizes data for."""
+        return self.embedded_case.break_even_accept_length
+
+    @property
+    def ceiling(self) -> float:
+        """The chain's ceiling tau, k + 1."""
+        return self.topology.steps + 1.0
+
+    def break_even_table(self) -> pd.DataFrame:
+        return pd.DataFrame([{"case": "seed (params.analysis)", "topology": "as served", **self.seed_case.to_dict()},
+                             {"case": "embedded loop, largest draft", "topology": self.topology.label, **self.embedded_case.to_dict()}])
+
+
+def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisResult:
+    """Stage 6 without plots over the run folder stage 5 filled (training/sweep.json); see the module docstring."""
+    started = time.perf_counter()
+    out = Path(run_dir)
+    settings = params.analysis
+    steps = settings.chain_steps  # k: every tau is for a greedy chain of k steps (top-1, k + 1 draft tokens)
+    topology = Topology.chain(steps)
+    sweep = SweepRecord.load_run(out)  # training/sweep.json: fails here, naming the field, when it is malformed
+    analysis_dir = stage_dir(out, "analysis")
+    model_dir = resolve_model(params.target.model, revision=params.target.revision)
+    tokenizer = load_tokenizer(params.target)
+    metrics = Metrics(out, "analysis")
+    torch.manual_seed(params.run.seed)
+    max_length = params.training.max_length
+
+    # Inputs from stage 5: the drafts, and the held-out samples from the shards or the target recomputing them.
+    target_model = load_target(model_dir)
+    captured = open_captured_samples(sweep.path(out, sweep.capture_dir), tokenized_data_files(out), target_model,
+                                     capture_layer_ids=sweep.capture_layer_ids, max_seq_len=params.capture.max_seq_len)
+    heldout = heldout_samples(sweep, captured)
+    checkpoints = sweep.checkpoints(out)  # {data size: best checkpoint}
+    still_improving = sweep.still_improving()  # {data size: recent gain} of drafts stopped by the step cap: lower bounds
+    head = load_target_head_weights(model_dir)
+
+    offline_started = time.perf_counter()
+    agreements_by_size = offline_agreements_by_size(checkpoints, head.embed_tokens, head.lm_head, heldout, steps, max_length)
+    offline_seconds = time.perf_counter() - offline_started
+    acceptance = sweep_acceptance(agreements_by_size, steps, settings.bootstrap_resamples, settings.confidence, params.run.seed)
+    acceptance.summary.to_csv(analysis_dir / "acceptance.csv", index=False)
+    acceptance.per_position.to_csv(analysis_dir / "acceptance_per_position.csv", index=False)
+
+    eos_token_ids = [int(tokenizer.eos_token_id)]
+    with one_torch_thread():
+        largest_draft = load_draft_checkpoint(checkpoints[sweep.largest.size], head.embed_tokens)
+        loop_prompts = heldout_prompts(heldout, settings.specdec_prompts, max_prompt_tokens=max_length)
+        loop_started = time.perf_counter()
+        loop = evaluate_speculative_loop(target_model, largest_draft, [prompt["input_ids"] for prompt in loop_prompts], steps,
+                                         settings.specdec_max_new_tokens, eos_token_ids)
+        loop_seconds = time.perf_counter() - loop_started
+    loop.require_lossless()
+
+    sglang_dir = sweep.path(out, sweep.export["sglang"])
+    doctor = preflight_table(model_dir / "config.json", sglang_dir, sweep.export["sglang"], list(largest_draft.config.capture_layer_indices),
+                             loop.summary["tau_loop_pooled"])
+    doctor.to_csv(analysis_dir / "doctor.csv", index=False)
+
+    seed_case = break_even_from_throughput(settings.baseline_tokens_per_s, settings.speculative_tokens_per_s, settings.measured_accept_length)
+    embedded_case = break_even_from_throughput(loop.summary["greedy_tokens_per_second"], loop.summary["speculative_tokens_per_second"],
+                                               loop.summary["tau_loop_pooled"], draft_length=steps)
+
+    benchmark = benchmark_drafts(settings, target_model, tokenizer, checkpoints, head.embed_tokens, steps, max_length, eos_token_ids,
+                                 template_kwargs=params.prep.chat_template_kwargs, seed=params.run.seed)
+    benchmark.write(analysis_dir)
+
+    scaling = sweep_scaling(acceptance, embedded_case.break_even_accept_length, max_accept_length=steps + 1.0,
+                            confidence=settings.confidence, target_accept_length=settings.target_accept_length,
+                            lower_bound_sizes=still_improving)
+    summary = analysis_summary_record(topology, len(heldout), scaling, embedded_case, seed_case, loop.summary,
+                                      settings.benchmark_prompts, benchmark.summary)
+
+    # Which topology to serve; the grid is sized for a 2-core CPU (on a GPU: default_topology_grid() and every sample).
+    grid = default_topology_grid(max_steps=4, top_ks=(2, 4), draft_tokens=(4, 8, 16))
+    topology_samples = heldout[: settings.specdec_prompts]
+    with one_torch_thread():
+        step_costs = measure_step_costs(target_model, largest_draft, context_length=min(256, max_length))
+        depths = tree_depths_by_dataset(largest_draft, head.lm_head, topology_samples, grid, max_length)
+    topology_table = sweep_table({served: pool_datasets(by_dataset) for served, by_dataset in depths.items()}, step_costs,
+                                 draft_dir=str(sglang_dir), num_resamples=settings.bootstrap_resamples, confidence=settings.confidence,
+                                 seed=params.run.seed)
+    topology_table.to_csv(analysis_dir / "topology_sweep.csv", index=False)
+    serve = check_recommendation(recommend(topology_table, step_costs), target_model, largest_draft, loop_prompts, steps,
+                                 settings.specdec_max_new_tokens, eos_token_ids, num_resamples=settings.bootstrap_resamples,
+                                 confidence=settings.confidence, seed=params.run.seed)
+    summary["topology_sweep"] = serve
+    metrics.log(**sweep_event(serve))
+
+    ablation = score_ablation(sweep, out, head.embed_tokens, head.lm_head, heldout, steps, max_length,
+                              settings.bootstrap_resamples, settings.confidence, params.run.seed)
+    if ablation is not None:
+        ablation.to_csv(analysis_dir / "ablation.csv", index=False)
+        summary["ablation"] = ablation.to_dict(orient="records")
+
+    live_doctor = None
+    if settings.sglang_endpoint:  # the doctor against the running server's info, before measuring it
+        live_doctor = findings_frame(run_doctor(model_dir / "config.json", draft_dir=sglang_dir, endpoint=settings.sglang_endpoint))
+    live = measure_live_serving(loop_prompts, settings.specdec_max_new_tokens, sglang_endpoint=settings.sglang_endpoint,
+                                baseline_endpoint=settings.baseline_endpoint, vllm_endpoint=settings.vllm_endpoint)
+    if live.measured:
+        live.summary.to_csv(analysis_dir / "serving.csv", index=False)
+        summary["serving"] = live.records()
+
+    stage_seconds = time.perf_counter() - started
+    summary["stage_seconds"] = stage_seconds
+    write_summary_record(analysis_dir / SUMMARY_FILE, summary)
+    metrics.log(event="headline", **headline_metrics(topology, scaling, loop.summary, embedded_case, seed_case,
+                                                     lower_bound_sizes=still_improving, stage_seconds=stage_seconds))
+    metrics.close()
+    answer = answer_in_words(acceptance, scaling.pooled_dataset, topology, len(heldout), settings.confidence, embedded_case,
+                             loop.summary, scaling.statements, seed_case, benchmark.summary, Path(settings.benchmark_prompts or "").name)
+    return AnalysisResult(
+        run_dir=out, topology=topology, sweep=sweep, heldout=heldout, acceptance=acceptance, offline_seconds=offline_seconds,
+        loop_prompts=loop_prompts, loop=loop, loop_seconds=loop_seconds, doctor=doctor, seed_case=seed_case,
+        embedded_case=embedded_case, benchmark=benchmark, scaling=scaling, step_costs=step_costs, topology_grid_size=len(grid),
+        topology_samples=len(topology_samples), topology_table=topology_table, serve=serve, ablation=ablation,
+        live_doctor=live_doctor, live=live, summary=summary, stage_seconds=stage_seconds, answer=answer,
+    )
