@@ -215,7 +215,7 @@ class TrainingParams(Section):
     eval_interval: int = Field(default=25, gt=0)
     device: str = "cpu"
     parallel: Literal["none", "ddp", "fsdp"] = "none"
-    # Processes on this machine; > 1 runs stage 5 under torchrun (notebook 05 launches it, README "Multi-GPU training").
+    # Processes on this machine; > 1 runs stage 5 under torchrun (notebook 05 launches it, docs/scale_out.md).
     nproc_per_node: int = Field(default=1, gt=0)
     pack_tokens: int | None = Field(default=None, gt=0)  # pack samples into rows of this many tokens (>= max_length); None: pad
     attention: Literal["auto", "eager", "flex"] = "auto"  # TTT attention: auto = flex on CUDA, eager on CPU

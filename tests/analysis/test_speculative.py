@@ -382,7 +382,7 @@ def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts
     tau_loop = 1 + float(np.mean(loop_accepted))
     # Every visited row agrees exactly (above); the taus differ only because the loop visits the rows where the
     # previous tree ended while the offline figure averages every row: a sampling gap, wide at 48 tokens. The
-    # issue's 5% is measured at a larger size by bench/acceptance.py --topology (README, "Evaluate a draft").
+    # issue's 5% is measured at a larger size by bench/acceptance.py --topology (docs/evaluate.md).
     assert tau_offline > 1.2 and abs(tau_loop - tau_offline) / tau_offline < 0.15, (tau_loop, tau_offline)
 
 
