@@ -126,7 +126,7 @@ def capture_to_shards(
     """Capture every sample of `data_files` ({dataset: tokenized_data.jsonl}) into shards in `output_dir`.
 
     `progress` shows a tqdm bar; every `log_interval_s` a progress line (samples and tokens done,
-    tok/s, ETA) goes to the `eaglekit.capture` logger, and a final one at the end.
+    tok/s, ETA) goes to the `eaglekit.capture.run` logger, and a final one at the end.
 
     Resumable: samples already indexed are skipped (their batch is recomputed whole so the features
     are bit-identical to an uninterrupted run). Under torchrun (process group initialized) batch i

@@ -27,7 +27,7 @@ METRICS_FILE = "metrics.jsonl"
 SESSIONS_FILE = "sessions.jsonl"
 
 
-# Every record's small fields come before "content" (see `_record_answer`). In a JSON line, a
+# Every record's small fields come before "content" (see `engine.GenerationEngine._record_answer`). In a JSON line, a
 # quote inside a string value is escaped, so the first `, "content": ` is the key itself: the head
 # `line[:index] + "}"` is valid JSON with everything but the answer text and token ids.
 _CONTENT_KEY = b', "content": '
