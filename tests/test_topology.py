@@ -71,7 +71,7 @@ def test_parse_topologies_drops_duplicates_and_needs_one():
 # the sweep's cost model, table and recommendation (pure numbers; the measured sweep runs in test_evaluate)
 # ---------------------------------------------------------------------------------------------------
 def test_cost_model_reduces_to_the_break_even_model_of_scaling():
-    from eaglekit.analysis.scaling import break_even_from_timings, speedup_from_timings
+    from eaglekit.analysis.break_even import break_even_from_timings, speedup_from_timings
     from eaglekit.analysis.topology_sweep import StepCosts
 
     costs = StepCosts(target_step_s=0.011, verify_base_s=0.012, verify_token_s=0.0, draft_base_s=0.002, draft_node_s=0.0)

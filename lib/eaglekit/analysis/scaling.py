@@ -34,7 +34,7 @@ import numpy as np
 from scipy.optimize import OptimizeWarning, curve_fit
 
 from eaglekit.analysis.acceptance import percentile_interval
-from eaglekit.analysis.break_even import BreakEven, break_even_from_timings, speedup_from_timings  # noqa: F401 (the last two: re-exported)
+from eaglekit.analysis.break_even import BreakEven
 
 # ----------------------------------------------------------------------------- scaling fit
 
