@@ -88,8 +88,9 @@ def load_draft_weights(model: Eagle3DraftModel, checkpoint: dict[str, Any]) -> N
         raise ValueError(f"checkpoint does not fit this draft: missing {missing}, unexpected {unexpected}")
 
 
-# Settings that may change between an interrupted run and its resumption.
-_RESUMABLE_DIFFERENCES = {"stop_at_step", "device", "log_interval_s"}
+# Settings that may change between an interrupted run and its resumption (prefetching and activation
+# checkpointing change how, not what, a step computes).
+_RESUMABLE_DIFFERENCES = {"stop_at_step", "device", "log_interval_s", "prefetch_steps", "activation_checkpointing"}
 
 
 # Settings added after checkpoints were already being written, with the value that reproduces how those

@@ -48,8 +48,19 @@ def setup_distributed(parallel: str, device: torch.device) -> Distributed:
     return Distributed(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-def wrap_model(model: Eagle3DraftModel, parallel: str, device: torch.device) -> torch.nn.Module:
-    """DDP replicates the draft; FSDP (torch's fully_shard) shards the layer and the head across GPUs."""
+def wrap_model(model: Eagle3DraftModel, parallel: str, device: torch.device, activation_checkpointing: bool = False) -> torch.nn.Module:
+    """DDP replicates the draft; FSDP (torch's fully_shard) shards the layer and the head across GPUs.
+
+    activation_checkpointing: the forward the loop calls checkpoints each TTT step
+    (eaglekit.training.unroll.CheckpointedDraft, the draft's parameters unchanged); DDP wraps that.
+    """
+    if activation_checkpointing:
+        if parallel == "fsdp":
+            raise ValueError("activation checkpointing under parallel='fsdp' is not wired yet (FSDP's root must be the draft itself): "
+                             "use parallel='ddp' with activation checkpointing, or fsdp without it")
+        from eaglekit.training.unroll import CheckpointedDraft
+
+        model = CheckpointedDraft(model)
     if parallel == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     if parallel == "fsdp":

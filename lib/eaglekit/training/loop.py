@@ -15,8 +15,10 @@ Progress lines (step/total, loss, tokens/s, held-out tau, ETA) go to this module
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from eaglekit.training.checkpoint import BEST_CHECKPOINT, LAST_CHECKPOINT, resum
 from eaglekit.training.distributed import Distributed, full_state_dicts, gradient_sync, rank_packs, setup_distributed, wrap_model
 from eaglekit.training.heldout import heldout_batches, per_position_agreement, sample_lengths, simulated_accept_length
 from eaglekit.training.metrics import METRICS_FILE
+from eaglekit.training.prefetch import Prefetcher, SerializedSamples
 from eaglekit.training.schedule import step_learning_rate
 from eaglekit.training.settings import TrainSettings
 from eaglekit.training.split import sample_index_at
@@ -234,7 +237,7 @@ def train_draft(
     model.to(device)
     model.attention_backend = training.attention
     teacher = Teacher.for_draft(model.draft_to_target_ids(), model.t2d, target_lm_head, device, target_cache)
-    wrapped = wrap_model(model, training.parallel, device)
+    wrapped = wrap_model(model, training.parallel, device, settings.activation_checkpointing)
     trainable = [parameter for parameter in wrapped.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, betas=(settings.beta1, settings.beta2), weight_decay=training.weight_decay)
     resumed = last_path.exists()
@@ -245,6 +248,27 @@ def train_draft(
     # The held-out set never changes: its length-sorted batches are planned once (tokens only, no features).
     eval_batches = heldout_batches(sample_lengths(heldout_samples, training.max_length), training.micro_batch_size)
 
+    # The next steps' samples are read in a background thread while this step trains (prefetch_steps
+    # ahead; 0 reads in the step). Both threads read one capture, so its reads take one lock.
+    global_batch = training.micro_batch_size * training.grad_accumulation_steps * distributed.world_size
+    if settings.prefetch_steps:
+        lock = threading.Lock()
+        train_samples, heldout_samples = SerializedSamples(train_samples, lock), SerializedSamples(heldout_samples, lock)
+    read_step = lambda position: rank_samples_at(position, train_samples, settings, distributed)
+    with Prefetcher(read_step, itertools.count(progress.samples_seen, global_batch), settings.prefetch_steps) as upcoming:
+        progress = _train_steps(run, progress, upcoming, trainable, resumed, heldout_samples, eval_batches)
+    if run.log is not None:
+        run.log.close()
+    return TrainResult(output_dir, progress.step, progress.best_step, progress.best_accept_length, output_dir / BEST_CHECKPOINT, last_path,
+                       metrics_path, samples_seen=progress.samples_seen, step_cap=run.total_steps, stopped=progress.stopped,
+                       improved_step=progress.improved_step)
+
+
+def _train_steps(run: Run, progress: TrainProgress, upcoming: Prefetcher, trainable: list[torch.nn.Parameter], resumed: bool,
+                 heldout_samples: Sequence[dict], eval_batches: Sequence[Sequence[int]]) -> TrainProgress:
+    """The loop proper, in nanoGPT's order; `upcoming` yields each step's micro-batches in data order."""
+    settings, training, optimizer = run.settings, run.settings.training, run.optimizer
+    global_batch = training.micro_batch_size * training.grad_accumulation_steps * run.distributed.world_size
     if not resumed:
         progress = evaluate_and_checkpoint(run, progress, heldout_samples, eval_batches)  # the curve starts at the initialized draft
     started = last_logged = time.perf_counter()
@@ -253,13 +277,13 @@ def train_draft(
         learning_rate = step_learning_rate(progress.step, training, progress.decay_start, run.total_steps)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate
-        rank_samples = rank_samples_at(progress.samples_seen, train_samples, settings, distributed)
+        rank_samples = next(upcoming)
         step = ttt_step(run, rank_samples)
         gradient_norm = float(torch.nn.utils.clip_grad_norm_(trainable, training.grad_clip))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1
-        progress.samples_seen += training.micro_batch_size * training.grad_accumulation_steps * distributed.world_size
+        progress.samples_seen += global_batch
         tokens_seen += step.tokens
 
         now = time.perf_counter()
@@ -272,8 +296,4 @@ def train_draft(
             progress = evaluate_and_checkpoint(run, progress, heldout_samples, eval_batches)
             if settings.stop_at_step is not None and progress.step >= settings.stop_at_step:
                 break
-    if run.log is not None:
-        run.log.close()
-    return TrainResult(output_dir, progress.step, progress.best_step, progress.best_accept_length, output_dir / BEST_CHECKPOINT, last_path,
-                       metrics_path, samples_seen=progress.samples_seen, step_cap=run.total_steps, stopped=progress.stopped,
-                       improved_step=progress.improved_step)
+    return progress

@@ -64,11 +64,16 @@ def parameter_counts(config: DraftConfig) -> tuple[int, int]:
     return trainable, frozen
 
 
-def activation_bytes(config: DraftConfig, pack_tokens: int, ttt_steps: int, attention: str = "flex", dtype: str = "bf16") -> int:
+def activation_bytes(config: DraftConfig, pack_tokens: int, ttt_steps: int, attention: str = "flex", dtype: str = "bf16",
+                     checkpointing: bool = False) -> int:
     """Bytes autograd keeps for backward in one training micro-batch of one pack (dry run on meta).
 
     Runs the kit's forward (`return_normed_states`) and `chunked_ttt_loss` on meta tensors with every
     row counted (the worst case), and sums the distinct storages saved for backward, weights excluded.
+    checkpointing: the unroll of eaglekit.training.unroll (each TTT step recomputed in backward). Then
+    the count is what stays saved (outside the steps, and each step's inputs: the previous state, the
+    earlier steps' keys and values, tokens and positions) plus the largest step's own activations,
+    which its recomputation holds while backward passes through it: the peak, not the sum.
     """
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype {dtype!r}: use 'bf16' or 'fp32'")
@@ -89,38 +94,65 @@ def activation_bytes(config: DraftConfig, pack_tokens: int, ttt_steps: int, atte
     targets = TargetSignals(torch.zeros(1, pack_tokens, config.draft_vocab_size, device=meta),
                             torch.zeros_like(input_ids), torch.zeros(1, pack_tokens, dtype=torch.bool, device=meta))
     saved: dict[int, int] = {}
+    alive: list[torch.Tensor] = []  # what the count names stays allocated, so no freed storage's id is reused
 
     def keep(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         if storage._cdata not in weights:
             saved[storage._cdata] = storage.nbytes()
+            alive.append(tensor)
         return tensor
 
+    step_bytes: list[int] = []  # with checkpointing: each step's own activations (held again while it recomputes)
+
+    def run_step(function, *args: torch.Tensor):
+        inputs = {keep(tensor).untyped_storage()._cdata for tensor in args if isinstance(tensor, torch.Tensor)}
+        inside: dict[int, int] = {}
+
+        def count(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in weights and storage._cdata not in inputs:
+                inside[storage._cdata] = storage.nbytes()
+                alive.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):  # the innermost hooks apply
+            outputs = function(*args)
+        step_bytes.append(sum(inside.values()))
+        return outputs
+
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        states = model(input_ids, aux, ttt_steps, positions, documents, return_normed_states=True)
+        if checkpointing:
+            from eaglekit.training.unroll import checkpointed_unroll
+
+            states = [model.norm(state) for state in checkpointed_unroll(model, input_ids, aux, ttt_steps, positions, documents,
+                                                                          checkpoint_fn=run_step)]
+        else:
+            states = model(input_ids, aux, ttt_steps, positions, documents, return_normed_states=True)
         chunked_ttt_loss(model, states, targets, eligible, torch.ones(ttt_steps, device=meta), 0.8)
-    return sum(saved.values())
+    return sum(saved.values()) + max(step_bytes, default=0)
 
 
-def activation_bytes_curve(config: DraftConfig, ttt_steps: int, attention: str = "flex", dtype: str = "bf16") -> tuple[float, float, float]:
+def activation_bytes_curve(config: DraftConfig, ttt_steps: int, attention: str = "flex", dtype: str = "bf16",
+                           checkpointing: bool = False) -> tuple[float, float, float]:
     """(c0, c1, c2) with activation_bytes(T) = c0 + c1 T + c2 T^2, from dry runs at 3 small packs.
 
     Every saved tensor's size is a constant (the head's weight gradient), proportional to T, or, for
     the eager backend's attention probabilities, to T^2; three points fix the curve exactly (a test
     checks it against a dry run at a large T), so planning a 64K-token pack needs no 64K dry run.
     """
-    key = (json.dumps(config.to_dict(), sort_keys=True), ttt_steps, attention, dtype)
+    key = (json.dumps(config.to_dict(), sort_keys=True), ttt_steps, attention, dtype, checkpointing)
     if key not in _CURVES:
-        _CURVES[key] = _fit_curve(config, ttt_steps, attention, dtype)
+        _CURVES[key] = _fit_curve(config, ttt_steps, attention, dtype, checkpointing)
     return _CURVES[key]
 
 
 _CURVES: dict[tuple, tuple[float, float, float]] = {}  # dry runs are pure functions of their arguments
 
 
-def _fit_curve(config: DraftConfig, ttt_steps: int, attention: str, dtype: str) -> tuple[float, float, float]:
+def _fit_curve(config: DraftConfig, ttt_steps: int, attention: str, dtype: str, checkpointing: bool) -> tuple[float, float, float]:
     points = [PACK_ALIGNMENT, 2 * PACK_ALIGNMENT, 3 * PACK_ALIGNMENT]
-    first, second, third = (activation_bytes(config, tokens, ttt_steps, attention, dtype) for tokens in points)
+    first, second, third = (activation_bytes(config, tokens, ttt_steps, attention, dtype, checkpointing) for tokens in points)
     step = PACK_ALIGNMENT
     c2 = (third - 2 * second + first) / (2 * step * step)
     c1 = (second - first) / step - c2 * (points[1] + points[0])
@@ -148,6 +180,7 @@ class TrainingMemoryPlan:
     teacher_bytes_per_token: int  # draft-vocab teacher probabilities, argmax, flag
     transient_bytes: int  # one loss chunk and one teacher chunk of logits
     largest_pack_tokens: int  # 0 when even the model state does not fit
+    activation_checkpointing: bool = False  # each TTT step recomputed in backward (eaglekit.training.unroll)
 
     @property
     def bytes_per_token(self) -> float:
@@ -192,6 +225,7 @@ def plan_training_memory(
     parallel: str = "ddp",
     attention: str = "flex",
     dtype: str = "bf16",
+    activation_checkpointing: bool = False,
 ) -> TrainingMemoryPlan:
     """Per-GPU training memory at `pack_tokens`, and the largest pack (multiple of 128) that fits.
 
@@ -205,7 +239,7 @@ def plan_training_memory(
     config = target_config if isinstance(target_config, DraftConfig) else draft_config_for_target(target_config, draft_vocab_size)
     trainable, frozen, state, teacher_head, transient = _fixed_bytes(config, world_size, parallel)
     teacher_per_token = config.draft_vocab_size * 4 + 8 + 1
-    c0, c1, c2 = activation_bytes_curve(config, ttt_steps, attention, dtype)
+    c0, c1, c2 = activation_bytes_curve(config, ttt_steps, attention, dtype, activation_checkpointing)
 
     def needed(tokens: int) -> float:
         return state + teacher_head + transient + c0 + c1 * tokens + c2 * tokens**2 + tokens * teacher_per_token
@@ -224,6 +258,7 @@ def plan_training_memory(
         frozen_parameters=frozen, model_state_bytes=state, teacher_head_bytes=teacher_head,
         activation_bytes_per_token=(c0 + c1 * pack_tokens + c2 * pack_tokens**2) / pack_tokens,
         teacher_bytes_per_token=teacher_per_token, transient_bytes=transient, largest_pack_tokens=largest,
+        activation_checkpointing=activation_checkpointing,
     )
 
 
