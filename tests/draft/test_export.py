@@ -43,6 +43,10 @@ EXPECTED = {
     "d2t": (DRAFT_VOCAB,),
     "t2d": (VOCAB,),
 }
+# The vLLM / speculators folder: speculators' module names (`layers.0.*`) and the target's embedding
+# (speculators without a verifier would run on its NaN-initialized table otherwise).
+EXPECTED_VLLM = {("layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name): shape for name, shape in EXPECTED.items()}
+EXPECTED_VLLM["embed_tokens.weight"] = (VOCAB, H)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -80,12 +84,16 @@ def test_sglang_export_names_shapes_dtypes_and_config(trained, tmp_path):
     assert config["max_position_embeddings"] >= target.config.max_position_embeddings
     # The tiny target has 6 layers: captures are the inputs of layers [2, 3, 3]; SGLang adds 1 to each id.
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
+    # vLLM reads only the top-level key, as layer inputs: the same folder captures the same layers there.
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]
 
 
 def test_vllm_export_speculators_config(trained, tmp_path):
     target, _, model = trained
     folder = export_vllm(model, target.config, tmp_path / "vllm", verifier_name_or_path="tiny-target", speculative_tokens=3)
-    assert set(read_tensors(folder / "model.safetensors")) == set(EXPECTED)
+    tensors = read_tensors(folder / "model.safetensors")
+    assert {name: tuple(tensor.shape) for name, tensor in tensors.items()} == EXPECTED_VLLM
+    assert torch.equal(tensors["embed_tokens.weight"], target.model.embed_tokens.weight.detach().to(torch.bfloat16))
     config = json.loads((folder / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     assert config["norm_before_residual"] is False  # vLLM's reader would default it to True

@@ -5,7 +5,9 @@ vocab, export and doctor live in their modules (`eaglekit.draft.vocab`, `.export
 """
 
 from eaglekit.draft.model import (
+    DRAFT_SHAPES,
     DraftConfig,
+    DraftShape,
     DraftHead,
     DraftKVCache,
     Eagle3Attention,
@@ -14,8 +16,10 @@ from eaglekit.draft.model import (
     Eagle3MLP,
     RMSNorm,
     TargetHeadWeights,
+    TargetTextConfig,
     TrainingTimeTestKeyValues,
     build_draft_from_target,
+    draft_shape,
     flex_attention_kernel,
     load_target_head_weights,
     shift_left,
@@ -24,7 +28,9 @@ from eaglekit.draft.model import (
 )
 
 __all__ = [
+    "DRAFT_SHAPES",
     "DraftConfig",
+    "DraftShape",
     "DraftHead",
     "DraftKVCache",
     "Eagle3Attention",
@@ -33,8 +39,10 @@ __all__ = [
     "Eagle3MLP",
     "RMSNorm",
     "TargetHeadWeights",
+    "TargetTextConfig",
     "TrainingTimeTestKeyValues",
     "build_draft_from_target",
+    "draft_shape",
     "flex_attention_kernel",
     "load_target_head_weights",
     "shift_left",

@@ -12,23 +12,37 @@ Capture-layer ids are written per server, because the two read the same key diff
   so config id = index (SmolLM2: [2, 15, 27]). Loading the SGLang folder in vLLM would shift the
   features by one layer; use the vLLM folder there.
 
-vLLM folder: the same model.safetensors (vLLM maps `midlayer.` to `layers.0.`, loads `d2t` as
-`draft_id_to_target_id`, skips `t2d`) and a speculators-format config.json (`speculators_model_type`
-"eagle3", `transformer_layer_config`, `speculators_config`). vLLM's speculators reader defaults
-`norm_before_residual` to True, which is not how this draft (or SGLang) computes the layer, so it is
-written explicitly as False.
+Both configs also carry vLLM's top-level `eagle_aux_hidden_state_layer_ids` (vLLM reads only that key,
+`eagle3_utils.get_eagle3_aux_layers_from_config`; SGLang reads only `eagle_config`'s), so either
+folder captures the trained layers on either server.
+
+vLLM / speculators folder (speculators 0.9.0 `Eagle3DraftModel`, vLLM `llama_eagle3.py`): a
+speculators-format config.json (`speculators_model_type` "eagle3", `transformer_layer_config`,
+`speculators_config`) and model.safetensors with the decoder layer as `layers.0.*` -- speculators'
+own module names; its `from_pretrained` is not strict and would leave `midlayer.*` weights random --
+plus `embed_tokens.weight`, the target's table: speculators without a verifier keeps its embedding
+at NaN otherwise, and vLLM shares the target's table when the two are equal. vLLM's speculators
+reader defaults `norm_before_residual` to True (speculators' own default is False); this draft keeps
+residual = h, so False is written explicitly.
+
+The verifier reference (`speculators_config.verifier.name_or_path`, which `vllm serve EXPORT` and
+speculators load the target from) is portable, never this machine's absolute path: the target's hub
+id where known (the spec, a hub-cache snapshot path `models--org--name`, or the config's
+`_name_or_path`), else the target folder's name, which both resolve as a folder of that name in
+their working directory or as a hub id (`portable_verifier_reference`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig
 
-from eaglekit.draft.model import DraftConfig, Eagle3DraftModel
+from eaglekit.draft.model import DraftConfig, Eagle3DraftModel, TargetConfigLike, TargetTextConfig
 from eaglekit.draft.tensors import VOCAB_MAPS, draft_tensor_table
 from eaglekit.io import InputError, atomic_write, write_json
 
@@ -38,28 +52,50 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _FIXED_DTYPES = {"int64": torch.int64, "bool": torch.bool}  # the vocab maps' dtypes in the tensor table
+SGLANG_LAYER_PREFIX = "midlayer."
+VLLM_LAYER_PREFIX = "layers.0."  # speculators' module name; vLLM and SGLang accept it too
+EMBED_TOKENS = "embed_tokens.weight"
 
 
 class DraftTargetMismatch(ValueError):
     """The draft's config contradicts its target; exporting it would serve garbage silently."""
 
 
-def expected_tensors(config: DraftConfig, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """Every tensor an export holds: name -> (shape, dtype). `draft.tensors`' table, float weights in `dtype`."""
+def expected_tensors(config: DraftConfig, dtype: torch.dtype, layout: str = "sglang") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor an export holds: name -> (shape, dtype). `draft.tensors`' table, float weights in `dtype`.
+
+    layout "sglang": DESIGN's names (`midlayer.*`, no embedding); "vllm": the layer as `layers.0.*` and
+    the target's `embed_tokens.weight` (V, H) beside it (speculators' module names).
+    """
     table = draft_tensor_table(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
                                num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
                                intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
                                draft_vocab_size=config.draft_vocab_size)
-    return {name: (shape, dtype if dtype_name is None else _FIXED_DTYPES[dtype_name]) for name, (shape, dtype_name) in table.items()}
+    tensors = {name: (shape, dtype if dtype_name is None else _FIXED_DTYPES[dtype_name]) for name, (shape, dtype_name) in table.items()}
+    if layout == "sglang":
+        return tensors
+    if layout != "vllm":
+        raise ValueError(f"export layout {layout!r}: use 'sglang' or 'vllm'")
+    renamed = {to_vllm_name(name): value for name, value in tensors.items()}
+    return {**renamed, EMBED_TOKENS: ((config.vocab_size, config.hidden_size), dtype)}
 
 
-def _as_llama_config(target_config: LlamaConfig | dict) -> LlamaConfig:
-    return target_config if isinstance(target_config, LlamaConfig) else LlamaConfig(**target_config)
+def to_vllm_name(name: str) -> str:
+    """`midlayer.x` -> `layers.0.x` (speculators' Eagle3 module names); other names unchanged."""
+    return VLLM_LAYER_PREFIX + name[len(SGLANG_LAYER_PREFIX):] if name.startswith(SGLANG_LAYER_PREFIX) else name
 
 
-def check_against_target(model: Eagle3DraftModel, target_config: LlamaConfig | dict) -> None:
-    """Raise DraftTargetMismatch naming every contradiction between the draft and its target."""
-    target = _as_llama_config(target_config)
+def to_kit_name(name: str) -> str:
+    """`layers.0.x` -> `midlayer.x`: a vLLM export's names as the kit's module holds them."""
+    return SGLANG_LAYER_PREFIX + name[len(VLLM_LAYER_PREFIX):] if name.startswith(VLLM_LAYER_PREFIX) else name
+
+
+def check_against_target(model: Eagle3DraftModel, target_config: TargetConfigLike) -> None:
+    """Raise DraftTargetMismatch naming every contradiction between the draft and its target.
+
+    target_config: the target's text config in any form TargetTextConfig.of takes (a TargetLayout, a
+    config dict, a wrapper's whole config.json, a transformers config)."""
+    target = TargetTextConfig.of(target_config)
     config = model.config
     problems = []
     if config.hidden_size != target.hidden_size:
@@ -87,11 +123,14 @@ def check_against_target(model: Eagle3DraftModel, target_config: LlamaConfig | d
         raise DraftTargetMismatch("draft does not fit its target: " + "; ".join(problems))
 
 
-def _export_tensors(model: Eagle3DraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _export_tensors(model: Eagle3DraftModel, dtype: torch.dtype, layout: str = "sglang") -> dict[str, torch.Tensor]:
     state = model.trainable_state_dict()
     tensors = {name: state[name].detach().to("cpu", dtype).contiguous() for name in expected_tensors(model.config, dtype) if name not in VOCAB_MAPS}
     tensors["d2t"] = model.d2t.detach().cpu().to(torch.int64).contiguous()
     tensors["t2d"] = model.t2d.detach().cpu().to(torch.bool).contiguous()
+    if layout == "vllm":
+        tensors = {to_vllm_name(name): tensor for name, tensor in tensors.items()}
+        tensors[EMBED_TOKENS] = model.embed_tokens.weight.detach().to("cpu", dtype).contiguous()
     return tensors
 
 
@@ -103,7 +142,7 @@ def _rope_legacy_keys(config: DraftConfig) -> dict:
     return {"rope_theta": rope_theta, "rope_scaling": rope_scaling}
 
 
-def _llama_layer_config(config: DraftConfig, target: LlamaConfig, dtype: torch.dtype) -> dict:
+def _llama_layer_config(config: DraftConfig, target: TargetTextConfig, dtype: torch.dtype) -> dict:
     return {
         "model_type": "llama",
         "hidden_size": config.hidden_size,
@@ -127,9 +166,9 @@ def _llama_layer_config(config: DraftConfig, target: LlamaConfig, dtype: torch.d
     }
 
 
-def sglang_config(model: Eagle3DraftModel, target_config: LlamaConfig | dict, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """config.json for SGLang (`--speculative-algorithm EAGLE3`)."""
-    config, target = model.config, _as_llama_config(target_config)
+def sglang_config(model: Eagle3DraftModel, target_config: TargetConfigLike, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """config.json for SGLang (`--speculative-algorithm EAGLE3`), from the target's resolved text config."""
+    config, target = model.config, TargetTextConfig.of(target_config)
     return {
         "architectures": [SGLANG_ARCHITECTURE],
         **_llama_layer_config(config, target, dtype),
@@ -139,18 +178,67 @@ def sglang_config(model: Eagle3DraftModel, target_config: LlamaConfig | dict, dt
             "eagle_aux_hidden_state_layer_ids": [index - 1 for index in config.capture_layer_indices],
             "use_aux_hidden_state": True,
         },
+        # vLLM reads only this top-level key and captures before layer id: the index itself.
+        "eagle_aux_hidden_state_layer_ids": list(config.capture_layer_indices),
     }
+
+
+def portable_verifier_reference(target: str | os.PathLike) -> str:
+    """A reference to the target that works on another machine (never an absolute local path).
+
+    A hub id (`org/name`) is kept; a hub-cache snapshot folder (`.../models--org--name/snapshots/REV`)
+    gives `org/name`; a local folder whose config.json `_name_or_path` is a hub id gives that id;
+    any other local folder gives its name (`smollm2-135m-instruct`), which vLLM and speculators
+    resolve as a folder of that name in their working directory, or as a hub id.
+    """
+    text = os.fspath(target)
+    hub_id = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+    path = Path(text).expanduser()
+    if hub_id.match(text) and not path.exists():
+        return text
+    for part in reversed(path.parts):
+        match = re.match(r"^models--([^-].*?)--(.+)$", part)
+        if match:
+            return f"{match.group(1)}/{match.group(2)}"
+    try:
+        named = json.loads((path / CONFIG_FILE).read_text()).get("_name_or_path") or ""
+    except (OSError, json.JSONDecodeError):
+        named = ""
+    if hub_id.match(named) and not Path(named).is_absolute():
+        return named
+    return path.resolve().name if path.exists() else path.name
+
+
+def _verifier_architectures(target: TargetTextConfig, verifier: str | os.PathLike | None) -> list[str]:
+    """The verifier's top-level architectures: the target config's, else its folder's config.json."""
+    if target.architectures:
+        return list(target.architectures)
+    if verifier is not None:
+        try:
+            return list(json.loads((Path(verifier) / CONFIG_FILE).read_text()).get("architectures") or [])
+        except (OSError, json.JSONDecodeError):
+            pass
+    return []
 
 
 def vllm_config(
     model: Eagle3DraftModel,
-    target_config: LlamaConfig | dict,
-    verifier_name_or_path: str,
+    target_config: TargetConfigLike,
+    verifier_name_or_path: str | os.PathLike | None = None,
     speculative_tokens: int = 3,
     dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
-    """Speculators-format config.json for vLLM (`--speculative-config '{"model": DIR, ...}'`)."""
-    config, target = model.config, _as_llama_config(target_config)
+    """Speculators-format config.json for vLLM (`--speculative-config '{"model": DIR, ...}'`).
+
+    verifier_name_or_path: the target as a hub id or a local folder (written as its portable
+    reference); default the TargetLayout's folder when `target_config` is one.
+    """
+    config, target = model.config, TargetTextConfig.of(target_config)
+    if verifier_name_or_path is None:
+        verifier_name_or_path = getattr(target_config, "folder", None)
+        if verifier_name_or_path is None:
+            raise ValueError("vllm_config: name the target (verifier_name_or_path: a hub id or the target folder)")
+    reference = portable_verifier_reference(verifier_name_or_path)
     return {
         "architectures": [VLLM_SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -164,7 +252,7 @@ def vllm_config(
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(target.architectures or ["LlamaForCausalLM"])},
+            "verifier": {"name_or_path": reference, "architectures": _verifier_architectures(target, verifier_name_or_path)},
         },
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
@@ -184,7 +272,7 @@ def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return save(tensors, metadata={"format": "pt"})
 
 
-def export_sglang(model: Eagle3DraftModel, target_config: LlamaConfig | dict, output_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_sglang(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the SGLang-loadable folder (config.json + model.safetensors); refuses a mismatched draft."""
     check_against_target(model, target_config)
     folder = _write_folder(Path(output_dir), sglang_config(model, target_config, dtype), _export_tensors(model, dtype))
@@ -194,16 +282,17 @@ def export_sglang(model: Eagle3DraftModel, target_config: LlamaConfig | dict, ou
 
 def export_vllm(
     model: Eagle3DraftModel,
-    target_config: LlamaConfig | dict,
+    target_config: TargetConfigLike,
     output_dir: str | Path,
-    verifier_name_or_path: str,
+    verifier_name_or_path: str | os.PathLike | None = None,
     speculative_tokens: int = 3,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
-    """Write the vLLM-loadable folder (speculators config.json + the same model.safetensors)."""
+    """Write the vLLM / speculators folder (speculators config.json; `layers.0.*` names plus the target's
+    embed_tokens). verifier_name_or_path: see vllm_config (written as a portable reference)."""
     check_against_target(model, target_config)
     config = vllm_config(model, target_config, verifier_name_or_path, speculative_tokens, dtype)
-    folder = _write_folder(Path(output_dir), config, _export_tensors(model, dtype))
+    folder = _write_folder(Path(output_dir), config, _export_tensors(model, dtype, "vllm"))
     validate_export(folder, target_config)
     return folder
 
@@ -246,7 +335,13 @@ def read_export_config(folder: str | Path) -> DraftConfig:
     )
 
 
-def validate_export(folder: str | Path, target_config: LlamaConfig | dict | None = None) -> DraftConfig:
+def export_layout(folder: str | Path) -> str:
+    """"vllm" for a speculators-format export (`layers.0.*`, embed_tokens), else "sglang"."""
+    raw = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    return "vllm" if raw.get("speculators_model_type") == "eagle3" else "sglang"
+
+
+def validate_export(folder: str | Path, target_config: TargetConfigLike | None = None) -> DraftConfig:
     """Check an export: every expected tensor present with its shape and dtype, nothing else, config sane.
 
     With `target_config`, also check the config against the target. Returns the export's DraftConfig.
@@ -256,7 +351,7 @@ def validate_export(folder: str | Path, target_config: LlamaConfig | dict | None
     raw = json.loads((folder / CONFIG_FILE).read_text())
     dtype_name = raw.get("torch_dtype") or raw.get("transformer_layer_config", {}).get("torch_dtype", "bfloat16")
     dtype = {name: value for value, name in _DTYPE_NAMES.items()}[dtype_name]
-    expected = expected_tensors(config, dtype)
+    expected = expected_tensors(config, dtype, export_layout(folder))
     weights = folder / WEIGHTS_FILE
     with safe_open(str(weights), framework="pt") as handle:
         names = set(handle.keys())
@@ -270,7 +365,7 @@ def validate_export(folder: str | Path, target_config: LlamaConfig | dict | None
     if problems:
         raise InputError(weights, None, None, "; ".join(problems))
     if target_config is not None:
-        target = _as_llama_config(target_config)
+        target = TargetTextConfig.of(target_config)
         mismatched = [f"{key} {getattr(config, key)} != target {getattr(target, key)}" for key in ("hidden_size", "vocab_size") if getattr(config, key) != getattr(target, key)]
         if config.max_position_embeddings < target.max_position_embeddings:
             mismatched.append(f"max_position_embeddings {config.max_position_embeddings} < target's {target.max_position_embeddings}")
@@ -279,18 +374,25 @@ def validate_export(folder: str | Path, target_config: LlamaConfig | dict | None
     return config
 
 
-def load_export(folder: str | Path, target_embed_tokens: torch.Tensor, target_num_hidden_layers: int = 0) -> Eagle3DraftModel:
-    """Rebuild the kit's draft from an export (either format) plus the target's embedding table (V, H)."""
+def load_export(folder: str | Path, target_embed_tokens: torch.Tensor | None = None, target_num_hidden_layers: int = 0) -> Eagle3DraftModel:
+    """Rebuild the kit's draft from an export (either format) plus the target's embedding table (V, H).
+
+    A vLLM export carries the embedding itself; `target_embed_tokens`, when given, replaces it (an
+    SGLang export needs it)."""
     folder = Path(folder)
     config = validate_export(folder)
     if target_num_hidden_layers:
         config = DraftConfig(**{**config.__dict__, "target_num_hidden_layers": target_num_hidden_layers})
     model = Eagle3DraftModel(config)
     with safe_open(str(folder / WEIGHTS_FILE), framework="pt") as handle:
-        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    cast_weights(model, tensors["fc.weight"].dtype)
+        tensors = {to_kit_name(name): handle.get_tensor(name) for name in handle.keys()}
     dtype = tensors["fc.weight"].dtype
-    model.load_state_dict({**tensors, "embed_tokens.weight": target_embed_tokens.to(dtype)}, strict=True)
+    cast_weights(model, dtype)
+    if target_embed_tokens is not None:
+        tensors[EMBED_TOKENS] = target_embed_tokens.to(dtype)
+    elif EMBED_TOKENS not in tensors:
+        raise ValueError(f"{folder}: an SGLang export holds no embed_tokens; pass the target's table (target_embed_tokens)")
+    model.load_state_dict(tensors, strict=True)
     return model
 
 

@@ -32,19 +32,142 @@ which SGLang and vLLM share from the target at serving time, so it is never expo
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Union
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, repeat_kv
 
 from eaglekit.draft.head_loss import HeadTeacher, chunked_soft_cross_entropy
+
+if TYPE_CHECKING:
+    from eaglekit.target import TargetLayout
+
+# Every form a target's config reaches the draft in: see TargetTextConfig.of.
+TargetConfigLike = Union["TargetTextConfig", "TargetLayout", Mapping[str, Any], Any]
+
+
+@dataclass(frozen=True)
+class TargetTextConfig:
+    """What the draft needs to know of its target's text decoder, read from the decoder's own config.
+
+    Built from the text config (a multimodal wrapper's `text_config`), never by forcing a non-Llama
+    config through LlamaConfig: `head_dim` of an MLA decoder (DeepSeek-V3, Kimi-K2) is its RoPE
+    part (qk_rope_head_dim), not an attention width a Llama layer could use, so it is left None.
+    `architectures` are the checkpoint's top-level ones (what a server loads as the verifier).
+    """
+
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    max_position_embeddings: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_parameters: dict
+    head_dim: int | None = None
+    hidden_act: str = "silu"
+    model_type: str = "llama"
+    architectures: tuple[str, ...] = ()
+    bos_token_id: int | list[int] | None = None
+    eos_token_id: int | list[int] | None = None
+    mla: bool = False
+
+    @classmethod
+    def from_text_config(cls, text_config: Mapping[str, Any], architectures: Sequence[str] | None = None) -> "TargetTextConfig":
+        """From a decoder's config.json fields (a plain causal LM's config or a wrapper's `text_config`)."""
+        def required(key: str):
+            if text_config.get(key) is None:
+                raise ValueError(f"target text config has no {key!r}; pass the decoder's config (a wrapper's text_config)")
+            return text_config[key]
+
+        heads = int(required("num_attention_heads"))
+        mla = bool(text_config.get("kv_lora_rank"))
+        head_dim = None if mla else text_config.get("head_dim")
+        return cls(
+            hidden_size=int(required("hidden_size")), num_hidden_layers=int(required("num_hidden_layers")),
+            vocab_size=int(required("vocab_size")), max_position_embeddings=int(required("max_position_embeddings")),
+            num_attention_heads=heads, num_key_value_heads=int(text_config.get("num_key_value_heads") or heads),
+            intermediate_size=int(required("intermediate_size")), rms_norm_eps=float(text_config.get("rms_norm_eps", 1e-6)),
+            rope_parameters=rope_parameters_of(text_config), head_dim=int(head_dim) if head_dim else None,
+            hidden_act=str(text_config.get("hidden_act", "silu")), model_type=str(text_config.get("model_type", "llama")),
+            architectures=tuple(architectures if architectures is not None else text_config.get("architectures") or ()),
+            bos_token_id=text_config.get("bos_token_id"), eos_token_id=text_config.get("eos_token_id"), mla=mla,
+        )
+
+    @classmethod
+    def of(cls, target: "TargetConfigLike") -> "TargetTextConfig":
+        """Accept every form a caller holds: this type, a TargetLayout, a transformers config, or a config dict
+        (a wrapper's whole config.json is reduced to its text_config, keeping the wrapper's architectures)."""
+        if isinstance(target, cls):
+            return target
+        if hasattr(target, "text_config") and hasattr(target, "prefix") and hasattr(target, "config"):  # eaglekit.target.TargetLayout
+            return cls.from_text_config(target.text_config, target.config.get("architectures") or ())
+        if hasattr(target, "to_dict"):  # a transformers PretrainedConfig
+            target = target.to_dict()
+        if not isinstance(target, Mapping):
+            raise TypeError(f"target config {type(target).__name__}: pass a TargetLayout, a config dict or a transformers config")
+        if isinstance(target.get("text_config"), Mapping):
+            return cls.from_text_config(target["text_config"], target.get("architectures") or ())
+        return cls.from_text_config(target)
+
+
+def rope_parameters_of(text_config: Mapping[str, Any]) -> dict:
+    """RoPE settings as transformers 5's `rope_parameters` (rope_type, rope_theta, scaling keys), from either
+    that key or the older `rope_theta` + `rope_scaling` pair."""
+    if isinstance(text_config.get("rope_parameters"), Mapping):
+        parameters = dict(text_config["rope_parameters"])
+    else:
+        scaling = dict(text_config.get("rope_scaling") or {})
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        parameters = {**scaling, "rope_theta": text_config.get("rope_theta", 10000.0)}
+    parameters.setdefault("rope_type", "default")
+    parameters["rope_theta"] = float(parameters.get("rope_theta") or 10000.0)
+    return parameters
+
+
+@dataclass(frozen=True)
+class DraftShape:
+    """The draft layer's widths where they need not follow the target; None = derived from the target.
+
+    Derived (as the kit always did): the target's heads and KV heads, its head_dim (hidden / heads
+    when the config has none, or when the target uses MLA), its MLP width and its RoPE settings.
+    """
+
+    num_attention_heads: int | None = None
+    head_dim: int | None = None
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    rope_parameters: dict | None = None
+
+
+# Named shapes (`training.draft_shape` in params picks one; "auto" derives everything from the target).
+# kimi_k25_public: the published EAGLE-3 draft for Kimi-K2.5, TorchSpec's
+# configs/draft_models/kimi_k25_eagle3.json (torchspec-project/TorchSpec @ 4643a096): hidden 7168,
+# 64 heads x head_dim 128 (attention width 8192, o_proj 8192 -> 7168), 64 KV heads, intermediate 12288,
+# rope_theta 1e6 without rope_scaling, rms_norm_eps 1e-6, max_position_embeddings 262144. Derived
+# from Kimi's text config the draft would get head_dim 7168 / 64 = 112, the target's 18432-wide MLP
+# and its YaRN rope (whose mscale SGLang's and transformers' Llama YaRN apply differently).
+DRAFT_SHAPES: dict[str, DraftShape] = {
+    "auto": DraftShape(),
+    "kimi_k25_public": DraftShape(num_attention_heads=64, head_dim=128, num_key_value_heads=64, intermediate_size=12288,
+                                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+}
+
+
+def draft_shape(name: str) -> DraftShape:
+    """The named draft shape; the error lists the names."""
+    if name not in DRAFT_SHAPES:
+        raise ValueError(f"draft shape {name!r} is not one of {sorted(DRAFT_SHAPES)}")
+    return DRAFT_SHAPES[name]
 
 
 @dataclass(frozen=True)
@@ -69,32 +192,42 @@ class DraftConfig:
     @classmethod
     def from_target_config(
         cls,
-        target_config: LlamaConfig | dict,
+        target_config: "TargetConfigLike",
         draft_vocab_size: int,
         capture_layer_indices: tuple[int, int, int] | None = None,
         intermediate_size: int | None = None,
         max_position_embeddings: int | None = None,
+        shape: DraftShape | str | None = None,
     ) -> "DraftConfig":
-        """A draft shaped like one layer of a Llama-style target (heads, head_dim, RoPE, norm eps)."""
-        if isinstance(target_config, dict):
-            target_config = LlamaConfig(**target_config)
-        num_layers = target_config.num_hidden_layers
+        """A one-layer draft for this target: hidden size, vocab, positions and norm eps from the target's
+        text config; heads, head_dim, KV heads, MLP width and RoPE from `shape` (a DraftShape or a name
+        in DRAFT_SHAPES) where it sets them, else derived from the target."""
+        target = TargetTextConfig.of(target_config)
+        shape = draft_shape(shape) if isinstance(shape, str) else (shape or DraftShape())
         from eaglekit.capture import default_capture_layer_ids  # the one definition of EAGLE-3's default layers
 
+        num_layers = target.num_hidden_layers
         indices = tuple(capture_layer_indices) if capture_layer_indices is not None else tuple(default_capture_layer_ids(num_layers))
-        head_dim = getattr(target_config, "head_dim", None) or target_config.hidden_size // target_config.num_attention_heads
+        heads = shape.num_attention_heads or target.num_attention_heads
+        if shape.num_attention_heads:  # a shape that sets the heads sets the KV heads with them (MHA unless stated)
+            kv_heads = shape.num_key_value_heads or heads
+        else:
+            kv_heads = shape.num_key_value_heads or target.num_key_value_heads
+        head_dim = shape.head_dim or (target.head_dim if not shape.num_attention_heads else None) or target.hidden_size // heads
+        if heads % kv_heads:
+            raise ValueError(f"draft shape: {heads} attention heads are not a multiple of {kv_heads} KV heads")
         return cls(
-            hidden_size=target_config.hidden_size,
-            intermediate_size=intermediate_size or target_config.intermediate_size,
-            num_attention_heads=target_config.num_attention_heads,
-            num_key_value_heads=target_config.num_key_value_heads,
+            hidden_size=target.hidden_size,
+            intermediate_size=intermediate_size or shape.intermediate_size or target.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            vocab_size=target_config.vocab_size,
+            vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            max_position_embeddings=max_position_embeddings or target_config.max_position_embeddings,
-            rms_norm_eps=target_config.rms_norm_eps,
-            rope_parameters=dict(target_config.rope_parameters),
-            hidden_act=target_config.hidden_act,
+            max_position_embeddings=max_position_embeddings or target.max_position_embeddings,
+            rms_norm_eps=target.rms_norm_eps,
+            rope_parameters=dict(shape.rope_parameters or target.rope_parameters),
+            hidden_act=target.hidden_act,
             target_num_hidden_layers=num_layers,
             capture_layer_indices=indices,  # type: ignore[arg-type]
         )
@@ -543,40 +676,38 @@ def shift_left(input_ids: torch.Tensor, shift: int, fill: int = 0, document_ids:
 
 @dataclass
 class TargetHeadWeights:
-    """The target weights the draft borrows: embeddings (V, H), lm_head (V, H), final norm (H,)."""
+    """The target weights the draft borrows: embeddings (V, H), lm_head (V, H), final norm (H,), and the
+    text decoder's config as the draft needs it (`TargetTextConfig`; a transformers config or a config
+    dict is accepted too, as tests build them from live models)."""
 
     embed_tokens: torch.Tensor
     lm_head: torch.Tensor
     final_norm: torch.Tensor
-    config: LlamaConfig
+    config: Any
 
 
-def load_target_head_weights(target_dir: str | Path) -> TargetHeadWeights:
-    """Read only embed_tokens, lm_head and the final norm from a transformers folder (no full model load).
+def load_target_head_weights(target: "str | Path | TargetLayout", trust_remote_code: bool = False) -> TargetHeadWeights:
+    """Read only embed_tokens, lm_head and the final norm of a target checkpoint (no model load).
 
-    A tied target (SmolLM2) has no `lm_head.weight`: its lm_head is the embedding table.
+    `target` is a TargetLayout or a folder (resolved through `eaglekit.target.target_layout`, remote code
+    passed). Tensor names come from the layout: `model.embed_tokens.weight` for a causal LM,
+    `language_model.model.embed_tokens.weight` / `language_model.lm_head.weight` for Kimi-K2.5's wrapper.
+    A tied text model (SmolLM2) has no lm_head tensor: its lm_head is the embedding table.
     """
-    target_dir = Path(target_dir)
-    config = LlamaConfig.from_pretrained(target_dir)
-    index_path = target_dir / "model.safetensors.index.json"
-    if index_path.exists():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-    elif (target_dir / "model.safetensors").exists():
-        with safe_open(str(target_dir / "model.safetensors"), framework="pt") as handle:
-            weight_map = {name: "model.safetensors" for name in handle.keys()}
-    else:
-        raise FileNotFoundError(f"{target_dir}: no model.safetensors or model.safetensors.index.json; pass a transformers model folder")
+    from eaglekit.target import target_layout
 
-    def read(name: str) -> torch.Tensor:
-        if name not in weight_map:
-            raise KeyError(f"{target_dir}: tensor {name!r} not found in the checkpoint")
-        with safe_open(str(target_dir / weight_map[name]), framework="pt") as handle:
-            return handle.get_tensor(name)
-
-    embed_tokens = read("model.embed_tokens.weight")
-    tied = bool(getattr(config, "tie_word_embeddings", False)) or "lm_head.weight" not in weight_map
-    lm_head = embed_tokens if tied else read("lm_head.weight")
-    return TargetHeadWeights(embed_tokens=embed_tokens, lm_head=lm_head, final_norm=read("model.norm.weight"), config=config)
+    layout = target if hasattr(target, "read_tensors") else target_layout(target, trust_remote_code=trust_remote_code)
+    tied = layout.tie_word_embeddings or layout.lm_head_name not in layout.weight_map()
+    names = [layout.embed_tokens_name, layout.final_norm_name] + ([] if tied else [layout.lm_head_name])
+    tensors = layout.read_tensors(names)
+    config = TargetTextConfig.of(layout)
+    embed_tokens = tensors[layout.embed_tokens_name]
+    if tuple(embed_tokens.shape) != (config.vocab_size, config.hidden_size):
+        raise ValueError(f"{layout.folder}: {layout.embed_tokens_name} is {tuple(embed_tokens.shape)}, but its config says "
+                         f"(vocab_size, hidden_size) = {(config.vocab_size, config.hidden_size)}: config.json and the weights "
+                         "are of different models")
+    return TargetHeadWeights(embed_tokens=embed_tokens, lm_head=embed_tokens if tied else tensors[layout.lm_head_name],
+                             final_norm=tensors[layout.final_norm_name], config=config)
 
 
 def build_draft_from_target(
@@ -585,10 +716,13 @@ def build_draft_from_target(
     t2d: torch.Tensor,
     capture_layer_indices: tuple[int, int, int] | None = None,
     seed: int = 0,
+    shape: DraftShape | str | None = None,
 ) -> Eagle3DraftModel:
     """A fresh draft for `target`: frozen target embeddings, lm_head = target lm_head rows of the draft
-    vocab, norm = target final norm (both speed convergence on small data), the rest random (seeded)."""
-    config = DraftConfig.from_target_config(target.config, draft_vocab_size=int(d2t.shape[0]), capture_layer_indices=capture_layer_indices)
+    vocab, norm = target final norm (both speed convergence on small data), the rest random (seeded).
+    `shape`: a DraftShape or a name in DRAFT_SHAPES (default: derived from the target)."""
+    config = DraftConfig.from_target_config(target.config, draft_vocab_size=int(d2t.shape[0]), capture_layer_indices=capture_layer_indices,
+                                            shape=shape)
     torch.manual_seed(seed)
     model = Eagle3DraftModel(config)
     model.set_draft_vocab(d2t, t2d)
