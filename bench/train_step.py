@@ -21,7 +21,11 @@ Timings are the median of `--repeats` rounds after one warmup, with min-max spre
 every implementation once, in turn, so load from other processes hits all of them alike.
 
     python bench/train_step.py --threads 1                       # CPU, SmolLM2-135M-shaped draft (1 thread on a shared machine)
-    python bench/train_step.py --device cuda --preset llama8b --pack-tokens 4096 --samples 16 --skip-naive
+    python bench/train_step.py --device cuda --preset llama8b --pack-tokens 4096 --samples 16 --skip-naive --checkpointing
+    python bench/train_step.py --memory-plan        # activation memory of a 16K-token pack at hidden 7168, with and without checkpointing
+
+--checkpointing adds a row: the kit's step with each TTT step recomputed in backward
+(eaglekit.training.unroll), the same loss, less memory, about one more forward of the layer.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from eaglekit.draft.model import DraftConfig, Eagle3DraftModel, TrainingTimeTest
 from eaglekit.draft.head_loss import chunked_ttt_loss
 from eaglekit.training.packing import packed_micro_batches, padding_share
 from eaglekit.training import Batch, collate, eligible_rows, target_signals, ttt_loss
+from eaglekit.training.unroll import CheckpointedDraft
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from vendor data sheets, matched on the device name.
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 70.0, "RTX 4090": 165.0}
@@ -71,6 +76,34 @@ def packed_step(model, batch, eligible, counts, head, ttt_steps):
     targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, lengths=batch.lengths.tolist())
     states = model(batch.input_ids, batch.aux_hidden_states, ttt_steps, batch.position_ids, batch.document_ids, return_normed_states=True)
     return chunked_ttt_loss(model, states, targets, eligible, counts, 0.8)[0]
+
+
+def checkpointed_step(model, batch, eligible, counts, head, ttt_steps):
+    targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, lengths=batch.lengths.tolist())
+    states = CheckpointedDraft(model)(batch.input_ids, batch.aux_hidden_states, ttt_steps, batch.position_ids, batch.document_ids,
+                                      return_normed_states=True)
+    return chunked_ttt_loss(model, states, targets, eligible, counts, 0.8)[0]
+
+
+# The seed scenario's target (Kimi-K2.5's text config) for the memory figure.
+KIMI_K25_TEXT = dict(hidden_size=7168, intermediate_size=18432, num_hidden_layers=61, num_attention_heads=64, num_key_value_heads=64,
+                     vocab_size=163840, max_position_embeddings=262144, rms_norm_eps=1e-6)
+
+
+def print_memory_plan(pack_tokens: int = 16_384, ttt_steps: int = 7, gpu_memory_bytes: float = 141e9) -> None:
+    """Training memory of one pack at hidden 7168 (Kimi-K2.5's draft), with and without activation checkpointing."""
+    from eaglekit.training.memory import plan_training_memory
+
+    print(f"training memory, Kimi-K2.5-shaped draft (hidden 7168, 64 heads, draft vocab 32,000), one {pack_tokens:,}-token pack, "
+          f"TTT {ttt_steps}, flex attention, bf16 activations, one H200 ({gpu_memory_bytes / 1e9:.0f} GB, 90% usable), DDP:")
+    for checkpointing in (False, True):
+        plan = plan_training_memory({"text_config": KIMI_K25_TEXT}, gpu_memory_bytes=gpu_memory_bytes, pack_tokens=pack_tokens,
+                                    ttt_steps=ttt_steps, activation_checkpointing=checkpointing)
+        activations = plan.activation_bytes_per_token * pack_tokens
+        print(f"  checkpointing {'on ' if checkpointing else 'off'}: activations {activations / 1e9:6.1f} GB "
+              f"({plan.activation_bytes_per_token / 1e3:,.0f} KB/token), teacher probs {plan.teacher_bytes_per_token * pack_tokens / 1e9:.1f} GB, "
+              f"model state + teacher head {(plan.model_state_bytes + plan.teacher_head_bytes) / 1e9:.1f} GB, total {plan.total_bytes / 1e9:.1f} GB "
+              f"({'fits' if plan.fits else 'does not fit'}); largest pack {plan.largest_pack_tokens:,} tokens")
 
 
 def make_samples(count: int, max_length: int, config: DraftConfig, seed: int) -> list[dict]:
@@ -193,9 +226,15 @@ def main() -> None:
     parser.add_argument("--skip-naive", action="store_true", help="skip the naive recompute reference (large GPU runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's); 1 on a busy shared machine")
+    parser.add_argument("--checkpointing", action="store_true", help="add the kit's step with activation checkpointing")
+    parser.add_argument("--memory-plan", action="store_true", help="print the 16K-token, hidden-7168 memory figure and exit")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak to report against (default: the table)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.memory_plan:
+        print_memory_plan()
+        return
 
     device = torch.device(args.device)
     shape = PRESETS[args.preset]
@@ -219,8 +258,8 @@ def main() -> None:
     flops = model_flops(config, lengths, counted, args.ttt_steps)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
-        where = f"{name}, bf16 autocast, fp32 master weights"
+        peak = args.peak_tflops or next((value for key, value in PEAK_BF16_TFLOPS.items() if key in name), None)
+        where = f"{name}, bf16 autocast, fp32 master weights, dense bf16 peak {peak} TFLOP/s"
     else:
         peak, where = None, f"CPU, {torch.get_num_threads()} threads, fp32"
     print(f"device {device} ({where}); {args.preset}-shaped draft H={config.hidden_size} draft vocab {args.draft_vocab:,} "
@@ -239,6 +278,8 @@ def main() -> None:
         variants["naive recompute (padded)"] = Variant(naive, model, padded, head, args.ttt_steps, device, cuda)
     variants["padded TTT (kit before)"] = Variant(padded_ttt, model, padded, head, args.ttt_steps, device, cuda)
     variants["kit: packed + chunked"] = Variant(packed_step, model, packs, head, args.ttt_steps, device, cuda)
+    if args.checkpointing:
+        variants["kit + act. checkpointing"] = Variant(checkpointed_step, model, packs, head, args.ttt_steps, device, cuda)
     if not cuda:
         variants["kit, CPU bf16 autocast"] = Variant(packed_step, model, packs, head, args.ttt_steps, device, True)
     results = measure_interleaved(variants, args.repeats)
