@@ -14,6 +14,7 @@ The seeds are fixed, so the test is deterministic; the measured rates are in doc
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -164,3 +165,32 @@ def test_inputs_are_checked():
         forecast([60, 60], [1.2, 1.3], np.ones((10, 2)))
     with pytest.raises(ValueError, match=r"must be \(R, 2\)"):
         forecast([60, 240], [1.2, 1.3], np.ones((10, 3)))
+
+
+# ----------------------------------------------------------------------------- stage 6's analysis/answer.json
+
+def _agreements(rate: float, seed: int) -> dict[str, list[np.ndarray]]:
+    generator = np.random.default_rng(seed)
+    return {name: [generator.random((12, 3)) < rate for _ in range(8)] for name in ("alpha", "beta")}
+
+
+def test_stage_six_answer_file_holds_the_forecast_and_its_sizes(tmp_path):
+    from eaglekit.analysis.acceptance import sweep_acceptance
+    from eaglekit.analysis.answer import forecast_answer, sweep_scaling
+    from eaglekit.analysis.forecast import AnswerFile
+
+    acceptance = sweep_acceptance({20: _agreements(0.2, 0), 40: _agreements(0.35, 1), 80: _agreements(0.5, 2)}, 3, num_resamples=200)
+    scaling = sweep_scaling(acceptance, 2.3, max_accept_length=4.0, confidence=0.95)
+    answer = forecast_answer(acceptance, scaling, [20, 40, 80, 160], {"serving (params.analysis)": 2.3, "embedded loop": 1.1},
+                             max_accept_length=4.0, confidence=0.95, lower_bound_sizes={80.0})
+    assert answer.sizes == [20.0, 40.0, 80.0] and answer.planned_sizes == [20.0, 40.0, 80.0, 160.0]
+    serving = answer.forecasts["serving (params.analysis)"]
+    assert answer.line == serving.line and serving.horizon == 160.0  # no full size known: the largest planned size
+    assert [item.data_size for item in serving.predictions if not item.measured] == [160.0]
+    overall = scaling.overall.set_index("data_size")
+    assert serving.accept_lengths == pytest.approx(overall["tau_pooled"].tolist())
+    assert answer.forecasts["embedded loop"].verdict == "go"  # every draft clears 1.1
+    assert any("80 samples were stopped by the step cap" in note for note in serving.notes)
+    answer.save(tmp_path / "answer.json")
+    assert json.loads((tmp_path / "answer.json").read_text())["verdict"] == answer.verdict  # strict JSON, no Infinity
+    assert AnswerFile.load(tmp_path / "answer.json") == answer

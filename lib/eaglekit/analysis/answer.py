@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime, timezone
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ import pandas as pd
 from eaglekit.analysis.acceptance import SweepAcceptance, percentile_interval
 from eaglekit.io import write_json
 from eaglekit.analysis.break_even import BreakEven
+from eaglekit.analysis.forecast import AnswerFile, forecast
 from eaglekit.analysis.scaling import ScalingAnswer, scaling_answer
 from eaglekit.topology import Topology
 
@@ -185,3 +187,28 @@ def answer_in_words(
                  f"at tau {seed_case.accept_length:g}) the draft must reach tau {seed_case.break_even_accept_length:.2f} to break even; "
                  "this run's curve is for the embedded target and its draft, not that deployment.")
     return lines
+
+
+def forecast_answer(
+    acceptance: SweepAcceptance,
+    scaling: SweepScaling,
+    planned_sizes: Sequence[float],
+    break_evens: Mapping[str, float],
+    max_accept_length: float,
+    confidence: float,
+    full_size: float | None = None,
+    lower_bound_sizes: Collection[float] = (),
+) -> AnswerFile:
+    """analysis/answer.json's content: `forecast.forecast` on the pooled held-out curve the scaling answer reads,
+    once per break-even case (label -> tau; the first is the primary line), over `planned_sizes`
+    (training.data_sizes) and the full data when known."""
+    overall = scaling.overall
+    replicates = acceptance.pooled_replicates[scaling.pooled_dataset]  # (R, sizes), columns in acceptance.data_sizes order
+    columns = [list(acceptance.data_sizes).index(size) for size in overall["data_size"]]
+    forecasts = {label: forecast(overall["data_size"].to_numpy(float), overall["tau_pooled"].to_numpy(float), replicates[:, columns],
+                                 planned_sizes=planned_sizes, full_size=full_size, break_even=break_even,
+                                 max_accept_length=max_accept_length, confidence=confidence, lower_bound_sizes=sorted(lower_bound_sizes))
+                 for label, break_even in break_evens.items()}
+    return AnswerFile(primary=next(iter(break_evens)), forecasts=forecasts, sizes=[float(size) for size in overall["data_size"]],
+                      planned_sizes=sorted(float(size) for size in planned_sizes),
+                      updated=datetime.now(timezone.utc).isoformat(timespec="seconds"))

@@ -174,21 +174,37 @@ class Forecast:
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        record = asdict(self)
-        return json.loads(json.dumps(record, default=float))  # inf stays Infinity in JSON, as Python writes it
+        """JSON-ready, strict JSON: a size never reached (inf) is written as the string "inf"."""
+        return _strict_json(json.loads(json.dumps(asdict(self), default=float)))
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Forecast":
-        with open(path, encoding="utf-8") as handle:
-            record = json.load(handle)
+    def from_dict(cls, record: dict[str, Any]) -> "Forecast":
+        record = dict(record)
+        for name in ("crossing_size", "crossing_low", "crossing_high"):
+            record[name] = None if record[name] is None else float(record[name])
         record["predictions"] = [SizeForecast(**item) for item in record["predictions"]]
         record["accept_length_intervals"] = [tuple(item) for item in record["accept_length_intervals"]]
         if record["doublings_at_slope"] is not None:
-            record["doublings_at_slope"] = tuple(record["doublings_at_slope"])
+            record["doublings_at_slope"] = tuple(float(value) for value in record["doublings_at_slope"])
         return cls(**record)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Forecast":
+        with open(path, encoding="utf-8") as handle:
+            return cls.from_dict(json.load(handle))
+
+
+def _strict_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # "inf", "-inf", "nan"; float() reads them back
+    if isinstance(value, dict):
+        return {key: _strict_json(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_strict_json(item) for item in value]
+    return value
 
 
 def _size(value: float) -> str:
@@ -358,3 +374,48 @@ def forecast(
     return Forecast(**common, slope=slope.to_dict(), model_weights=weights, weight_rule=rule, loo_rmse=loo, predictions=predictions,
                     crossing_size=crossing, crossing_low=crossing_low, crossing_high=crossing_high, crossing_within_horizon=within,
                     doublings_at_slope=doublings, verdict=verdict, line=line)
+
+
+# ----------------------------------------------------------------------------- analysis/answer.json
+
+ANSWER_FILE = "answer.json"
+
+
+@dataclass(frozen=True)
+class AnswerFile:
+    """analysis/answer.json: the current forecast with the sizes it rests on, one per break-even case.
+
+    `primary` names the case the plain line is for: the serving measurement of params.analysis (the user's
+    timings), with the embedded loop's own break-even beside it. Stage 6 rewrites it after every size it scores
+    (a staged run rewrites it after each size), atomically, so a reader never sees half a file.
+    """
+
+    primary: str
+    forecasts: dict[str, Forecast]
+    sizes: list[float]  # the measured sizes every forecast rests on
+    planned_sizes: list[float]
+    updated: str  # UTC ISO time of the write
+
+    @property
+    def line(self) -> str:
+        return self.forecasts[self.primary].line
+
+    @property
+    def verdict(self) -> str:
+        return self.forecasts[self.primary].verdict
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"primary": self.primary, "verdict": self.verdict, "line": self.line, "sizes": self.sizes,
+                "planned_sizes": self.planned_sizes, "updated": self.updated,
+                "forecasts": {name: item.to_dict() for name, item in self.forecasts.items()}}
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "AnswerFile":
+        with open(path, encoding="utf-8") as handle:
+            record = json.load(handle)
+        forecasts = {name: Forecast.from_dict(item) for name, item in record["forecasts"].items()}
+        return cls(primary=record["primary"], forecasts=forecasts, sizes=record["sizes"], planned_sizes=record["planned_sizes"],
+                   updated=record["updated"])

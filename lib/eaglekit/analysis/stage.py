@@ -6,12 +6,13 @@
 3. preflight (the doctor) on the exported SGLang draft;
 4. break-even (`break_even`) for the seed's serving case (params) and for the loop's own timings;
 5. the benchmark prompts through the real loop with every draft (`benchmark`);
-6. the scaling answer on the pooled held-out curve (`answer.sweep_scaling`);
+6. the scaling answer on the pooled held-out curve (`answer.sweep_scaling`) and the go / no-go forecast (`forecast`);
 7. which topology to serve (`topology_sweep`), checked through the real tree loop;
 8. the ablation (original vs regenerated answers) when stage 5 trained it;
 9. live serving measurements when endpoints are configured (`live_serving`).
 It writes analysis/{acceptance, acceptance_per_position, doctor, topology_sweep}.csv, benchmark.csv, ablation.csv and
-serving.csv when measured, analysis/scaling_summary.json, and the `topology_sweep` and `headline` metrics events, and
+serving.csv when measured, analysis/scaling_summary.json, analysis/answer.json (the go / no-go forecast, `forecast`), and
+the `topology_sweep` and `headline` metrics events, and
 returns an `AnalysisResult` that the notebook displays and plots (figures/06_*.png are the notebook's).
 """
 
@@ -29,12 +30,13 @@ import pandas as pd
 import torch
 
 from eaglekit.analysis.acceptance import SweepAcceptance, sweep_acceptance
-from eaglekit.analysis.answer import (SweepScaling, analysis_summary_record, answer_in_words, headline_metrics, sweep_scaling,
-                                      write_summary_record)
+from eaglekit.analysis.answer import (SweepScaling, analysis_summary_record, answer_in_words, forecast_answer, headline_metrics,
+                                      sweep_scaling, write_summary_record)
 from eaglekit.analysis.benchmark import BenchmarkRun, benchmark_drafts
 from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
 from eaglekit.analysis.checkpoints import (LoopReport, evaluate_speculative_loop, heldout_prompts, heldout_samples, load_draft_checkpoint,
                                            offline_agreements_by_size, score_ablation)
+from eaglekit.analysis.forecast import ANSWER_FILE, AnswerFile
 from eaglekit.analysis.live_serving import LiveServing, measure_live_serving
 from eaglekit.analysis.topology_sweep import (StepCosts, check_recommendation, default_topology_grid, measure_step_costs, pool_datasets,
                                               recommend, sweep_event, sweep_table, tree_depths_by_dataset)
@@ -92,6 +94,7 @@ class AnalysisResult:
     summary: dict[str, Any]  # what analysis/scaling_summary.json holds
     stage_seconds: float
     answer: list[str]  # the answer in plain words, paragraphs built from the numbers
+    forecast: AnswerFile | None = None  # analysis/answer.json: the go / no-go forecast and the sizes it rests on
 
     @property
     def largest_size(self) -> int:
@@ -171,6 +174,15 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
                             lower_bound_sizes=still_improving)
     summary = analysis_summary_record(topology, len(heldout), scaling, embedded_case, seed_case, loop.summary,
                                       settings.benchmark_prompts, benchmark.summary)
+    # The go / no-go forecast: against the user's serving timings (params.analysis) first, the embedded loop's beside it.
+    # analysis.full_data_size (proposed to the lead) is the horizon; until it exists the largest planned size is.
+    forecast = forecast_answer(acceptance, scaling, params.training.data_sizes,
+                               {"serving (params.analysis)": seed_case.break_even_accept_length,
+                                "embedded loop": embedded_case.break_even_accept_length},
+                               max_accept_length=steps + 1.0, confidence=settings.confidence,
+                               full_size=getattr(settings, "full_data_size", None), lower_bound_sizes=still_improving)
+    forecast.save(analysis_dir / ANSWER_FILE)
+    summary["forecast"] = {"verdict": forecast.verdict, "line": forecast.line, "sizes": forecast.sizes}
 
     # Which topology to serve; the grid is sized for a 2-core CPU (on a GPU: default_topology_grid() and every sample).
     grid = default_topology_grid(max_steps=4, top_ks=(2, 4), draft_tokens=(4, 8, 16))
@@ -216,5 +228,6 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
         loop_prompts=loop_prompts, loop=loop, loop_seconds=loop_seconds, doctor=doctor, seed_case=seed_case,
         embedded_case=embedded_case, benchmark=benchmark, scaling=scaling, step_costs=step_costs, topology_grid_size=len(grid),
         topology_samples=len(topology_samples), topology_table=topology_table, serve=serve, ablation=ablation,
-        live_doctor=live_doctor, live=live, summary=summary, stage_seconds=stage_seconds, answer=answer,
+        live_doctor=live_doctor, live=live, summary=summary, stage_seconds=stage_seconds, answer=[forecast.line, *answer],
+        forecast=forecast,
     )
