@@ -34,7 +34,8 @@ VENV_NAME = "speculators-0.9.0"
 
 
 def _has_speculators(python: str) -> bool:
-    check = subprocess.run([python, "-c", "import sys, speculators; from importlib.metadata import version; sys.exit(version('speculators') != '0.9.0')"],
+    check = subprocess.run([python, "-c", "import sys; from importlib.metadata import version; from speculators import SpeculatorModel; "
+                            "sys.exit(version('speculators') != '0.9.0')"],
                            capture_output=True, timeout=300)
     return check.returncode == 0
 
@@ -57,11 +58,16 @@ def speculators_python() -> str:
             pytest.skip("speculators 0.9.0 needs Python >= 3.10 for its venv; none found (install python3.11)")
         shutil.rmtree(venv, ignore_errors=True)
         steps = [[base, "-m", "venv", str(venv)], [str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)]]
+        for line in REQUIREMENTS.read_text().splitlines():  # the recipe's `# uninstall:` line
+            if line.startswith("# uninstall:"):
+                steps.append([str(python), "-m", "pip", "uninstall", "-y", *line.split(":", 1)[1].split()])
         for step in steps:
             result = subprocess.run(step, capture_output=True, text=True, timeout=1800)
             if result.returncode != 0:
                 shutil.rmtree(venv, ignore_errors=True)
                 pytest.skip(f"cannot build the speculators venv ({' '.join(step[:4])} ...): {result.stderr.strip()[-400:]}")
+        if not _has_speculators(str(python)):
+            pytest.fail(f"{venv} was built from {REQUIREMENTS} but cannot import speculators' SpeculatorModel: fix the recipe")
     return str(python)
 
 

@@ -16,6 +16,21 @@ models/llama.py, entrypoints/http_server.py):
   captures the residual stream entering layer id + 1, i.e. transformers `output_hidden_states`
   index id + 1. Without the key it captures indices [2, N//2, N-3]. A config holding the
   hidden-states indices themselves captures one layer too deep, silently.
+
+What vLLM 0.32 and speculators 0.9.0 do with a speculators-format folder (vLLM
+`transformers_utils/configs/speculators/algos.py`, `v1/worker/gpu/spec_decode/eagle/eagle3_utils.py`;
+speculators `models/eagle3/core.py`, `models/utils.py`):
+- `norm_before_residual` missing means True in vLLM and False in speculators: the same folder
+  computes two different layers. The kit's draft is False (residual = h, as SGLang computes it).
+- vLLM reads only the top-level `eagle_aux_hidden_state_layer_ids` (layer inputs, no +1) and falls
+  back to [2, N//2, N-3]; speculators refuses repeated or out-of-range ids at load.
+- speculators' `from_pretrained` is not strict: a tensor under another name stays random (or NaN).
+
+Settings a server refuses with a draft (SGLang 0.5.23):
+- `--speculative-use-rejection-sampling` with a reduced draft vocab (draft_vocab_size != vocab_size,
+  every kit draft): `speculative/eagle_worker_v2.py` raises "--speculative-use-rejection-sampling
+  requires the draft and target to share one vocab" at start-up; it also needs
+  `--speculative-eagle-topk 1` (`arg_groups/speculative_hook.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +45,7 @@ from typing import Any
 
 import pandas as pd
 
-from eaglekit.draft.tensors import tensor_table_from_config
+from eaglekit.draft.tensors import is_speculators_config, layer_fields, tensor_table_from_config
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 BYPASS_ACCEPT_LENGTH = 1.1  # below this the draft is effectively never accepted
@@ -53,7 +68,7 @@ def _ok(check: str, message: str) -> Finding:
 
 
 def load_config(path: str | Path) -> dict:
-    """A config.json (or a folder holding one); multimodal configs are reduced to their text_config."""
+    """A config.json (or a folder holding one), as written."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -61,6 +76,23 @@ def load_config(path: str | Path) -> dict:
         raise FileNotFoundError(f"{path}: no config.json; pass the model folder or its config.json")
     config = json.loads(path.read_text())
     return config
+
+
+def load_target_config(target: str | Path | Mapping[str, Any], trust_remote_code: bool = False) -> Mapping[str, Any]:
+    """The target decoder's config: a model folder through `eaglekit.target.target_layout` (a multimodal
+    wrapper gives its text_config); a bare config.json, or a folder holding only one, read as JSON."""
+    if isinstance(target, Mapping):
+        return target
+    path = Path(target)
+    if path.is_dir():
+        from eaglekit.target import ModelResolutionError, target_layout
+
+        try:
+            return target_layout(path, trust_remote_code=trust_remote_code).text_config
+        except ModelResolutionError:
+            if not (path / "config.json").is_file():
+                raise
+    return load_config(path)
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -82,9 +114,13 @@ def check_draft_config(
     """
     target = _text_config(target_config)
     findings: list[Finding] = []
+    speculators = is_speculators_config(draft_config)
+    raw_config, draft_config = draft_config, layer_fields(draft_config)
 
-    architectures = draft_config.get("architectures") or []
-    if architectures != [DRAFT_ARCHITECTURE]:
+    architectures = raw_config.get("architectures") or []
+    if speculators:
+        findings.append(_ok("architectures", f"speculators eagle3 config ({architectures}): the vLLM / speculators folder"))
+    elif architectures != [DRAFT_ARCHITECTURE]:
         findings.append(Finding("error", "architectures", f"draft architectures is {architectures}; SGLang picks the EAGLE-3 model class from it",
                                 f'set "architectures": ["{DRAFT_ARCHITECTURE}"] in the draft config.json'))
     else:
@@ -135,8 +171,97 @@ def check_draft_config(
     else:
         findings.append(_ok("tie_word_embeddings", "false"))
 
-    findings.extend(_check_capture_layers(draft_config, target, capture_layers))
+    if speculators:
+        findings.extend(_check_norm_before_residual(raw_config))
+    else:
+        findings.extend(_check_capture_layers(draft_config, target, capture_layers))
+    if speculators or "eagle_aux_hidden_state_layer_ids" in raw_config:
+        findings.extend(_check_vllm_capture_layers(raw_config, target, capture_layers))
+    findings.extend(check_serving_settings(raw_config, target))
     return findings
+
+
+def _check_norm_before_residual(draft_config: Mapping[str, Any]) -> list[Finding]:
+    value = draft_config.get("norm_before_residual")
+    if value is None:
+        return [Finding("error", "norm_before_residual", "norm_before_residual is missing: vLLM reads it as true, speculators as false, "
+                        "so the two compute different layers from this folder", 'write "norm_before_residual": false (the kit\'s draft keeps residual = h, as SGLang does)')]
+    if value:
+        return [Finding("warning", "norm_before_residual", "norm_before_residual is true: the residual is hidden_norm(h); the kit's drafts (and SGLang's layer) use h",
+                        'write "norm_before_residual": false unless the draft was trained with the norm before the residual')]
+    return [_ok("norm_before_residual", "false (residual = h), stated explicitly")]
+
+
+def _check_vllm_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any], capture_layers: Sequence[int] | None) -> list[Finding]:
+    """vLLM's top-level ids: layer inputs as given (no +1); missing, it captures [2, N//2, N-3]."""
+    from eaglekit.capture import default_capture_layer_ids
+
+    num_layers = target.get("num_hidden_layers")
+    if num_layers is None:
+        return [Finding("error", "vllm_capture_layers", "target config has no num_hidden_layers", "pass the target's own config.json")]
+    expected = list(capture_layers) if capture_layers is not None else default_capture_layer_ids(num_layers)
+    ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        served = default_capture_layer_ids(num_layers)
+        if served == expected:
+            return [_ok("vllm_capture_layers", f"no eagle_aux_hidden_state_layer_ids; vLLM's default {served} matches training")]
+        return [Finding("error", "vllm_capture_layers", f"no top-level eagle_aux_hidden_state_layer_ids: vLLM captures its default {served}, but the draft was trained on {expected}",
+                        f'set "eagle_aux_hidden_state_layer_ids": {expected} at the top of config.json')]
+    ids = list(ids)
+    findings = []
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers:
+        findings.append(Finding("warning", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} repeat a layer or leave [0, {num_layers}]: speculators' loader refuses them",
+                                f"capture three distinct layers of the {num_layers}-layer target"))
+    if ids != expected:
+        hint = " (SGLang's layer-output ids? vLLM takes the hidden-states indices themselves)" if [i + 1 for i in ids] == expected else ""
+        findings.append(Finding("error", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} make vLLM capture {ids}, but the draft was trained on {expected}{hint}",
+                                f'set "eagle_aux_hidden_state_layer_ids": {expected} at the top of config.json'))
+    else:
+        findings.append(_ok("vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids}: vLLM captures them as trained"))
+    return findings
+
+
+def check_serving_settings(draft_config: Mapping[str, Any], target: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> list[Finding]:
+    """Server settings SGLang refuses with this draft. `settings`: the server's own (its server info) or a
+    planned launch (`parse_sglang_args`); without them, a warning names what not to turn on."""
+    fields = layer_fields(draft_config)
+    vocab = fields.get("vocab_size") or target.get("vocab_size")
+    draft_vocab = fields.get("draft_vocab_size") or vocab
+    reduced = vocab is not None and draft_vocab != vocab
+    findings: list[Finding] = []
+    rejection = None if settings is None else bool(settings.get("speculative_use_rejection_sampling"))
+    if rejection and reduced:
+        findings.append(Finding("error", "rejection_sampling", f"--speculative-use-rejection-sampling with a reduced draft vocab ({draft_vocab} of {vocab}): "
+                                "SGLang 0.5.23 refuses to start (speculative/eagle_worker_v2.py: the draft and target must share one vocab)",
+                                "start SGLang without --speculative-use-rejection-sampling (or train a full-vocab draft)"))
+    elif reduced and settings is None:
+        findings.append(Finding("warning", "rejection_sampling", f"draft vocab {draft_vocab} < target vocab {vocab}: SGLang 0.5.23 refuses "
+                                "--speculative-use-rejection-sampling with this draft",
+                                "leave --speculative-use-rejection-sampling off when serving it"))
+    elif settings is not None:
+        findings.append(_ok("rejection_sampling", "off" if not rejection else "on, with a full-vocab draft"))
+    if rejection and settings is not None and int(settings.get("speculative_eagle_topk") or 1) != 1:
+        findings.append(Finding("error", "rejection_sampling", f"--speculative-use-rejection-sampling with --speculative-eagle-topk {settings['speculative_eagle_topk']}: SGLang refuses it",
+                                "use --speculative-eagle-topk 1 with rejection sampling"))
+    return findings
+
+
+def parse_sglang_args(arguments: Sequence[str] | str) -> dict[str, Any]:
+    """A planned SGLang launch (`--speculative-algorithm EAGLE3 --speculative-use-rejection-sampling ...`) as the
+    server-info keys the checks read (dashes to underscores; a flag without a value is True)."""
+    import shlex
+
+    tokens = shlex.split(arguments) if isinstance(arguments, str) else list(arguments)
+    settings: dict[str, Any] = {}
+    for index, token in enumerate(tokens):
+        if not token.startswith("--"):
+            continue
+        key, _, value = token[2:].partition("=")
+        if not value:
+            following = tokens[index + 1] if index + 1 < len(tokens) else None
+            value = following if following is not None and not following.startswith("--") else True
+        settings[key.replace("-", "_")] = value
+    return settings
 
 
 def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any], capture_layers: Sequence[int] | None) -> list[Finding]:
@@ -180,9 +305,10 @@ _DTYPE_NAMES = {"I64": "int64", "BOOL": "bool", "BF16": "bfloat16", "F16": "floa
 def _rename_hint(name: str, known: set[str]) -> str:
     if name.startswith("model.") and name[len("model."):] in known:
         return f"rename {name} to {name[len('model.'):]}"
-    for old in ("layers.0.", "model.layers.0.", "midlayers.0."):
-        if name.startswith(old):
-            return f"rename {name} to midlayer.{name[len(old):]}"
+    layer = "layers.0." if any(known_name.startswith("layers.0.") for known_name in known) else "midlayer."
+    for old in ("layers.0.", "model.layers.0.", "midlayers.0.", "midlayer."):
+        if name.startswith(old) and old != layer:
+            return f"rename {name} to {layer}{name[len(old):]}"
     return f"rename or drop {name}"
 
 
@@ -198,17 +324,18 @@ def check_draft_weights(weights_path: str | Path, draft_config: Mapping[str, Any
     except (KeyError, TypeError, ValueError) as error:
         return [Finding("error", "weights", f"cannot derive tensor shapes from the draft config: missing or bad {error}", "write hidden_size, num_attention_heads, intermediate_size and vocab_size into config.json")]
     findings: list[Finding] = []
+    loader = "speculators (and vLLM)" if is_speculators_config(draft_config) else "SGLang"
     with safe_open(str(weights_path), framework="pt") as handle:
         names = set(handle.keys())
         missing = sorted(set(expected) - names)
         unknown = sorted(names - set(expected) - ({"fc.bias"} if draft_config.get("bias") else set()))
-        embed = [name for name in unknown if name in ("embed_tokens.weight", "model.embed_tokens.weight")]
+        embed = [name for name in unknown if name in ("embed_tokens.weight", "model.embed_tokens.weight")] if not is_speculators_config(draft_config) else []
         unknown = [name for name in unknown if name not in embed]
         if missing:
-            findings.append(Finding("error", "tensor_names", f"missing tensors {missing}: SGLang leaves those weights random and accept length falls to about 1.0",
+            findings.append(Finding("error", "tensor_names", f"missing tensors {missing}: {loader} leaves those weights random and accept length falls to about 1.0",
                                     "export every tensor under DESIGN's exact names"))
         if unknown:
-            findings.append(Finding("error", "tensor_names", f"tensors SGLang would silently skip: {unknown}",
+            findings.append(Finding("error", "tensor_names", f"tensors {loader} would silently skip: {unknown}",
                                     "; ".join(_rename_hint(name, set(expected)) for name in unknown[:6])))
         if embed:
             findings.append(Finding("warning", "tensor_names", f"{embed} exported: the draft shares the target's frozen embed_tokens, which is not part of the checkpoint",
@@ -294,10 +421,17 @@ def run_doctor(
     accept_length: float | None = None,
     capture_layers: Sequence[int] | None = None,
     timeout: float = 30.0,
+    sglang_args: Sequence[str] | str | None = None,
+    trust_remote_code: bool = False,
 ) -> list[Finding]:
-    """All checks that the given inputs allow; never raises for a failed check (see raise_on_errors)."""
-    target = load_config(target_config) if not isinstance(target_config, Mapping) else target_config
+    """All checks that the given inputs allow; never raises for a failed check (see raise_on_errors).
+
+    target_config: the target's folder (read through target_layout: a multimodal wrapper's text_config),
+    its config.json, or the dict. sglang_args: a planned SGLang launch line, checked for settings SGLang
+    refuses with this draft (a live endpoint's own settings are checked too)."""
+    target = _text_config(load_target_config(target_config, trust_remote_code))
     findings: list[Finding] = []
+    draft_config = None
     if draft_dir is not None:
         draft_dir = Path(draft_dir)
         try:
@@ -316,6 +450,12 @@ def run_doctor(
             findings.append(Finding("error", "endpoint", f"cannot read SGLang server info: {error}", "check the URL (server root or .../v1) and that it is an SGLang server"))
         else:
             findings.extend(check_server_info(info, draft_dir))
+            if draft_config is not None:
+                findings.extend(check_serving_settings(draft_config, target, info))
+    if sglang_args is not None and draft_config is not None:
+        findings.extend(check_serving_settings(draft_config, target, parse_sglang_args(sglang_args)))
+    if endpoint is not None or sglang_args is not None:  # the actual settings were checked: drop the draft-only reminder
+        findings = [finding for finding in findings if not (finding.check == "rejection_sampling" and finding.level == "warning")]
     if accept_length is not None:
         findings.extend(check_accept_length(accept_length))
     return findings
@@ -356,11 +496,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--endpoint", help="SGLang server URL (root or .../v1)")
     parser.add_argument("--accept-length", type=float, help="a measured accept length to sanity-check")
     parser.add_argument("--capture-layers", help="hidden-states indices the draft was trained on, e.g. 2,15,27 (default [2, N//2, N-3])")
+    parser.add_argument("--sglang-args", help="the planned SGLang launch flags, checked for settings SGLang refuses with this draft")
+    parser.add_argument("--trust-remote-code", action="store_true", help="pass trust_remote_code when reading the target")
     args = parser.parse_args(argv)
     if args.draft is None and args.endpoint is None and args.accept_length is None:
         parser.error("give --draft, --endpoint or --accept-length")
     capture = [int(value) for value in args.capture_layers.split(",")] if args.capture_layers else None
-    findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture)
+    findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture,
+                          sglang_args=args.sglang_args, trust_remote_code=args.trust_remote_code)
     for finding in findings:
         print(f"{finding.level.upper():8} {finding.check:24} {finding.message}")
         if finding.fix and finding.level != "ok":

@@ -29,6 +29,23 @@ from typing import Any
 
 TensorTable = dict[str, tuple[tuple[int, ...], str | None]]  # name -> (shape, dtype name, None: the checkpoint's float dtype)
 VOCAB_MAPS = ("d2t", "t2d")
+SPECULATORS_MODEL_TYPE = "eagle3"  # a speculators-format config (vLLM folder): `layers.0.*` names plus embed_tokens
+
+
+def is_speculators_config(draft_config: Mapping[str, Any]) -> bool:
+    return draft_config.get("speculators_model_type") == SPECULATORS_MODEL_TYPE
+
+
+def layer_fields(draft_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The draft layer's fields from either config format: a speculators config keeps them in
+    `transformer_layer_config`, with draft_vocab_size / target_hidden_size at the top."""
+    if not is_speculators_config(draft_config):
+        return dict(draft_config)
+    fields = dict(draft_config.get("transformer_layer_config") or {})
+    for key in ("draft_vocab_size", "target_hidden_size"):
+        if draft_config.get(key) is not None:
+            fields[key] = draft_config[key]
+    return fields
 
 
 def draft_tensor_table(*, hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
@@ -62,12 +79,16 @@ def tensor_table_from_config(draft_config: Mapping[str, Any]) -> TensorTable:
 
     num_key_value_heads defaults to the heads, head_dim to hidden / heads, draft_vocab_size to the
     vocab (SGLang then takes the full target vocab), target_hidden_size to hidden_size.
+    A speculators-format config (vLLM folder) gives speculators' names: `layers.0.*` for `midlayer.*`,
+    and the target's `embed_tokens.weight` (V, H).
     Raises KeyError, TypeError or ValueError when a required key is missing or not a number.
     """
+    speculators = is_speculators_config(draft_config)
+    draft_config = layer_fields(draft_config)
     hidden = int(draft_config["hidden_size"])
     heads = int(draft_config["num_attention_heads"])
     vocab = int(draft_config["vocab_size"])
-    return draft_tensor_table(
+    table = draft_tensor_table(
         hidden_size=hidden,
         target_hidden_size=int(draft_config.get("target_hidden_size", hidden)),
         num_attention_heads=heads,
@@ -77,3 +98,7 @@ def tensor_table_from_config(draft_config: Mapping[str, Any]) -> TensorTable:
         vocab_size=vocab,
         draft_vocab_size=int(draft_config.get("draft_vocab_size") or vocab),
     )
+    if not speculators:
+        return table
+    renamed = {("layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name): value for name, value in table.items()}
+    return {**renamed, "embed_tokens.weight": ((vocab, hidden), None)}
