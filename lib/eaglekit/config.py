@@ -261,6 +261,9 @@ class AnalysisParams(Section):
     bootstrap_resamples: int = Field(default=1000, gt=0)
     confidence: float = Field(default=0.95, gt=0, lt=1)
     target_accept_length: float | None = Field(default=None, gt=1)  # a goal to size the data for
+    # Samples the full run will have (regenerated + class A): the go / no-go forecast's horizon
+    # (docs/forecast.md). None: the largest of training.data_sizes.
+    full_data_size: int | None = Field(default=None, gt=0)
     baseline_tokens_per_s: float = Field(default=90.0, gt=0)  # the seed's measured serving case
     speculative_tokens_per_s: float = Field(default=82.3, gt=0)
     measured_accept_length: float = Field(default=2.1, ge=1)

@@ -175,12 +175,12 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
     summary = analysis_summary_record(topology, len(heldout), scaling, embedded_case, seed_case, loop.summary,
                                       settings.benchmark_prompts, benchmark.summary)
     # The go / no-go forecast: against the user's serving timings (params.analysis) first, the embedded loop's beside it.
-    # analysis.full_data_size (proposed to the lead) is the horizon; until it exists the largest planned size is.
+    # analysis.full_data_size is the horizon; unset, the largest planned size is.
     forecast = forecast_answer(acceptance, scaling, params.training.data_sizes,
                                {"serving (params.analysis)": seed_case.break_even_accept_length,
                                 "embedded loop": embedded_case.break_even_accept_length},
                                max_accept_length=steps + 1.0, confidence=settings.confidence,
-                               full_size=getattr(settings, "full_data_size", None), lower_bound_sizes=still_improving)
+                               full_size=settings.full_data_size, lower_bound_sizes=still_improving)
     forecast.save(analysis_dir / ANSWER_FILE)
     summary["forecast"] = {"verdict": forecast.verdict, "line": forecast.line, "sizes": forecast.sizes}
 
