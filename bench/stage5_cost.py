@@ -30,10 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglekit.draft.model import build_draft_from_target
+from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
 from eaglekit.draft.head_loss import chunked_ttt_loss
 from eaglekit.target import resolve_model, target_layout
-from eaglekit.training.stage import read_target_head
 from eaglekit.capture.shards import ShardDataset
 from eaglekit.training import (IndexedSubset, TargetArgmaxCache, TrainSettings, collate, eligible_rows, per_position_agreement,
                                target_signals, train_draft)
@@ -153,7 +152,7 @@ def main() -> None:
     print(f"before: {uptime()}; torch threads {torch.get_num_threads()}")
 
     samples = ShardDataset(Path(args.run_dir) / "capture")
-    target = read_target_head(target_layout(resolve_model(args.target)))  # any target, a multimodal wrapper too
+    target = load_target_head_weights(target_layout(resolve_model(args.target)))  # any target, a multimodal wrapper too
     head = target.lm_head.float()  # (V, H)
     heldout = IndexedSubset(samples, list(range(args.heldout)))
     train = IndexedSubset(samples, list(range(args.heldout, len(samples))))

@@ -38,7 +38,6 @@ import torch
 
 from eaglekit.capture import load_target, open_captured_samples, read_capture_plan
 from eaglekit.config import Params, dump_params, load_params, repo_path
-from eaglekit.draft.model import TargetHeadWeights
 from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
 from eaglekit.training.checkpoint import load_checkpoint, load_draft_weights
 from eaglekit.training.loop import train_draft
@@ -47,7 +46,6 @@ from eaglekit.training.settings import TrainSettings
 from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys, split_heldout
 from eaglekit.training.sweep import train_size_sweep
 from eaglekit.training.teacher import TargetArgmaxCache
-from eaglekit.target import TargetLayout
 from eaglekit.topology import Topology
 
 LAUNCH_PARAMS_FILE = "launch_params.yaml"
@@ -71,7 +69,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     sizes: train only these sizes of `training.data_sizes` (no exports, no ablation, no sweep.json).
     Returns the sweep record it saved (rank 0; None on other ranks and with `sizes`).
     """
-    from eaglekit.draft.model import build_draft_from_target
+    from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
     from eaglekit.target import resolve_model, target_layout
     from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
 
@@ -85,7 +83,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
                          "vocab come from the whole sweep, so train one of its sizes")
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
     layout = target_layout(model_dir, trust_remote_code=params.target.trust_remote_code)
-    target_weights = read_target_head(layout)
+    target_weights = load_target_head_weights(layout)  # head tensors by the layout's names (Kimi-K2.5: language_model.*)
     settings = dataclasses.replace(TrainSettings.from_params(params), device=_training_device(params))
     is_main = _rank() == 0
     metrics = Metrics(out, "training") if is_main else None
@@ -154,9 +152,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     largest = max(sweep_rows, key=lambda row: row["size"])
     draft = build_model()
     load_draft_weights(draft, load_checkpoint(largest["best_checkpoint"]))
-    # The decoder's config, also inside a multimodal wrapper. A dict, the form export reads for any family
-    # (it takes hidden_size, vocab_size, max_position_embeddings and num_hidden_layers from it).
-    target_config = dict(layout.text_config)
+    target_config = layout  # export reads the decoder's text config from it, also inside a multimodal wrapper
     export_dirs = {
         "sglang": export_sglang(draft, target_config, training_dir / "export" / "sglang"),
         "vllm": export_vllm(draft, target_config, training_dir / "export" / "vllm", verifier_name_or_path=str(model_dir),
@@ -178,26 +174,6 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     sweep.save(training_dir / SWEEP_FILE)
     metrics.close()
     return sweep
-
-
-def read_target_head(layout: TargetLayout) -> TargetHeadWeights:
-    """The target tensors the draft borrows, by the layout's names: embed_tokens (V, H), lm_head (V, H)
-    (the embedding table when the text model ties them), the final norm (H,); config is the decoder's
-    transformers config (`text_config` of a multimodal wrapper such as Kimi-K2.5), remote code passed.
-
-    Reads three tensors straight from the safetensors files, never the whole target. (Until
-    eaglekit.draft.model.load_target_head_weights takes a TargetLayout, stage 5 reads them here.)
-    """
-    tied = layout.tie_word_embeddings or layout.lm_head_name not in layout.weight_map()
-    names = [layout.embed_tokens_name, layout.final_norm_name] + ([] if tied else [layout.lm_head_name])
-    tensors = layout.read_tensors(names)
-    embed_tokens = tensors[layout.embed_tokens_name]
-    expected = (layout.vocab_size, layout.hidden_size)
-    if tuple(embed_tokens.shape) != expected:
-        raise ValueError(f"{layout.folder}: {layout.embed_tokens_name} is {tuple(embed_tokens.shape)}, but its config says "
-                         f"(vocab_size, hidden_size) = {expected}: the config.json and the weights are of different models")
-    return TargetHeadWeights(embed_tokens=embed_tokens, lm_head=embed_tokens if tied else tensors[layout.lm_head_name],
-                             final_norm=tensors[layout.final_norm_name], config=layout.text_config_object())
 
 
 # ---------------------------------------------------------------------------------------------------
