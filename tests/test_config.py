@@ -216,3 +216,13 @@ def test_the_measured_recipe_is_the_default():
     defaults = TrainingParams()
     assert (defaults.learning_rate, defaults.decay_steps, defaults.decay_fraction, defaults.ttt_steps) == (3.0e-4, None, 0.75, 3)
     assert (defaults.draft_vocab_size, defaults.micro_batch_size, defaults.grad_accumulation_steps) == (None, 1, 4)  # unchanged
+
+
+def test_draft_shape_names_are_the_draft_packages_presets():
+    """params may name exactly the presets eaglekit.draft.config defines (config does not import the draft)."""
+    import typing
+
+    from eaglekit.config import TrainingParams
+    from eaglekit.draft.config import DRAFT_SHAPES
+
+    assert set(typing.get_args(TrainingParams.model_fields["draft_shape"].annotation)) == {"auto", *DRAFT_SHAPES}

@@ -174,6 +174,10 @@ class TrainingParams(Section):
     data_sizes: list[int] = [16, 32, 64]  # nested training subsets, one draft each
     heldout_size: int = Field(default=16, gt=0)  # the same held-out samples for every size
     draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
+    # The draft's attention/MLP shape: "auto" derives heads, head_dim, KV heads and intermediate from the
+    # target (head_dim = hidden / heads); a name picks a published draft's shape (eaglekit.draft.config.DRAFT_SHAPES:
+    # kimi_k25_public is TorchSpec's Kimi-K2.5 EAGLE-3 draft, head_dim 128, where "auto" would give 112).
+    draft_shape: Literal["auto", "kimi_k25_public"] = "auto"
     # Training-time-test unroll; None: speculative_tokens (unroll as deep as the draft is served; EAGLE-3 code
     # uses 7; docs/recipe_ablation.md compares the depths). Resolved at validation (always an int after it);
     # fewer than speculative_tokens is refused.
