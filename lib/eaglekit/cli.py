@@ -88,7 +88,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     try:
         records = run_evaluate(args.target, args.draft, args.prompts, topologies, args.max_new_tokens, json_path=args.json,
                                limit=args.limit, device=args.device, dtype=args.dtype, num_resamples=args.resamples,
-                               draft_attention=args.draft_attention)
+                               draft_attention=args.draft_attention, trust_remote_code=args.trust_remote_code)
     except (InputError, FileNotFoundError, ValueError) as error:
         print(f"eaglekit evaluate: {error}", file=sys.stderr)
         return 1
@@ -142,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--draft-attention", default="sglang", choices=["sglang", "ancestors"],
                           help="tree draft steps attend each top-k slot's earlier keys as SGLang's kernels do (default), "
                                "or each node's true ancestors (EAGLE's tree mask)")
+    evaluate.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the target (only for models you trust)")
     evaluate.set_defaults(handler=_evaluate)
 
     args = parser.parse_args(argv)

@@ -290,19 +290,21 @@ def format_report(records: Sequence[dict]) -> str:
 def run_evaluate(
     target_spec: str, draft_dir: str | Path, prompts_path: str | Path, topologies: Sequence[Topology], max_new_tokens: int,
     json_path: str | Path | None = None, limit: int | None = None, device: str = "cpu", dtype: str = "float32",
-    num_resamples: int = 1000, seed: int = 0, draft_attention: str = SGLANG_SLOTS,
+    num_resamples: int = 1000, seed: int = 0, draft_attention: str = SGLANG_SLOTS, trust_remote_code: bool = False,
 ) -> list[dict]:
-    """What `eaglekit evaluate` does: load target (a folder or `embedded:NAME`), draft export and prompts; evaluate;
-    write `--json` ({"target", "draft", "prompts_file", "max_new_tokens", "topologies": [...]}). Returns the records."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """What `eaglekit evaluate` does: load target (a folder or `embedded:NAME`; a multimodal wrapper's text model),
+    draft export and prompts; evaluate; write `--json` ({"target", "draft", "prompts_file", "max_new_tokens",
+    "topologies": [...]}). Returns the records."""
+    from transformers import AutoTokenizer
 
-    from eaglekit.target import resolve_model
+    from eaglekit.target import resolve_model, target_layout
 
     prompts = read_prompts(prompts_path, limit)
     target_dir = resolve_model(target_spec)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch_dtype).to(device).eval()
+    layout = target_layout(target_dir, trust_remote_code=trust_remote_code)
+    target = layout.load_text_model(dtype=torch_dtype).to(device).eval()
     draft = load_draft_for_target(draft_dir, target)
     eos_token_ids = sorted(_eos_ids(target, tokenizer))
     token_lists = [prompt_ids(tokenizer, prompt) for prompt in prompts]
