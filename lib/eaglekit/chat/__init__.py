@@ -47,6 +47,17 @@ oracle, counted in `ConversationSamples.fallback`. tests/chat/test_templates.py
 checks both paths agree token for token, sample for sample, on every published template in
 tests/fixtures/chat_templates; bench/tokenize_mask.py measures the speed ratio.
 
+End of turn: the template's end-of-turn token closes each trained turn. A template that writes none
+(GLM-4.6) closes a turn with the next message's role token, which the model generates as its stop token
+(`<|user|>` after an answer, `<|observation|>` after tool calls; `TemplateLayout.next_turn_closes`): that
+token is the turn's trained end, appended where the turn is the conversation's last. A turn that has no
+definition as generated (its rendering does not extend its prompt even in its smallest context: MiniMax-M2
+without reasoning after its `<think>` prompt) is not trained and is listed in
+`ConversationSamples.rejected_turns`; the conversation's other turns are. A template that renders only with
+tool definitions (Hermes-3 tool_use) is probed with the conversation's tools. A system message after a turn
+goes to the oracle where the probe says it changes earlier prompts (DeepSeek-V3.1 gathers system messages
+at the beginning: `TemplateLayout.stable_with_late_system`).
+
 Spans are character spans of the rendered text; a token is trained when its first character lies in
 a span.
 
@@ -60,8 +71,9 @@ once per template (`TemplateLayout.reasoning`): "field" templates render `reason
 every last turn (Qwen3); "fold" templates render content verbatim and get
 `<think>\\n{reasoning}\\n</think>\\n\\n{content}` (ChatML, Llama: the text such a model generated before a
 server's reasoning parser split it off); "splice" templates drop it on some last turns: Kimi thinking's
-blank `<think></think>` is filled, and after a generation prompt that opens `<think>` (DeepSeek-R1,
-V3.1 with `thinking`) the turn is written as generated: `{reasoning}\\n</think>\\n\\n` (or
+blank `<think></think>` is filled, Kimi-K2.5's history `<think></think>` after a prompt that opens
+`<think>` gets the reasoning inside that block, and after a generation prompt that opens `<think>`
+(DeepSeek-R1, V3.1 with `thinking`) the turn is written as generated: `{reasoning}\\n</think>\\n\\n` (or
 `{reasoning}</think>`), then the rest of the turn as the template writes it.
 
 Tool calls stay structured (OpenAI shape: `tool_calls` of `{"id", "type": "function", "function":

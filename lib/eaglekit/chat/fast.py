@@ -36,6 +36,10 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
     layout, marker, template_messages, renderer, indices = prepare(tokenizer, messages, tools, template_kwargs)
     unstable = (tools and not layout.stable_with_tools) or \
         (not layout.stable_with_system and any(message["role"] == "system" for message in messages))
+    if not layout.stable_with_late_system and any(message["role"] == "system" for message in messages[indices[0]:]):
+        # A system message after a turn changes that turn's context where no span shows it (DeepSeek-V3.1
+        # moves it to the beginning): the per-prefix oracle renders every turn's prompt (counted).
+        return _fallback(tokenizer, messages, tools, history, truncated, template_kwargs)
     # A template that moves text it wrote earlier (Mistral: the system prompt, only while a user turn is
     # last; the tools, before the last user turn) changes the context of earlier turns in ways the
     # spans do not show: every turn's prompt is composed and cut as the oracle cuts (injected_groups).
@@ -69,4 +73,4 @@ def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -
     result = tokenize_conversation_reference(tokenizer, messages, tools=tools, history=history, truncated=truncated,
                                              template_kwargs=template_kwargs)
     return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, fallback=True,
-                               boundary_merges=result.boundary_merges)
+                               boundary_merges=result.boundary_merges, rejected_turns=result.rejected_turns)

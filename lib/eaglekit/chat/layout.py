@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 from eaglekit.chat.messages import Marker, fold_reasoning, to_template_messages
@@ -22,7 +23,27 @@ from eaglekit.chat.template import (
 from eaglekit.chat.text import common_prefix_length, control_tokens_in, history_header
 
 
-_LAYOUT_CACHE: dict[tuple[int, int, str, str], TemplateLayout] = {}
+_LAYOUT_CACHE: dict[tuple, TemplateLayout] = {}
+_LAYOUT_CACHE_SIZE = 256
+_NEEDS_TOOLS: dict[tuple[int, int, str, str], bool] = {}  # per template: renders only with tool definitions
+# (its description is not PROBE_TOOL: the tool-call probe looks for that word in a rendering with them)
+PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description": "EAGLEKITPROBEDEFINITION",
+                                                 "parameters": {"type": "object", "properties": {}}}}]
+
+
+def _needs_tools(tokenizer: Any, template_kwargs: dict) -> bool:
+    """Whether the template cannot render a probe conversation without tool definitions but can with them."""
+    user = [{"role": "user", "content": PROBE_USER}]
+    try:
+        render_template(tokenizer, user, True, None, template_kwargs)
+        return False
+    except ChatTemplateError:
+        pass
+    try:
+        render_template(tokenizer, user, True, PROBE_TOOLS, template_kwargs)
+        return True
+    except ChatTemplateError:
+        return False  # it cannot render even then: the probe says why
 
 
 def _chat_template_text(tokenizer: Any) -> str:
@@ -47,25 +68,46 @@ def _control_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
     return tuple(sorted(set(tokens), key=len, reverse=True))
 
 
-def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> TemplateLayout:
-    """Probe the chat template once: end-of-turn token, where reasoning goes, tool-argument form, family."""
+def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: list | None = None) -> TemplateLayout:
+    """Probe the chat template once: end-of-turn token, where reasoning goes, tool-argument form, family.
+
+    tools: the conversation's tool definitions (normalized). A template that renders only with tool
+    definitions (Hermes-3's tool_use iterates `tools` unguarded) is probed with them, or with a probe tool
+    where there are none: its layout is then cached per tool list (boundedly). Other templates ignore them."""
     template = _chat_template_text(tokenizer)
     template_kwargs = dict(template_kwargs or {})
     # len(tokenizer) counts added tokens: a tokenizer given more special tokens is probed again.
     key = (id(tokenizer), len(tokenizer), template, json.dumps(template_kwargs, sort_keys=True, default=str))
+    control_tokens = _control_tokens(tokenizer, template)
+    if key not in _NEEDS_TOOLS:
+        _NEEDS_TOOLS[key] = _needs_tools(tokenizer, template_kwargs)
+    # The probes render with the tools the template needs (marked, as a conversation's are), else with none.
+    base = Marker(SimpleNamespace(control_tokens=control_tokens))(tools or PROBE_TOOLS) if _NEEDS_TOOLS[key] else None
+    if base is not None:
+        key = (*key, json.dumps(base, sort_keys=True, default=str))
     cached = _LAYOUT_CACHE.get(key)
     if cached is not None:
         return cached
-    control_tokens = _control_tokens(tokenizer, template)
+    if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_SIZE:  # a dataset may give every record its own tool list
+        del _LAYOUT_CACHE[next(iter(_LAYOUT_CACHE))]
     user = [{"role": "user", "content": PROBE_USER}]
     assistant = {"role": "assistant", "content": PROBE_ASSISTANT}
-    prompt = render_template(tokenizer, user, True, None, template_kwargs)
-    turn = render_template(tokenizer, user + [assistant], False, None, template_kwargs)
+    prompt = render_template(tokenizer, user, True, base, template_kwargs)
+    turn = render_template(tokenizer, user + [assistant], False, base, template_kwargs)
     at = turn.find(PROBE_ASSISTANT)
     if at < 0:
         raise ChatTemplateError("chat template: an assistant turn's content does not appear in its rendering")
     closing = turn[at + len(PROBE_ASSISTANT):]
     end_of_turn = next((token for token in control_tokens_in(closing, control_tokens)), "")
+    next_turn_closes = False
+    if not end_of_turn and not closing:
+        # No end-of-turn token (GLM-4.6): the turn is closed by the next message's role token, which the
+        # model generates as its stop token; found by what follows the turn once a user message follows.
+        following = render_template(tokenizer, user + [assistant, {"role": "user", "content": PROBE_USER + "2"}],
+                                    False, base, template_kwargs)
+        after = following[following.find(PROBE_ASSISTANT) + len(PROBE_ASSISTANT):]
+        end_of_turn = next((token for token in control_tokens_in(after, control_tokens) if after.startswith(token)), "")
+        next_turn_closes = bool(end_of_turn)
     if not end_of_turn:
         raise ChatTemplateError(
             f"chat template closes an assistant turn with {closing!r}, which holds no control token: the "
@@ -75,32 +117,37 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
         {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "probe", "arguments": {"x": PROBE_TOOL}}}]}
     tool_arguments = "object"
     try:
-        render_template(tokenizer, user + [call], False, None, template_kwargs)
+        render_template(tokenizer, user + [call], False, base, template_kwargs)
     except ChatTemplateError:
         tool_arguments = "string"
         call["tool_calls"][0]["function"]["arguments"] = json.dumps({"x": PROBE_TOOL})
-    tool_calls = "template" if PROBE_TOOL in render_template(tokenizer, user + [call], False, None, template_kwargs) \
+    tool_calls = "template" if PROBE_TOOL in render_template(tokenizer, user + [call], False, base, template_kwargs) \
         else "hermes-text"
+    call_end_of_turn = _call_closer(tokenizer, user + [call], control_tokens, template_kwargs, base) \
+        if next_turn_closes and tool_calls == "template" else ""
     reasoning_turns = [{**assistant, "reasoning_content": PROBE_REASONING},
                        {**call, "reasoning_content": PROBE_REASONING}]
-    shown = all(PROBE_REASONING in render_template(tokenizer, user + [message], False, None, template_kwargs)
+    shown = all(PROBE_REASONING in render_template(tokenizer, user + [message], False, base, template_kwargs)
                 for message in reasoning_turns)
     folded_turn = {"role": "assistant", "content": fold_reasoning(PROBE_REASONING, PROBE_ASSISTANT)}
-    folded = render_template(tokenizer, user + [folded_turn], False, None, template_kwargs)
+    folded = render_template(tokenizer, user + [folded_turn], False, base, template_kwargs)
     if shown:
         reasoning = "field"
     elif (turn.startswith(prompt) and not turn[len(prompt):].startswith("<think>") and folded.startswith(prompt)
-          and fold_reasoning(PROBE_REASONING, PROBE_ASSISTANT) in folded):
-        reasoning = "fold"  # content is written verbatim: the reasoning goes where the model wrote it
+          and fold_reasoning(PROBE_REASONING, PROBE_ASSISTANT) in folded and history_header(prompt) == prompt):
+        # content is written verbatim: the reasoning goes where the model wrote it. Not where the generation
+        # prompt opens a think block (Kimi-K2.5: "<think>" then history's "<think></think>" extends it):
+        # the model wrote its reasoning inside that block, not as a second one in the content.
+        reasoning = "fold"
     else:
         reasoning = "splice"  # the template writes its own think block or cuts reasoning: place it ourselves
-    probe_tools = [{"type": "function", "function": {"name": "probe", "description": PROBE_TOOL,
-                                                      "parameters": {"type": "object", "properties": {}}}}]
+    probe_tools = base or PROBE_TOOLS
     two_turns = [*user, assistant, {"role": "user", "content": PROBE_USER + "2"}]
 
-    def stable(messages: list[dict], tools: list | None) -> bool:
+    def stable(messages: list[dict], tools: list | None, later: int = 2) -> bool:
+        """Whether the prompt of `messages` without its last `later` messages stays a prefix of its prompt."""
         try:
-            first = render_template(tokenizer, messages[:-2], True, tools, template_kwargs)
+            first = render_template(tokenizer, messages[:-later], True, tools, template_kwargs)
             later = render_template(tokenizer, messages, True, tools, template_kwargs)
         except ChatTemplateError:
             return False
@@ -134,9 +181,13 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
     layout = TemplateLayout(
         tools_in_preamble=all(pair is not None and preamble_only(*pair[1:]) for pair in tool_renderings),
         tools_before_last_user=all(pair is not None and inserted_before_last_user(*pair) for pair in tool_renderings),
-        stable_with_system=stable([{"role": "system", "content": PROBE_REASONING}, *two_turns], None),
+        stable_with_system=stable([{"role": "system", "content": PROBE_REASONING}, *two_turns], base),
+        stable_with_late_system=stable([*user, assistant, {"role": "system", "content": PROBE_REASONING},
+                                        {"role": "user", "content": PROBE_USER + "2"}], base, 3),
         stable_with_tools=stable(two_turns, probe_tools),
         end_of_turn=end_of_turn,
+        next_turn_closes=next_turn_closes,
+        call_end_of_turn=call_end_of_turn,
         end_of_turn_id=tokenizer.convert_tokens_to_ids(end_of_turn),
         reasoning=reasoning,
         tool_arguments=tool_arguments,
@@ -145,9 +196,9 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None) -> Temp
         family=_family(template, prompt, end_of_turn, reasoning),
         splits_at_control_tokens=_splits_at_control_tokens(tokenizer, end_of_turn),
     )
-    layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs),
-                     keeps_history=_keeps_history(tokenizer, layout, template_kwargs),
-                     extends_prompt=_extends_prompt(tokenizer, layout, template_kwargs))
+    layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs, base),
+                     keeps_history=_keeps_history(tokenizer, layout, template_kwargs, base),
+                     extends_prompt=_extends_prompt(tokenizer, layout, template_kwargs, base))
     _LAYOUT_CACHE[key] = layout
     return layout
 
@@ -162,11 +213,11 @@ def _probe_rounds(number: int, calls: int, reasoning: bool, content: str) -> lis
 
 
 def _prompts_extend(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict, conversation: list[dict],
-                    ends: list[int]) -> bool:
+                    ends: list[int], tools: list | None) -> bool:
     """Whether the prompt of `conversation` extends the prompt of each of its prefixes up to `ends` (their
     generation prompt's think opener left out)."""
     messages = to_template_messages(conversation, layout, Marker(layout))
-    renderer = Renderer(tokenizer, layout, None, template_kwargs)
+    renderer = Renderer(tokenizer, layout, tools, template_kwargs)
     try:
         last = renderer.prompt(messages)
         return all(last.startswith(history_header(renderer.prompt(messages[:end]))) for end in ends)
@@ -174,7 +225,7 @@ def _prompts_extend(tokenizer: Any, layout: TemplateLayout, template_kwargs: dic
         return False
 
 
-def _reads_tool_rounds(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict) -> bool:
+def _reads_tool_rounds(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict, tools: list | None) -> bool:
     """Whether the prompt of each turn in a probe stretch of tool rounds (reasoning on some turns, content
     on some, two calls on one) is the stretch's last prompt up to that turn's header."""
     if layout.tool_calls != "template":
@@ -184,10 +235,10 @@ def _reads_tool_rounds(tokenizer: Any, layout: TemplateLayout, template_kwargs: 
                                                           (1, False, "")]):
         rounds += _probe_rounds(number + 1, calls, reasoning, content)
     turns = [index for index, message in enumerate(rounds) if message["role"] == "assistant"]
-    return _prompts_extend(tokenizer, layout, template_kwargs, rounds, turns[1:])
+    return _prompts_extend(tokenizer, layout, template_kwargs, rounds, turns[1:], tools)
 
 
-def _keeps_history(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict) -> bool:
+def _keeps_history(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict, tools: list | None) -> bool:
     """Whether turns with reasoning that a user message follows (a tool-call turn right after its results,
     an answer) render in a prompt as in every later prompt, once answers and user messages follow (Kimi
     thinking shows such a tool-call turn's reasoning until an answer follows)."""
@@ -195,21 +246,35 @@ def _keeps_history(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict
     conversation = [{"role": "user", "content": PROBE_USER}, *_probe_rounds(1, 1, True, ""),
                     {"role": "user", "content": PROBE_USER + "2"}, answer,
                     {"role": "user", "content": PROBE_USER + "3"}, answer, {"role": "user", "content": PROBE_USER + "4"}]
-    return _prompts_extend(tokenizer, layout, template_kwargs, conversation, [4, 6])
+    return _prompts_extend(tokenizer, layout, template_kwargs, conversation, [4, 6], tools)
 
 
-def _extends_prompt(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict) -> bool:
+def _extends_prompt(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict, tools: list | None) -> bool:
     """Whether a probe conversation's rendering up to its last turn (an answer with reasoning after tool
     rounds, one with reasoning, and an earlier stretch) extends the last turn's prompt."""
     answer = {"role": "assistant", "content": PROBE_ASSISTANT, "reasoning": PROBE_REASONING}
     conversation = [{"role": "user", "content": PROBE_USER}, answer, {"role": "user", "content": PROBE_USER + "2"},
                     *_probe_rounds(1, 1, True, ""), *_probe_rounds(2, 1, False, PROBE_ASSISTANT), answer]
     messages = to_template_messages(conversation, layout, Marker(layout))
-    renderer = Renderer(tokenizer, layout, None, template_kwargs)
+    renderer = Renderer(tokenizer, layout, tools, template_kwargs)
     try:
         return renderer.whole(messages).startswith(history_header(renderer.prompt(messages[:-1])))
     except ChatTemplateError:
         return False
+
+
+def _call_closer(tokenizer: Any, messages: list[dict], control_tokens: tuple[str, ...], template_kwargs: dict,
+                 tools: list | None) -> str:
+    """The role token that closes a tool-call turn where the next message does (GLM-4.6's `<|observation|>`):
+    what a tool result adds right after the turn's rendering; "" where it adds no such token."""
+    try:
+        alone = render_template(tokenizer, messages, False, tools, template_kwargs)
+        followed = render_template(tokenizer, messages + [{"role": "tool", "content": PROBE_USER + "3",
+                                                           "tool_call_id": PROBE_CALL_ID}], False, tools, template_kwargs)
+    except ChatTemplateError:
+        return ""
+    after = followed[len(alone):] if followed.startswith(alone) else ""
+    return next((token for token in control_tokens_in(after, control_tokens) if after.startswith(token)), "")
 
 
 def _splits_at_control_tokens(tokenizer: Any, control_token: str) -> bool:
@@ -234,6 +299,8 @@ def _family(template: str, prompt: str, end_of_turn: str, reasoning: str) -> str
         return "mistral"
     if "<start_of_turn>" in prompt:
         return "gemma"
+    if "[gMASK]" in prompt:
+        return "glm (thinking)" if thinking else "glm"
     if "<|assistant|>" in prompt:
         return "phi3" if end_of_turn == "<|end|>" else "zephyr"
     return f"other (end of turn {end_of_turn}, reasoning {reasoning})"

@@ -19,7 +19,7 @@ def history_turns(full: str, generated: list[GeneratedTurn],
         at = find_nth(full, context_header, cursor, turn.skip)
         if at < 0:
             return None
-        cursor = turn_end(full, at + len(context_header), layout.end_of_turn, False)
+        cursor = turn_end(full, at + len(context_header), layout.closers, False)
         turns.append((at, cursor))
     return turns
 
@@ -38,7 +38,7 @@ def locate_group(text: str, generated: list[GeneratedTurn], first: int, last: in
         if at < 0:
             return None
         start = at + len(header)
-        cursor = turn_end(text, start, layout.end_of_turn, False)
+        cursor = turn_end(text, start, layout.closers, False)
     return locate_turns(text, generated, first, last, cursor)
 
 
@@ -71,7 +71,7 @@ def locate_visible(text: str, generated: list[GeneratedTurn], layout: TemplateLa
             start, end = at + len(header), at + len(header) + len(body)
         elif next_header >= 0:
             start = next_header + len(context_header)
-            end = turn_end(text, start, layout.end_of_turn, truncated and position == len(generated) - 1)
+            end = turn_end(text, start, layout.closers, truncated and position == len(generated) - 1)
         else:
             return None
         rendered.spans.append((start, end))

@@ -19,7 +19,7 @@ def prepare(tokenizer: Any, messages: Sequence[dict], tools: list | None, templa
     """(layout, marker, the marked template messages, a renderer with the marked tools, the indices of the
     assistant turns) of a conversation to train; ChatTemplateError where it has no assistant turn."""
     tools = normalize_tools(tools)
-    layout = template_layout(tokenizer, template_kwargs)
+    layout = template_layout(tokenizer, template_kwargs, tools)
     marker = Marker(layout)
     template_messages = to_template_messages(messages, layout, marker)
     renderer = Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
@@ -33,7 +33,7 @@ def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation
                         tools: list | None = None, template_kwargs: dict | None = None) -> str:
     """The chat-template text of `messages` (kit schema), reasoning and tool calls placed as the template needs."""
     tools = normalize_tools(tools)
-    layout = template_layout(tokenizer, template_kwargs)
+    layout = template_layout(tokenizer, template_kwargs, tools)
     marker = Marker(layout)
     renderer = Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
     template_messages = to_template_messages(messages, layout, marker)
@@ -50,7 +50,7 @@ def prompt_token_ids(tokenizer: Any, messages: Sequence[dict], tools: list | Non
                      template_kwargs: dict | None = None) -> list[int]:
     """The tokens the target reads before answering: `messages` rendered with the generation prompt."""
     tools = normalize_tools(tools)
-    layout = template_layout(tokenizer, template_kwargs)
+    layout = template_layout(tokenizer, template_kwargs, tools)
     marker = Marker(layout)
     renderer = Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
     return tokenize_marked(tokenizer, renderer.prompt(to_template_messages(messages, layout, marker)), marker)[0]
@@ -71,6 +71,6 @@ def tokenize_answer(tokenizer: Any, messages: Sequence[dict], answer: dict, *, t
     layout, marker, template_messages, renderer, _ = prepare(tokenizer, [*messages, answer], tools, template_kwargs)
     prompt = renderer.prompt(template_messages[:-1])
     turn = renderer.last(template_messages, prompt)
-    end = turn_end(turn, len(prompt), layout.end_of_turn, truncated)
+    end = turn_end(turn, len(prompt), layout.closers, truncated)
     rendered = Rendered(turn[:end] if truncated else turn, [(len(prompt), end)])
     return len(tokenize_marked(tokenizer, prompt, marker)[0]), tokenized_sample(tokenizer, rendered, marker)

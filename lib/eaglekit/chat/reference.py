@@ -33,14 +33,20 @@ def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *,
     token_diffs: list[tuple[int, int, list[int] | None]] = []  # (sample, span index, expected trained tokens)
     current: Rendered | None = None
     current_end = 0
+    rejected: list[tuple[int, str]] = []
     for position, index in enumerate(indices):
         last = position == len(indices) - 1
         prompt = renderer.prompt(template_messages[:index])
-        turn = renderer.last(template_messages[: index + 1], prompt)
-        if not turn.startswith(prompt):
-            raise NotPrefixStableError(f"message {index}: the turn's rendering does not extend its prompt's")
+        try:
+            turn = renderer.last(template_messages[: index + 1], prompt)
+            if not turn.startswith(prompt):
+                raise NotPrefixStableError("the turn's rendering does not extend its prompt's")
+        except NotPrefixStableError as error:
+            # This turn has no definition as generated; the others keep theirs (it stays their context).
+            rejected.append((index, str(error)))
+            continue
         start = len(prompt)
-        end = turn_end(turn, start, layout.end_of_turn, truncated and last)
+        end = turn_end(turn, start, layout.closers, truncated and last)
         bodies.append(turn[start:end])
         if current is not None and not prompt.startswith(current.text[:current_end]):
             if history == "visible":
@@ -56,7 +62,9 @@ def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *,
         turn_ids = tokenize_marked(tokenizer, turn[:end], marker)[0]
         expected = turn_ids[len(prompt_ids):] if turn_ids[: len(prompt_ids)] == prompt_ids else None
         token_diffs.append((len(rendered), len(current.spans) - 1, expected))
-    assert current is not None
+    if current is None:
+        raise NotPrefixStableError(f"no assistant turn can be defined as generated: message {rejected[0][0]}: "
+                                   f"{rejected[0][1]}")
     if truncated:
         current.text = current.text[:current_end]
     rendered.append(current)
@@ -72,4 +80,5 @@ def tokenize_conversation_reference(tokenizer: Any, messages: Sequence[dict], *,
         if trained != expected:
             raise NotPrefixStableError(f"turn {span_index + 1} of sample {sample_index + 1}: the trained tokens differ "
                                        "from the per-prefix token difference")
-    return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, False, merges)
+    return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, False, merges,
+                               tuple(rejected))

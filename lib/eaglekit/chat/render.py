@@ -42,12 +42,18 @@ class Renderer:
     def last(self, messages: list[dict], prompt: str | None = None, rendered: str | None = None) -> str:
         """messages ending in an assistant turn, that turn written as the target generated it.
 
+        Where the next message's role token closes a turn (GLM-4.6), that token ends it: the model
+        generated it to stop (`TemplateLayout.closer`).
+
         Where the template's rendering of the turn does not extend its prompt (Mistral drops the system
         prompt once the conversation ends in an assistant turn; DeepSeek-R1 renders a tool call after
         tool output under another header), the turn as the template writes it in a small context is
         appended to the prompt the server actually sent. rendered: `messages` already rendered (no
         generation prompt), where the caller has it.
         """
+        return self._as_generated(messages, prompt, rendered) + self.layout.closer(messages[-1])
+
+    def _as_generated(self, messages: list[dict], prompt: str | None, rendered: str | None) -> str:
         prompt = self.prompt(messages[:-1]) if prompt is None else prompt
         try:
             turn = self._last(messages, prompt, rendered)
@@ -60,10 +66,13 @@ class Renderer:
             raise NotPrefixStableError("the chat template's rendering of this turn does not extend its prompt")
         small_prompt = self.prompt(context)
         small = self._last(context + [messages[-1]], small_prompt)
-        if not small.startswith(small_prompt):
+        if small.startswith(small_prompt):
+            return prompt + small[len(small_prompt):]
+        turn = _after_whitespace_change(small, small_prompt, self.layout.control_tokens)
+        if turn is None:
             raise NotPrefixStableError("the chat template's rendering of this turn does not extend its prompt, "
                                        "even in a two-message conversation")
-        return prompt + small[len(small_prompt):]
+        return prompt + turn
 
     def _last(self, messages: list[dict], prompt: str, rendered: str | None = None) -> str:
         full = self.whole(messages) if rendered is None else rendered
@@ -74,6 +83,14 @@ class Renderer:
             rest = full[len(prompt):]
             if not reasoning or f"<think>{reasoning}" in rest or f"<think>\n{reasoning}" in rest:
                 return full
+            opened = prompt.endswith(("<think>", "<think>\n"))
+            if opened and rest.startswith(reasoning):  # written inside the block the prompt opened (Kimi-K2.5)
+                return full
+            # The prompt opens the think block and the template closes it blank (Kimi-K2.5's history form
+            # "<think></think>", which extends the prompt's "<think>"): the model wrote its reasoning there.
+            for blank in ("</think>", "\n</think>"):
+                if opened and rest.startswith(blank):
+                    return prompt + reasoning + rest
             # The template blanks the turn's think block (Kimi thinking on a final answer): fill it.
             for empty, filled in (("<think></think>", f"<think>{reasoning}</think>"),
                                   ("<think>\n\n</think>\n\n", f"<think>\n{reasoning}\n</think>\n\n")):
@@ -96,6 +113,22 @@ class Renderer:
             rest = rest[len("</think>"):]
         close = "\n</think>\n\n" if opened.endswith("\n") else "</think>"
         return prompt + reasoning + close + rest
+
+
+def _after_whitespace_change(rendered: str, prompt: str, control_tokens: tuple[str, ...]) -> str | None:
+    """The turn in `rendered` (a turn's rendering that does not extend its prompt) where the two differ
+    before the turn only in whitespace (Hermes-3 tool_use closes the last tool result with
+    `</tool_response><|im_end|>`, and with `</tool_response>\n<|im_end|>` once a turn follows): what
+    follows the prompt's generation prompt (from its last control token) at the same place in the
+    rendering. None where anything but whitespace differs."""
+    at = max((prompt.rfind(token) for token in control_tokens), default=-1)
+    if at < 0:
+        return None
+    header = prompt[at:]
+    found = rendered.rfind(header)
+    if found < 0 or "".join(rendered[:found].split()) != "".join(prompt[:at].split()):
+        return None
+    return rendered[found + len(header):]
 
 
 def small_context(template_messages: list[dict], index: int) -> list[dict]:

@@ -39,6 +39,9 @@ class TemplateLayout:
     # and with tool definitions (Mistral moves both to the last user turn): where not, the fast path
     # hands such conversations to the oracle.
     stable_with_system: bool
+    # Whether it stays one with a system message after an assistant turn (DeepSeek-V3.1 gathers every system
+    # message into the prompt's beginning, so a later one changes what every earlier turn was generated after).
+    stable_with_late_system: bool
     stable_with_tools: bool
     control_tokens: tuple[str, ...]  # longest first: what is text when it appears inside a message
     family: str
@@ -66,3 +69,24 @@ class TemplateLayout:
     # left out), with earlier stretches and tool rounds with reasoning before it (Kimi thinking blanks
     # them once the last turn is an answer): the prompt is then read off that rendering.
     extends_prompt: bool = False
+    # Whether the template writes no end-of-turn token and the next message's role token closes an assistant
+    # turn (GLM-4.6: `<|user|>` after an answer, `<|observation|>` after tool calls; the last turn has none).
+    # The model generates that role token as its stop token (GLM's generation_config lists both as eos),
+    # so it is the turn's trained end-of-turn token: `end_of_turn` after an answer, `call_end_of_turn`
+    # after tool calls, appended to a turn written as generated (`Renderer.last`) where no message follows.
+    next_turn_closes: bool = False
+    call_end_of_turn: str = ""
+
+    @property
+    def closers(self) -> tuple[str, ...]:
+        """Every token that ends an assistant turn: the end-of-turn token, and the one after tool calls."""
+        if self.call_end_of_turn and self.call_end_of_turn != self.end_of_turn:
+            return (self.end_of_turn, self.call_end_of_turn)
+        return (self.end_of_turn,)
+
+    def closer(self, message: dict) -> str:
+        """What a turn written as generated ends with beyond the template's rendering of it where it is the
+        last message: the role token that closes it (`next_turn_closes`), else nothing."""
+        if not self.next_turn_closes:
+            return ""
+        return self.call_end_of_turn or self.end_of_turn if message.get("tool_calls") else self.end_of_turn

@@ -25,13 +25,16 @@ def common_prefix_length(a: str, b: str) -> int:
     return low
 
 
-def turn_end(text: str, start: int, end_of_turn: str, truncated: bool) -> int:
+def turn_end(text: str, start: int, end_of_turn: str | tuple[str, ...], truncated: bool) -> int:
     """End of the span starting at `start`: just after the first end-of-turn token (before it when the
-    answer was cut at max_tokens, which never produced one), or the end of the text."""
-    at = text.find(end_of_turn, start)
-    if at < 0:
+    answer was cut at max_tokens, which never produced one), or the end of the text. `end_of_turn` may
+    be several tokens (`TemplateLayout.closers`): the first of any of them ends the turn."""
+    closers = (end_of_turn,) if isinstance(end_of_turn, str) else end_of_turn
+    found = [(at, closer) for closer in closers if (at := text.find(closer, start)) >= 0]
+    if not found:
         return len(text)
-    return at if truncated else at + len(end_of_turn)
+    at, closer = min(found)
+    return at if truncated else at + len(closer)
 
 
 def after_nth(text: str, needle: str, count: int) -> int:

@@ -30,6 +30,10 @@ class ConversationSamples:
     trained_tokens: int  # tokens with loss_mask 1 over all samples
     fallback: bool = False  # the fast path handed this conversation to the oracle
     boundary_merges: int = 0  # oracle only: turns whose prompt tokens are not a token prefix of the turn's
+    # Assistant turns that cannot be defined as generated, (message index, reason): trained nowhere (their text
+    # stays the later turns' context, mask 0) and counted, while the conversation's other turns are trained.
+    # MiniMax-M2: a turn without reasoning after a generation prompt that opens `<think>`.
+    rejected_turns: tuple[tuple[int, str], ...] = ()
 
     @property
     def split(self) -> bool:

@@ -118,7 +118,7 @@ def generated_turns(renderer: Renderer, template_messages: list[dict], indices: 
             return None  # the small context is not legal for this template: the oracle decides
         if not turn.startswith(prompt) or not prompt.endswith(header):
             return None
-        end = turn_end(turn, len(prompt), layout.end_of_turn, truncated and position == len(indices) - 1)
+        end = turn_end(turn, len(prompt), layout.closers, truncated and position == len(indices) - 1)
         generated.append(GeneratedTurn(header=header, text=turn[len(prompt): end], skip=skip, prompt=prompt,
                                        tail=turn[end:], prompt_readable=up_to_header[shape]))
     return generated
