@@ -21,8 +21,10 @@ Mistral moves the system prompt and tool definitions to the last user message (t
 while that message is last): there every turn's prompt is composed (the history from the full
 rendering, each stretch from one small rendering with the system prompt and tools) and cut as the
 oracle cuts; a conversation with two equal user messages still goes to the oracle (fallbacks).
-DeepSeek-R1 rejects every agent conversation (both paths): its template renders a tool call that
-follows tool output without the prompt the model was given.
+DeepSeek-R1 renders a tool call that follows tool output without the prompt the model was given, and
+MiniMax-M2 a turn without reasoning without its `<think>` prompt: such turns are counted rejects
+(`ConversationSamples.rejected_turns`) and their conversations go to the oracle (fallbacks), as do
+Hermes-3 tool_use's with tool results (it rewrites the last result's closing once a turn follows).
 """
 
 from __future__ import annotations
