@@ -18,6 +18,7 @@ mixed run and the test reads what it asked for:
     (usage a list), #fault:notjson (not JSON), #fault:badids (token_ids strings)
     #fault:toolcall  answer with tool calls (content null), OpenAI shape
     #fault:length    finish_reason "length" (truncated)
+    #fault:abort / #fault:error   finish_reason "abort" / "error" (the server gave up: retried; x<n> works too)
     #fault:empty     empty content
     #fault:loop      content that ends in a repetition loop
     #fault:think     reasoning but empty content
@@ -25,10 +26,14 @@ mixed run and the test reads what it asked for:
 Attempts are counted per prompt text. With `api_key` set, every route (health and models too)
 answers 401 unless `Authorization: Bearer <api_key>` is sent; tests rotate it mid-run by assigning
 `server.options.api_key`. `last_request` holds the last chat request's JSON body, `chat_requests` all of them.
-Server-wide options choose the dialect: whether
-`return_token_ids` is honoured (vLLM puts `prompt_token_ids` on the response, SGLang on the choice),
-which reasoning field name is used (`reasoning_content`: SGLang and vLLM < 0.17; `reasoning`:
-vLLM 0.17+), and whether unknown request fields get 422 (like `transformers serve`).
+Server-wide options choose the dialect. `token_ids="sglang"` / `"vllm"` answer exactly in the
+shape of that engine's own pydantic `ChatCompletionResponse` dump (the fixtures
+tests/fixtures/serving/{sglang,vllm}_chat_protocol.json, built by protocol_fixtures.py from the
+engines' models; tests/generation/test_protocol.py validates these answers against the models):
+SGLang returns ids on the choice as `response_token_ids` + `prompt_token_ids`, vLLM as the choice's
+`token_ids` + top-level `prompt_token_ids`, each only when the request asks `return_token_ids`.
+`reasoning_field` turns the reasoning parser on (`reasoning_content`: SGLang and vLLM < 0.17;
+`reasoning`: vLLM 0.17+); `strict_fields` 422s unknown request fields (like `transformers serve`).
 
 Run in-process with `FaultEndpoint(...)` (a thread with its own event loop), or as a process:
 `python tests/fault_endpoint.py --port 8123 --token-ids vllm --reasoning-field reasoning`
@@ -178,12 +183,12 @@ class FaultServer:
             return False
         if failing and kind == "slow":
             await asyncio.sleep(self.options.slow_seconds)
-        return self.send(writer, 200, self.completion(request, prompt, kind))
+        return self.send(writer, 200, self.completion(request, prompt, kind if failing else None))
 
     def completion(self, request: dict, prompt: str, kind: str | None) -> dict:
         content, reasoning, finish_reason = f"Answer: {prompt}", "Let me think.", "stop"
-        if kind == "length":
-            finish_reason = "length"
+        if kind in ("length", "abort", "error"):
+            finish_reason = kind
         elif kind == "empty":
             content = ""
         elif kind == "loop":
@@ -191,27 +196,69 @@ class FaultServer:
         elif kind == "think":
             content = ""
         elif kind == "toolcall":
-            content = None
+            content, finish_reason = None, "tool_calls"
         prompt_text = "".join(str(message["content"]) for message in request["messages"])
         completion_text = (reasoning if self.options.reasoning_field else "") + (content or "")
+        tool_calls = [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": prompt[:20]})}}] if kind == "toolcall" else None
+        ids = fake_token_ids(completion_text) + [0] if request.get("return_token_ids") else None  # + end-of-turn id
+        prompt_ids = fake_token_ids(prompt_text) if ids is not None else None
+        usage = {"prompt_tokens": len(prompt_text), "completion_tokens": len(completion_text),
+                 "total_tokens": len(prompt_text) + len(completion_text)}
+        head = {"id": f"chatcmpl-{self.requests}", "object": "chat.completion", "created": int(time.time()),
+                "model": request.get("model", self.options.model)}
+        dialect = self.options.token_ids
+        if dialect == "sglang":
+            return self._sglang(head, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage)
+        if dialect == "vllm":
+            return self._vllm(head, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage)
         message = {"role": "assistant", "content": content}
-        if kind == "toolcall":
-            message["tool_calls"] = [{"id": "call_1", "type": "function", "function": {
-                "name": "get_weather", "arguments": json.dumps({"city": prompt[:20]})}}]
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         if self.options.reasoning_field:
             message[self.options.reasoning_field] = reasoning
-        choice = {"index": 0, "message": message, "finish_reason": finish_reason}
-        response = {"id": f"chatcmpl-{self.requests}", "object": "chat.completion", "created": int(time.time()),
-                    "model": request.get("model", self.options.model), "choices": [choice],
-                    "usage": {"prompt_tokens": len(prompt_text), "completion_tokens": len(completion_text),
-                              "total_tokens": len(prompt_text) + len(completion_text)}}
-        if self.options.token_ids and request.get("return_token_ids"):
-            choice["token_ids"] = fake_token_ids(completion_text) + [0]  # + end-of-turn id
-            if self.options.token_ids == "vllm":
-                response["prompt_token_ids"] = fake_token_ids(prompt_text)
-            else:
-                choice["prompt_token_ids"] = fake_token_ids(prompt_text)
-        return response
+        return {**head, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}], "usage": usage}
+
+    def _reasoning(self, message: dict, own_field: str, reasoning: str) -> None:
+        """The engine's own reasoning field, null without a reasoning parser (`reasoning_field` None);
+        a `reasoning_field` other than the engine's own is an older release's name, sent beside it."""
+        field_name = self.options.reasoning_field
+        message[own_field] = reasoning if field_name == own_field else None
+        if field_name and field_name != own_field:
+            message[field_name] = reasoning
+
+    def _sglang(self, head: dict, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage) -> dict:
+        """SGLang 0.5.23's `ChatCompletionResponse.model_dump()` (tests/fixtures/serving/sglang_chat_protocol.json):
+        ids on the choice as `response_token_ids` / `prompt_token_ids`, only when asked; None fields dropped
+        where its serializers drop them."""
+        message = {"role": "assistant", "content": content}
+        self._reasoning(message, "reasoning_content", reasoning)
+        if tool_calls:
+            message["tool_calls"] = [{"id": call["id"], "index": index, **{key: call[key] for key in ("type", "function")}}
+                                     for index, call in enumerate(tool_calls)]
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
+                  "matched_stop": 0 if finish_reason == "stop" else None}
+        if ids is not None:
+            choice["prompt_token_ids"], choice["response_token_ids"] = prompt_ids, ids
+        usage = {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"],
+                 "completion_tokens": usage["completion_tokens"], "prompt_tokens_details": None,
+                 "reasoning_tokens": 0, "completion_tokens_details": None}
+        return {**head, "choices": [choice], "usage": usage, "metadata": None}
+
+    def _vllm(self, head: dict, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage) -> dict:
+        """vLLM 0.32's `ChatCompletionResponse.model_dump()` (tests/fixtures/serving/vllm_chat_protocol.json):
+        generated ids as the choice's `token_ids` (end-of-turn id included), prompt ids top-level."""
+        message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
+                   "function_call": None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        self._reasoning(message, "reasoning", reasoning)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
+                  "stop_reason": None, "token_ids": ids, "routed_experts": None}
+        usage = {**usage, "prompt_tokens_details": None, "completion_tokens_details": None}
+        return {**head, "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": usage,
+                "prompt_logprobs": None, "prompt_token_ids": prompt_ids, "prompt_text": None,
+                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
     def send_malformed(self, writer: asyncio.StreamWriter, kind: str, good: dict) -> bool:
         """A 200 that is not a well-formed chat completion, as broken proxies and servers send them."""
@@ -229,7 +276,7 @@ class FaultServer:
         elif kind == "usagelist":
             payload["usage"] = [1, 2, 3]
         elif kind == "badids":
-            payload["choices"] = [{**good["choices"][0], "token_ids": ["a", "b"]}]
+            payload["choices"] = [{**good["choices"][0], "token_ids": ["a", "b"], "response_token_ids": ["a", "b"]}]
         return self.send(writer, 200, payload)
 
     def send(self, writer: asyncio.StreamWriter, status: int, payload: dict | None,

@@ -2,8 +2,9 @@
 
 Per endpoint, one `openai.AsyncOpenAI` client on the SDK's aiohttp transport, its connection pool
 sized to the concurrency we put on it, and a read timeout long enough for a 16K-token answer
-(see `Endpoint.__init__`). Each endpoint is probed once for what it accepts: SGLang (since #30917) and vLLM return raw token ids when asked with `return_token_ids`
-(vLLM puts `prompt_token_ids` on the response, SGLang on the choice); a server that rejects unknown
+(see `Endpoint.__init__`). Each endpoint is probed once for what it accepts: SGLang and vLLM return raw
+token ids when asked with `return_token_ids` (SGLang as the choice's `response_token_ids`, vLLM as its
+`token_ids`; see `parse_chat_response`); a server that rejects unknown
 fields (`transformers serve` answers 422) gets plain requests instead of failing the run.
 
 Routing: a request goes to the healthy endpoint with the fewest requests in flight and a free slot.
@@ -198,8 +199,11 @@ def parse_chat_response(data: Any) -> ChatAnswer:
     choice without `message` is never taken for an empty answer.
 
     Reasoning: `reasoning_content` (SGLang, vLLM < 0.17) or `reasoning` (vLLM 0.17+).
-    Token ids: choice `token_ids`; prompt ids on the response (vLLM) or the choice (SGLang), or in
-    SGLang's `sglext` extension (`input_ids` / `output_ids`).
+    Token ids, as the engines' own protocol models name them (tests/fixtures/serving/*_chat_protocol.json):
+    SGLang 0.5.23 puts a chat answer's ids on the choice as `response_token_ids` and the prompt's as
+    the choice's `prompt_token_ids`; vLLM as the choice's `token_ids` (end-of-turn id included) and a
+    top-level `prompt_token_ids`. SGLang's `sglext` extension (`input_ids` / `output_ids`) is the
+    fallback.
     """
     if not isinstance(data, dict):
         raise _bad("response is not a JSON object", data)
@@ -232,7 +236,10 @@ def parse_chat_response(data: Any) -> ChatAnswer:
     if extension is not None and not isinstance(extension, dict):
         raise _bad("sglext is not an object", data)
     extension = extension or {}
-    token_ids = _token_list(choice.get("token_ids"), "choices[0].token_ids", data)
+    # SGLang's chat choice: `response_token_ids`; vLLM's chat choice (and SGLang's completions choice): `token_ids`.
+    token_ids = _token_list(choice.get("response_token_ids"), "choices[0].response_token_ids", data)
+    if token_ids is None:
+        token_ids = _token_list(choice.get("token_ids"), "choices[0].token_ids", data)
     output_ids = extension.get("output_ids")
     if token_ids is None and isinstance(output_ids, list) and output_ids:
         token_ids = _token_list(output_ids[0], "sglext.output_ids[0]", data)
