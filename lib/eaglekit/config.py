@@ -222,6 +222,12 @@ class TrainingParams(Section):
     # Processes on this machine; > 1 runs stage 5 under torchrun (notebook 05 launches it, docs/scale_out.md).
     nproc_per_node: int = Field(default=1, gt=0)
     pack_tokens: int | None = Field(default=None, gt=0)  # pack samples into rows of this many tokens (>= max_length); None: pad
+    # Steps of samples read ahead in a background thread while a step trains (0: read in the step); the same
+    # samples in the same order either way. At hidden 7168 a 16K-token sample is about 0.94 GB of features.
+    prefetch_steps: int = Field(default=2, ge=0)
+    # Recompute each TTT step in backward (eaglekit.training.unroll): same gradients, about a third of the
+    # activation memory (bench/train_step.py --memory-plan); not with parallel: fsdp.
+    activation_checkpointing: bool = False
     attention: Literal["auto", "eager", "flex"] = "auto"  # TTT attention: auto = flex on CUDA, eager on CPU
     speculative_tokens: int = Field(default=3, gt=0)  # the chain depth the draft is served at: the vLLM export's config, ttt_steps' default
 

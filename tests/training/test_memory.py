@@ -118,3 +118,17 @@ def test_capture_decision_with_the_targets_own_memory():
     # One GPU cannot hold Kimi even sharded when it is the only rank.
     alone = decide_capture(offline, 5e12, kimi_weights, plan_training_memory(KIMI_K25, gpu_memory_bytes=H200, pack_tokens=4096))
     assert alone.mode == "separate_pass" and not alone.target_fits_sharded_across_ranks
+
+
+def test_params_draft_shape_picks_the_public_kimi_draft_shape():
+    """training.draft_shape reaches the draft config: Kimi-K2.5's 7168-wide, 64-head decoder gives head_dim 112
+    when derived, 128 with the published draft's shape."""
+    from eaglekit.training.memory import draft_config_for_target
+
+    kimi_text = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
+                 "num_key_value_heads": 64, "intermediate_size": 18432, "vocab_size": 163840, "max_position_embeddings": 262144,
+                 "rms_norm_eps": 1e-6, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+    wrapper = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": kimi_text}
+    assert draft_config_for_target(wrapper, 32000, shape="auto").head_dim == 112
+    public = draft_config_for_target(wrapper, 32000, shape="kimi_k25_public")
+    assert (public.num_attention_heads, public.head_dim, public.num_key_value_heads, public.intermediate_size) == (64, 128, 64, 12288)

@@ -50,9 +50,11 @@ LOSS_CHUNK_ROWS = 1024  # eaglekit.draft.head_loss default
 TEACHER_CHUNK_ROWS = 1024  # eaglekit.training.target_signals default
 
 
-def draft_config_for_target(target_config: str | os.PathLike | Mapping[str, Any], draft_vocab_size: int) -> DraftConfig:
-    """The draft the kit builds for a target config (a path, folder or dict; multimodal configs use text_config)."""
-    return DraftConfig.from_target_config(load_model_config(target_config), draft_vocab_size=draft_vocab_size)
+def draft_config_for_target(target_config: str | os.PathLike | Mapping[str, Any], draft_vocab_size: int,
+                            shape: str | None = None) -> DraftConfig:
+    """The draft the kit builds for a target config (a path, folder or dict; multimodal configs use text_config);
+    `shape`: params' training.draft_shape ("auto" or a preset of eaglekit.draft.config.DRAFT_SHAPES), None: derived."""
+    return DraftConfig.from_target_config(load_model_config(target_config), draft_vocab_size=draft_vocab_size, shape=shape)
 
 
 def parameter_counts(config: DraftConfig) -> tuple[int, int]:

@@ -3,8 +3,7 @@
 The recipe, the schedule and the batch shape are `config.TrainingParams` fields, declared, defaulted and
 validated there once; `TrainSettings` holds that section (`training`) and reads as it
 (`settings.learning_rate` is `settings.training.learning_rate`). Its own fields are the ones no params
-file sets: the AdamW betas, the held-out chain length, the seed, the interruption step, how far reads
-run ahead, and activation checkpointing.
+file sets: the AdamW betas, the held-out chain length, the seed and the interruption step.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ DRAFT_FIELDS = (
     "ttt_steps", "step_weight", "feature_noise", "distill", "learning_rate", "min_learning_rate", "warmup_steps", "schedule",
     "max_steps", "num_epochs", "patience", "min_improvement", "smoothing_evaluations", "decay_steps", "decay_fraction",
     "micro_batch_size", "grad_accumulation_steps", "grad_clip", "weight_decay", "max_length", "pack_tokens", "attention",
-    "eval_interval", "device", "parallel", "log_interval_s",
+    "eval_interval", "device", "parallel", "log_interval_s", "prefetch_steps", "activation_checkpointing",
 )
 
 
@@ -46,12 +45,9 @@ class TrainSettings:
     eval_chain_steps: int | None = None  # chain length of the simulated accept length; None = ttt_steps
     seed: int = 0
     stop_at_step: int | None = None  # stop early after this step's checkpoint (interruptions, tests)
-    prefetch_steps: int = 2  # steps of samples read ahead in a background thread (0: read in the step); same samples either way
-    activation_checkpointing: bool = False  # recompute each TTT step in backward (eaglekit.training.unroll): less memory, same gradients
 
     def __init__(self, training: TrainingParams | None = None, *, beta1: float = 0.9, beta2: float = 0.95,
-                 eval_chain_steps: int | None = None, seed: int = 0, stop_at_step: int | None = None, prefetch_steps: int = 2,
-                 activation_checkpointing: bool = False, **changes: Any):
+                 eval_chain_steps: int | None = None, seed: int = 0, stop_at_step: int | None = None, **changes: Any):
         training = TrainingParams() if training is None else training
         if changes:
             if changes.get("ttt_steps") is not None and "speculative_tokens" not in changes:
@@ -60,11 +56,8 @@ class TrainSettings:
                 training = TrainingParams.model_validate({**training.model_dump(), **changes})
             except ValidationError as error:
                 raise ValueError(settings_error(error)) from None
-        if not isinstance(prefetch_steps, int) or prefetch_steps < 0:
-            raise ValueError(f"prefetch_steps must be an integer >= 0, got {prefetch_steps!r}")
         for name, value in (("training", training), ("beta1", beta1), ("beta2", beta2), ("eval_chain_steps", eval_chain_steps),
-                            ("seed", seed), ("stop_at_step", stop_at_step), ("prefetch_steps", prefetch_steps),
-                            ("activation_checkpointing", bool(activation_checkpointing))):
+                            ("seed", seed), ("stop_at_step", stop_at_step)):
             object.__setattr__(self, name, value)
 
     def __getattr__(self, name: str) -> Any:
@@ -82,8 +75,7 @@ class TrainSettings:
     def to_dict(self) -> dict[str, Any]:
         """The flat form a checkpoint saves (plain values only, so it loads with weights_only=True)."""
         return {**{name: getattr(self.training, name) for name in DRAFT_FIELDS}, "beta1": self.beta1, "beta2": self.beta2,
-                "eval_chain_steps": self.eval_chain_steps, "seed": self.seed, "stop_at_step": self.stop_at_step,
-                "prefetch_steps": self.prefetch_steps, "activation_checkpointing": self.activation_checkpointing}
+                "eval_chain_steps": self.eval_chain_steps, "seed": self.seed, "stop_at_step": self.stop_at_step}
 
     def anneal_steps(self, decay_start: int) -> int:
         """until_converged's anneal length for a draft that converged at step `decay_start` (`anneal_length`)."""

@@ -110,7 +110,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
 
     capture_layer_indices = tuple(capture_layer_ids)
     evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)  # the chain train_draft scores held-out tau with
-    build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed)
+    build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed,
+                                                  shape=params.training.draft_shape)
     # One target argmax per sample for the sweep and the ablation: they share the held-out set, and the
     # regenerated-answers draft trains on samples of the sweep (keys are content digests, so the original
     # answers, which share ids with them, get their own).
