@@ -172,6 +172,21 @@ class CaptureParams(Section):
     max_tokens_per_batch: int = Field(default=8192, gt=0)  # token budget of a length-sorted batch
     max_shard_mb: int = Field(default=256, gt=0)
     log_interval_s: float = Field(default=60.0, gt=0)  # a progress line (samples, tokens, tok/s, ETA) this often
+    # What computes the features (all write the same shards, resume and checks): transformers (hooks, one
+    # process; device "auto" spreads it over GPUs), vllm (stock vLLM's extract_hidden_states speculative method
+    # with a hidden-states KV connector; TP/DP across GPUs), sglang (SGLang 0.5.23's in-process model runner
+    # under torchrun as one TP group). A target larger than one GPU's memory needs vllm or sglang.
+    engine: Literal["transformers", "vllm", "sglang"] = "transformers"
+    feature_dtype: Literal["bf16", "fp8"] = "bf16"  # fp8: float8_e4m3fn with a per-token scale, about half the disk
+    tensor_parallel: int = Field(default=1, gt=0)  # vllm / sglang: GPUs one engine spans (Kimi-K2.5: 8)
+    data_parallel: int = Field(default=1, gt=0)  # vllm: engine replicas behind one server
+    engine_python: str | None = None  # vllm: the Python of a venv with vLLM installed; None: this Python
+    engine_args: list[str] = []  # extra engine flags, passed as they are (e.g. ["--max-num-seqs", "64"])
+    engine_concurrency: int = Field(default=16, gt=0)  # vllm: capture requests in flight
+    startup_timeout_s: float = Field(default=900.0, gt=0)  # vllm: until the server's /health answers
+    # Capture in nested slices in training.data_sizes' order (held-out + the smallest size first, then each
+    # next size's new samples), so a size can train while the next slice is captured; the plan gives bytes per slice.
+    slices: bool = False
 
 
 class TrainingParams(Section):
