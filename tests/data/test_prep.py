@@ -265,3 +265,28 @@ def test_a_dataset_answer_the_template_cannot_render_keeps_its_prompt_and_is_lis
     assert [(r["line"], r["reason"].split(":")[0]) for r in rejects] == [(1, "chat template (dataset answer, prompt kept)")]
     with pytest.raises(InputError, match="ps.jsonl:1: .*dataset answer"):
         prepare_sources([spec], v31, tmp_path / "prep2", context_length=256, long_prompt_threshold=40, bad_input="fail")
+
+
+def test_a_turn_the_template_leaves_undefined_is_listed_and_counted_while_the_others_train(tmp_path, embedded_model_dir):
+    """MiniMax-M2 opens `<think>` in its generation prompt: an answer without reasoning is undefined there. The
+    conversation is kept, its other turns train, and the undefined turn is counted and listed with file, line, field."""
+    from support import fixture_tokenizer
+
+    minimax = fixture_tokenizer(embedded_model_dir, "minimax_m2")
+    record = {"messages": [{"role": "user", "content": "What is 2+2?"},
+                           {"role": "assistant", "content": "4.", "reasoning_content": "Two plus two."},
+                           {"role": "user", "content": "And 3+3?"},
+                           {"role": "assistant", "content": "6."},
+                           {"role": "user", "content": "And 4+4?"},
+                           {"role": "assistant", "content": "8.", "reasoning_content": "Four plus four."}]}
+    path = tmp_path / "a.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    spec = SourceSpec(name="mm", format="openai", path=str(path), data_class="A")
+    summary = prepare_sources([spec], minimax, tmp_path / "prep", context_length=1024, long_prompt_threshold=40)
+    row = summary.table().iloc[0]
+    assert (row["kept"], row["rejected"], row["rejected turns"]) == (1, 0, 1)
+    rejects = read_lines(tmp_path / "prep" / "rejects.jsonl")
+    assert [(r["file"], r["line"], r["field"]) for r in rejects] == [(str(path), 1, "messages[3]")]
+    written = read_lines(tmp_path / "prep" / "mm" / "tokenized_data.jsonl")
+    trained = "".join(minimax.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]) for r in written)
+    assert "Two plus two." in trained and "Four plus four." in trained and "6." not in trained

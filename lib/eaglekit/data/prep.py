@@ -95,6 +95,9 @@ class SourceCounts:
     trained_tokens: int = 0  # class A: tokens with loss_mask 1 (equal to generated under history "split")
     template_family: str = ""
     original_rejected: int = 0  # class B: dataset answers the template cannot render (listed in rejects.jsonl)
+    # class A: assistant turns of kept conversations that the template leaves undefined (eaglekit.chat's
+    # rejected_turns: context with mask 0, not trained), each listed in rejects.jsonl as messages[i]
+    rejected_turns: int = 0
 
 
 @dataclass
@@ -112,7 +115,7 @@ class PrepSummary:
                          "duplicates": counts.duplicates, "rejected": counts.rejected,
                          "short": counts.partitions.get("short", 0), "long": counts.partitions.get("long", 0),
                          "tokens": counts.tokens, "template": counts.template_family, "split": counts.split,
-                         "samples": counts.samples,
+                         "samples": counts.samples, "rejected turns": counts.rejected_turns,
                          "trained/generated": (round(counts.trained_tokens / counts.generated_tokens, 4)
                                                if counts.generated_tokens else None)})
         return pd.DataFrame(rows)
@@ -285,6 +288,10 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
             return
         seen.add(key)
         counts.kept += 1
+        for index, reason in result.rejected_turns:  # a template limit, not bad input: listed under any bad_input policy
+            counts.rejected_turns += 1
+            turn = InputError(location.path, location.line, f"messages[{index}]", f"chat template turn not trained: {reason}")
+            outputs.write("rejects.jsonl", {"source": spec.name, **Reject(turn, location.record).as_record()})
         counts.split += result.split
         counts.samples += len(result.samples)
         counts.generated_tokens += result.generated_tokens
