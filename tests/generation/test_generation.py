@@ -778,3 +778,21 @@ def test_settings_build_themselves_from_params(monkeypatch):
 
 if __name__ == "__main__":
     run_client(sys.argv[1])
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "vllm"])
+def test_abort_and_error_finishes_are_retried_not_recorded_as_answers(tmp_path, dialect):
+    # SGLang and vLLM end a request they gave up on with finish_reason "abort" (vLLM also "error"):
+    # no answer, so the prompt is retried and, past the attempt limit, recorded as an error. "length" is an answer.
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["aborted once #fault:abortx1", "always aborted #fault:abort",
+                                                         "always errored #fault:error", "cut #fault:length"])
+    with FaultEndpoint(FaultOptions(token_ids=dialect)) as endpoint:
+        summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                           [PartitionSettings("short", 2, 16)], **FAST)
+    records = read_generations(tmp_path / "out")
+    assert sorted(record["id"] for record in records.values()) == ["p0", "p3"]
+    assert records[("ds", "p0")]["attempts"] == 2 and records[("ds", "p0")]["finish_reason"] == "stop"
+    assert records[("ds", "p3")]["truncated"] and records[("ds", "p3")]["attempts"] == 1
+    errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert {name: errors[name]["kind"] for name in ("p1", "p2")} == {"p1": "finish_abort", "p2": "finish_error"}
+    assert errors["p1"]["attempts"] == FAST["retry"].max_attempts and summary.errors == 2

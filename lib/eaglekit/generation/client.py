@@ -18,7 +18,9 @@ What an HTTP status means for the run (`classify_status`):
 - 400, 413, 422: about this request (prompt too long, bad field): `RequestRejected`, recorded for
   the prompt, never retried within the run.
 - everything else (408, 429, 5xx, and other 4xx such as a proxy's 404 during a restart): transient,
-  retried with backoff; a 200 whose body is not a chat completion is a transient `bad_response`.
+  retried with backoff; a 200 whose body is not a chat completion is a transient `bad_response`, and
+  one that ends with finish_reason "abort" or "error" (the server gave up) a transient `finish_abort` /
+  `finish_error`. "length" is an answer, recorded as truncated.
 Health checks and `/v1/models` send the same key as the requests (a keyed server answers 401 to
 anything without it).
 """
@@ -48,6 +50,8 @@ AUTH_STATUS_CODES = frozenset({401, 403})
 REQUEST_STATUS_CODES = frozenset({400, 413, 422})  # about the request itself: terminal for the prompt
 RETRY_AFTER_STATUS_CODES = frozenset({429, 503})
 MAX_RETRY_AFTER_S = 600.0  # a server asking for more is honoured for this long, then asked again
+# Finish reasons that mean no answer: retried, then recorded as an error ("length" is a truncated answer).
+GAVE_UP_FINISH_REASONS = frozenset({"abort", "error"})
 
 
 @dataclass(frozen=True)
@@ -325,7 +329,14 @@ class Endpoint:
         if chat_template_kwargs:
             body["chat_template_kwargs"] = {**body.get("chat_template_kwargs", {}), **chat_template_kwargs}
         data = await self._post_chat(self.capabilities.model, messages, max_tokens, temperature, top_p, body)
-        return parse_chat_response(data)
+        answer = parse_chat_response(data)
+        if answer.finish_reason in GAVE_UP_FINISH_REASONS:
+            # The server gave up on the request (SGLang and vLLM "abort": cancelled, preempted, shut down;
+            # vLLM "error"): whatever text came back is not an answer. Retried like any transient failure.
+            raise TransientError(f"finish_{answer.finish_reason}",
+                                 f"the server ended the request with finish_reason {answer.finish_reason!r} "
+                                 f"after {answer.completion_tokens} tokens")
+        return answer
 
     async def _post_chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int,
                          temperature: float | None, top_p: float | None, extra_body: dict[str, Any]) -> Any:
