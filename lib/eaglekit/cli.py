@@ -102,6 +102,51 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    """`eaglekit train`: stage 5 from params on a run folder whose capture finished (under torchrun: each rank)."""
+    import logging
+
+    import torch
+
+    from eaglekit.config import load_params, repo_path
+    from eaglekit.run_folder import stage_dir
+    from eaglekit.training.record import SWEEP_FILE
+    from eaglekit.training.stage import run_training_stage
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    params = load_params(args.params)
+    run_dir = Path(args.run_dir) if args.run_dir else repo_path(params.run.outputs_dir) / args.run_id
+    if not run_dir.is_dir():
+        print(f"eaglekit train: run folder {run_dir} not found: pass the run id of a run whose stage 4 (capture) finished",
+              file=sys.stderr)
+        return 1
+    try:
+        sweep = run_training_stage(params, run_dir, args.sizes)
+        if sweep is not None:
+            print(f"wrote {stage_dir(run_dir, 'training') / SWEEP_FILE}: sizes {sweep.sizes}, best held-out tau "
+                  f"{[round(entry.best_accept_length, 4) for entry in sweep.runs]}", flush=True)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """`eaglekit doctor`: the silent ways a draft gets bypassed, one finding a line with its fix; 1 on any error."""
+    from eaglekit.draft.doctor import run_doctor
+
+    capture = [int(value) for value in args.capture_layers.split(",")] if args.capture_layers else None
+    findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture,
+                          sglang_args=args.sglang_args, trust_remote_code=args.trust_remote_code)
+    for finding in findings:
+        print(f"{finding.level.upper():8} {finding.check:24} {finding.message}")
+        if finding.fix and finding.level != "ok":
+            print(f"{'':8} {'':24} fix: {finding.fix}")
+    errors = sum(finding.level == "error" for finding in findings)
+    print(f"\n{errors} error(s), {sum(f.level == 'warning' for f in findings)} warning(s)")
+    return 1 if errors else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -145,7 +190,28 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the target (only for models you trust)")
     evaluate.set_defaults(handler=_evaluate)
 
+    train = commands.add_parser("train", help="stage 5 alone on a run whose capture finished; torchrun --nproc-per-node N "
+                                "-m eaglekit.training ... for several processes")
+    train.add_argument("--params", required=True, help="params YAML (the run's params.yaml, or a scenario)")
+    where = train.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-id", help="run folder outputs/<run-id> (run.outputs_dir), holding the capture of stage 4")
+    where.add_argument("--run-dir", help="run folder path")
+    train.add_argument("--sizes", type=int, nargs="+", help="train only these data sizes (of training.data_sizes)")
+    train.set_defaults(handler=_train)
+
+    doctor = commands.add_parser("doctor", help="preflight an EAGLE-3 draft, a target and an SGLang endpoint before measuring")
+    doctor.add_argument("--target-config", required=True, help="the target's config.json or model folder")
+    doctor.add_argument("--draft", help="draft checkpoint folder (config.json + model.safetensors)")
+    doctor.add_argument("--endpoint", help="SGLang server URL (root or .../v1)")
+    doctor.add_argument("--accept-length", type=float, help="a measured accept length to sanity-check")
+    doctor.add_argument("--capture-layers", help="hidden-states indices the draft was trained on, e.g. 2,15,27 (default [2, N//2, N-3])")
+    doctor.add_argument("--sglang-args", help="the planned SGLang launch flags, checked for settings SGLang refuses with this draft")
+    doctor.add_argument("--trust-remote-code", action="store_true", help="pass trust_remote_code when reading the target")
+    doctor.set_defaults(handler=_doctor)
+
     args = parser.parse_args(argv)
+    if args.command == "doctor" and args.draft is None and args.endpoint is None and args.accept_length is None:
+        doctor.error("give --draft, --endpoint or --accept-length")
     return args.handler(args)
 
 

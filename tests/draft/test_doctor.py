@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import save_file
 
 from fixtures.serving import replay_server as replay
+from eaglekit.cli import main
 from eaglekit.draft.doctor import (
     DoctorError,
     check_accept_length,
     expected_tensors,
     findings_frame,
-    main,
     preflight_table,
     raise_on_errors,
     run_doctor,
@@ -172,7 +172,7 @@ def test_measured_accept_length_below_1_1_warns():
 
 def test_cli(tmp_path, capsys):
     draft = _write(tmp_path / "draft", {**DRAFT, "tie_word_embeddings": True})
-    assert main(["--draft", str(draft), "--target-config", str(tmp_path / "target_config.json")]) == 1
+    assert main(["doctor", "--draft", str(draft), "--target-config", str(tmp_path / "target_config.json")]) == 1
     output = capsys.readouterr().out
     assert "ERROR" in output and "tie_word_embeddings" in output and 'fix: set "tie_word_embeddings": false' in output
     good = _write(tmp_path / "good", DRAFT)

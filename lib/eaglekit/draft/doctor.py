@@ -35,7 +35,6 @@ Settings a server refuses with a draft (SGLang 0.5.23):
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -492,29 +491,7 @@ def raise_on_errors(findings: Sequence[Finding]) -> None:
         raise DoctorError(f"preflight found {len(errors)} error(s):\n" + "\n".join(lines))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eaglekit.draft.doctor", description="Preflight an EAGLE-3 draft and an SGLang endpoint.")
-    parser.add_argument("--target-config", required=True, help="the target's config.json or model folder")
-    parser.add_argument("--draft", help="draft checkpoint folder (config.json + model.safetensors)")
-    parser.add_argument("--endpoint", help="SGLang server URL (root or .../v1)")
-    parser.add_argument("--accept-length", type=float, help="a measured accept length to sanity-check")
-    parser.add_argument("--capture-layers", help="hidden-states indices the draft was trained on, e.g. 2,15,27 (default [2, N//2, N-3])")
-    parser.add_argument("--sglang-args", help="the planned SGLang launch flags, checked for settings SGLang refuses with this draft")
-    parser.add_argument("--trust-remote-code", action="store_true", help="pass trust_remote_code when reading the target")
-    args = parser.parse_args(argv)
-    if args.draft is None and args.endpoint is None and args.accept_length is None:
-        parser.error("give --draft, --endpoint or --accept-length")
-    capture = [int(value) for value in args.capture_layers.split(",")] if args.capture_layers else None
-    findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture,
-                          sglang_args=args.sglang_args, trust_remote_code=args.trust_remote_code)
-    for finding in findings:
-        print(f"{finding.level.upper():8} {finding.check:24} {finding.message}")
-        if finding.fix and finding.level != "ok":
-            print(f"{'':8} {'':24} fix: {finding.fix}")
-    errors = sum(finding.level == "error" for finding in findings)
-    print(f"\n{errors} error(s), {sum(f.level == 'warning' for f in findings)} warning(s)")
-    return 1 if errors else 0
+if __name__ == "__main__":  # python -m eaglekit.draft.doctor: an alias of `eaglekit doctor`
+    from eaglekit.cli import main
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(["doctor", *sys.argv[1:]]))

@@ -1,5 +1,7 @@
-"""python -m eaglekit.training (or under torchrun): stage 5 from params; the same as `eaglekit train`."""
+"""python -m eaglekit.training (what torchrun launches for several processes): an alias of `eaglekit train`."""
 
-from eaglekit.training.stage import main
+import sys
 
-raise SystemExit(main())
+from eaglekit.cli import main
+
+raise SystemExit(main(["train", *sys.argv[1:]]))

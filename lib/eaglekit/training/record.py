@@ -33,7 +33,7 @@ from eaglekit.training.metrics import recent_gain
 
 SWEEP_FILE = "sweep.json"
 RECORD_VERSION = 1
-RERUN = "rerun stage 5 (notebook 05, or python -m eaglekit.training --params P --run-dir D; trained sizes resume from their checkpoints)"
+RERUN = "rerun stage 5 (notebook 05, or eaglekit train --params P --run-dir D; trained sizes resume from their checkpoints)"
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,7 @@ the caller (Ctrl-C, a stopped kernel) stops the whole torchrun process group; th
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import logging
 import os
 import signal
 import subprocess
@@ -37,7 +35,7 @@ from pathlib import Path
 import torch
 
 from eaglekit.capture import load_target, open_captured_samples, read_capture_plan
-from eaglekit.config import Params, dump_params, load_params, repo_path
+from eaglekit.config import Params, dump_params
 from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
 from eaglekit.training.checkpoint import load_checkpoint, load_draft_weights
 from eaglekit.training.loop import train_draft
@@ -247,31 +245,3 @@ def _stop_group(process: subprocess.Popen) -> None:
         process.wait()
     except ProcessLookupError:
         pass
-
-
-# ---------------------------------------------------------------------------------------------------
-# the command line (python -m eaglekit.training)
-# ---------------------------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eaglekit.training", description="Stage 5 (draft training) from params; "
-                                     "run it under torchrun for several processes: torchrun --nproc-per-node N -m eaglekit.training ...")
-    parser.add_argument("--params", required=True, help="params YAML (the run's params.yaml, or a scenario)")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run-id", help="run folder outputs/<run-id> (run.outputs_dir), holding the capture of stage 4")
-    where.add_argument("--run-dir", help="run folder path")
-    parser.add_argument("--sizes", type=int, nargs="+", help="train only these data sizes (of training.data_sizes)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    params = load_params(args.params)
-    run_dir = Path(args.run_dir) if args.run_dir else repo_path(params.run.outputs_dir) / args.run_id
-    if not run_dir.is_dir():
-        raise SystemExit(f"run folder {run_dir} not found: pass the run id of a run whose stage 4 (capture) finished")
-    try:
-        sweep = run_training_stage(params, run_dir, args.sizes)
-        if sweep is not None:
-            print(f"wrote {stage_dir(run_dir, 'training') / SWEEP_FILE}: sizes {sweep.sizes}, best held-out tau "
-                  f"{[round(entry.best_accept_length, 4) for entry in sweep.runs]}", flush=True)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
