@@ -172,3 +172,21 @@ def test_vllm_completions_refuses_prompts_without_token_ids():
     with replay.serve(replay.vllm_app()) as url:
         with pytest.raises(ValueError, match="prompt 0 \\('p0'\\) has no 'input_ids'"):
             measure_vllm(url, PROMPTS, model="m", api="completions")
+
+
+def test_request_without_verification_steps_counts_as_zero_steps():
+    # SGLang sets spec_* in meta_info only when spec_verify_ct > 0 (tokenizer_manager.py), so a request answered
+    # by its prefill alone (1 token) has no spec_verify_ct on a speculating server. It must not abort the run.
+    records = replay.load("sglang_generate_speculative.json")
+    p2 = records[2]["response"]
+    meta = {key: value for key, value in p2["meta_info"].items() if not key.startswith("spec_")}
+    meta.update(completion_tokens=1, finish_reason={"type": "length", "length": 1})
+    records[2] = {**records[2], "response": {**p2, "output_ids": p2["output_ids"][:1], "meta_info": meta}}
+    assert "spec_verify_ct" not in records[2]["response"]["meta_info"]
+    with replay.serve(replay.sglang_app(speculative=True, generate_records=records)) as url:
+        summary, per_request = measure_sglang(url, GENERATE_PROMPTS, max_new_tokens=128)
+    speculative = summary[summary["role"] == "speculative"].iloc[0]
+    assert speculative["verification_steps"] == 30 + 45 and speculative["completion_tokens"] == 64 + 128 + 1
+    assert speculative["tau_pooled"] == pytest.approx((64 + 128 + 1) / (30 + 45))
+    assert speculative["tau_request_mean"] == pytest.approx((64 / 30 + 128 / 45) / 2)  # a 0-step request has no tau
+    assert per_request["verification_steps"].tolist() == [30, 45, 0]

@@ -6,7 +6,9 @@ SGLang reports, per finished request, `meta_info.spec_verify_ct` (verification s
 `meta_info.completion_tokens`; tau = completion_tokens / spec_verify_ct, pooled over requests as
 sum/sum with the per-request mean beside it. Where SGLang returns meta_info:
 - native `POST /generate`: always, at the top level of the response (`{"text", "output_ids", "meta_info"}`);
-  `spec_verify_ct` is present only when the server was started with a speculative algorithm.
+  `spec_verify_ct` is present only when the server was started with a speculative algorithm, and
+  only for requests with at least one verification step: a speculating server's request without it
+  counts as 0 steps (`with_zero_verification_steps`).
 - OpenAI `POST /v1/chat/completions`: only with `"return_meta_info": true` on a non-streaming request,
   as `choices[i].meta_info` (recent releases; older ones ignore the flag and return no meta_info).
 The topology (chain or tree, steps, top-k, draft tokens) is read from SGLang's server info.
@@ -25,7 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal
 
 import httpx
@@ -306,21 +308,35 @@ def _throughput(records: Sequence[RequestRecord]) -> tuple[int, float, float, fl
     return tokens, wall, tokens / wall, sum(per_request) / len(per_request)
 
 
+def with_zero_verification_steps(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """Records from a speculating SGLang with a missing spec_verify_ct read as 0 steps.
+
+    SGLang writes the spec_* keys into meta_info only when spec_verify_ct > 0 (tokenizer_manager.py),
+    so a request that never reached a verification step (answered by its prefill alone) lacks the
+    key although the server speculates. Only for records of a server known to speculate."""
+    return [record if record.verification_steps is not None else replace(record, verification_steps=0)
+            for record in records]
+
+
 def summarize_sglang(records: Sequence[RequestRecord], endpoint: str, setup: SpeculationSetup, role: str) -> ServingMeasurement:
     """Pool SGLang records: tau from completion_tokens / spec_verify_ct (sum/sum and per-request mean)."""
     tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(records)
     tau_pooled = tau_mean = None
     steps_total = None
     if role == "speculative":
-        missing = [record.prompt_id for record in records if record.verification_steps is None]
-        if missing:
+        records = with_zero_verification_steps(records)
+        if not any(record.verification_steps for record in records):
             raise RuntimeError(
-                f"{endpoint}: no spec_verify_ct in meta_info for {missing[:5]}: the server is not speculating "
-                "(start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT) or this "
-                "release does not return meta_info on the chat API (use api='generate')"
+                f"{endpoint}: no spec_verify_ct in meta_info for {[r.prompt_id for r in records][:5]}: the server is "
+                "not speculating (start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+                "DRAFT) or this release does not return meta_info on the chat API (use api='generate')"
             )
-        accept = server_accept_length([r.completion_tokens for r in records], [r.verification_steps for r in records])
-        tau_pooled, tau_mean, steps_total = accept.pooled, accept.per_request_mean, accept.verification_steps
+        # Pooled over every request (a 0-step request's prefill token counts, as SGLang counts it per request);
+        # the per-request mean over the requests that had verification steps (the others have no tau).
+        verified = [record for record in records if record.verification_steps]
+        accept = server_accept_length([r.completion_tokens for r in verified], [r.verification_steps for r in verified])
+        steps_total = accept.verification_steps
+        tau_pooled, tau_mean = sum(r.completion_tokens for r in records) / steps_total, accept.per_request_mean
     else:
         speculating = [record.prompt_id for record in records if record.verification_steps is not None]
         if speculating:
@@ -382,6 +398,7 @@ def measure_sglang(
     if setup.algorithm is None:
         raise RuntimeError(f"{speculative_url}: server info has no speculative_algorithm; start SGLang with --speculative-algorithm EAGLE3")
     speculative = run_sglang_requests(speculative_url, prompts, api, model, max_new_tokens, temperature, timeout)
+    speculative = with_zero_verification_steps(speculative)  # the server speculates (its server info says so)
     measurements = [summarize_sglang(speculative, speculative_url, setup, "speculative")]
     per_request = [records_frame(speculative, speculative_url)]
     if baseline_url is not None:
