@@ -796,3 +796,40 @@ def test_abort_and_error_finishes_are_retried_not_recorded_as_answers(tmp_path, 
     errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
     assert {name: errors[name]["kind"] for name in ("p1", "p2")} == {"p1": "finish_abort", "p2": "finish_error"}
     assert errors["p1"]["attempts"] == FAST["retry"].max_attempts and summary.errors == 2
+
+
+def _served_prompt(tokenizer, request: dict) -> str:
+    """The prompt as SGLang/vLLM render a chat request: the template over the request's own messages and tools."""
+    return tokenizer.apply_chat_template(request["messages"], tools=request.get("tools"), add_generation_prompt=True,
+                                         tokenize=False, **request.get("chat_template_kwargs", {}))
+
+
+@pytest.mark.parametrize("template", ["qwen3", "smollm2"])
+def test_past_reasoning_is_sent_so_the_server_renders_the_prompt_prep_rendered(tmp_path, embedded_model_dir, template):
+    """A tool-result prompt after a turn with reasoning: Qwen3 renders that turn's reasoning (it follows the
+    last user query), ChatML has no reasoning field and prep folds it into the content. The request must
+    carry it so, or the server answers a different prompt than the one the sample is trained under."""
+    from eaglekit.chat.prompts import render_conversation
+    from eaglekit.generation.prompts import history_reasoning_for
+    from support import TOOLS, fixture_tokenizer
+
+    tokenizer = fixture_tokenizer(embedded_model_dir, template)
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "List the files."},
+                    {"role": "assistant", "content": "", "reasoning": "I should run ls.",
+                     "tool_calls": [{"id": "call0", "type": "function", "function": {"name": "bash", "arguments": {"cmd": "ls"}}}]},
+                    {"role": "tool", "tool_call_id": "call0", "content": "a.txt b.txt"}]
+    if template == "smollm2":  # no tool syntax in ChatML: a plain earlier turn with reasoning, then a question
+        conversation[2:] = [{"role": "assistant", "content": "Two files.", "reasoning": "Count them."},
+                            {"role": "user", "content": "Which is first?"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "c0", "source": "t", "messages": conversation,
+                                "meta": {"tools": TOOLS if template == "qwen3" else None}}) + "\n")
+    extra = {} if template == "qwen3" else {"history_reasoning": history_reasoning_for(tokenizer)}
+    with FaultEndpoint(FaultOptions(token_ids="vllm")) as endpoint:
+        generate([PromptSource("ds", "short", path)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                 [PartitionSettings("short", 1, 16)], **FAST, **extra)
+        request = endpoint.server.last_request
+    prepared = render_conversation(tokenizer, conversation, add_generation_prompt=True,
+                                   tools=TOOLS if template == "qwen3" else None)
+    assert "I should run ls." in prepared or "Count them." in prepared
+    assert _served_prompt(tokenizer, request) == prepared

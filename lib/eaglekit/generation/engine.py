@@ -91,7 +91,7 @@ class GenerationEngine:
     def __init__(self, sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
                  partitions: Sequence[PartitionSettings], *, temperature: float | None = None,
                  top_p: float | None = None, extra_body: dict[str, Any] | None = None,
-                 chat_template_kwargs: dict[str, Any] | None = None,
+                 chat_template_kwargs: dict[str, Any] | None = None, history_reasoning: str = "field",
                  retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
                  log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
                  progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
@@ -116,6 +116,7 @@ class GenerationEngine:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {shutdown_grace_s}")
         self.temperature, self.top_p, self.extra_body = temperature, top_p, dict(extra_body or {})
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.history_reasoning = history_reasoning
         self.retry = retry
         self.request_timeout_s = request_timeout_s
         self.retry_errors = retry_errors
@@ -168,7 +169,7 @@ class GenerationEngine:
             self._stopped_at = time.monotonic()
         session_started = time.monotonic()
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        items, duplicates = load_prompts(self.sources)
+        items, duplicates = load_prompts(self.sources, self.history_reasoning)
         if duplicates:
             logger.warning("%d duplicate prompt ids skipped (first occurrence kept)", duplicates)
         self.generations = AppendLog(self.output_dir / GENERATIONS_FILE)

@@ -11,6 +11,12 @@ from typing import Any
 from eaglekit.io import InputError, read_jsonl
 
 PROMPT_ROLES = ("user", "tool")
+# How past assistant turns carry their reasoning in a request, as prep renders them (the template's
+# `TemplateLayout.reasoning`, see `history_reasoning_for`): "field" sends it as the message's
+# `reasoning_content`, the key SGLang's template rendering reads and vLLM accepts (it passes it to the
+# template as both `reasoning_content` and `reasoning`); "fold" writes `<think>\n{reasoning}\n</think>\n\n`
+# before the content, as prep does for templates that render content verbatim (ChatML, Llama).
+HISTORY_REASONING = ("field", "fold")
 
 
 @dataclass(frozen=True)
@@ -43,8 +49,16 @@ def _tool_call_request(call: Any, path: Path, line: int, where: str, fallback_id
             "function": {"name": function["name"], "arguments": arguments}}
 
 
-def _request_messages(messages: list[Any], path: Path, line: int) -> list[dict[str, Any]]:
-    """Validate a conversation and keep what the server needs: role, content, tool calls and their ids."""
+def history_reasoning_for(tokenizer: Any, template_kwargs: dict | None = None) -> str:
+    """"fold" or "field": how requests carry past reasoning so the server renders the prompt prep rendered."""
+    from eaglekit.chat.layout import template_layout
+
+    return "fold" if template_layout(tokenizer, template_kwargs).reasoning == "fold" else "field"
+
+
+def _request_messages(messages: list[Any], path: Path, line: int, history_reasoning: str = "field") -> list[dict[str, Any]]:
+    """Validate a conversation and keep what the server needs: role, content, reasoning of past
+    assistant turns (per `history_reasoning`), tool calls and their ids."""
     request: list[dict[str, Any]] = []
     for index, message in enumerate(messages):
         where = f"messages[{index}]"
@@ -55,6 +69,14 @@ def _request_messages(messages: list[Any], path: Path, line: int) -> list[dict[s
         if not isinstance(content, str) and not (content is None and tool_calls):
             raise InputError(path, line, where, "needs role system|user|assistant|tool and string content")
         out: dict[str, Any] = {"role": message["role"], "content": content}
+        reasoning = message.get("reasoning")
+        if message["role"] == "assistant" and isinstance(reasoning, str) and reasoning:
+            if history_reasoning == "fold":
+                from eaglekit.chat.messages import fold_reasoning
+
+                out["content"] = fold_reasoning(reasoning, content or "")
+            else:
+                out["reasoning_content"] = reasoning
         if tool_calls:
             if message["role"] != "assistant" or not isinstance(tool_calls, list):
                 raise InputError(path, line, f"{where}.tool_calls", "only an assistant message carries a list of tool calls")
@@ -99,11 +121,16 @@ def _request_tools(tools: Any, path: Path, line: int) -> list[dict[str, Any]] | 
     return request
 
 
-def load_prompts(sources: Sequence[PromptSource]) -> tuple[list[PromptItem], int]:
+def load_prompts(sources: Sequence[PromptSource], history_reasoning: str = "field") -> tuple[list[PromptItem], int]:
     """Read every prompts file; returns (items in file order, duplicate ids skipped).
+
+    history_reasoning: how past assistant turns carry their reasoning ("field" or "fold", see
+    HISTORY_REASONING); the stage takes it from the target's template (`history_reasoning_for`).
 
     Fails with the file, line and field on a malformed conversation.
     """
+    if history_reasoning not in HISTORY_REASONING:
+        raise ValueError(f"history_reasoning must be one of {HISTORY_REASONING}, not {history_reasoning!r}")
     items: list[PromptItem] = []
     seen: set[tuple[str, str]] = set()
     duplicates = 0
@@ -120,7 +147,7 @@ def load_prompts(sources: Sequence[PromptSource]) -> tuple[list[PromptItem], int
             messages = conversation.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise InputError(path, line_number, "messages", "missing or empty")
-            request = _request_messages(messages, path, line_number)
+            request = _request_messages(messages, path, line_number, history_reasoning)
             if request[-1]["role"] not in PROMPT_ROLES:
                 raise InputError(path, line_number, f"messages[{len(messages) - 1}].role",
                                  f"last message is {request[-1]['role']!r}; a prompt to answer ends with a user "

@@ -25,7 +25,7 @@ class _Terminated(BaseException):
 def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
              partitions: Sequence[PartitionSettings], *, temperature: float | None = None, top_p: float | None = None,
              extra_body: dict[str, Any] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
+             history_reasoning: str = "field", retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
              log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0, progress_bar: bool = True,
              health_interval_s: float = 5.0, unhealthy_after: int = 3, probe_wait_s: float = 60.0,
              seed: int = 0) -> GenerationSummary:
@@ -37,6 +37,9 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
     chat_template_kwargs: `prep.chat_template_kwargs` (e.g. {"enable_thinking": False} for Qwen3), sent
     in every request as the top-level `chat_template_kwargs` (SGLang, vLLM, `transformers serve`), so
     the target renders the prompt as prep and `build_tokenized_data` do; omitted when empty.
+    history_reasoning: how past assistant turns carry their reasoning, as prep renders them: "field"
+    (`reasoning_content` on the message) or "fold" (`<think>...</think>` before the content); the stage
+    takes it from the target's template (`prompts.history_reasoning_for`).
     request_timeout_s: read timeout per request (a 16K-token answer at 10 tok/s takes ~27 min).
     retry_errors: on rerun, request again prompts that failed for good before.
     shutdown_grace_s: after Ctrl-C/SIGTERM, how long in-flight requests may finish (a second Ctrl-C
@@ -57,7 +60,7 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
         kit_logger.setLevel(logging.INFO)  # only when nobody chose a level for the kit
     engine = GenerationEngine(
         sources, endpoints, output_dir, partitions, temperature=temperature, top_p=top_p, extra_body=extra_body,
-        chat_template_kwargs=chat_template_kwargs, retry=retry, request_timeout_s=request_timeout_s, retry_errors=retry_errors,
+        chat_template_kwargs=chat_template_kwargs, history_reasoning=history_reasoning, retry=retry, request_timeout_s=request_timeout_s, retry_errors=retry_errors,
         log_interval_s=log_interval_s, flush_interval_s=flush_interval_s, shutdown_grace_s=shutdown_grace_s, progress_bar=progress_bar,
         health_interval_s=health_interval_s, unhealthy_after=unhealthy_after, probe_wait_s=probe_wait_s, seed=seed)
     return run_engine(engine)

@@ -21,7 +21,7 @@ from eaglekit.generation.client import EndpointSpec
 from eaglekit.generation.logs import GenerationSummary, generation_table, read_errors
 from eaglekit.generation.capacity import CapacityPlan
 from eaglekit.generation.plan import plan_generation
-from eaglekit.generation.prompts import PromptSource
+from eaglekit.generation.prompts import PromptSource, history_reasoning_for
 from eaglekit.generation.run import generate
 from eaglekit.generation.server import serving_endpoints
 from eaglekit.generation.settings import PartitionSettings, RetryPolicy
@@ -60,6 +60,9 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
     partitions = [PartitionSettings.from_params(partition) for partition in params.generation.partitions]
     plan = plan_generation(params, prompts)
     settings = params.generation
+    tokenizer = load_tokenizer(params.target)
+    # Past turns' reasoning goes in the request as prep rendered it, so the server renders the same prompt.
+    history_reasoning = history_reasoning_for(tokenizer, params.prep.chat_template_kwargs)
     with serving_endpoints(params, log_path=out / "server.log") as serving:  # the embedded server stops at the end of the block
         endpoint_specs = [EndpointSpec.from_params(endpoint) for endpoint in serving]
         summary = generate(
@@ -68,9 +71,10 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
             request_timeout_s=settings.request_timeout_s, retry_errors=settings.retry_errors,
             log_interval_s=settings.log_interval_s, shutdown_grace_s=settings.shutdown_grace_s, seed=params.run.seed,
             chat_template_kwargs=params.prep.chat_template_kwargs,  # e.g. Qwen3's enable_thinking, as prep rendered it
+            history_reasoning=history_reasoning,
         )
     tokenized = build_tokenized_data(
-        generation_dir, sources, generation_dir / "tokenized", tokenizer=load_tokenizer(params.target),
+        generation_dir, sources, generation_dir / "tokenized", tokenizer=tokenizer,
         truncated_policy=settings.truncated_policy, drop_flags=settings.drop_flags, use_token_ids=settings.use_token_ids,
         bad_input=settings.bad_answer, max_usage_disagreement=settings.max_usage_disagreement,
         template_kwargs=params.prep.chat_template_kwargs,
