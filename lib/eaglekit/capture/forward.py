@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -54,18 +54,22 @@ def load_target(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     device_map: str | dict | None = None,
+    trust_remote_code: bool = False,
 ) -> nn.Module:
-    """Load the target for capture: eval mode, no gradients.
+    """Load the target's text decoder for capture, through its layout: eval mode, no gradients.
 
-    `device_map="auto"` spreads a large target over several GPUs (single process); otherwise the
-    whole model goes to `device`. Use bf16 on GPU; float32 or bf16 on CPU.
+    A multimodal wrapper (Kimi-K2.5) loads only its `language_model.*` tensors into the text model
+    (`TargetLayout.load_text_model`), so `config` is the decoder's text config and the layers sit at
+    `model.layers`. `device_map="auto"` spreads a large target over several GPUs (single process);
+    otherwise the whole model goes to `device`. Use bf16 on GPU; float32 or bf16 on CPU. A target that
+    does not fit one process is captured through a serving engine instead (`capture.engine`).
     """
-    from transformers import AutoModelForCausalLM
+    from eaglekit.target import target_layout
 
-    if device_map is not None:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, device_map=device_map)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    layout = target_layout(model_path, trust_remote_code=trust_remote_code)
+    model = layout.load_text_model(dtype=dtype, device_map=device_map)
+    if device_map is None:
+        model = model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -191,3 +195,48 @@ def as_training_sample(sample: CapturedSample) -> dict[str, Any]:
         "aux_hidden_states": sample.aux_hidden_states,  # bf16 (T, 3H)
         "final_hidden_states": sample.final_hidden_states,  # bf16 (T, H)
     }
+
+
+class FeatureSource(Protocol):
+    """Whatever computes the features capture stores: the hooked transformers model here, or a serving
+    engine (`capture.vllm_capture.VllmCapture`, `capture.sglang_capture`). Sizes are the text decoder's."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    vocab_size: int
+    dtype_name: str  # the dtype the target computes in, recorded in capture_config.json
+
+    def capture_batches(self, batches: Iterable[Sequence[TokenizedSample]],
+                        capture_layer_ids: Sequence[int]) -> Iterator[list[CapturedSample]]: ...
+
+
+@dataclass
+class HookedTarget:
+    """The transformers target as a FeatureSource: forward pre-hooks on the capture layers (`capture_batches`)."""
+
+    model: nn.Module
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    def capture_batches(self, batches: Iterable[Sequence[TokenizedSample]],
+                        capture_layer_ids: Sequence[int]) -> Iterator[list[CapturedSample]]:
+        return capture_batches(self.model, batches, capture_layer_ids)
+
+
+def as_feature_source(target: nn.Module | FeatureSource) -> FeatureSource:
+    """A loaded transformers model becomes a HookedTarget; an engine is used as it is."""
+    return HookedTarget(target) if isinstance(target, nn.Module) else target

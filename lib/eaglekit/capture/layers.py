@@ -46,15 +46,30 @@ def resolve_capture_layer_ids(layer_ids: Sequence[int] | None, num_hidden_layers
                                       num_hidden_layers)
 
 
+# Where a decoder stack sits under a loaded model: a *ForCausalLM's base model, or a multimodal
+# wrapper's text model (`language_model`, `language_model.model`, `model.language_model`).
+_DECODER_PATHS = ("language_model.model", "language_model", "model.language_model")
+
+
 def base_model_of(model: nn.Module) -> nn.Module:
-    """The decoder stack under a *ForCausalLM (or the model itself): has `layers` and returns `last_hidden_state`."""
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), model)
-    if not hasattr(base, "layers"):
-        raise TypeError(
-            f"{type(model).__name__} has no decoder `layers` list under `.{getattr(model, 'base_model_prefix', 'model')}`; "
-            "capture supports Llama-style decoders (Llama, Qwen, Mistral, DeepSeek, SmolLM)"
-        )
-    return base
+    """The decoder stack under a *ForCausalLM or a wrapper (or the model itself): has `layers`, returns `last_hidden_state`."""
+    prefix = getattr(model, "base_model_prefix", "model") or "model"
+    candidates = [getattr(model, prefix, None), *(_attribute_path(model, path) for path in _DECODER_PATHS), model]
+    for candidate in candidates:
+        if isinstance(candidate, nn.Module) and isinstance(getattr(candidate, "layers", None), nn.ModuleList):
+            return candidate
+    raise TypeError(
+        f"{type(model).__name__} has no decoder `layers` list under `.{prefix}` nor under {list(_DECODER_PATHS)}; "
+        "capture supports Llama-style decoders (Llama, Qwen, Mistral, DeepSeek, SmolLM) and wrappers holding one"
+    )
+
+
+def _attribute_path(model: nn.Module, path: str) -> Any:
+    for name in path.split("."):
+        model = getattr(model, name, None)
+        if model is None:
+            return None
+    return model
 
 
 class LayerInputCapture:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from eaglekit.capture.inputs import read_tokenized_samples
 from eaglekit.capture.shards import stored_bytes_per_token
-from eaglekit.io import InputError
+from eaglekit.io import InputError, read_jsonl
 
 PLAN_FILE = "plan.json"
 
@@ -32,13 +32,18 @@ class StoragePlan:
     free_bytes: int
     requested_mode: str  # auto | offline | online
     mode: str  # offline | online
+    feature_dtype: str = "bf16"  # bf16 | fp8 (capture.feature_dtype)
+    # capture.slices: the nested slices in capture order, each {"size", "samples", "tokens", "bytes",
+    # "cumulative_bytes", "keys"}: the first holds the held-out set and the smallest size's samples.
+    slices: list[dict] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def plan_capture_storage(
-    data_files: Mapping[str, str | os.PathLike], hidden_size: int, vocab_size: int, max_seq_len: int, output_dir: str | os.PathLike, mode: str = "auto"
+    data_files: Mapping[str, str | os.PathLike], hidden_size: int, vocab_size: int, max_seq_len: int, output_dir: str | os.PathLike, mode: str = "auto",
+    feature_dtype: str = "bf16", slices: list[dict] | None = None,
 ) -> StoragePlan:
     """Count the tokens to capture (validated, truncated) and decide offline vs online.
 
@@ -49,7 +54,7 @@ def plan_capture_storage(
         raise ValueError(f"capture mode must be auto, offline or online, got {mode!r}")
     samples, stats = read_tokenized_samples(data_files, vocab_size, max_seq_len)
     tokens = sum(dataset_stats.tokens for dataset_stats in stats.values())
-    bytes_per_token = stored_bytes_per_token(hidden_size)
+    bytes_per_token = stored_bytes_per_token(hidden_size, feature_dtype)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     free_bytes = shutil.disk_usage(output_dir).free
@@ -57,7 +62,52 @@ def plan_capture_storage(
     if mode == "offline":
         check_disk_space(output_dir, planned_bytes)
     chosen = "online" if mode == "online" or (mode == "auto" and planned_bytes > free_bytes) else "offline"
-    return StoragePlan(tokens, len(samples), bytes_per_token, planned_bytes, free_bytes, mode, chosen)
+    if slices is not None:
+        cumulative = 0
+        for part in slices:
+            part["bytes"] = part["tokens"] * bytes_per_token
+            cumulative += part["bytes"]
+            part["cumulative_bytes"] = cumulative
+    return StoragePlan(tokens, len(samples), bytes_per_token, planned_bytes, free_bytes, mode, chosen, feature_dtype, slices)
+
+
+def nested_capture_slices(data_files: Mapping[str, str | os.PathLike], vocab_size: int, max_seq_len: int, data_sizes: Sequence[int],
+                          heldout_size: int, seed: int) -> list[dict]:
+    """The capture's nested slices, in the order stage 5 trains: {"size", "samples", "tokens", "keys"} each.
+
+    Slice 0 holds the held-out set and the first `data_sizes[0]` training samples; slice i the samples
+    size i adds; a last slice (size None) the samples no size trains on. The split is stage 5's
+    (`split_heldout` over the samples in capture-index order, conversations kept whole, seed `run.seed`),
+    so once slice i is in shards, size i can train.
+    """
+    from eaglekit.training.split import conversation_key, split_heldout
+
+    samples, _ = read_tokenized_samples(data_files, vocab_size, max_seq_len)
+    meta = {}
+    for dataset, path in data_files.items():
+        for _, record in read_jsonl(path):
+            meta[(dataset, record["id"])] = conversation_key(record["id"], record.get("meta"))
+    heldout, train_order = split_heldout([sample.dataset for sample in samples], heldout_size, seed,
+                                         [meta[sample.key] for sample in samples])
+    bounds = [size for size in data_sizes if size <= len(train_order)]
+    parts = [(data_sizes[0], heldout + train_order[:data_sizes[0]])]
+    parts += [(size, train_order[previous:size]) for previous, size in zip(bounds, bounds[1:])]
+    if bounds and bounds[-1] < len(train_order):
+        parts.append((None, train_order[bounds[-1]:]))
+    return [{"size": size, "samples": len(positions), "tokens": sum(len(samples[position].input_ids) for position in positions),
+             "keys": [list(samples[position].key) for position in positions]} for size, positions in parts]
+
+
+def format_slice_plan(plan: StoragePlan) -> str:
+    """The per-slice bytes as lines: what the disk must hold before each size can train."""
+    if not plan.slices:
+        return f"one capture: {plan.tokens:,} tokens x {plan.bytes_per_token:,} B = {plan.planned_bytes / 1e12:.3f} TB ({plan.feature_dtype})"
+    lines = []
+    for part in plan.slices:
+        label = f"size {part['size']:>7,}" if part["size"] is not None else "untrained   "
+        lines.append(f"{label}: {part['samples']:>7,} samples {part['tokens']:>14,} tokens {part['bytes'] / 1e12:9.3f} TB "
+                     f"(cumulative {part['cumulative_bytes'] / 1e12:.3f} TB, {plan.feature_dtype})")
+    return "\n".join(lines)
 
 
 class InsufficientDiskError(RuntimeError):

@@ -18,11 +18,12 @@ import torch
 import torch.distributed as distributed
 from torch import nn
 
-from eaglekit.capture.forward import capture_batches, load_target, plan_batches
-from eaglekit.capture.inputs import read_tokenized_samples
+from eaglekit.capture.forward import FeatureSource, as_feature_source, load_target, plan_batches
+from eaglekit.capture.inputs import TokenizedSample, read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.plan import check_disk_space
 from eaglekit.capture.shards import (
+    FEATURE_DTYPES,
     FINAL_HIDDEN_STATE_NOTE,
     ShardWriter,
     completed_sample_keys,
@@ -105,13 +106,34 @@ def _rank_and_world_size() -> tuple[int, int]:
     return 0, 1
 
 
+def _ordered_batches(samples: Sequence[TokenizedSample], max_tokens_per_batch: int,
+                     slices: Sequence[Sequence[tuple[str, str]]] | None) -> list[list[int]]:
+    """Batches over all samples. With `slices` (groups of (dataset, id)), each group's batches come before
+    the next group's and never mix two groups, so a slice is whole in shards before the next one starts;
+    samples in no group go last."""
+    if slices is None:
+        return plan_batches([len(sample.input_ids) for sample in samples], max_tokens_per_batch)
+    position_of = {sample.key: position for position, sample in enumerate(samples)}
+    groups = [[position_of[tuple(key)] for key in group if tuple(key) in position_of] for group in slices]
+    unknown = sum(len(group) for group in slices) - sum(len(group) for group in groups)
+    if unknown:
+        raise ValueError(f"capture slices name {unknown} samples that are not in the data: plan the slices from the same files")
+    chosen = {position for group in groups for position in group}
+    groups.append([position for position in range(len(samples)) if position not in chosen])
+    batches = []
+    for group in groups:
+        planned = plan_batches([len(samples[position].input_ids) for position in group], max_tokens_per_batch)
+        batches += [[group[index] for index in batch] for batch in planned]
+    return batches
+
+
 def _barrier() -> None:
     if distributed.is_available() and distributed.is_initialized():
         distributed.barrier()
 
 
 def capture_to_shards(
-    model: nn.Module,
+    model: nn.Module | FeatureSource,
     data_files: Mapping[str, str | os.PathLike],
     output_dir: str | os.PathLike,
     *,
@@ -122,6 +144,8 @@ def capture_to_shards(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
     log_interval_s: float = 60.0,
+    feature_dtype: str = "bf16",
+    slices: Sequence[Sequence[tuple[str, str]]] | None = None,
 ) -> CaptureReport:
     """Capture every sample of `data_files` ({dataset: tokenized_data.jsonl}) into shards in `output_dir`.
 
@@ -132,19 +156,32 @@ def capture_to_shards(
     are bit-identical to an uninterrupted run). Under torchrun (process group initialized) batch i
     goes to rank i % world_size, each rank writes its own shards, and rank 0 writes `index.json`.
     Refuses to start when the planned bytes exceed free disk.
+
+    `model` is a transformers target (hooked) or an engine (`FeatureSource`: vLLM, SGLang). An engine
+    that owns tensor parallelism (SGLang under torchrun) computes every batch on all ranks together and
+    only its TP rank 0 writes; otherwise torchrun ranks split the batches (data parallel).
+    `feature_dtype` "fp8" stores float8_e4m3fn features with a per-token scale (`shards.encode_features`).
+    `slices` (groups of (dataset, id), optional: `capture.slices`, `plan.nested_capture_slices`) captures
+    group after group, batches never mixing two, so a data size can train once its slice is in shards.
     """
     started = time.perf_counter()
     output_dir = Path(output_dir)
-    rank, world_size = _rank_and_world_size()
-    num_hidden_layers = model.config.num_hidden_layers
-    hidden_size = model.config.hidden_size
+    source = as_feature_source(model)
+    tensor_parallel_rank = getattr(source, "tensor_parallel_rank", None)
+    if tensor_parallel_rank is None:
+        rank, world_size = _rank_and_world_size()  # data parallel: each torchrun rank its own batches
+    else:
+        rank, world_size = 0, 1  # one TP group computes every batch together
+    writes = tensor_parallel_rank in (None, 0)
+    num_hidden_layers = source.num_hidden_layers
+    hidden_size = source.hidden_size
     layer_ids = resolve_capture_layer_ids(capture_layer_ids, num_hidden_layers)
     if max_seq_len > max_tokens_per_batch:
         raise ValueError(
             f"max_seq_len {max_seq_len} exceeds max_tokens_per_batch {max_tokens_per_batch}: "
             "the longest sample must fit one batch; raise the budget or lower max_seq_len"
         )
-    samples, stats = read_tokenized_samples(data_files, model.config.vocab_size, max_seq_len)
+    samples, stats = read_tokenized_samples(data_files, source.vocab_size, max_seq_len)
     config = {
         "model": model_name,
         "capture_layer_ids": layer_ids,
@@ -154,18 +191,18 @@ def capture_to_shards(
         "max_seq_len": max_seq_len,
         "max_tokens_per_batch": max_tokens_per_batch,
         "max_shard_bytes": max_shard_bytes,
-        "dtype": "bfloat16",
-        "model_dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": FEATURE_DTYPES[feature_dtype],
+        "model_dtype": source.dtype_name,
     }
     # Rank 0 records the settings first; the others then check theirs against it.
-    if rank == 0:
+    if rank == 0 and writes:
         write_config_once(output_dir, config)
     _barrier()
-    if rank != 0:
+    if rank != 0 and writes:
         write_config_once(output_dir, config)
     done = completed_sample_keys(output_dir)
     remaining_tokens = sum(len(sample.input_ids) for sample in samples if sample.key not in done)
-    planned_bytes = remaining_tokens * stored_bytes_per_token(hidden_size)
+    planned_bytes = remaining_tokens * stored_bytes_per_token(hidden_size, feature_dtype)
     free_bytes = check_disk_space(output_dir, planned_bytes)
     # Every rank has read the finished set before any rank writes a new shard.
     _barrier()
@@ -186,11 +223,11 @@ def capture_to_shards(
         datasets={name: asdict(dataset_stats) for name, dataset_stats in stats.items()},
     )
 
-    batches = plan_batches([len(sample.input_ids) for sample in samples], max_tokens_per_batch)
+    batches = _ordered_batches(samples, max_tokens_per_batch, slices)
     my_batches = [batch for number, batch in enumerate(batches) if number % world_size == rank]
     mine = [samples[position] for batch in my_batches for position in batch]  # this rank's share, done or not
     my_batches = [batch for batch in my_batches if any(samples[position].key not in done for position in batch)]
-    writer = ShardWriter(output_dir, rank, max_shard_bytes)
+    writer = ShardWriter(output_dir, rank, max_shard_bytes, feature_dtype=feature_dtype) if writes else None
     mine_done = [sample for sample in mine if sample.key in done]
     tracker = _CaptureProgress(len(mine), sum(len(sample.input_ids) for sample in mine), len(mine_done),
                                sum(len(sample.input_ids) for sample in mine_done), log_interval_s, rank, world_size)
@@ -201,30 +238,33 @@ def capture_to_shards(
 
             batch_iterator = tqdm(my_batches, desc=f"capture (rank 0 of {world_size})", unit="batch")
         batch_samples = ([samples[position] for position in batch] for batch in batch_iterator)
-        for captured_batch in capture_batches(model, batch_samples, layer_ids):
+        for captured_batch in source.capture_batches(batch_samples, layer_ids):
             new = [captured for captured in captured_batch if (captured.dataset, captured.id) not in done]
             for captured in new:
-                writer.add(captured)
+                if writer is not None:
+                    writer.add(captured)
                 report.captured_samples += 1
                 report.captured_tokens += captured.length
             tracker.add(len(new), sum(captured.length for captured in new))
     except BaseException:
         # Only a clean finish flushes the partial last shard: a resume then rewrites it exactly as an
         # uninterrupted run would have, so shard boundaries never depend on where a run stopped.
-        writer.abandon()
+        if writer is not None:
+            writer.abandon()
         raise
-    writer.close()
+    if writer is not None:
+        writer.close()
+        report.shards_written = writer.shards_written
+        report.bytes_written = writer.bytes_written
     tracker.finish()
-    report.shards_written = writer.shards_written
-    report.bytes_written = writer.bytes_written
     _barrier()
-    if rank == 0:
+    if rank == 0 and writes:
         header = {
             "model": model_name,
             "capture_layer_ids": layer_ids,
             "hidden_size": hidden_size,
             "num_hidden_layers": num_hidden_layers,
-            "dtype": "bfloat16",
+            "dtype": FEATURE_DTYPES[feature_dtype],
             "final_hidden_states": FINAL_HIDDEN_STATE_NOTE,
             "aux_hidden_states": "residual stream entering each capture layer (output_hidden_states[i]), concatenated in capture_layer_ids order",
             "max_seq_len": max_seq_len,

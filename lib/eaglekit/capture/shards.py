@@ -8,6 +8,8 @@ Layout of an output folder:
                                    final_hidden_states bf16  (sum T, H)   after the target's final norm
                                    input_ids           int64 (sum T,)
                                    loss_mask           uint8 (sum T,)
+                                 with capture.feature_dtype fp8: the features as float8_e4m3fn and
+                                   aux_hidden_states_scale float32 (sum T, 3), final_hidden_states_scale (sum T, 1)
     index-rank00.jsonl           append-only: one line per sample once its shard is on disk
     index.json                   merged index written at the end of a run (the reader needs it)
 
@@ -54,9 +56,42 @@ def rank_index_name(rank: int) -> str:
     return f"index-rank{rank:02d}.jsonl"
 
 
-def stored_bytes_per_token(hidden_size: int) -> int:
-    """Bytes one token takes in a shard: 3H + H bf16 features (the planner's formula), an int64 id and a uint8 mask."""
+# capture.feature_dtype -> the dtype named in capture_config.json and index.json.
+FEATURE_DTYPES = {"bf16": "bfloat16", "fp8": "float8_e4m3fn"}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# fp8 shards keep one float32 scale per token and feature block: 3 for the aux layers, 1 for the final state.
+FP8_SCALE_BYTES = 4 * (3 + 1)
+
+
+def stored_bytes_per_token(hidden_size: int, feature_dtype: str = "bf16") -> int:
+    """Bytes one token takes in a shard: 3H + H features (bf16: the planner's 4H x 2; fp8: 4H x 1 plus
+    four float32 scales), an int64 id and a uint8 mask."""
+    if feature_dtype == "fp8":
+        return hidden_state_bytes_per_token(hidden_size, dtype_bytes=1) + FP8_SCALE_BYTES + TOKEN_ID_AND_MASK_BYTES
+    if feature_dtype != "bf16":
+        raise ValueError(f"feature_dtype must be bf16 or fp8, got {feature_dtype!r}")
     return hidden_state_bytes_per_token(hidden_size, dtype_bytes=2) + TOKEN_ID_AND_MASK_BYTES
+
+
+def encode_fp8(features: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, blocks x H) features -> float8_e4m3fn (T, blocks x H) and float32 scales (T, blocks).
+
+    Each token's block (one capture layer, or the final state) is scaled so its largest |value| maps to
+    448 (e4m3's largest finite value); decode multiplies back. Relative error per entry <= 2^-4 (3 mantissa bits).
+    """
+    tokens, width = features.shape
+    blocked = features.float().reshape(tokens, blocks, width // blocks)  # (T, blocks, H)
+    scale = blocked.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX  # (T, blocks)
+    encoded = (blocked / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return encoded.reshape(tokens, width), scale
+
+
+def decode_fp8(encoded: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn (T, blocks x H) and scales (T, blocks) -> bf16 (T, blocks x H)."""
+    tokens, width = encoded.shape
+    blocks = scale.shape[-1]
+    blocked = encoded.float().reshape(tokens, blocks, width // blocks) * scale.unsqueeze(-1)
+    return blocked.reshape(tokens, width).to(torch.bfloat16)
 
 
 @dataclass
@@ -178,9 +213,11 @@ class ShardWriter:
     run that replays the same order rewrites the same shards.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, rank: int, max_shard_bytes: int):
+    def __init__(self, output_dir: str | os.PathLike, rank: int, max_shard_bytes: int, feature_dtype: str = "bf16"):
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        stored_bytes_per_token(1, feature_dtype)  # refuses an unknown dtype before anything is written
+        self.feature_dtype = feature_dtype
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -198,7 +235,7 @@ class ShardWriter:
         self.bytes_written = 0
 
     def add(self, sample: CapturedSample) -> None:
-        sample_bytes = sample.nbytes()
+        sample_bytes = sample.nbytes() // (2 if self.feature_dtype == "fp8" else 1)
         if self._buffer and self._buffer_bytes + sample_bytes > self.max_shard_bytes:
             self.flush()
         self._buffer.append(sample)
@@ -215,6 +252,9 @@ class ShardWriter:
             "input_ids": torch.cat([s.input_ids for s in self._buffer]).to(torch.int64).contiguous(),
             "loss_mask": torch.cat([s.loss_mask for s in self._buffer]).to(torch.uint8).contiguous(),
         }
+        if self.feature_dtype == "fp8":
+            tensors["aux_hidden_states"], tensors["aux_hidden_states_scale"] = encode_fp8(tensors["aux_hidden_states"], 3)
+            tensors["final_hidden_states"], tensors["final_hidden_states_scale"] = encode_fp8(tensors["final_hidden_states"], 1)
         path = self.output_dir / name
         # Serialized in memory (one shard, bounded by max_shard_bytes) so the write goes through
         # atomic_write: a kill leaves a stray temp file, never a half shard under the final name.
@@ -359,8 +399,11 @@ class ShardDataset(torch.utils.data.Dataset):
                 "loss_mask": shard.get_slice("loss_mask")[start:stop].to(torch.long),
             }
             if with_features:
-                sample["aux_hidden_states"] = shard.get_slice("aux_hidden_states")[start:stop]
-                sample["final_hidden_states"] = shard.get_slice("final_hidden_states")[start:stop]
+                for name in ("aux_hidden_states", "final_hidden_states"):
+                    features = shard.get_slice(name)[start:stop]
+                    if features.dtype == torch.float8_e4m3fn:  # an fp8 capture: decoded to bf16 here, so readers see one format
+                        features = decode_fp8(features, shard.get_slice(f"{name}_scale")[start:stop])
+                    sample[name] = features
             return sample
         except SafetensorError as error:
             raise CorruptShardError(f"shard {self.output_dir / record['shard']}: sample {record['dataset']}/{record['id']} "

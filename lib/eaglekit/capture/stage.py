@@ -19,16 +19,17 @@ from typing import Any
 import torch
 
 from eaglekit.capture.checks import check_captured_samples, feature_norms, write_sample_subset
-from eaglekit.capture.forward import load_target
+from eaglekit.capture.forward import FeatureSource, load_target
 from eaglekit.capture.inputs import read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.online import CapturedSamples, open_captured_samples
-from eaglekit.capture.plan import PLAN_FILE, StoragePlan, plan_capture_storage
+from eaglekit.capture.plan import PLAN_FILE, InsufficientDiskError, StoragePlan, plan_capture_storage
 from eaglekit.capture.run import CaptureReport, capture_to_shards
 from eaglekit.config import Params
 from eaglekit.io import read_jsonl, write_json
 from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
-from eaglekit.target import resolve_model
+from eaglekit.capture.sglang_capture import SGLANG_COMMAND
+from eaglekit.target import TargetLayout, resolve_model, target_layout
 from eaglekit.training import ablation_sample_keys, read_conversation_keys
 
 CHECKED_SAMPLES = 6  # samples read back and compared with their source lines
@@ -66,10 +67,12 @@ class CaptureResult:
 
 
 def _capture_original_answers(params: Params, model: torch.nn.Module, capture_dir: Path, out: Path, data_files: dict[str, Path],
-                              captured: CapturedSamples, capture_layer_ids: list[int], mode: str, metrics: Metrics
-                              ) -> tuple[CaptureReport | None, str]:
+                              captured: CapturedSamples, capture_layer_ids: list[int], mode: str, metrics: Metrics,
+                              max_seq_len: int) -> tuple[CaptureReport | None, str]:
     """The ablation's input: the class-B datasets' own answers that the ablation draft trains on, into capture/original/."""
     original_files = {path.parent.name: path for path in sorted((out / "prep").glob("*/original_tokenized_data.jsonl"))}
+    if params.analysis.ablation and original_files and mode == "offline" and model is None:
+        return None, f"ablation skipped: capture.engine {params.capture.engine} captured the sweep; capture the original answers with it separately"
     if params.analysis.ablation and original_files and mode == "offline":
         main_keys = captured.keys
         original_keys = [(name, record["id"]) for name, path in original_files.items() for _, record in read_jsonl(path)]
@@ -78,9 +81,9 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
         original_dir = capture_dir / "original"
         subset_files = write_sample_subset(original_files, set(chosen), original_dir / "inputs")
         report = capture_to_shards(model, subset_files, original_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
-                                   max_seq_len=params.capture.max_seq_len, max_tokens_per_batch=params.capture.max_tokens_per_batch,
+                                   max_seq_len=max_seq_len, max_tokens_per_batch=params.capture.max_tokens_per_batch,
                                    max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=False,
-                                   log_interval_s=params.capture.log_interval_s)
+                                   log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype)
         metrics.log(event="capture_original", samples=report.samples, tokens=report.tokens, seconds=report.seconds,
                     truncated_samples=report.truncated_samples)
         return report, (f"ablation input: {report.samples} original answers ({report.tokens:,} tokens, "
@@ -90,6 +93,40 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
     if params.analysis.ablation:
         return None, "ablation skipped: no class-B dataset kept its own answers (prep.original_answers)"
     return None, "analysis.ablation is false: no original answers captured"
+
+
+def capture_length(params: Params) -> int:
+    """Tokens captured per sample: capture.max_seq_len, but never past training.max_length (training reads no more)."""
+    return min(params.capture.max_seq_len, params.training.max_length)
+
+
+def _load_feature_source(params: Params, layout: TargetLayout, capture_layer_ids: list[int], max_seq_len: int,
+                         capture_dir: Path) -> tuple[torch.nn.Module | None, FeatureSource | None]:
+    """(the transformers target, None) for engine transformers, else (None, the started engine)."""
+    engine = params.capture.engine
+    if engine == "transformers":
+        device_map = "auto" if params.capture.device == "auto" else None
+        model = load_target(layout.folder, device="cpu" if device_map else params.capture.device,
+                            dtype=getattr(torch, params.target.dtype), device_map=device_map,
+                            trust_remote_code=params.target.trust_remote_code)
+        return model, None
+    if engine == "vllm":
+        from eaglekit.capture.vllm_capture import VllmCapture, vllm_settings_from_params
+
+        settings = vllm_settings_from_params(params, layout, capture_layer_ids, max_seq_len)
+        return None, VllmCapture.start(settings, layout, capture_dir / "engine")
+    raise ValueError(f"capture.engine {engine}: SGLang's model runner runs under torchrun as one TP group, not inside stage 4; "
+                     f"run `{SGLANG_COMMAND}` on the GPU node, then run stage 4 again (it resumes from the finished shards)")
+
+
+def _slice_keys(params: Params, data_files: dict[str, Path], max_seq_len: int, vocab_size: int) -> list[dict] | None:
+    """With capture.slices: the nested slices in training.data_sizes' order (None without)."""
+    if not params.capture.slices:
+        return None
+    from eaglekit.capture.plan import nested_capture_slices
+
+    return nested_capture_slices(data_files, vocab_size, max_seq_len, params.training.data_sizes, params.training.heldout_size,
+                                 params.run.seed)
 
 
 def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResult:
@@ -103,52 +140,63 @@ def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResu
     data_files = tokenized_data_files(out)
     if not data_files:
         raise FileNotFoundError(f"no tokenized_data.jsonl under {out}/prep or {out}/generation/tokenized: run stages 2-3 first")
-    model_dir = resolve_model(params.target.model)
+    model_dir = resolve_model(params.target.model, revision=params.target.revision)
+    layout = target_layout(model_dir, trust_remote_code=params.target.trust_remote_code)
+    max_seq_len = capture_length(params)
     metrics = Metrics(out, "capture")
+    engine = None
     try:
         started = time.perf_counter()
-        device_map = "auto" if params.capture.device == "auto" else None
-        model = load_target(model_dir, device="cpu" if device_map else params.capture.device,
-                            dtype=getattr(torch, params.target.dtype), device_map=device_map)
+        capture_layer_ids = resolve_capture_layer_ids(params.target.capture_layers or None, layout.num_hidden_layers)
+        model, engine = _load_feature_source(params, layout, capture_layer_ids, max_seq_len, capture_dir)
         load_seconds = time.perf_counter() - started
-        config = model.config
 
-        plan = plan_capture_storage(data_files, config.hidden_size, config.vocab_size, params.capture.max_seq_len,
-                                    capture_dir, mode=params.capture.mode)
+        plan = plan_capture_storage(data_files, layout.hidden_size, layout.vocab_size, max_seq_len, capture_dir,
+                                    mode=params.capture.mode, feature_dtype=params.capture.feature_dtype,
+                                    slices=_slice_keys(params, data_files, max_seq_len, layout.vocab_size))
+        if engine is not None and plan.mode == "online":
+            raise InsufficientDiskError(f"capture.engine {params.capture.engine} writes shards, but the plan needs "
+                                        f"{plan.planned_bytes:,} bytes with {plan.free_bytes:,} free: free disk, use "
+                                        "capture.feature_dtype fp8, lower training.max_length, or capture.engine transformers (online)")
         write_json(capture_dir / PLAN_FILE, plan.as_dict())
         metrics.log(event="storage_plan", **plan.as_dict())
 
-        capture_layer_ids = resolve_capture_layer_ids(params.target.capture_layers or None, config.num_hidden_layers)
         report = None
         if plan.mode == "offline":
-            report = capture_to_shards(model, data_files, capture_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
-                                       max_seq_len=params.capture.max_seq_len, max_tokens_per_batch=params.capture.max_tokens_per_batch,
+            report = capture_to_shards(engine or model, data_files, capture_dir, model_name=params.target.model,
+                                       capture_layer_ids=capture_layer_ids, max_seq_len=max_seq_len,
+                                       max_tokens_per_batch=params.capture.max_tokens_per_batch,
                                        max_shard_bytes=params.capture.max_shard_mb * 2**20,
-                                       log_interval_s=params.capture.log_interval_s)
+                                       log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype,
+                                       slices=[part["keys"] for part in plan.slices] if plan.slices else None)
             metrics.log(event="capture", **{key: value for key, value in report.as_dict().items() if key != "datasets"})
             datasets = report.datasets
         else:
-            _, stats = read_tokenized_samples(data_files, config.vocab_size, params.capture.max_seq_len)
+            _, stats = read_tokenized_samples(data_files, layout.vocab_size, max_seq_len)
             datasets = {name: dict(vars(dataset_stats)) for name, dataset_stats in stats.items()}
-        metrics.log(event="truncation", max_seq_len=params.capture.max_seq_len,
+        if engine is not None:
+            engine.close()  # the read-back below uses the shards; the ablation input needs a model only with transformers
+        metrics.log(event="truncation", max_seq_len=max_seq_len,
                     truncated_samples=sum(stats["truncated_samples"] for stats in datasets.values()),
                     truncated_tokens=sum(stats["truncated_tokens"] for stats in datasets.values()))
 
         # In the mode plan.json names, through the interface stages 5 and 6 read: shards, or features recomputed per access.
         captured = open_captured_samples(capture_dir, data_files, model, capture_layer_ids=capture_layer_ids,
-                                         max_seq_len=params.capture.max_seq_len)
+                                         max_seq_len=max_seq_len)
         step = max(1, len(captured) // CHECKED_SAMPLES)
         some = [captured[position] for position in range(0, len(captured), step)][:CHECKED_SAMPLES]
-        checks = check_captured_samples(some, data_files, config.hidden_size, len(capture_layer_ids))
+        checks = check_captured_samples(some, data_files, layout.hidden_size, len(capture_layer_ids))
         norm_step = max(1, len(captured) // NORM_SAMPLES)
         norms = feature_norms((captured[position] for position in range(0, len(captured), norm_step)), capture_layer_ids)
         metrics.log(event="feature_norms", **{name: float(values.median()) for name, values in norms.items()})
 
         ablation_report, ablation_note = _capture_original_answers(params, model, capture_dir, out, data_files, captured,
-                                                                   capture_layer_ids, plan.mode, metrics)
+                                                                   capture_layer_ids, plan.mode, metrics, max_seq_len)
     finally:
+        if engine is not None:
+            engine.close()
         metrics.close()
     return CaptureResult(run_dir=out, capture_dir=capture_dir, data_files=data_files, model_dir=Path(model_dir),
-                         num_hidden_layers=config.num_hidden_layers, hidden_size=config.hidden_size, vocab_size=config.vocab_size,
+                         num_hidden_layers=layout.num_hidden_layers, hidden_size=layout.hidden_size, vocab_size=layout.vocab_size,
                          load_seconds=load_seconds, plan=plan, capture_layer_ids=capture_layer_ids, report=report, datasets=datasets,
                          checks=checks, norms=norms, ablation_report=ablation_report, ablation_note=ablation_note)
