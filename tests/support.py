@@ -216,3 +216,43 @@ def tiny_target_folder(family: str, folder: Path, tokenizer_dir: Path | None = N
 
         AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
     return folder
+
+
+def fit_draft_on_greedy_answers(model_dir: Path, questions: list[str], max_new_tokens: int, steps: int = 40,
+                                ttt_steps: int = 3, draft_vocab_size: int = 512, seed: int = 0):
+    """A draft overfitted on the target's own greedy answers to `questions` (chat-templated), so a real loop
+    on the same prompts accepts most drafts: (draft, prompt token lists, full greedy sequences).
+
+    Fits with the kit's TTT unroll (the draft's own forward over `ttt_steps` steps), argmax targets over the
+    draft vocab, Adam; a few seconds on CPU for a few short answers."""
+    import torch.nn.functional as F
+
+    from eaglekit.analysis.speculative import greedy_decode
+    from eaglekit.draft.model import load_target_head_weights
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    target = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"]) for question in questions]
+    sequences = [prompt + greedy_decode(target, prompt, max_new_tokens).output_ids for prompt in prompts]
+    counts = torch.zeros(target.config.vocab_size, dtype=torch.int64)
+    for sequence in sequences:
+        counts += torch.bincount(torch.tensor(sequence), minlength=target.config.vocab_size)
+    vocab = select_draft_vocab(counts, draft_vocab_size)
+    draft = build_draft_from_target(load_target_head_weights(model_dir), vocab.d2t, vocab.t2d, seed=seed).train()
+    with torch.no_grad():
+        features = [torch.cat([hidden for index, hidden in enumerate(target(torch.tensor([sequence]), output_hidden_states=True).hidden_states)
+                               if index in draft.config.capture_layer_indices], dim=-1) for sequence in sequences]
+    target_to_draft = torch.cumsum(draft.t2d.long(), 0) - 1
+    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = 0.0
+        for sequence, aux, prompt in zip(sequences, features, prompts):
+            ids = torch.tensor([sequence])
+            for step, logits in enumerate(draft(ids, aux, ttt_steps)):
+                rows = slice(len(prompt) - 1, ids.shape[1] - 2 - step)
+                loss = loss + F.cross_entropy(logits[0, rows], target_to_draft[ids[0, len(prompt) + 1 + step:]])
+        loss.backward()
+        optimizer.step()
+    return draft.eval(), prompts, sequences

@@ -11,7 +11,8 @@ LIBRARY = TESTS.parent / "lib" / "eaglekit"
 TOPICS = {
     ".": {"layout": "this file", "notebooks": "committed notebooks: stripped, parameters cell, thin"},
     "e2e": {"chaos": "stage 03 under kill -9 of runner, kernel and endpoint",
-            "pipeline": "the six notebooks through the runner on params/smoke.yaml"},
+            "pipeline": "the six notebooks through the runner on params/smoke.yaml",
+            "vllm_eagle3": "a real vLLM serving the kit's export with EAGLE-3: its tau against the kit's loop and offline"},
     "chat": {"templates": "published chat templates through eaglekit.chat",
              "published_quirks": "the quirks of newly vendored published templates, each once refused or wrong"},
     "draft": {"target_families": "head loading, shapes and exports on every tiny target family",
