@@ -166,6 +166,32 @@ def measure_memory(arguments: argparse.Namespace, approach: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def print_storage_plan(params_path: str, tokens_per_sample: float) -> None:
+    """Per-slice bytes of a params file's capture in training.data_sizes' order, bf16 beside fp8."""
+    from eaglekit.capture.plan import planned_slice_bytes
+    from eaglekit.capture.shards import stored_bytes_per_token
+    from eaglekit.capture.stage import capture_length
+    from eaglekit.config import load_params
+
+    params = load_params(params_path)
+    config = params.target.config or {}
+    text = config.get("text_config", config)
+    hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
+    sizes, heldout = params.training.data_sizes, params.training.heldout_size
+    total = heldout + sizes[-1]
+    tokens = min(tokens_per_sample, capture_length(params))
+    print(f"{params_path}: {layers} layers, hidden {hidden}; capture.engine {params.capture.engine} "
+          f"(TP{params.capture.tensor_parallel}, DP{params.capture.data_parallel}); {total:,} samples x {tokens:,.0f} tokens "
+          f"(capture stops at {capture_length(params):,} = min(capture.max_seq_len, training.max_length))")
+    for dtype in ("bf16", "fp8"):
+        print(f"  {dtype}: {stored_bytes_per_token(hidden, dtype):,} B/token "
+              f"(features {stored_bytes_per_token(hidden, dtype) - 9:,} + id and mask 9)")
+        for row in planned_slice_bytes(sizes, heldout, total, tokens, hidden, dtype):
+            label = f"size {row['size']:>7,}" if row["size"] is not None else "untrained   "
+            print(f"    slice {label}: {row['samples']:>7,} samples {row['tokens'] / 1e6:>9,.1f} M tokens "
+                  f"{row['bytes'] / 1e12:7.2f} TB  (disk holds {row['cumulative_bytes'] / 1e12:7.2f} TB once it is in)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
@@ -180,7 +206,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--memory-probe", choices=["hooks", "output_hidden_states"], help=argparse.SUPPRESS)
+    parser.add_argument("--storage-plan", metavar="PARAMS", help="print the per-slice bytes of a params file's run "
+                        "(bf16 and fp8, from --tokens-per-sample) and exit; e.g. params/kimi_k25_big_run.yaml")
+    parser.add_argument("--tokens-per-sample", type=float, default=8192.0,
+                        help="mean captured tokens per sample for --storage-plan (the seed run: ~720M tokens / 87,800 samples)")
     arguments = parser.parse_args()
+    if arguments.storage_plan:
+        print_storage_plan(arguments.storage_plan, arguments.tokens_per_sample)
+        return
     if arguments.dtype is None:
         arguments.dtype = "bfloat16" if arguments.device.startswith("cuda") else "float32"
     if arguments.model is None and arguments.random_like is None:

@@ -139,3 +139,25 @@ def read_capture_plan(capture_dir: str | os.PathLike) -> StoragePlan:
     known = {item.name for item in fields(StoragePlan)}
     return StoragePlan(**{name: record.get(name) for name in known})
 
+
+
+def planned_slice_bytes(data_sizes: Sequence[int], heldout_size: int, total_samples: int, tokens_per_sample: float,
+                        hidden_size: int, feature_dtype: str = "bf16") -> list[dict]:
+    """Bytes per nested slice before any data exists (a mean length instead of measured tokens), for planning a run.
+
+    Slice 0: held-out + the smallest size; then each size's new samples; then what no size trains on.
+    """
+    bytes_per_token = stored_bytes_per_token(hidden_size, feature_dtype)
+    bounds = [heldout_size + size for size in data_sizes if heldout_size + size <= total_samples]
+    counts = [bounds[0]] + [after - before for before, after in zip(bounds, bounds[1:])]
+    sizes: list[int | None] = list(data_sizes[:len(bounds)])
+    if bounds[-1] < total_samples:
+        counts.append(total_samples - bounds[-1])
+        sizes.append(None)
+    cumulative, rows = 0, []
+    for size, samples in zip(sizes, counts):
+        slice_bytes = int(samples * tokens_per_sample) * bytes_per_token
+        cumulative += slice_bytes
+        rows.append({"size": size, "samples": samples, "tokens": int(samples * tokens_per_sample), "bytes": slice_bytes,
+                     "cumulative_bytes": cumulative})
+    return rows
