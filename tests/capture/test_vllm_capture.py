@@ -52,7 +52,7 @@ def vllm_capture(vllm_python, embedded_model_dir, tmp_path_factory):
     layout = target_layout(embedded_model_dir)
     settings = VllmCaptureSettings(python=str(vllm_python), model_dir=layout.folder, served_model=str(layout.folder), layer_ids=LAYER_IDS,
                                    num_hidden_layers=layout.num_hidden_layers, max_model_len=256, dtype="float32", concurrency=4,
-                                   startup_timeout_s=420, extra_args=("--enforce-eager",))
+                                   startup_timeout_s=420)
     capture = VllmCapture.start(settings, layout, tmp_path_factory.mktemp("vllm"))
     print(f"vLLM capture server healthy after {capture.server.startup_seconds:.1f} s")
     with capture:

@@ -18,8 +18,7 @@ public report says DeepSeek-architecture targets may silently return no final la
 On a CPU build the stock `ExampleHiddenStatesConnector` fails (pinned memory); `vllm_connector.py`
 (a subclass) is copied beside the storage folder and used instead. On GPU the stock connector is used.
 
-The server is started here (`VllmHiddenStatesServer`): eaglekit.generation has no vLLM launcher yet;
-when it gains one (`server.engine: vllm`), start this server through it.
+The server is eaglekit.generation.server.VLLMServer with these configs (`VllmHiddenStatesServer`).
 """
 
 from __future__ import annotations
@@ -30,9 +29,6 @@ import json
 import logging
 import os
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -83,39 +79,45 @@ class VllmCaptureSettings:
         return [*self.layer_ids, self.num_hidden_layers]  # aux layers, then the residual after the last layer
 
 
-def server_command(settings: VllmCaptureSettings, port: int, storage_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """The vLLM server's argv and environment for hidden-state capture into `storage_dir`."""
+def server_configs(settings: VllmCaptureSettings, storage_dir: Path) -> tuple[dict, dict, list[str], dict[str, str]]:
+    """(speculative_config, kv_transfer_config, extra args, extra environment) of a capture server writing into `storage_dir`."""
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": settings.server_layer_ids}}}
     transfer = {"kv_connector": STOCK_CONNECTOR_CLASS, "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": str(storage_dir)}}
-    environment = dict(os.environ)
+    environment: dict[str, str] = {}
     if settings.cpu:
         plugin_dir = storage_dir.parent / ".connector"
         plugin_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(CPU_CONNECTOR_FILE, plugin_dir / f"{CPU_CONNECTOR_MODULE}.py")
         transfer.update(kv_connector=CPU_CONNECTOR_CLASS, kv_connector_module_path=CPU_CONNECTOR_MODULE)
-        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugin_dir), environment.get("PYTHONPATH")]))
-        environment.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default claims far more than a capture needs
-    argv = [settings.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(settings.model_dir),
-            "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len), "--host", "127.0.0.1", "--port", str(port),
-            "--tensor-parallel-size", str(settings.tensor_parallel), "--data-parallel-size", str(settings.data_parallel),
-            "--speculative-config", json.dumps(speculative), "--kv-transfer-config", json.dumps(transfer),
-            *(["--trust-remote-code"] if settings.trust_remote_code else []), *settings.extra_args]
-    return argv, environment
+        environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")]))
+    extra = ["--tensor-parallel-size", str(settings.tensor_parallel), "--data-parallel-size", str(settings.data_parallel),
+             *settings.extra_args]
+    return speculative, transfer, extra, environment
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def server_command(settings: VllmCaptureSettings, port: int, storage_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The capture server's argv and added environment (through eaglekit.generation.server.VLLMServer)."""
+    server = _vllm_server(settings, storage_dir, port=port)
+    return server.command(), server.env
+
+
+def _vllm_server(settings: VllmCaptureSettings, storage_dir: Path, port: int | None = None, log_path: Path | None = None):
+    from eaglekit.generation.server import VLLMServer
+
+    speculative, transfer, extra, environment = server_configs(settings, storage_dir)
+    return VLLMServer(settings.model_dir, python=settings.python, port=port, dtype=settings.dtype, max_model_len=settings.max_model_len,
+                      enforce_eager=settings.cpu, speculative_config=speculative, kv_transfer_config=transfer, extra_args=tuple(extra),
+                      env=environment, log_path=log_path, startup_timeout_s=settings.startup_timeout_s,
+                      trust_remote_code=settings.trust_remote_code)
 
 
 class VllmHiddenStatesServer:
-    """A vLLM server with hidden-state extraction on 127.0.0.1, its files under `work_dir/hidden_states`.
+    """A vLLM capture server (eaglekit.generation.server.VLLMServer) with its files under `work_dir/hidden_states`.
 
-    Context manager: starts the server in its own process group, waits for /health (the log's tail in
-    the error when it dies or times out), and stops the group on exit.
+    Context manager: starts the server (the log's tail in the error when it dies or times out), drops the
+    file its warm-up completion left, and stops it on exit.
     """
 
     def __init__(self, settings: VllmCaptureSettings, work_dir: str | os.PathLike):
@@ -123,59 +125,31 @@ class VllmHiddenStatesServer:
         self.work_dir = Path(work_dir)
         self.storage_dir = self.work_dir / "hidden_states"
         self.log_path = self.work_dir / "vllm_server.log"
-        self.port = 0
-        self.process: subprocess.Popen | None = None
+        self.server = None
         self.startup_seconds = 0.0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.server.root_url
 
     def __enter__(self) -> "VllmHiddenStatesServer":
+        from eaglekit.generation.server import ServerError
+
         self.storage_dir.mkdir(parents=True, exist_ok=True)
-        self.port = _free_port()
-        argv, environment = server_command(self.settings, self.port, self.storage_dir)
-        started = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True)
+        self.server = _vllm_server(self.settings, self.storage_dir, log_path=self.log_path)
         try:
-            self._wait_healthy(started)
-        except BaseException:
-            self.stop()
-            raise
-        self.startup_seconds = time.monotonic() - started
+            self.server.start()
+        except ServerError as error:
+            raise VllmCaptureError(f"the vLLM capture server did not start: {error}") from None
+        self.startup_seconds = self.server.startup_s
+        for leftover in self.storage_dir.iterdir():  # the start-up check's own completion
+            leftover.unlink()
         logger.info("vLLM capture server on %s healthy after %.1f s (log %s)", self.url, self.startup_seconds, self.log_path)
         return self
 
-    def _wait_healthy(self, started: float) -> None:
-        while time.monotonic() - started < self.settings.startup_timeout_s:
-            if self.process.poll() is not None:
-                raise VllmCaptureError(f"the vLLM server exited with {self.process.returncode} while starting; "
-                                       f"its log {self.log_path} ends:\n{self._log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise VllmCaptureError(f"the vLLM server was not healthy after {self.settings.startup_timeout_s:.0f} s "
-                               f"(capture.startup_timeout_s); its log {self.log_path} ends:\n{self._log_tail()}")
-
-    def _log_tail(self, lines: int = 25) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.server is not None:
+            self.server.stop()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
