@@ -180,7 +180,7 @@ class CaptureParams(Section):
     feature_dtype: Literal["bf16", "fp8"] = "bf16"  # fp8: float8_e4m3fn with a per-token scale, about half the disk
     tensor_parallel: int = Field(default=1, gt=0)  # vllm / sglang: GPUs one engine spans (Kimi-K2.5: 8)
     data_parallel: int = Field(default=1, gt=0)  # vllm: engine replicas behind one server
-    engine_python: str | None = None  # vllm: the Python of a venv with vLLM installed; None: this Python
+    engine_python: str | None = None  # vllm: the Python of a venv with vLLM installed; None: the repository's .venv-vllm (make vllm-env)
     engine_args: list[str] = []  # extra engine flags, passed as they are (e.g. ["--max-num-seqs", "64"])
     engine_concurrency: int = Field(default=16, gt=0)  # vllm: capture requests in flight
     startup_timeout_s: float = Field(default=900.0, gt=0)  # vllm: until the server's /health answers

@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +36,11 @@ from pathlib import Path
 
 import httpx
 import torch
+from safetensors.torch import load_file
 
 from eaglekit.capture.inputs import TokenizedSample
 from eaglekit.capture.shards import CapturedSample
+from eaglekit.generation.server import ServerError, VLLMServer, default_vllm_python
 from eaglekit.target import TargetLayout
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,6 @@ def server_command(settings: VllmCaptureSettings, port: int, storage_dir: Path) 
 
 
 def _vllm_server(settings: VllmCaptureSettings, storage_dir: Path, port: int | None = None, log_path: Path | None = None):
-    from eaglekit.generation.server import VLLMServer
-
     speculative, transfer, extra, environment = server_configs(settings, storage_dir)
     return VLLMServer(settings.model_dir, python=settings.python, port=port, dtype=settings.dtype, max_model_len=settings.max_model_len,
                       enforce_eager=settings.cpu, speculative_config=speculative, kv_transfer_config=transfer, extra_args=tuple(extra),
@@ -133,8 +132,6 @@ class VllmHiddenStatesServer:
         return self.server.root_url
 
     def __enter__(self) -> "VllmHiddenStatesServer":
-        from eaglekit.generation.server import ServerError
-
         self.storage_dir.mkdir(parents=True, exist_ok=True)
         self.server = _vllm_server(self.settings, self.storage_dir, log_path=self.log_path)
         try:
@@ -164,8 +161,6 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 def read_hidden_states_file(path: str, sample: TokenizedSample, num_layers: int, hidden_size: int) -> torch.Tensor:
     """The (T, layers, H) hidden states of `sample` from a connector file, after checking ids and counts; then deleted."""
-    from safetensors.torch import load_file
-
     where = f"sample {sample.dataset}/{sample.id}"
     lock_path = path + ".lock"
     try:
@@ -276,7 +271,7 @@ def vllm_settings_from_params(params, layout: TargetLayout, capture_layer_ids: S
     capture = params.capture
     cuda = capture.device != "cpu"
     return VllmCaptureSettings(
-        python=capture.engine_python or sys.executable, model_dir=layout.folder, served_model=str(layout.folder),
+        python=capture.engine_python or default_vllm_python(), model_dir=layout.folder, served_model=str(layout.folder),
         layer_ids=tuple(capture_layer_ids), num_hidden_layers=layout.num_hidden_layers, max_model_len=max_seq_len + 1,
         dtype=params.target.dtype, tensor_parallel=capture.tensor_parallel, data_parallel=capture.data_parallel,
         trust_remote_code=params.target.trust_remote_code, concurrency=capture.engine_concurrency,
