@@ -147,6 +147,55 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def _data_argument(value: str) -> tuple[str, str]:
+    name, separator, path = value.partition("=")
+    if not separator or not name or not path:
+        raise argparse.ArgumentTypeError(f"--data expects NAME=PATH/tokenized_data.jsonl, got {value!r}")
+    return name, path
+
+
+def _capture(args: argparse.Namespace) -> int:
+    """`eaglekit capture`: stage 4's offline capture with the transformers hooks; data parallel under torchrun
+    (each rank holds a whole target: a target too large for one process is captured with params' capture.engine)."""
+    import os
+
+    import torch
+    from torch import distributed
+
+    from eaglekit.capture import capture_to_shards, load_target
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if args.device_map is not None:
+            print("eaglekit capture: --device-map spreads one model over GPUs in one process; with torchrun each rank "
+                  "holds a whole copy", file=sys.stderr)
+            return 2
+        distributed.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        if device.startswith("cuda"):
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+            torch.cuda.set_device(device)
+    dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    try:
+        model = load_target(args.model, device=device, dtype=getattr(torch, dtype_name), device_map=args.device_map,
+                            trust_remote_code=args.trust_remote_code)
+        report = capture_to_shards(
+            model, dict(args.data), args.output_dir, model_name=args.model_name or str(args.model),
+            capture_layer_ids=[int(part) for part in args.layers.split(",")] if args.layers else None,
+            max_seq_len=args.max_seq_len, max_tokens_per_batch=args.max_tokens_per_batch,
+            progress=not args.no_progress,
+            **({"max_shard_bytes": int(args.max_shard_mb * 2**20)} if args.max_shard_mb else {}),
+        )
+    finally:
+        if distributed.is_initialized():
+            distributed.destroy_process_group()
+    print(f"rank {report.rank}/{report.world_size}: captured {report.captured_samples} samples "
+          f"({report.captured_tokens} tokens) into {report.shards_written} shards, {report.bytes_written:,} bytes; "
+          f"resumed past {report.resumed_samples}; truncated {report.truncated_samples} samples "
+          f"({report.truncated_tokens} tokens dropped); {report.seconds:.1f}s"
+          + (f"; index {report.index_path}" if report.index_path else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -198,6 +247,23 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--run-dir", help="run folder path")
     train.add_argument("--sizes", type=int, nargs="+", help="train only these data sizes (of training.data_sizes)")
     train.set_defaults(handler=_train)
+
+    capture = commands.add_parser("capture", help="stage 4 alone: capture hidden states into shards (transformers hooks); "
+                                  "torchrun --nproc-per-node K -m eaglekit.capture ... for data parallel")
+    capture.add_argument("--model", required=True, help="target model folder (a multimodal wrapper's text model is used)")
+    capture.add_argument("--model-name", default=None, help="name recorded in the index (default: the model path)")
+    capture.add_argument("--data", action="append", type=_data_argument, required=True, help="NAME=PATH, repeatable")
+    capture.add_argument("--output-dir", required=True)
+    capture.add_argument("--layers", default=None, help="comma-separated output_hidden_states indices (default [2, N//2, N-3])")
+    capture.add_argument("--max-seq-len", type=int, default=4096)
+    capture.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    capture.add_argument("--max-shard-mb", type=float, default=None, help="shard size bound (default: eaglekit.capture's, 256 MiB)")
+    capture.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    capture.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on GPU, float32 on CPU")
+    capture.add_argument("--device-map", default=None, help="'auto' to spread one process's model over all GPUs (not with torchrun)")
+    capture.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the target (only for models you trust)")
+    capture.add_argument("--no-progress", action="store_true")
+    capture.set_defaults(handler=_capture)
 
     doctor = commands.add_parser("doctor", help="preflight an EAGLE-3 draft, a target and an SGLang endpoint before measuring")
     doctor.add_argument("--target-config", required=True, help="the target's config.json or model folder")

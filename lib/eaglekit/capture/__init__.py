@@ -10,8 +10,8 @@ Modules, in dependency order:
 - `forward`: the hooked forward over length-sorted batches (`load_target`, `plan_batches`, `capture_batches`).
 - `shards`: the shard files, their index and `ShardDataset`.
 - `plan`: bytes vs free disk, offline or online (`plan_capture_storage`, `read_capture_plan`).
-- `run`: offline capture to shards, resumable and data parallel (`capture_to_shards`; `main` is
-  `python -m eaglekit.capture`).
+- `run`: offline capture to shards, resumable and data parallel (`capture_to_shards`; the command is
+  `eaglekit capture`, alias `python -m eaglekit.capture`).
 - `online`: the same features on the fly (`OnlineCaptureDataset`/`OnlineCaptureSamples`), and a finished
   capture in either mode behind one interface (`open_captured_samples`, `CapturedSamples`).
 - `checks`: captured samples against their source lines, feature norms, sample subsets.
@@ -30,13 +30,13 @@ from eaglekit.capture.layers import (
 )
 from eaglekit.capture.online import CapturedSamples, OnlineCaptureDataset, OnlineCaptureSamples, open_captured_samples
 from eaglekit.capture.plan import PLAN_FILE, InsufficientDiskError, StoragePlan, check_disk_space, plan_capture_storage, read_capture_plan
-from eaglekit.capture.run import DEFAULT_MAX_SHARD_BYTES, CaptureReport, capture_to_shards, main
+from eaglekit.capture.run import DEFAULT_MAX_SHARD_BYTES, CaptureReport, capture_to_shards
 
 __all__ = [
     "DEFAULT_MAX_SHARD_BYTES", "PLAN_FILE", "CaptureReport", "CapturedSamples", "DatasetStats", "InsufficientDiskError",
     "LayerInputCapture", "OnlineCaptureDataset", "OnlineCaptureSamples", "StoragePlan", "TokenizedSample", "as_training_sample",
     "base_model_of", "capture_batch", "capture_batches", "capture_to_shards", "check_captured_samples", "check_disk_space",
-    "default_capture_layer_ids", "feature_norms", "load_target", "main", "open_captured_samples", "plan_batches",
+    "default_capture_layer_ids", "feature_norms", "load_target", "open_captured_samples", "plan_batches",
     "plan_capture_storage", "read_capture_plan", "read_tokenized_samples", "resolve_capture_layer_ids",
     "validate_capture_layer_ids", "write_sample_subset",
 ]

@@ -1,5 +1,7 @@
-"""python -m eaglekit.capture (or under torchrun): stage 4 capture; the same as `eaglekit capture`."""
+"""python -m eaglekit.capture (what torchrun launches for data-parallel capture): an alias of `eaglekit capture`."""
 
-from eaglekit.capture import main
+import sys
 
-raise SystemExit(main())
+from eaglekit.cli import main
+
+raise SystemExit(main(["capture", *sys.argv[1:]]))

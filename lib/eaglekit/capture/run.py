@@ -1,11 +1,10 @@
 """Offline capture: every sample's features into bounded-size shards, resumable, data parallel under torchrun.
 
-`capture_to_shards` is the library call; `main` is `python -m eaglekit.capture` (CLI, the torchrun entry).
+`capture_to_shards` is the library call; `eaglekit capture` (alias `python -m eaglekit.capture`, the torchrun entry) calls it.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
@@ -14,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as distributed
 from torch import nn
 
@@ -276,71 +274,3 @@ def capture_to_shards(
     _barrier()
     report.seconds = time.perf_counter() - started
     return report
-
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line (torchrun entry)
-
-
-def _parse_data_argument(value: str) -> tuple[str, str]:
-    name, separator, path = value.partition("=")
-    if not separator or not name or not path:
-        raise argparse.ArgumentTypeError(f"--data expects NAME=PATH/tokenized_data.jsonl, got {value!r}")
-    return name, path
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m eaglekit.capture",
-        description="Capture EAGLE-3 hidden states into shards. Data parallel: torchrun --nproc_per_node K -m eaglekit.capture ...",
-    )
-    parser.add_argument("--model", required=True, help="target model folder (transformers format)")
-    parser.add_argument("--model-name", default=None, help="name recorded in the index (default: the model path)")
-    parser.add_argument("--data", action="append", type=_parse_data_argument, required=True, help="NAME=PATH, repeatable")
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--layers", default=None, help="comma-separated output_hidden_states indices (default [2, N//2, N-3])")
-    parser.add_argument("--max-seq-len", type=int, default=4096)
-    parser.add_argument("--max-tokens-per-batch", type=int, default=16384)
-    parser.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 2**20)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--device-map", default=None, help="'auto' to spread one process's model over all GPUs (not with torchrun)")
-    parser.add_argument("--no-progress", action="store_true")
-    arguments = parser.parse_args(argv)
-
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    device = arguments.device
-    if world_size > 1:
-        if arguments.device_map is not None:
-            parser.error("--device-map spreads one model over GPUs in one process; with torchrun each rank holds a whole copy")
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        distributed.init_process_group(backend=backend)
-        if device.startswith("cuda"):
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-            torch.cuda.set_device(device)
-    dtype_name = arguments.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    try:
-        model = load_target(arguments.model, device=device, dtype=getattr(torch, dtype_name), device_map=arguments.device_map)
-        report = capture_to_shards(
-            model,
-            dict(arguments.data),
-            arguments.output_dir,
-            model_name=arguments.model_name or str(arguments.model),
-            capture_layer_ids=[int(part) for part in arguments.layers.split(",")] if arguments.layers else None,
-            max_seq_len=arguments.max_seq_len,
-            max_tokens_per_batch=arguments.max_tokens_per_batch,
-            max_shard_bytes=int(arguments.max_shard_mb * 2**20),
-            progress=not arguments.no_progress,
-        )
-    finally:
-        if distributed.is_initialized():
-            distributed.destroy_process_group()
-    print(
-        f"rank {report.rank}/{report.world_size}: captured {report.captured_samples} samples "
-        f"({report.captured_tokens} tokens) into {report.shards_written} shards, {report.bytes_written:,} bytes; "
-        f"resumed past {report.resumed_samples}; truncated {report.truncated_samples} samples "
-        f"({report.truncated_tokens} tokens dropped); {report.seconds:.1f}s"
-        + (f"; index {report.index_path}" if report.index_path else "")
-    )
-    return 0
