@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+# Shared helpers (support.py, fault_endpoint.py) import by name from any test folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; a hub id must fail clearly
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
