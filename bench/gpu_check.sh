@@ -23,6 +23,9 @@ nvidia-smi --query-gpu=name,memory.total,utilization.gpu --format=csv,noheader 2
 echo "== 1. gpu-marked tests (pytest -m gpu) =="
 timeout 300 "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider
 
+echo "== 1b. SGLang capture against the transformers hooks (needs sglang==0.5.23 installed; skips without it) =="
+timeout 300 "$PYTHON" -m pytest -q -s -m gpu tests/capture/test_sglang_capture.py -p no:cacheprovider || echo "gpu_check: SGLang capture test failed or SGLang is absent (pip install sglang==0.5.23)"
+
 echo "== 2. training step, Llama-3.1-8B-shaped draft, 4K packs, bf16, peak ${PEAK_TFLOPS} TFLOP/s =="
 timeout 240 "$PYTHON" bench/train_step.py --device cuda --preset llama8b --draft-vocab 32000 --pack-tokens 4096 --max-length 4096 \
     --samples 16 --skip-naive --checkpointing --repeats 3 --peak-tflops "$PEAK_TFLOPS"
