@@ -221,7 +221,7 @@ def test_fetch_llamafactory_is_idempotent_when_present(tmp_path, monkeypatch):
 
 def test_missing_llamafactory_data_says_how_to_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLEKIT_CACHE", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="fetch-llamafactory"):
+    with pytest.raises(FileNotFoundError, match="eaglekit fetch-data"):
         packaged_files("llamafactory_alpaca")
 
 

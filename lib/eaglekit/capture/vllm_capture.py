@@ -139,10 +139,23 @@ class VllmHiddenStatesServer:
         except ServerError as error:
             raise VllmCaptureError(f"the vLLM capture server did not start: {error}") from None
         self.startup_seconds = self.server.startup_s
-        for leftover in self.storage_dir.iterdir():  # the start-up check's own completion
-            leftover.unlink()
+        self._drop_startup_file()
         logger.info("vLLM capture server on %s healthy after %.1f s (log %s)", self.url, self.startup_seconds, self.log_path)
         return self
+
+    def _drop_startup_file(self, timeout_s: float = 20.0) -> None:
+        """Delete the file of the start-up check's own completion. The connector writes it when the request
+        finishes, which can be after the answer reached us: wait for it (bounded), take its lock, delete it."""
+        deadline = time.monotonic() + timeout_s
+        while not any(path.suffix == ".safetensors" for path in self.storage_dir.iterdir()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for path in list(self.storage_dir.iterdir()):
+            if path.suffix == ".safetensors" and path.with_name(path.name + ".lock").exists():
+                with open(path.with_name(path.name + ".lock")) as lock:
+                    fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is complete
+        for path in list(self.storage_dir.iterdir()):
+            with _ignore_missing():
+                path.unlink()
 
     def stop(self) -> None:
         if self.server is not None:
