@@ -219,19 +219,19 @@ def tiny_target_folder(family: str, folder: Path, tokenizer_dir: Path | None = N
 
 
 def fit_draft_on_greedy_answers(model_dir: Path, questions: list[str], max_new_tokens: int, steps: int = 40,
-                                ttt_steps: int = 3, draft_vocab_size: int = 512, seed: int = 0):
+                                ttt_steps: int = 3, draft_vocab_size: int = 512, seed: int = 0, target=None):
     """A draft overfitted on the target's own greedy answers to `questions` (chat-templated), so a real loop
     on the same prompts accepts most drafts: (draft, prompt token lists, full greedy sequences).
 
     Fits with the kit's TTT unroll (the draft's own forward over `ttt_steps` steps), argmax targets over the
-    draft vocab, Adam; a few seconds on CPU for a few short answers."""
+    draft vocab, Adam; a few seconds on CPU for a few short answers. `target`: the loaded target, if the caller has it."""
     import torch.nn.functional as F
 
     from eaglekit.analysis.speculative import greedy_decode
     from eaglekit.draft.model import load_target_head_weights
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    target = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    target = target if target is not None else LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=True)["input_ids"]) for question in questions]
     sequences = [prompt + greedy_decode(target, prompt, max_new_tokens).output_ids for prompt in prompts]

@@ -7,15 +7,13 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from eaglekit.cli import main
-from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
+from support import fit_draft_on_greedy_answers
+from eaglekit.draft.model import load_target_head_weights
 from eaglekit.analysis.evaluate import load_draft_for_target, read_prompts
 from eaglekit.draft.export import export_sglang, export_vllm
 from eaglekit.io import InputError
-from eaglekit.analysis.speculative import greedy_decode
-from eaglekit.draft.vocab import select_draft_vocab
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -31,33 +29,7 @@ def target(embedded_model_dir):
 @pytest.fixture(scope="module")
 def fitted(embedded_model_dir, target):
     """A draft overfitted for a few steps on the target's own greedy answers; (draft, prompts, sequences)."""
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True) for q in QUESTIONS]
-    prompts = [list(p if isinstance(p, list) else p["input_ids"]) for p in prompts]
-    sequences = [prompt + greedy_decode(target, prompt, MAX_NEW_TOKENS).output_ids for prompt in prompts]
-    counts = torch.zeros(target.config.vocab_size, dtype=torch.int64)
-    for sequence in sequences:
-        counts += torch.bincount(torch.tensor(sequence), minlength=target.config.vocab_size)
-    vocab = select_draft_vocab(counts, 512)
-    draft = build_draft_from_target(load_target_head_weights(embedded_model_dir), vocab.d2t, vocab.t2d, seed=0).train()
-    features = []
-    with torch.no_grad():
-        for sequence in sequences:
-            hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-            features.append(torch.cat([hidden[i] for i in draft.config.capture_layer_indices], dim=-1).clone())
-    target_to_draft = torch.cumsum(draft.t2d.long(), 0) - 1
-    optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
-    for _ in range(10):
-        optimizer.zero_grad()
-        loss = 0.0
-        for sequence, aux, prompt in zip(sequences, features, prompts):
-            ids = torch.tensor([sequence])
-            for step, logits in enumerate(draft(ids, aux, 2)):
-                rows = slice(len(prompt) - 1, ids.shape[1] - 2 - step)
-                loss = loss + F.cross_entropy(logits[0, rows], target_to_draft[ids[0, len(prompt) + 1 + step:]])
-        loss.backward()
-        optimizer.step()
-    return draft.eval(), prompts, sequences
+    return fit_draft_on_greedy_answers(embedded_model_dir, QUESTIONS, MAX_NEW_TOKENS, steps=10, ttt_steps=2, target=target)
 
 
 @pytest.fixture(scope="module")
