@@ -16,7 +16,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -173,6 +173,8 @@ class TargetLayout:
     text_config: dict
     prefix: str
     trust_remote_code: bool = False
+    # Tensor name -> safetensors file, read once from the index (Kimi-K2.5's is large) when the layout is resolved.
+    tensor_files: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def architecture(self) -> str:
@@ -278,7 +280,7 @@ class TargetLayout:
 
     def weight_map(self) -> dict[str, str]:
         """Tensor name -> safetensors file (relative to the folder), from the index or the single file."""
-        return _weight_map(self.folder)
+        return self.tensor_files or _weight_map(self.folder)
 
     def read_tensors(self, names: list[str]) -> dict:
         """Read named tensors straight from the safetensors files (no model load)."""
@@ -328,4 +330,5 @@ def target_layout(folder: str | os.PathLike, trust_remote_code: bool = False) ->
         embeds = sorted(name for name in names if name.endswith("embed_tokens.weight"))
         raise ModelResolutionError(f"{folder}: no text-model embedding among the checkpoint's tensors (looked for "
                                    f"{[p + 'model.embed_tokens.weight' for p in TEXT_MODEL_PREFIXES]}; found {embeds})")
-    return TargetLayout(folder=folder, config=config, text_config=text_config, prefix=prefix, trust_remote_code=trust_remote_code)
+    return TargetLayout(folder=folder, config=config, text_config=text_config, prefix=prefix, trust_remote_code=trust_remote_code,
+                        tensor_files=names)
