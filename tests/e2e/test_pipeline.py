@@ -57,3 +57,26 @@ def test_survey_notebook_runs_directly_with_papermill(tmp_path):
     )
     assert (tmp_path / "run" / "survey").is_dir()
     assert list((tmp_path / "run" / "figures").glob("*.png"))
+
+
+def test_the_sweep_splits_by_the_order_prep_planned_before_any_answer(smoke_run):
+    """Stage 5's held-out set is prep's planned one (prep/order.json), and, where every planned sample was
+    captured, the split stage 5 would make over the captured samples (the oracle)."""
+    from eaglekit.capture.shards import ShardDataset
+    from eaglekit.run_folder import tokenized_data_files
+    from eaglekit.training.order import TrainingOrder
+    from eaglekit.training.split import read_conversation_keys, split_heldout
+
+    order = TrainingOrder.load(smoke_run / "prep" / "order.json")
+    keys = [tuple(key) for key in ShardDataset(smoke_run / "capture").keys]
+    sweep = json.loads((smoke_run / "training" / "sweep.json").read_text())
+    heldout = [tuple(key) for key in sweep["heldout"]]
+    assert heldout == [keys[index] for index in order.split(keys)[0]]
+    assert set(heldout) <= set(order.heldout)
+    if set(keys) == set(order.heldout) | set(order.train):
+        conversations = read_conversation_keys(tokenized_data_files(smoke_run), keys)
+        oracle, _ = split_heldout([dataset for dataset, _ in keys], order.heldout_size, order.seed, conversations)
+        assert heldout == [keys[index] for index in oracle]
+    # Stage 3 said, before its first request, when each size could train.
+    smallest = min(yaml.safe_load((smoke_run / "params.yaml").read_text())["training"]["data_sizes"])
+    assert f"size {smallest} (and the held-out set) answered after " in (smoke_run / "run.log").read_text()

@@ -72,13 +72,14 @@ def plan_capture_storage(
 
 
 def nested_capture_slices(data_files: Mapping[str, str | os.PathLike], vocab_size: int, max_seq_len: int, data_sizes: Sequence[int],
-                          heldout_size: int, seed: int) -> list[dict]:
+                          heldout_size: int, seed: int, order=None) -> list[dict]:
     """The capture's nested slices, in the order stage 5 trains: {"size", "samples", "tokens", "keys"} each.
 
     Slice 0 holds the held-out set and the first `data_sizes[0]` training samples; slice i the samples
     size i adds; a last slice (size None) the samples no size trains on. The split is stage 5's
     (`split_heldout` over the samples in capture-index order, conversations kept whole, seed `run.seed`),
-    so once slice i is in shards, size i can train.
+    so once slice i is in shards, size i can train. `order` (`training.order.TrainingOrder`, prep's plan):
+    split by it, as stage 5 then does.
     """
     from eaglekit.training.split import conversation_key, split_heldout
 
@@ -87,8 +88,11 @@ def nested_capture_slices(data_files: Mapping[str, str | os.PathLike], vocab_siz
     for dataset, path in data_files.items():
         for _, record in read_jsonl(path):
             meta[(dataset, record["id"])] = conversation_key(record["id"], record.get("meta"))
-    heldout, train_order = split_heldout([sample.dataset for sample in samples], heldout_size, seed,
-                                         [meta[sample.key] for sample in samples])
+    if order is not None:
+        heldout, train_order = order.split([sample.key for sample in samples])
+    else:
+        heldout, train_order = split_heldout([sample.dataset for sample in samples], heldout_size, seed,
+                                             [meta[sample.key] for sample in samples])
     bounds = [size for size in data_sizes if size <= len(train_order)]
     parts = [(data_sizes[0], heldout + train_order[:data_sizes[0]])]
     parts += [(size, train_order[previous:size]) for previous, size in zip(bounds, bounds[1:])]

@@ -31,6 +31,7 @@ from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
 from eaglekit.capture.sglang_capture import SGLANG_COMMAND
 from eaglekit.target import TargetLayout, resolve_model, target_layout
 from eaglekit.training import ablation_sample_keys, read_conversation_keys
+from eaglekit.training.order import read_training_order, sweep_split
 
 CHECKED_SAMPLES = 6  # samples read back and compared with their source lines
 NORM_SAMPLES = 64  # samples whose per-layer feature norms are taken
@@ -76,8 +77,10 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
     if params.analysis.ablation and original_files and mode == "offline":
         main_keys = captured.keys
         original_keys = [(name, record["id"]) for name, path in original_files.items() for _, record in read_jsonl(path)]
+        heldout, _ = sweep_split(out, main_keys, params.training.heldout_size, params.run.seed,
+                                 read_conversation_keys(data_files, main_keys))  # the held-out split training makes
         chosen = ablation_sample_keys(main_keys, original_keys, params.training.heldout_size, params.analysis.ablation_size, params.run.seed,
-                                      read_conversation_keys(data_files, main_keys))  # the held-out split training makes
+                                      heldout_indices=heldout)
         original_dir = capture_dir / "original"
         subset_files = write_sample_subset(original_files, set(chosen), original_dir / "inputs")
         report = capture_to_shards(model, subset_files, original_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
@@ -119,14 +122,14 @@ def _load_feature_source(params: Params, layout: TargetLayout, capture_layer_ids
                      f"run `{SGLANG_COMMAND}` on the GPU node, then run stage 4 again (it resumes from the finished shards)")
 
 
-def _slice_keys(params: Params, data_files: dict[str, Path], max_seq_len: int, vocab_size: int) -> list[dict] | None:
+def _slice_keys(params: Params, run_dir: Path, data_files: dict[str, Path], max_seq_len: int, vocab_size: int) -> list[dict] | None:
     """With capture.slices: the nested slices in training.data_sizes' order (None without)."""
     if not params.capture.slices:
         return None
     from eaglekit.capture.plan import nested_capture_slices
 
     return nested_capture_slices(data_files, vocab_size, max_seq_len, params.training.data_sizes, params.training.heldout_size,
-                                 params.run.seed)
+                                 params.run.seed, order=read_training_order(run_dir, params.training.heldout_size, params.run.seed))
 
 
 def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResult:
@@ -153,7 +156,7 @@ def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResu
 
         plan = plan_capture_storage(data_files, layout.hidden_size, layout.vocab_size, max_seq_len, capture_dir,
                                     mode=params.capture.mode, feature_dtype=params.capture.feature_dtype,
-                                    slices=_slice_keys(params, data_files, max_seq_len, layout.vocab_size))
+                                    slices=_slice_keys(params, out, data_files, max_seq_len, layout.vocab_size))
         if engine is not None and plan.mode == "online":
             raise InsufficientDiskError(f"capture.engine {params.capture.engine} writes shards, but the plan needs "
                                         f"{plan.planned_bytes:,} bytes with {plan.free_bytes:,} free: free disk, use "

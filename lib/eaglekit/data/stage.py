@@ -25,6 +25,7 @@ from eaglekit.data.sources import SourceSpec
 from eaglekit.data.survey import SurveyTables, plot_survey, save_survey, survey_sources
 from eaglekit.run_folder import stage_dir
 from eaglekit.target import load_tokenizer
+from eaglekit.training.order import write_training_order
 
 PARTITIONS_FIGURE = "02_partitions.png"
 
@@ -90,6 +91,8 @@ def run_prep_stage(params: Params, run_dir: str | os.PathLike) -> PrepResult:
     tokenizer = load_tokenizer(params.target)
     prep_dir = stage_dir(out, "prep")
     summary = prepare_sources(specs, tokenizer, prep_dir, params.prep)
+    # The held-out set and training order, fixed from prep's ids before any answer exists (prep/order.json).
+    write_training_order(prep_dir, params.training.heldout_size, params.run.seed)
     figure = plot_partitions(summary, out / "figures" / PARTITIONS_FIGURE)
     files = tuple(sorted(path.relative_to(prep_dir) for path in prep_dir.rglob("*.jsonl")))
     sample = first_sample(prep_dir)

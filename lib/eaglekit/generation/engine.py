@@ -95,8 +95,10 @@ class GenerationEngine:
                  retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
                  log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
                  progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
-                 probe_wait_s: float = 60.0, seed: int = 0):
+                 probe_wait_s: float = 60.0, seed: int = 0, priority: Sequence[tuple[str, str]] | None = None):
         self.sources = list(sources)
+        # (dataset, id) in the order to request them (prep's planned training order); the rest after, in file order.
+        self.priority = {tuple(key): rank for rank, key in enumerate(priority or ())}
         self.endpoint_specs = list(endpoints)
         self.output_dir = Path(output_dir)
         self.partitions = list(partitions)
@@ -172,6 +174,8 @@ class GenerationEngine:
         items, duplicates = load_prompts(self.sources, self.history_reasoning)
         if duplicates:
             logger.warning("%d duplicate prompt ids skipped (first occurrence kept)", duplicates)
+        if self.priority:  # each partition's prompts go out held-out set first, then in training order
+            items.sort(key=lambda item: self.priority.get((item.dataset, item.id), len(self.priority)))
         self.generations = AppendLog(self.output_dir / GENERATIONS_FILE)
         self.metrics = AppendLog(self.output_dir / METRICS_FILE, sync_every=1)
         errors_repaired = repair_torn_tail(self.output_dir / ERRORS_FILE)

@@ -1,6 +1,6 @@
 """Stage 3 as one library call: `run_generation_stage(params, run_dir)` does what notebook 03 computes, without the plots.
 
-In order: the prompts stage 2 wrote; the capacity plan before launch (`plan.plan_generation`); the
+In order: the prompts stage 2 wrote, requested in its planned training order (`prep/order.json`); the capacity plan before launch (`plan.plan_generation`); the
 endpoints (those in params, or the embedded server, started here and stopped at the end); the
 generation run (`generate`: resumable, Ctrl-C/SIGTERM stop it cleanly); the training data from the
 answers (`tokenized.build_tokenized_data`); the stage's metrics event; and its outcome for the runner
@@ -9,6 +9,7 @@ answers (`tokenized.build_tokenized_data`); the stage's metrics event; and its o
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,12 @@ from eaglekit.generation.run import generate
 from eaglekit.generation.server import serving_endpoints
 from eaglekit.generation.settings import PartitionSettings, RetryPolicy
 from eaglekit.generation.tokenized import TokenizedDataSummary, build_tokenized_data
+from eaglekit.io import read_jsonl
 from eaglekit.run_folder import Metrics, prompt_files, record_stage_outcome, stage_dir
 from eaglekit.target import load_tokenizer
+from eaglekit.training.order import TrainingOrder, read_training_order, requests_before_each_size
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,14 @@ class GenerationResult:
     tokenized: TokenizedDataSummary
     records: pd.DataFrame  # one row per answer, no text (`generation_table`)
     errors: list[dict[str, Any]]  # the latest error record of each prompt that failed for good, with its history
+
+
+def _log_size_readiness(order: TrainingOrder, sources: list[PromptSource], sizes: list[int]) -> None:
+    """One line per data size: how many requests of each partition must be answered before it can train."""
+    partition_of = {(source.dataset, str(record.get("id"))): source.partition for source in sources for _, record in read_jsonl(source.path)}
+    for row in requests_before_each_size(order, partition_of, sizes):
+        parts = ", ".join(f"{row[partition][0]} of {row[partition][1]} {partition}" for partition in row if partition != "size")
+        logger.info("size %d (and the held-out set) answered after %s requests (prep/order.json)", row["size"], parts)
 
 
 def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> GenerationResult:
@@ -63,6 +76,10 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
     tokenizer = load_tokenizer(params.target)
     # Past turns' reasoning goes in the request as prep rendered it, so the server renders the same prompt.
     history_reasoning = history_reasoning_for(tokenizer, params.prep.chat_template_kwargs)
+    # Prep's planned training order: the held-out set and the first data sizes' samples are requested first.
+    order = read_training_order(out, params.training.heldout_size, params.run.seed)
+    if order is not None:
+        _log_size_readiness(order, sources, params.training.data_sizes)
     with serving_endpoints(params, log_path=out / "server.log") as serving:  # the embedded server stops at the end of the block
         endpoint_specs = [EndpointSpec.from_params(endpoint) for endpoint in serving]
         summary = generate(
@@ -72,6 +89,7 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
             log_interval_s=settings.log_interval_s, shutdown_grace_s=settings.shutdown_grace_s, seed=params.run.seed,
             chat_template_kwargs=params.prep.chat_template_kwargs,  # e.g. Qwen3's enable_thinking, as prep rendered it
             history_reasoning=history_reasoning,
+            priority=order.priority() if order is not None else None,
         )
     tokenized = build_tokenized_data(
         generation_dir, sources, generation_dir / "tokenized", tokenizer=tokenizer,

@@ -115,7 +115,7 @@ def nested_subsets(train_order: Sequence[int], sizes: Sequence[int]) -> dict[int
 
 def ablation_sample_keys(
     main_keys: Sequence[tuple[str, str]], original_keys: Sequence[tuple[str, str]], heldout_size: int, largest_size: int, seed: int,
-    conversations: Sequence[str] | None = None,
+    conversations: Sequence[str] | None = None, heldout_indices: Sequence[int] | None = None,
 ) -> list[tuple[str, str]]:
     """The (dataset, id) samples of the ablation draft: original answers, never a held-out prompt.
 
@@ -123,9 +123,11 @@ def ablation_sample_keys(
     their `conversations` (`read_conversation_keys`), the same the sweep splits by;
     original_keys: class-B samples with the datasets' own answers (same ids as their regenerated twins).
     Takes a dataset-stratified prefix of min(largest_size, candidates) so the ablation matches the
-    largest regenerated draft's size whenever enough original answers exist.
+    largest regenerated draft's size whenever enough original answers exist. `heldout_indices`: the sweep's
+    held-out positions in main_keys when already split (`order.sweep_split`), else split here.
     """
-    heldout_indices, _ = split_heldout([dataset for dataset, _ in main_keys], heldout_size, seed, conversations)
+    if heldout_indices is None:
+        heldout_indices, _ = split_heldout([dataset for dataset, _ in main_keys], heldout_size, seed, conversations)
     heldout = {tuple(main_keys[index]) for index in heldout_indices}
     candidates = [tuple(key) for key in original_keys if tuple(key) not in heldout]
     if not candidates:

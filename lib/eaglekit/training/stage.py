@@ -41,7 +41,8 @@ from eaglekit.training.checkpoint import load_checkpoint, load_draft_weights
 from eaglekit.training.loop import train_draft
 from eaglekit.training.record import SWEEP_FILE, DraftEntry, DraftVocabRecord, SweepRecord
 from eaglekit.training.settings import TrainSettings
-from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys, split_heldout
+from eaglekit.training.order import sweep_split
+from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys
 from eaglekit.training.sweep import train_size_sweep
 from eaglekit.training.teacher import TargetArgmaxCache
 from eaglekit.topology import Topology
@@ -96,7 +97,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     datasets = [dataset for dataset, _ in keys]
 
     conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
-    heldout_indices, train_order = split_heldout(datasets, params.training.heldout_size, params.run.seed, conversations)
+    # prep's planned order (prep/order.json) when there is one: each sample keeps the place prep gave it.
+    heldout_indices, train_order = sweep_split(out, keys, params.training.heldout_size, params.run.seed, conversations)
     # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
     largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
     vocab_size = layout.vocab_size
@@ -116,7 +118,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     target_cache = TargetArgmaxCache(target_weights.lm_head)
     sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
                                   training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations,
-                                  target_cache=target_cache)
+                                  target_cache=target_cache, split=(heldout_indices, train_order))
     if metrics is not None:
         for row in sweep_rows:
             metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})

@@ -28,6 +28,7 @@ def train_size_sweep(
     datasets: Sequence[str] | None = None,
     conversations: Sequence[str] | None = None,
     target_cache: TargetArgmaxCache | None = None,
+    split: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> list[dict[str, Any]]:
     """One draft per data size on nested, dataset-stratified subsets, all scored on one held-out set.
 
@@ -39,6 +40,8 @@ def train_size_sweep(
     `datasets` (one name per sample) spares reading every sample just for its dataset name;
     `conversations` (one key per sample, `read_conversation_keys`) keeps split conversations on one side.
     `target_cache`: a cache the caller shares with other drafts on the same samples (None: one for this sweep).
+    `split`: (held-out indices, training order) already made (`order.sweep_split`: prep's planned order);
+    None splits here with `split_heldout`.
     """
     output_dir = Path(output_dir)
     if datasets is None:
@@ -46,7 +49,7 @@ def train_size_sweep(
     elif len(datasets) != len(samples):
         raise ValueError(f"datasets names {len(datasets)} samples but there are {len(samples)}")
     datasets = [str(name) for name in datasets]
-    heldout_indices, train_order = split_heldout(datasets, heldout_size, split_seed, conversations)
+    heldout_indices, train_order = split or split_heldout(datasets, heldout_size, split_seed, conversations)
     subsets = nested_subsets(train_order, sizes)
     heldout = IndexedSubset(samples, heldout_indices)
     # One target argmax per sample for the whole sweep: the held-out set and the nested subsets recur in every size.
