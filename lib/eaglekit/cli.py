@@ -17,7 +17,7 @@ def _run(args: argparse.Namespace) -> int:
     # SIGINT and SIGTERM (nohup'd runs, schedulers) are handled inside run_pipeline: the stage kernel
     # is interrupted, in-flight work gets generation.shutdown_grace_s, the stage is marked.
     try:
-        run_dir = run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume,
+        run_dir = run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume, staged=args.staged or None,
                                notebooks_dir=Path(args.notebooks) if args.notebooks else _default_notebooks())
     except RunInterrupted as error:
         print(f"eaglekit: {error}", file=sys.stderr)
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--stages", action="append", help="stage names or numbers, comma-separated (default: all)")
     run.add_argument("--run-id", help="run folder name (default: <timestamp>-<run.name>)")
     run.add_argument("--resume", action="store_true", help="continue run --run-id from its failed or next stage")
+    run.add_argument("--staged", action="store_true",
+                     help="while generation runs, train each data size once its slice is answered and update the forecast "
+                          "(analysis/answer.json, staged/forecasts.jsonl) after each; params: run.staged")
     run.add_argument("--notebooks", help=argparse.SUPPRESS)  # tests point the runner at fixture notebooks
     run.set_defaults(handler=_run)
 

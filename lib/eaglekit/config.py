@@ -35,6 +35,9 @@ class RunParams(Section):
     name: str = "interactive"  # names the run folder: outputs/<timestamp>-<name>
     seed: int = 0  # one seed for sampling, splits and training
     outputs_dir: str = "outputs"  # where run folders go (relative to the repository root)
+    # While stage 3 answers, train each data size as soon as its slice is answered and rewrite the forecast
+    # (analysis/answer.json) after each: the go / no-go before the big run ends. Same as `eaglekit run --staged`.
+    staged: bool = False
 
 
 class TargetParams(Section):

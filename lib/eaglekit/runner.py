@@ -119,7 +119,9 @@ def attach_stage_logging() -> None:
     terminal = open(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace") if original is not None else sys.__stderr__
     kit_logger = logging.getLogger("eaglekit")
     formatter = logging.Formatter(f"%(asctime)s %(levelname)s [{stage}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
-    for handler in (logging.FileHandler(run_log, encoding="utf-8"), logging.StreamHandler(terminal), _NotebookHandler()):
+    in_kernel = original is not None  # a plain process (the staged worker) has no cell output to write to
+    handlers = (logging.FileHandler(run_log, encoding="utf-8"), logging.StreamHandler(terminal), *([_NotebookHandler()] if in_kernel else []))
+    for handler in handlers:
         handler.setFormatter(formatter)
         kit_logger.addHandler(handler)
     if kit_logger.level == logging.NOTSET:
@@ -174,6 +176,7 @@ class _StageControl:
         self.process: subprocess.Popen | None = None
         self.in_stage = False
         self.killed_after_grace = False
+        self.helpers: list = []  # processes beside the kernel that a stop reaches too (the staged worker)
         self._timer: threading.Timer | None = None
         self._previous: dict[int, object] = {}
 
@@ -238,6 +241,8 @@ class _StageControl:
             self._signal_kernel(signal.SIGKILL)
 
     def _signal_kernel(self, signum: int) -> None:
+        for helper in self.helpers:
+            helper.signal(signum)
         process = self.process
         if process is None:
             return
@@ -330,8 +335,12 @@ def run_pipeline(
     resume: bool = False,
     notebooks_dir: Path = NOTEBOOKS_DIR,
     kernel_name: str = "python3",
+    staged: bool | None = None,
 ) -> Path:
     """Run the selected stages; returns the run folder.
+
+    staged (None: params' run.staged): while stage 3 runs, a worker trains each finished data size and rewrites
+    the forecast (`eaglekit.staged`); stages 4-6 then run over all the data as always.
 
     Raises RunError naming the failed cell (or the dead kernel), RunInterrupted after SIGINT/SIGTERM,
     RunLockedError when another live process writes into the run folder. A stage that finishes but
@@ -358,19 +367,20 @@ def run_pipeline(
             run_dir.mkdir()
         except FileExistsError:
             raise RunError(f"run folder {run_dir} exists and runs are never overwritten: pick another --run-id or pass --resume") from None
-    resume_command = f"eaglekit run {params_path} --run-id {run_id} --resume"
+    staged = params.run.staged if staged is None else staged
+    resume_command = f"eaglekit run {params_path} --run-id {run_id} --resume{' --staged' if staged else ''}"
     try:
         lock = RunFolderLock(run_dir).acquire()
     except RunLockedError as error:
         raise RunError(str(error)) from None
     try:
-        return _run_locked(params, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name)
+        return _run_locked(params, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name, staged)
     finally:
         lock.release()
 
 
 def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
-                lock: RunFolderLock, kernel_name: str) -> Path:
+                lock: RunFolderLock, kernel_name: str, staged: bool = False) -> Path:
     from traitlets.config import Config
 
     from eaglekit.generation.server import serving_endpoints
@@ -402,8 +412,9 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
                     logger.info("starting endpoints (embedded server unless params name endpoints)")
                     endpoints = stack.enter_context(serving_endpoints(params, log_path=run_dir / "server.log"))
                     logger.info("endpoints: %s", [endpoint.url for endpoint in endpoints])
-                _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,
-                           kernel_name, kernel_config)
+                with _staged_worker(staged and stage.name == "generation", run_dir, state, control, logger, lock):
+                    _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,
+                               kernel_name, kernel_config)
     except RunInterrupted as error:
         label = state["running"]
         if label:
@@ -419,6 +430,40 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
     else:
         logger.info("run %s complete: %s", run_id, run_dir)
     return run_dir
+
+
+@contextlib.contextmanager
+def _staged_worker(wanted: bool, run_dir: Path, state: dict, control: _StageControl, logger: logging.Logger, lock: RunFolderLock):
+    """Around stage 3 of a staged run: the worker starts with it; when stage 3 returns it finishes the size it is
+    on (the runner waits), and when stage 3 fails or is stopped it is stopped too. Its outcome goes in state.json."""
+    if not wanted:
+        yield
+        return
+    from eaglekit.staged.launch import STAGE_LABEL, StagedProcess
+    from eaglekit.staged.worker import staged_summary
+
+    worker = StagedProcess.start(run_dir / "params.yaml", run_dir, lock.fd, {RUN_LOG_ENV: str(run_dir / "run.log"), STAGE_ENV: STAGE_LABEL})
+    control.helpers.append(worker)
+    logger.info("staged run: worker %d trains each data size as its slice is answered, and rewrites analysis/answer.json", worker.pid)
+    code = None
+    try:
+        yield
+        worker.generation_ended()
+        if worker.wait(0) is None:
+            logger.info("staged run: generation ended; waiting for the worker to finish the size it is on")
+        code = worker.wait()
+    except BaseException:
+        code = worker.stop(control.grace_s + control.margin_s)
+        raise
+    finally:
+        control.helpers.remove(worker)
+        summary = {**staged_summary(run_dir), "exit_status": code}
+        state[STAGE_LABEL] = summary
+        write_json(run_dir / "state.json", state)
+    if code != 0:
+        logger.warning("staged run: the worker exited with status %s (its error is in run.log); stages 4-6 give the answer", code)
+    else:
+        logger.info("staged run: sizes %s staged, %d forecasts (staged/forecasts.jsonl)", summary["sizes_done"], summary["forecasts"])
 
 
 def stages_with_errors(run_dir: Path) -> dict[str, int]:

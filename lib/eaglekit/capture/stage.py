@@ -103,7 +103,7 @@ def capture_length(params: Params) -> int:
     return min(params.capture.max_seq_len, params.training.max_length)
 
 
-def _load_feature_source(params: Params, layout: TargetLayout, capture_layer_ids: list[int], max_seq_len: int,
+def load_feature_source(params: Params, layout: TargetLayout, capture_layer_ids: list[int], max_seq_len: int,
                          capture_dir: Path) -> tuple[torch.nn.Module | None, FeatureSource | None]:
     """(the transformers target, None) for engine transformers, else (None, the started engine)."""
     engine = params.capture.engine
@@ -151,7 +151,7 @@ def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResu
     try:
         started = time.perf_counter()
         capture_layer_ids = resolve_capture_layer_ids(params.target.capture_layers or None, layout.num_hidden_layers)
-        model, engine = _load_feature_source(params, layout, capture_layer_ids, max_seq_len, capture_dir)
+        model, engine = load_feature_source(params, layout, capture_layer_ids, max_seq_len, capture_dir)
         load_seconds = time.perf_counter() - started
 
         plan = plan_capture_storage(data_files, layout.hidden_size, layout.vocab_size, max_seq_len, capture_dir,

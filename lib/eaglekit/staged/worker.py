@@ -1,0 +1,279 @@
+"""The staged run: stages 4-6 on each finished slice while stage 3 is still answering, the forecast after each size.
+
+`StagedWorker(params, run_dir, generation).run()` takes the sizes of `training.data_sizes` smallest first.
+For each it waits until its slice is settled (`slices.settled_prefix`), tokenizes the slice's answers as
+stage 3 will (`slices.write_staged_data`), captures them into `staged/capture/` (resuming by sample, so each
+slice adds only its new samples), trains the size by the default rule into `staged/training/size-<N>/`
+(resumable from its last.pt), scores every staged size on the one held-out set, and rewrites
+`analysis/answer.json` with the forecast (`forecast.forecast`), appending it to `staged/forecasts.jsonl`.
+
+What differs from the full stages 4-6, on purpose:
+- the draft vocab is counted over the first staged size's training samples and kept for every size (stage 5
+  counts it over the largest subset, which does not exist yet);
+- the break-even is the serving case of params.analysis only (the embedded loop's timings come from stage 6's
+  real loop, which runs on the largest draft);
+- training runs in this one process (no torchrun), and capture writes shards (no online mode).
+Once generation has ended, no new size starts: the size in progress finishes, and stages 4-6 then run over
+all the data as in any run, writing the final answer.
+
+The runner (`eaglekit run --staged`) starts this as `python -m eaglekit.staged` beside stage 3's kernel,
+under the run folder's one lock, and tells it that generation ended by closing a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import time
+from pathlib import Path
+
+import torch
+
+from eaglekit.config import Params
+from eaglekit.io import AppendLog, atomic_write
+from eaglekit.staged.slices import (FORECASTS_FILE, STAGED_DIR, SliceEntry, StagedRecord, now, class_a_keys, planned_prompt_count,
+                                    read_settled, settled_prefix, sizes_to_stage, slice_for, write_staged_data)
+from eaglekit.training.order import read_training_order
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 5.0  # how often the worker looks at stage 3's logs while a slice is not settled
+VOCAB_COUNTS_FILE = "draft_vocab_counts.pt"
+PRIMARY_CASE = "serving (params.analysis)"
+
+
+class GenerationSignal:
+    """Whether stage 3 is still running, as a pipe the runner holds open: EOF (closed, or the runner died) means ended.
+    Without a pipe (`fd` None) `running` is the given constant, for a direct call on a finished generation."""
+
+    def __init__(self, fd: int | None = None, running: bool = False):
+        self.fd = fd
+        self._running = running if fd is None else True
+
+    def running(self) -> bool:
+        self.wait(0.0)
+        return self._running
+
+    def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, waking early when generation ends."""
+        if self.fd is None or not self._running:
+            if self._running and seconds:
+                time.sleep(seconds)
+            return
+        readable, _, _ = select.select([self.fd], [], [], seconds)
+        if readable and os.read(self.fd, 4096) == b"":
+            self._running = False
+
+
+class StagedWorker:
+    def __init__(self, params: Params, run_dir: str | os.PathLike, generation: GenerationSignal, poll_s: float = POLL_S):
+        self.params = params
+        self.run_dir = Path(run_dir)
+        self.generation = generation
+        self.poll_s = poll_s
+        self.staged_dir = self.run_dir / STAGED_DIR
+        self._target = None  # (layout, feature source, engine or None, capture layer ids), loaded at the first slice
+        self._head = None
+        self._tokenizer = None
+        self._agreements: dict[int, dict] = {}  # size -> held-out agreements, scored once per draft
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run(self) -> list[int]:
+        """Stage every size it can while generation runs; returns the sizes trained by this call."""
+        params = self.params
+        order = read_training_order(self.run_dir, params.training.heldout_size, params.run.seed)
+        if order is None:
+            logger.warning("staged run: no prep/order.json for this seed and held-out size, so no slice has a fixed place; "
+                           "stages 4-6 run after generation")
+            return []
+        record = StagedRecord.load(self.run_dir, params.run.seed, params.training.heldout_size)
+        class_a = class_a_keys(self.run_dir)
+        planned_prompts = planned_prompt_count(order, class_a)
+        trained = []
+        try:
+            for size in sizes_to_stage(params.training.data_sizes):
+                entry = record.slices.get(size)
+                if entry is not None and entry.status == "done":
+                    continue
+                if entry is None:
+                    entry = self._wait_for_slice(size, order, class_a, record, planned_prompts)
+                    if entry is None:
+                        break
+                else:
+                    logger.info("staged size %d: resuming its training on the %d samples recorded in staged/slices.json", size, len(entry.train))
+                self._stage_size(entry, record, planned_prompts)
+                trained.append(size)
+        finally:
+            self._close()
+        return trained
+
+    def _wait_for_slice(self, size: int, order, class_a, record: StagedRecord, planned_prompts: int) -> SliceEntry | None:
+        """Wait until size's slice is settled and record it; None when generation ended first (or cannot fill it)."""
+        while True:
+            running = self.generation.running()  # read before the logs: once ended, the logs hold every answer
+            if not running:
+                logger.info("staged run: generation has ended; size %d and larger are left to stages 4-6", size)
+                return None
+            settled = read_settled(self.run_dir, class_a)
+            prefix = settled_prefix(order, settled)
+            if prefix.heldout is not None and len(prefix.train) >= size:
+                keys = set(prefix.heldout) | set(prefix.train) | set(record.heldout)
+                keys.update(key for item in record.slices.values() for key in item.train)
+                _, samples = write_staged_data(self.run_dir, keys, self.params, self._load_tokenizer())
+                train = slice_for(size, prefix, samples)
+                if train is not None:
+                    if not record.heldout:
+                        record.heldout = [key for key in prefix.heldout if key in samples]
+                    entry = SliceEntry(size=size, train=train, started=now(), answered_at_start=len(settled.answered))
+                    record.slices[size] = entry
+                    record.save(self.run_dir)  # before training: a resume trains this size on these samples
+                    logger.info("staged size %d: its slice is answered (%d of %d prompts answered so far); training it while "
+                                "generation runs", size, len(settled.answered), planned_prompts)
+                    return entry
+                if prefix.complete:
+                    logger.warning("staged size %d: every planned sample is settled and only %d can train; not staged", size,
+                                   len([key for key in prefix.train if key in samples]))
+                    return None
+            self.generation.wait(self.poll_s)
+
+    def _stage_size(self, entry: SliceEntry, record: StagedRecord, planned_prompts: int) -> None:
+        from eaglekit.capture.shards import ShardDataset
+        from eaglekit.draft.vocab import count_generated_tokens, default_draft_vocab_size, select_draft_vocab
+        from eaglekit.training.settings import TrainSettings
+        from eaglekit.training.sweep import train_size_sweep
+        from eaglekit.draft.model import build_draft_from_target
+
+        params = self.params
+        started = time.perf_counter()
+        keys = set(record.heldout) | {key for item in record.slices.values() for key in item.train}
+        files, samples = write_staged_data(self.run_dir, keys, params, self._load_tokenizer())
+        if lost := [key for key in entry.train if key not in samples]:
+            raise RuntimeError(f"staged size {entry.size}: {len(lost)} recorded samples no longer tokenize (first {lost[0]}); "
+                               "generation/ changed under staged/slices.json")
+        layout, source, capture_layer_ids = self._load_target()
+        self._capture(files, source, capture_layer_ids)
+        captured = ShardDataset(self.staged_dir / "capture")
+        position = {tuple(key): index for index, key in enumerate(captured.keys)}
+        heldout_indices = [position[key] for key in record.heldout]
+        train_indices = [position[key] for key in entry.train]
+
+        head = self._load_head(layout)
+        counts_path = self.staged_dir / VOCAB_COUNTS_FILE
+        if record.vocab_counted_over is None or not counts_path.exists():
+            counts = count_generated_tokens((captured.tokens(index) for index in train_indices), layout.vocab_size)
+            with atomic_write(counts_path, "wb", encoding=None) as handle:
+                torch.save(counts, handle)
+            record.vocab_counted_over = entry.size
+            record.save(self.run_dir)
+            logger.info("staged run: the draft vocab is counted over size %d's training samples and kept for every staged size",
+                        entry.size)
+        counts = torch.load(counts_path)
+        vocab = select_draft_vocab(counts, params.training.draft_vocab_size or default_draft_vocab_size(layout.vocab_size))
+        settings = TrainSettings.from_params(params)
+        build_model = lambda: build_draft_from_target(head, vocab.d2t, vocab.t2d, tuple(capture_layer_ids), seed=params.run.seed,
+                                                      shape=params.training.draft_shape)
+        (row,) = train_size_sweep(build_model, head.lm_head, captured, [entry.size], params.training.heldout_size,
+                                  self.staged_dir / "training", settings, datasets=[dataset for dataset, _ in captured.keys],
+                                  split=(heldout_indices, train_indices))
+        entry.status, entry.finished = "done", now()
+        entry.result = dict(row)
+        record.save(self.run_dir)
+        self._forecast(record, captured, heldout_indices, planned_prompts, time.perf_counter() - started)
+
+    # ---- stage 6's part: score every staged size, rewrite the answer ------------------------------
+    def _forecast(self, record: StagedRecord, captured, heldout_indices: list[int], planned_prompts: int, seconds: float) -> None:
+        from eaglekit.analysis.acceptance import sweep_acceptance
+        from eaglekit.analysis.answer import forecast_answer, sweep_scaling
+        from eaglekit.analysis.break_even import break_even_from_throughput
+        from eaglekit.analysis.checkpoints import offline_agreements_by_size
+        from eaglekit.analysis.forecast import ANSWER_FILE
+        from eaglekit.run_folder import stage_dir
+
+        params, settings = self.params, self.params.analysis
+        steps = settings.chain_steps
+        done = record.done_sizes()
+        heldout = [captured[index] for index in heldout_indices]
+        new = {size: Path(record.slices[size].result["best_checkpoint"]) for size in done if size not in self._agreements}
+        self._agreements.update(offline_agreements_by_size(new, self._head.embed_tokens, self._head.lm_head, heldout, steps,
+                                                           params.training.max_length))
+        acceptance = sweep_acceptance({size: self._agreements[size] for size in done}, steps, settings.bootstrap_resamples,
+                                      settings.confidence, params.run.seed)
+        serving = break_even_from_throughput(settings.baseline_tokens_per_s, settings.speculative_tokens_per_s, settings.measured_accept_length)
+        lower_bounds = [float(size) for size in done if not record.slices[size].result.get("converged", True)]
+        scaling = sweep_scaling(acceptance, serving.break_even_accept_length, max_accept_length=steps + 1.0, confidence=settings.confidence,
+                                target_accept_length=settings.target_accept_length, lower_bound_sizes=lower_bounds)
+        answer = forecast_answer(acceptance, scaling, params.training.data_sizes, {PRIMARY_CASE: serving.break_even_accept_length},
+                                 max_accept_length=steps + 1.0, confidence=settings.confidence, full_size=settings.full_data_size,
+                                 lower_bound_sizes=lower_bounds)
+        answer.save(stage_dir(self.run_dir, "analysis") / ANSWER_FILE)
+        answered = len(read_settled(self.run_dir, frozenset()).answered)
+        running = self.generation.running()
+        measured = {float(size): round(float(tau), 4) for size, tau in zip(scaling.overall["data_size"], scaling.overall["tau_pooled"])}
+        with AppendLog(self.staged_dir / FORECASTS_FILE) as log:
+            log.append({"updated": answer.updated, "sizes": answer.sizes, "tau": measured, "verdict": answer.verdict, "line": answer.line,
+                        "generation_running": running, "answered": answered, "planned_prompts": planned_prompts,
+                        "seconds": round(seconds, 1)})
+        logger.info("staged forecast after sizes %s (generation %s, %d of %d prompts answered): %s",
+                    ", ".join(f"{size:g}" for size in answer.sizes), "still running" if running else "ended", answered,
+                    planned_prompts, answer.line)
+
+    # ---- the target, loaded once for every slice --------------------------------------------------
+    def _load_tokenizer(self):
+        if self._tokenizer is None:
+            from eaglekit.target import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.params.target)
+        return self._tokenizer
+
+    def _load_target(self):
+        if self._target is None:
+            from eaglekit.capture.layers import resolve_capture_layer_ids
+            from eaglekit.capture.stage import capture_length, load_feature_source
+            from eaglekit.target import resolve_model, target_layout
+
+            params = self.params
+            layout = target_layout(resolve_model(params.target.model, revision=params.target.revision),
+                                   trust_remote_code=params.target.trust_remote_code)
+            layer_ids = resolve_capture_layer_ids(params.target.capture_layers or None, layout.num_hidden_layers)
+            model, engine = load_feature_source(params, layout, layer_ids, capture_length(params), self.staged_dir / "capture")
+            self._target = (layout, engine or model, engine, layer_ids)
+        layout, source, _, layer_ids = self._target
+        return layout, source, layer_ids
+
+    def _load_head(self, layout):
+        if self._head is None:
+            from eaglekit.draft.model import load_target_head_weights
+
+            self._head = load_target_head_weights(layout)
+        return self._head
+
+    def _capture(self, files: dict[str, Path], source, capture_layer_ids) -> None:
+        from eaglekit.capture.run import capture_to_shards
+        from eaglekit.capture.stage import capture_length
+
+        params = self.params
+        report = capture_to_shards(source, files, self.staged_dir / "capture", model_name=params.target.model,
+                                   capture_layer_ids=capture_layer_ids, max_seq_len=capture_length(params),
+                                   max_tokens_per_batch=params.capture.max_tokens_per_batch,
+                                   max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=False,
+                                   log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype)
+        logger.info("staged capture: %d samples in staged/capture (%d new, %d tokens) in %.1fs", report.samples,
+                    report.captured_samples, report.captured_tokens, report.seconds)
+
+    def _close(self) -> None:
+        if self._target is not None and self._target[2] is not None:
+            self._target[2].close()
+
+
+def staged_summary(run_dir: str | os.PathLike) -> dict:
+    """What the staged run did, for the runner's state.json: the sizes staged and the last forecast's verdict."""
+    from eaglekit.staged.slices import read_forecast_history
+
+    path = StagedRecord.path(run_dir)
+    record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"slices": []}
+    history = read_forecast_history(run_dir)
+    return {"sizes_done": [entry["size"] for entry in record["slices"] if entry["status"] == "done"],
+            "forecasts": len(history), "verdict": history[-1]["verdict"] if history else None}
+
