@@ -1,7 +1,9 @@
-"""`python -m eaglekit.staged --params P --run-dir D [--generation-fd N]`: the staged worker, as the runner starts it.
+"""`python -m eaglekit.staged --params P --run-dir D [--generation-fd N --runner-pid PID]`: the staged worker, as the runner starts it.
 
 The runner passes the run folder's lock (inherited, so this process is a writer under the same lock, never a
-second one) and the read end of a pipe it closes when stage 3 ends. Run by hand on a run folder whose generation
+second one) and the read end of a pipe it closes when stage 3 ends. When the runner itself dies (kill -9), the
+worker stops at once, as a stage kernel does, so the lock it holds does not block the resume: the size it was on
+continues from its last checkpoint then. Run by hand on a run folder whose generation
 has ended, it stages nothing new: it only finishes a size a stopped worker left in training.
 """
 
@@ -9,7 +11,26 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
+import threading
+import time
+
+PARENT_POLL_S = 1.0
+
+
+def _stop_when_parent_dies(parent: int, interval_s: float = PARENT_POLL_S) -> None:
+    """A thread that interrupts this process (as Ctrl-C would) once `parent`, the runner that started it, is gone
+    (this process is then re-parented, so its parent pid changes; checked from the start, so no death is missed)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(interval_s)
+        logging.getLogger("eaglekit.staged").warning("staged worker: the runner (pid %d) is gone; stopping", parent)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", required=True, help="the run folder's params.yaml")
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--generation-fd", type=int, help="a pipe that reaches EOF when stage 3 ends (the runner's)")
+    parser.add_argument("--runner-pid", type=int, help="the runner's pid: when it dies, the worker stops")
     args = parser.parse_args(argv)
 
     from eaglekit.config import load_params
@@ -24,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     from eaglekit.staged.worker import GenerationSignal, StagedWorker
 
     attach_stage_logging()  # run.log and the runner's stderr, tagged [staged]
+    if args.runner_pid is not None:
+        _stop_when_parent_dies(args.runner_pid)
     try:
         params = load_params(args.params)
         StagedWorker(params, args.run_dir, GenerationSignal(args.generation_fd)).run()

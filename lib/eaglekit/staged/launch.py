@@ -3,7 +3,8 @@
 The worker (`python -m eaglekit.staged`) inherits the run folder's lock descriptor, so the folder keeps one
 writer (the runner and its children) even if the runner dies; it leads its own process group, so the runner
 alone decides when a Ctrl-C reaches it. Generation's end is the closing of a pipe: the runner closes its end
-when stage 3 returns, and a runner killed with -9 closes it too, so the worker never waits on a dead run.
+when stage 3 returns. A runner killed with -9 closes it too, and the worker, which watches the runner's pid,
+stops at once, so its inherited lock does not keep a resume out.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class StagedProcess:
         read_fd, write_fd = os.pipe()
         os.set_inheritable(read_fd, True)
         command = [sys.executable, "-m", "eaglekit.staged", "--params", str(params_path), "--run-dir", str(run_dir),
-                   "--generation-fd", str(read_fd)]
+                   "--generation-fd", str(read_fd), "--runner-pid", str(os.getpid())]
         try:
             process = subprocess.Popen(command, pass_fds=(lock_fd, read_fd), env={**os.environ, **environment, "PYTHONUNBUFFERED": "1"},
                                        stdin=subprocess.DEVNULL, start_new_session=True)
