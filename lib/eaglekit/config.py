@@ -62,6 +62,10 @@ class ServerParams(Section):
     # its own venv from `make vllm-env`; returns the raw token ids the engine generated).
     engine: Literal["transformers", "vllm"] = "transformers"
     vllm_python: str | None = None  # python of the vLLM venv; None: the repository's .venv-vllm/bin/python
+    # CPU threads of the embedded `transformers serve` (its OMP_NUM_THREADS). None: torch's default (every core),
+    # except in a staged run on a machine without a GPU, where the server gets the cores the staged worker leaves
+    # (eaglekit.staged.worker.cpu_threads_split): two processes each at full width slow each other about tenfold.
+    threads: int | None = Field(default=None, gt=0)
 
 
 class EndpointParams(Section):

@@ -384,6 +384,7 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
     from traitlets.config import Config
 
     from eaglekit.generation.server import serving_endpoints
+    from eaglekit.staged.launch import staged_serving_params
 
     (run_dir / "figures").mkdir(exist_ok=True)
     logger = _logger(run_dir)
@@ -410,7 +411,8 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
             for stage in chosen:
                 if stage.needs_endpoint and endpoints is None:
                     logger.info("starting endpoints (embedded server unless params name endpoints)")
-                    endpoints = stack.enter_context(serving_endpoints(params, log_path=run_dir / "server.log"))
+                    served = staged_serving_params(params) if staged else params
+                    endpoints = stack.enter_context(serving_endpoints(served, log_path=run_dir / "server.log"))
                     logger.info("endpoints: %s", [endpoint.url for endpoint in endpoints])
                 with _staged_worker(staged and stage.name == "generation", run_dir, state, control, logger, lock):
                     _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,

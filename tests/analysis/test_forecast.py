@@ -132,8 +132,15 @@ def test_two_sizes_give_a_slope_only():
     assert result.verdict == "not yet known"
     assert result.predictions == [] and result.crossing_size is None
     assert result.line.startswith("not yet known: from 2 sizes (60, 240 samples) only a slope: ")
-    assert "at the measured slope break-even 2.000 is" in result.line and "the full data 6.0" in result.line
+    assert "at the measured slope break-even 2.000 is" in result.line and "the full data (15,360 samples) is 6.0 doublings away" in result.line
     assert "A third size is needed" in result.line
+
+
+def test_two_sizes_without_a_full_size_name_the_largest_planned_size_as_the_horizon():
+    taus, replicates = synthetic(TRUTHS["log-linear"], THREE[:2], 3)
+    result = forecast(THREE[:2], taus, replicates, planned_sizes=THREE, full_size=None, break_even=2.0, max_accept_length=4.0)
+    assert "the largest planned size (960 samples) is 2.0 doublings away" in result.line, result.line
+    assert "full data" not in result.line
 
 
 def test_one_size_gives_the_point_only():

@@ -290,7 +290,8 @@ def forecast(
             else:
                 text += f"; at the measured slope (not positive) break-even {break_even:.3f} is not reached"
             if doublings_to_horizon is not None:
-                text += f", the full data {doublings_to_horizon:.1f}"
+                where = "the full data" if full_size is not None else "the largest planned size"
+                text += f"; {where} ({horizon:,.0f} samples) is {doublings_to_horizon:.1f} doublings away"
         text += ". A third size is needed before a curve, a predicted tau or a crossing size."
         line = measured_line or f"not yet known: {text}"
         return Forecast(**{**common, "notes": notes + ([text] if measured_go else [])}, **{**empty, "slope": slope.to_dict(),

@@ -54,12 +54,14 @@ class ServerSettings:
     attn_implementation: str | None = None  # transformers default (sdpa) when None
     cb_max_batch_tokens: int | None = None  # transformers' default when None
     cb_page_size: int = 256  # tokens per KV-cache block (transformers' default page size)
+    threads: int | None = None  # OMP_NUM_THREADS of the server; None: torch's default
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
     def from_params(cls, server: ServerParams) -> ServerSettings:
         """The embedded server of params `server` (continuous_batching, dtype, kv_cache_tokens)."""
-        return cls(continuous_batching=server.continuous_batching, dtype=server.dtype, kv_cache_tokens=server.kv_cache_tokens)
+        return cls(continuous_batching=server.continuous_batching, dtype=server.dtype, kv_cache_tokens=server.kv_cache_tokens,
+                   threads=server.threads)
 
 
 DEFAULT_SERVER_SETTINGS = ServerSettings.from_params(ServerParams())
@@ -300,6 +302,10 @@ class EmbeddedServer(ManagedServer):
         if self.trust_remote_code:
             command.append("--trust-remote-code")
         return command + list(settings.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        threads = self.settings.threads
+        return {**super().environment(), **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
 
 
 

@@ -19,6 +19,17 @@ from pathlib import Path
 STAGE_LABEL = "staged"
 
 
+def staged_serving_params(params):
+    """Params for the embedded server of a staged run: on a machine without a GPU, unless `server.threads` is set,
+    it gets the CPU threads the worker leaves (`worker.cpu_threads_split`)."""
+    from eaglekit.staged.worker import cpu_threads_split
+
+    split = cpu_threads_split()
+    if split is None or params.server.threads is not None or params.endpoints:
+        return params
+    return params.model_copy(update={"server": params.server.model_copy(update={"threads": split[1]})})
+
+
 class StagedProcess:
     def __init__(self, process: subprocess.Popen, write_fd: int):
         self.process = process
