@@ -1,4 +1,5 @@
-"""The whole pipeline on params/smoke.yaml through the runner: six real papermill runs, real server, real model."""
+"""The whole pipeline on params/smoke.yaml through the runner (a staged run): six real papermill runs, real server,
+real model, and the staged worker beside stage 3."""
 
 import json
 import subprocess
@@ -22,14 +23,19 @@ def smoke_run(tmp_path_factory):
     scenario["run"]["outputs_dir"] = str(root / "outputs")
     params_path = root / "smoke.yaml"
     params_path.write_text(yaml.safe_dump(scenario))
-    result = subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(params_path), "--run-id", "smoke"],
+    result = subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(params_path), "--run-id", "smoke", "--staged"],
                             capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     return root / "outputs" / "smoke"
 
 
 def test_every_stage_ran(smoke_run):
-    assert json.loads((smoke_run / "state.json").read_text())["completed"] == STAGES
+    state = json.loads((smoke_run / "state.json").read_text())
+    assert state["completed"] == STAGES
+    # The staged worker ran beside stage 3 and exited cleanly; how many sizes it staged depends on how soon the
+    # 14 smoke prompts were answered (the test below stages every size deterministically).
+    assert state["staged"]["exit_status"] == 0, state["staged"]
+    assert "[staged] eaglekit.staged.worker: staged run:" in (smoke_run / "run.log").read_text()
     for stage in STAGES:
         assert (smoke_run / f"{stage}.ipynb").is_file()
 
@@ -80,3 +86,49 @@ def test_the_sweep_splits_by_the_order_prep_planned_before_any_answer(smoke_run)
     # Stage 3 said, before its first request, when each size could train.
     smallest = min(yaml.safe_load((smoke_run / "params.yaml").read_text())["training"]["data_sizes"])
     assert f"size {smallest} (and the held-out set) answered after " in (smoke_run / "run.log").read_text()
+
+
+class StillRunning:
+    """Generation reported as running: the worker stages every size whose slice the logs have settled."""
+
+    def running(self) -> bool:
+        return True
+
+    def wait(self, seconds: float) -> None:
+        raise AssertionError("the finished run's slices are all settled: the worker never waits for one")
+
+
+def test_the_staged_worker_trains_each_size_on_the_subset_stage_5_trained_it_on(smoke_run, tmp_path):
+    """On a copy of the finished run's prep and answers, with generation reported as running, the worker stages every
+    size; each size trained on exactly the samples stage 5 trained that size on (the nested prefix of prep's order over
+    the final capture), and the forecast was rewritten after each size."""
+    import shutil
+
+    from eaglekit.capture.shards import ShardDataset
+    from eaglekit.config import load_params
+    from eaglekit.staged import StagedRecord, read_forecast_history
+    from eaglekit.staged.worker import StagedWorker
+    from eaglekit.training.order import TrainingOrder
+
+    run_dir = tmp_path / "run"
+    for name in ("prep", "generation"):
+        shutil.copytree(smoke_run / name, run_dir / name)
+    params = load_params(smoke_run / "params.yaml")
+    sizes = sorted(params.training.data_sizes)
+    assert StagedWorker(params, run_dir, StillRunning()).run() == sizes
+
+    order = TrainingOrder.load(smoke_run / "prep" / "order.json")
+    keys = [tuple(key) for key in ShardDataset(smoke_run / "capture").keys]
+    heldout, train = order.split(keys)
+    record = StagedRecord.load(run_dir, params.run.seed, params.training.heldout_size)
+    assert record.heldout == [keys[index] for index in heldout]
+    for size in sizes:
+        assert record.slices[size].train == [keys[index] for index in train[:size]], size
+        assert record.slices[size].status == "done"
+    assert record.vocab_counted_over == sizes[0]
+    history = read_forecast_history(run_dir)
+    assert [entry["sizes"] for entry in history] == [[float(size) for size in sizes[:count]] for count in range(1, len(sizes) + 1)]
+    assert history[0]["line"].startswith(("not yet known: one size measured", "go:")), history[0]["line"]
+    assert all(entry["generation_running"] for entry in history)
+    answer = json.loads((run_dir / "analysis" / "answer.json").read_text())
+    assert answer["sizes"] == [float(size) for size in sizes]
