@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.eaglekit-installed
 
-.PHONY: install vllm-env demo smoke test lab bench clean-venv
+.PHONY: install vllm-env demo staged-demo smoke test lab bench clean-venv
 
 install: $(STAMP)
 
@@ -42,11 +42,15 @@ $(VLLM_STAMP): requirements-vllm.txt requirements-sglang-protocol.txt
 demo: install
 	$(BIN)/eaglekit run params/demo.yaml
 
+# The forecast while generation runs: each data size trained as its slice is answered (docs/forecast.md).
+staged-demo: install
+	$(BIN)/eaglekit run params/staged_demo.yaml --staged
+
 smoke: install
 	$(BIN)/eaglekit run params/smoke.yaml
 
 test: install
-	$(BIN)/python -m pytest -q --timeout 900
+	$(BIN)/python -m pytest -q --timeout 900 --durations 15  # the slowest tests: the suite must stay under 15 minutes
 
 lab: install
 	$(BIN)/python -m ipykernel install --user --name eaglekit --display-name "eaglekit (.venv)"
