@@ -119,7 +119,9 @@ def attach_stage_logging() -> None:
     terminal = open(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace") if original is not None else sys.__stderr__
     kit_logger = logging.getLogger("eaglekit")
     formatter = logging.Formatter(f"%(asctime)s %(levelname)s [{stage}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
-    in_kernel = original is not None  # a plain process (the staged worker) has no cell output to write to
+    # ipykernel routes sys.stderr into the running cell; a plain process (the staged worker) has no cell output, and
+    # its sys.stderr is the terminal handler's stream already.
+    in_kernel = type(sys.stderr).__module__.startswith("ipykernel")
     handlers = (logging.FileHandler(run_log, encoding="utf-8"), logging.StreamHandler(terminal), *([_NotebookHandler()] if in_kernel else []))
     for handler in handlers:
         handler.setFormatter(formatter)

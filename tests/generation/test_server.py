@@ -25,13 +25,13 @@ def test_server_settings_build_themselves_from_params(monkeypatch, tmp_path):
 
     (tmp_path / "config.json").write_text("{}")  # resolve_model takes a local folder with a config
     params = params_from_sections({"server": {"continuous_batching": False, "dtype": "bfloat16", "kv_cache_tokens": 1024,
-                                              "startup_timeout_s": 12.0}, "target": {"model": str(tmp_path)}})
+                                              "threads": 1, "startup_timeout_s": 12.0}, "target": {"model": str(tmp_path)}})
     shared = [f.name for f in fields(ServerSettings) if f.name in ServerParams.model_fields]
-    assert shared == ["continuous_batching", "dtype", "kv_cache_tokens"]
+    assert shared == ["continuous_batching", "dtype", "kv_cache_tokens", "threads"]
     assert all(f.default is MISSING for f in fields(ServerSettings) if f.name in shared)  # no second default to drift
     settings = ServerSettings.from_params(params.server)
     assert {name: getattr(settings, name) for name in shared} == {name: getattr(params.server, name) for name in shared} == {
-        "continuous_batching": False, "dtype": "bfloat16", "kv_cache_tokens": 1024}
+        "continuous_batching": False, "dtype": "bfloat16", "kv_cache_tokens": 1024, "threads": 1}
     assert DEFAULT_SERVER_SETTINGS == ServerSettings.from_params(ServerParams())
     assert DEFAULT_STARTUP_TIMEOUT_S == ServerParams().startup_timeout_s
     started = []
@@ -43,6 +43,7 @@ def test_server_settings_build_themselves_from_params(monkeypatch, tmp_path):
     assert server.settings == settings and server.startup_timeout_s == 12.0
     command = server.command()
     assert "--no-continuous-batching" in command and command[command.index("--dtype") + 1] == "bfloat16"
+    assert server.environment()["OMP_NUM_THREADS"] == "1"
 
 def test_health_and_models(embedded_server):
     assert embedded_server.base_url.startswith("http://127.0.0.1:")

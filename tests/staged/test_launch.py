@@ -103,3 +103,21 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_without_a_gpu_the_embedded_server_gets_the_cores_the_worker_leaves(monkeypatch):
+    import torch
+
+    from eaglekit.config import params_from_sections
+    from eaglekit.staged.launch import staged_serving_params
+    from eaglekit.staged.worker import cpu_threads_split
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 5)
+    assert cpu_threads_split() == (2, 3)
+    assert staged_serving_params(params_from_sections({})).server.threads == 3
+    assert staged_serving_params(params_from_sections({"server": {"threads": 4}})).server.threads == 4  # the user's choice
+    served = params_from_sections({"endpoints": [{"url": "http://10.0.0.5:30000/v1"}]})
+    assert staged_serving_params(served) is served  # a remote engine's threads are not ours to set
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_threads_split() is None and staged_serving_params(params_from_sections({})).server.threads is None

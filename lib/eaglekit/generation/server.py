@@ -50,11 +50,11 @@ class ServerSettings:
     # KV-cache capacity in tokens. Left unset, transformers sizes the cache from 60-90% of *free
     # host memory* on CPU (13.6 GB seen here): a second server or the tests then get OOM-killed.
     kv_cache_tokens: int
+    threads: int | None  # OMP_NUM_THREADS of the server; None: torch's default
     device: str = "cpu"
     attn_implementation: str | None = None  # transformers default (sdpa) when None
     cb_max_batch_tokens: int | None = None  # transformers' default when None
     cb_page_size: int = 256  # tokens per KV-cache block (transformers' default page size)
-    threads: int | None = None  # OMP_NUM_THREADS of the server; None: torch's default
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @classmethod
