@@ -133,11 +133,17 @@ def _train(args: argparse.Namespace) -> int:
 
 def _doctor(args: argparse.Namespace) -> int:
     """`eaglekit doctor`: the silent ways a draft gets bypassed, one finding a line with its fix; 1 on any error."""
-    from eaglekit.draft.doctor import run_doctor
+    from eaglekit.config import ParamsError
+    from eaglekit.draft.doctor import DoctorInputError, run_doctor
+    from eaglekit.target import ModelResolutionError
 
     capture = [int(value) for value in args.capture_layers.split(",")] if args.capture_layers else None
-    findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture,
-                          sglang_args=args.sglang_args, trust_remote_code=args.trust_remote_code)
+    try:
+        findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture,
+                              sglang_args=args.sglang_args, trust_remote_code=args.trust_remote_code)
+    except (DoctorInputError, ParamsError, FileNotFoundError, ModelResolutionError) as error:
+        print(f"eaglekit doctor: {error}", file=sys.stderr)
+        return 2
     for finding in findings:
         print(f"{finding.level.upper():8} {finding.check:24} {finding.message}")
         if finding.fix and finding.level != "ok":
@@ -269,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     capture.set_defaults(handler=_capture)
 
     doctor = commands.add_parser("doctor", help="preflight an EAGLE-3 draft, a target and an SGLang endpoint before measuring")
-    doctor.add_argument("--target-config", required=True, help="the target's config.json or model folder")
+    doctor.add_argument("--target-config", required=True,
+                        help="the target's config.json, model folder, or a params YAML (its target.config or target.model)")
     doctor.add_argument("--draft", help="draft checkpoint folder (config.json + model.safetensors)")
     doctor.add_argument("--endpoint", help="SGLang server URL (root or .../v1)")
     doctor.add_argument("--accept-length", type=float, help="a measured accept length to sanity-check")
@@ -279,8 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     doctor.set_defaults(handler=_doctor)
 
     args = parser.parse_args(argv)
-    if args.command == "doctor" and args.draft is None and args.endpoint is None and args.accept_length is None:
-        doctor.error("give --draft, --endpoint or --accept-length")
+    if args.command == "doctor" and all(value is None for value in (args.draft, args.endpoint, args.accept_length,
+                                                                     args.sglang_args)):
+        doctor.error("give --draft, --endpoint, --accept-length or --sglang-args")
     return args.handler(args)
 
 

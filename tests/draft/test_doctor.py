@@ -180,3 +180,38 @@ def test_cli(tmp_path, capsys):
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "0 error(s)" in completed.stdout
+
+
+PARAMS_FILES = sorted((Path(__file__).resolve().parents[2] / "params").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("params_file", PARAMS_FILES, ids=lambda path: path.name)
+def test_doctor_reads_every_shipped_params_file(params_file, capsys):
+    """`--target-config params/X.yaml` reads the target the params plan for (target.config, or the model folder)."""
+    assert main(["doctor", "--target-config", str(params_file), "--accept-length", "2.1"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "0 error(s)" in captured.out
+
+
+def test_planned_eagle_flag_is_an_error_offline(capsys):
+    """The seed's mistake, caught from the planned flags with no server and no draft: EAGLE instead of EAGLE3."""
+    kimi = str(next(path for path in PARAMS_FILES if path.name == "kimi_k25_big_run.yaml"))
+    planned = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1"
+    assert main(["doctor", "--target-config", kimi, "--sglang-args", planned]) == 1
+    output = capsys.readouterr().out
+    assert "ERROR" in output and "runs EAGLE, not EAGLE3" in output and "planned launch" in output
+    assert main(["doctor", "--target-config", kimi, "--sglang-args", planned.replace("EAGLE ", "EAGLE3 ")]) == 0
+    assert main(["doctor", "--target-config", kimi, "--sglang-args", "--tp 8"]) == 1  # no speculation at all
+    assert "without speculative decoding" in capsys.readouterr().out
+
+
+def test_unreadable_target_config_names_the_file_and_line(tmp_path, capsys):
+    broken = tmp_path / "config.json"
+    broken.write_text('{"hidden_size": 16,\n  "num_hidden_layers": }\n')
+    assert main(["doctor", "--target-config", str(broken), "--accept-length", "2.1"]) == 2
+    error = capsys.readouterr().err
+    assert str(broken) in error and "line 2" in error and "Traceback" not in error
+    hub_only = tmp_path / "hub.yaml"
+    hub_only.write_text("target:\n  model: org/some-model\n")
+    assert main(["doctor", "--target-config", str(hub_only), "--accept-length", "2.1"]) == 2
+    assert "target.config" in capsys.readouterr().err

@@ -48,6 +48,7 @@ from eaglekit.draft.tensors import is_speculators_config, layer_fields, tensor_t
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 BYPASS_ACCEPT_LENGTH = 1.1  # below this the draft is effectively never accepted
+PARAMS_SUFFIXES = (".yaml", ".yml")  # --target-config names a params file: the target it plans for
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class DoctorError(RuntimeError):
     """Raised by raise_on_errors; the message lists every error with its fix."""
 
 
+class DoctorInputError(ValueError):
+    """An input the doctor cannot read (not JSON, a params file without a target config); names the file."""
+
+
 def _ok(check: str, message: str) -> Finding:
     return Finding("ok", check, message)
 
@@ -73,8 +78,11 @@ def load_config(path: str | Path) -> dict:
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path}: no config.json; pass the model folder or its config.json")
-    config = json.loads(path.read_text())
-    return config
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise DoctorInputError(f"{path}: line {error.lineno}, column {error.colno}: not JSON ({error.msg}); pass a "
+                               "model folder, its config.json, or a params YAML (params/*.yaml)") from None
 
 
 def load_target_config(target: str | Path | Mapping[str, Any], trust_remote_code: bool = False) -> Mapping[str, Any]:
@@ -83,6 +91,8 @@ def load_target_config(target: str | Path | Mapping[str, Any], trust_remote_code
     if isinstance(target, Mapping):
         return target
     path = Path(target)
+    if path.suffix in PARAMS_SUFFIXES:
+        return target_config_from_params(path)
     if path.is_dir():
         from eaglekit.target import ModelResolutionError, target_layout
 
@@ -92,6 +102,25 @@ def load_target_config(target: str | Path | Mapping[str, Any], trust_remote_code
             if not (path / "config.json").is_file():
                 raise
     return load_config(path)
+
+
+def target_config_from_params(path: Path) -> Mapping[str, Any]:
+    """The target config a params file plans for: `target.config` (the planner's fields, for a model not on
+    disk yet), else the config.json of `target.model` when that folder (or the embedded model) is here."""
+    from eaglekit.config import load_params
+    from eaglekit.target import ModelResolutionError, resolve_model, target_layout
+
+    target = load_params(path).target
+    if target.config:
+        return target.config
+    try:
+        folder = resolve_model(target.model) if target.model.startswith(("embedded:", "/", ".", "~")) else None
+    except ModelResolutionError as error:
+        raise DoctorInputError(f"{path}: target.model: {error}; or give the target's fields under target.config") from None
+    if folder is None:
+        raise DoctorInputError(f"{path}: target.model {target.model!r} is a hub id and target.config is unset: give the "
+                               "target's config.json fields under target.config (as params/kimi_k25_big_run.yaml does)")
+    return target_layout(folder, trust_remote_code=target.trust_remote_code).text_config
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -380,20 +409,27 @@ def _check_vocab_maps(d2t, t2d) -> list[Finding]:
 # ----------------------------------------------------------------------------- endpoint and accept length
 
 
-def check_server_info(server_info: Mapping[str, Any], draft_dir: str | Path | None = None) -> list[Finding]:
-    """SGLang server info: EAGLE3 algorithm, the served draft, and the server's own accept length."""
+def check_speculative_algorithm(settings: Mapping[str, Any], who: str = "the server") -> list[Finding]:
+    """The server's `speculative_algorithm` (its server info, or a planned launch through `parse_sglang_args`,
+    `who` naming which): an EAGLE-3 draft needs EAGLE3; under EAGLE the draft is bypassed with no error."""
     findings: list[Finding] = []
-    algorithm = server_info.get("speculative_algorithm")
+    algorithm = settings.get("speculative_algorithm")
     if not algorithm:
-        findings.append(Finding("error", "speculative_algorithm", "the server runs without speculative decoding",
+        findings.append(Finding("error", "speculative_algorithm", f"{who} runs without speculative decoding",
                                 "start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT"))
     elif str(algorithm).upper() == "EAGLE":
-        findings.append(Finding("error", "speculative_algorithm", "the server runs EAGLE, not EAGLE3: the target passes only its final hidden state, fc is skipped and the EAGLE-3 draft is bypassed without any error",
+        findings.append(Finding("error", "speculative_algorithm", f"{who} runs EAGLE, not EAGLE3: the target passes only its final hidden state, fc is skipped and the EAGLE-3 draft is bypassed without any error",
                                 "restart SGLang with --speculative-algorithm EAGLE3"))
     elif str(algorithm).upper() != "EAGLE3":
-        findings.append(Finding("error", "speculative_algorithm", f"the server runs {algorithm}, not EAGLE3", "restart SGLang with --speculative-algorithm EAGLE3"))
+        findings.append(Finding("error", "speculative_algorithm", f"{who} runs {algorithm}, not EAGLE3", "restart SGLang with --speculative-algorithm EAGLE3"))
     else:
-        findings.append(_ok("speculative_algorithm", "EAGLE3"))
+        findings.append(_ok("speculative_algorithm", f"EAGLE3 ({who})"))
+    return findings
+
+
+def check_server_info(server_info: Mapping[str, Any], draft_dir: str | Path | None = None) -> list[Finding]:
+    """SGLang server info: EAGLE3 algorithm, the served draft, and the server's own accept length."""
+    findings = check_speculative_algorithm(server_info)
     served = server_info.get("speculative_draft_model_path")
     if draft_dir is not None and served and Path(str(served)).name != Path(draft_dir).name:
         findings.append(Finding("warning", "draft_model_path", f"the server serves draft {served}, not {draft_dir}", "point --speculative-draft-model-path at the checked draft"))
@@ -451,8 +487,11 @@ def run_doctor(
             findings.extend(check_server_info(info, draft_dir))
             if draft_config is not None:
                 findings.extend(check_serving_settings(draft_config, target, info))
-    if sglang_args is not None and draft_config is not None:
-        findings.extend(check_serving_settings(draft_config, target, parse_sglang_args(sglang_args)))
+    if sglang_args is not None:  # a planned launch: checked offline, before any server runs
+        planned = parse_sglang_args(sglang_args)
+        findings.extend(check_speculative_algorithm(planned, who="the planned launch (--sglang-args)"))
+        if draft_config is not None:
+            findings.extend(check_serving_settings(draft_config, target, planned))
     if endpoint is not None or sglang_args is not None:  # the actual settings were checked: drop the draft-only reminder
         findings = [finding for finding in findings if not (finding.check == "rejection_sampling" and finding.level == "warning")]
     if accept_length is not None:
