@@ -153,6 +153,19 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """`eaglekit plan`: the run's capacity, storage, training memory, GPU hours and horizon from params alone."""
+    import json
+
+    from eaglekit.config import load_params
+    from eaglekit.plan import format_plan, plan_run
+
+    plan = plan_run(load_params(args.params), prompts=args.prompts, tokens_per_sample=args.tokens_per_sample,
+                    answer_tokens=args.answer_tokens, server_tokens_per_s=args.server_tokens_per_s)
+    print(json.dumps(plan.as_dict(), indent=1, default=str) if args.json else format_plan(plan))
+    return 0
+
+
 def _data_argument(value: str) -> tuple[str, str]:
     name, separator, path = value.partition("=")
     if not separator or not name or not path:
@@ -216,6 +229,18 @@ def main(argv: list[str] | None = None) -> int:
                           "(analysis/answer.json, staged/forecasts.jsonl) after each; params: run.staged")
     run.add_argument("--notebooks", help=argparse.SUPPRESS)  # tests point the runner at fixture notebooks
     run.set_defaults(handler=_run)
+
+    plan = commands.add_parser("plan", help="what a run needs (KV, concurrency, storage, training memory, GPU hours), "
+                               "from params alone: no weights, no server, no data")
+    plan.add_argument("params", help="params/<scenario>.yaml")
+    plan.add_argument("--prompts", type=int, help="class-B prompts to regenerate (default: the datasets' limits, else "
+                      "analysis.full_data_size)")
+    plan.add_argument("--tokens-per-sample", type=float, help="mean captured tokens a sample (default: the capture cap)")
+    plan.add_argument("--answer-tokens", type=float, help="mean answer tokens (default: the short partition's max_tokens)")
+    plan.add_argument("--server-tokens-per-s", type=float, help="one server's decode throughput, all streams (default: "
+                      "concurrency x analysis.baseline_tokens_per_s)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(handler=_plan)
 
     resolve = commands.add_parser("resolve", help="print the local folder a target model spec resolves to")
     resolve.add_argument("model", nargs="?", default="embedded:smollm2-135m-instruct")
