@@ -2,34 +2,37 @@
 the size at which tau crosses break-even, and one plain line (go / no-go / not yet known).
 
 It never claims more than the sizes support:
-- 1 size: the measured point and its interval, nothing else (a "go" only if that point already clears
-  break-even by its whole interval: a measurement, not a forecast).
-- 2 sizes: the local slope per doubling and its paired-bootstrap interval (`scaling.local_slope`), and
-  "at the measured slope, k more doublings" to break-even; no curve, no predicted tau, no crossing size.
-- 3 or more sizes: both curves of `scaling` (the log-linear line, 2 parameters, and the saturating power law
-  tau_inf - b N^-c, 3 parameters) refitted on every paired bootstrap replicate of the held-out set, and the
-  forecast is their **model-averaged bootstrap**: the pooled replicate predictions of both models, each model
-  weighted by w_m. So the interval carries both the held-out sampling noise (the replicates) and the choice
-  of curve (the mixture), which is the uncertainty that dominates any extrapolation.
+- 1 size: the measured point and its interval.
+- 2 sizes: the local slope per doubling (`scaling.local_slope`) and "at the measured slope, k more doublings" to
+  break-even, only as far as the horizon; no curve, no predicted tau, no crossing size.
+- 3 or more sizes: tau at the planned sizes and the horizon (the full data, else the largest planned size), each
+  at most MAX_DOUBLINGS_BEYOND doublings past the largest measured size. Beyond that the sizes say nothing that
+  a number could carry, and the line says so in words.
 
-The model weights: with fewer than 5 sizes the saturating model cannot be tested on a left-out size (3 points
-fit it exactly; `scaling.leave_one_size_out_error` returns None), so nothing measured ranks the two curves and
-each gets 1/2. From 5 sizes on, weights are inverse leave-one-size-out mean squared error (Bates and Granger's
-forecast combination), the rule `scaling` already uses to choose a model, made soft so a curve that predicts
-left-out sizes nearly as well still widens the interval. Equal weights are deliberate: a line keeps rising
-and a saturating curve flattens, and with 3-4 sizes the data cannot tell them apart far beyond the largest
-size, so the interval must span both.
+**Four curve families**, each refitted on every bootstrap replicate (`FAMILIES`). Three to five sizes cannot tell a
+line from a curve that bends, accelerates or stops just past the data, and accept length measured against data
+size does all of these (docs/forecast.md backtests knees and S-curves). So no family is preferred for the
+interval: it is the **union** of the four families' percentile intervals, and it covers a truth of any of these
+shapes at least at its stated level. The point forecast ("the measured shape") is the log-linear and saturating
+fits averaged: equal weights below 5 sizes (3 points fit the 3-parameter curve exactly, so nothing ranks them),
+inverse leave-one-size-out mean squared error from 5 (Bates and Granger).
 
-The saturating model is fitted here by profile least squares over a fixed grid of exponents (for each c the
-model is linear in tau_inf and b), vectorized over all replicates, under `scaling`'s bounds (1 <= tau_inf <=
-the chain's ceiling, b >= 0, 0 < c <= 5): no refit can fail, so none is dropped.
+**Two sources of noise** are in every replicate: the held-out set (paired bootstrap replicates, the same
+resampled samples scoring every size) and draft-to-draft training noise (another seed at the same size scores
+differently, which resampling the held-out set cannot see). Training noise is measured when extra seeds were
+trained (`seed_accept_lengths`) and otherwise taken from a prior measured on the kit (TRAINING_NOISE_PRIOR); both
+are pooled as a scaled inverse chi-square, so a variance from few seeds widens the interval as a t would.
 
-The verdict, against the break-even tau from measured timings (`break_even`), at the horizon (the full data,
-else the largest planned size): "go" when the lower end of the forecast interval there clears break-even (or
-a measured draft already does), "no-go" when even the upper end stays below it, else "not yet known".
-What the intervals do not include: draft-to-draft training noise (a second draft at the same size trained
-with another seed scores differently), which held-out resampling cannot see; docs/forecast.md measures how
-much that matters in the backtest.
+**The verdict** at the horizon, at one-sided level (1 - confidence) / looks, `looks` being the verdicts the run
+issues (a staged run re-forecasts after every size; Bonferroni keeps the chance that any of them is a wrong
+"go" within 1 - confidence):
+- "go" when the largest measured draft's lower bound clears break-even. More data does not lower tau, so the
+  full data's draft clears it too; no forecast can give a "go" earlier, because the "plateau" family (a knee just
+  past the data) is always possible and stays where the data end.
+- "no-go" when even the highest family's upper bound at the horizon stays below break-even, and no size it rests
+  on was stopped by the step cap (a capped draft's tau is a lower bound, so its forecast is too): then "not yet
+  known (capped sizes are lower bounds)".
+- else "not yet known", with what the measured shape says and what would decide it.
 """
 
 from __future__ import annotations
@@ -37,19 +40,33 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from eaglekit.analysis.scaling import MAX_EXPONENT, LocalSlope, leave_one_size_out_error, local_slope
+from eaglekit.analysis.scaling import LocalSlope, fit_log_linear_rows, fit_saturating_rows, leave_one_size_out_error, local_slope
 from eaglekit.io import write_json
 
-# Exponents of the saturating model's profile fit: log-spaced over scaling's bounds (0, MAX_EXPONENT].
-EXPONENT_GRID = np.geomspace(1e-3, MAX_EXPONENT, 240)
+# The curve families the interval spans, and what each stands for.
+FAMILIES = {
+    "log-linear": "the same gain per doubling",
+    "saturating": "tau_inf - b N^-c: gains per doubling shrink",
+    "accelerating": "a quadratic in log N bending upward: the lower half of an S-curve",
+    "plateau": "no gain past the largest measured size: a knee just past the data",
+}
+MEASURED_SHAPE = ("log-linear", "saturating")  # the families the point forecast averages
+# No tau is forecast further than this past the largest measured size: the families' spread there is the
+# choice of curve, not anything measured.
+MAX_DOUBLINGS_BEYOND = 3.0
+# Draft-to-draft training noise (sd of tau between drafts of one size, same held-out set) and its degrees of
+# freedom, used when no second seed was trained: docs/forecast.md, "Training noise".
+TRAINING_NOISE_PRIOR = (0.013, 4)
 # Sizes from which the saturating model can be scored on a left-out size (4 to fit, 1 to predict).
 SIZES_TO_RANK_MODELS = 5
+# Points per doubling of the grid on which crossing sizes are read.
+CROSSING_GRID_PER_DOUBLING = 50
 
 VERDICTS = ("go", "no-go", "not yet known")
 
@@ -67,61 +84,87 @@ def paired_bootstrap_means(per_sample: np.ndarray, num_resamples: int = 1000, se
     return values[rows].mean(axis=1)  # (R, m, n) -> (R, n)
 
 
-# ----------------------------------------------------------------------------- the two curves, on every replicate
+@dataclass(frozen=True)
+class TrainingNoise:
+    """Draft-to-draft training noise: the sd of tau between drafts trained on the same samples with other seeds."""
 
-def fit_log_linear_rows(sizes: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Least squares tau = intercept + slope log2 N on every row: (R, n) -> (R, 2) (intercept, slope)."""
-    log2_sizes = np.log2(sizes)
-    centered = log2_sizes - log2_sizes.mean()
-    slope = (rows - rows.mean(axis=1, keepdims=True)) @ centered / float(centered @ centered)
-    return np.column_stack([rows.mean(axis=1) - slope * log2_sizes.mean(), slope])
-
-
-def fit_saturating_rows(sizes: np.ndarray, rows: np.ndarray, ceiling: float) -> np.ndarray:
-    """tau = tau_inf - gap (N / N_min)^-c on every row by profile least squares over EXPONENT_GRID:
-    (R, n) -> (R, 3) (tau_inf, gap, c), with 1 <= tau_inf <= ceiling and gap >= 0."""
-    relative = sizes / sizes.min()
-    basis = relative[None, :] ** (-EXPONENT_GRID[:, None])  # (C, n): x = (N / N_min)^-c per exponent
-    basis_mean = basis.mean(axis=1)  # (C,)
-    basis_centered = basis - basis_mean[:, None]
-    rows_mean = rows.mean(axis=1)  # (R,)
-    # Unconstrained tau = a - g x: g = -cov(x, y) / var(x), a = mean(y) + g mean(x).  (R, C)
-    gap = -(rows - rows_mean[:, None]) @ basis_centered.T / (basis_centered ** 2).sum(axis=1)[None, :]
-    gap = np.maximum(gap, 0.0)  # a falling curve is fitted flat (gap 0)
-    tau_inf = rows_mean[:, None] + gap * basis_mean[None, :]
-    # Where the ceiling (or 1) binds, refit the gap with tau_inf fixed there: g = sum((a - y) x) / sum(x^2).
-    bound = np.clip(tau_inf, 1.0, ceiling)
-    refit = np.maximum((bound * basis.sum(axis=1)[None, :] - rows @ basis.T) / (basis ** 2).sum(axis=1)[None, :], 0.0)
-    clipped = bound != tau_inf
-    gap = np.where(clipped, refit, gap)
-    tau_inf = bound
-    # (R, C, n) residuals of every row under every exponent; the best exponent per row.
-    fitted = tau_inf[:, :, None] - gap[:, :, None] * basis[None, :, :]
-    errors = ((rows[:, None, :] - fitted) ** 2).sum(axis=2)
-    best = errors.argmin(axis=1)
-    pick = np.arange(len(rows))
-    return np.column_stack([tau_inf[pick, best], gap[pick, best], EXPONENT_GRID[best]])
+    sd: float
+    degrees_of_freedom: int
+    seeds_by_size: dict[float, int]  # extra drafts measured per size ({} when only the prior is used)
+    source: str
 
 
-def predict_rows(model: str, params: np.ndarray, reference_size: float, sizes: np.ndarray) -> np.ndarray:
-    """(R, p) parameters -> (R, len(sizes)) tau."""
-    sizes = np.asarray(sizes, dtype=np.float64)
-    if model == "log-linear":
-        return params[:, :1] + params[:, 1:2] * np.log2(sizes)[None, :]
-    return params[:, :1] - params[:, 1:2] * (sizes[None, :] / reference_size) ** (-params[:, 2:3])
+def training_noise(accept_lengths: Mapping[float, float], seed_accept_lengths: Mapping[float, Sequence[float]] | None) -> TrainingNoise:
+    """The prior pooled with the seed-to-seed variance of every size that has extra seeds (the measured tau and its
+    seeds' taus at that size). Pooled over sizes: two or three seeds per size estimate a variance too poorly alone."""
+    prior_sd, prior_df = TRAINING_NOISE_PRIOR
+    squares, degrees = prior_sd**2 * prior_df, prior_df
+    seeds: dict[float, int] = {}
+    for size, extra in (seed_accept_lengths or {}).items():
+        if float(size) not in accept_lengths:
+            raise ValueError(f"seed_accept_lengths names size {size:g}, which was not measured ({sorted(accept_lengths)})")
+        values = np.array([accept_lengths[float(size)], *extra], dtype=np.float64)
+        if len(values) > 1:
+            squares += float(((values - values.mean()) ** 2).sum())
+            degrees += len(values) - 1
+            seeds[float(size)] = len(values) - 1
+    source = (f"prior sd {prior_sd} ({prior_df} degrees of freedom)" if not seeds else
+              f"prior sd {prior_sd} ({prior_df} df) pooled with {sum(seeds.values())} extra seeds at sizes "
+              + ", ".join(f"{size:g}" for size in sorted(seeds)))
+    return TrainingNoise(sd=math.sqrt(squares / degrees), degrees_of_freedom=degrees, seeds_by_size=seeds, source=source)
 
 
-def crossing_rows(model: str, params: np.ndarray, reference_size: float, target: float) -> np.ndarray:
-    """(R,) the data size at which each curve reaches `target` tau; inf where it never does."""
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        if model == "log-linear":
-            intercept, slope = params[:, 0], params[:, 1]
-            return np.where(slope > 0, 2.0 ** ((target - intercept) / np.where(slope > 0, slope, 1.0)), np.inf)
-        tau_inf, gap, exponent = params[:, 0], params[:, 1], params[:, 2]
-        reaches = (tau_inf > target) & (gap > 0)
-        ratio = np.where(reaches, gap / np.where(reaches, tau_inf - target, 1.0), 1.0)
-        size = reference_size * ratio ** (1.0 / exponent)
-        return np.where(reaches, size, np.where(tau_inf >= target, reference_size, np.inf))
+def with_training_noise(replicates: np.ndarray, noise: TrainingNoise, seed: int) -> np.ndarray:
+    """(R, n) held-out replicates plus each size's own training noise: every size is a separate draft, so the noise
+    is independent across sizes. Each replicate draws its sd from the variance's posterior (scaled inverse
+    chi-square), so an sd known from few degrees of freedom gives heavier tails."""
+    rng = np.random.default_rng(seed)
+    sd = noise.sd * np.sqrt(noise.degrees_of_freedom / rng.chisquare(noise.degrees_of_freedom, size=(len(replicates), 1)))
+    return replicates + sd * rng.standard_normal(replicates.shape)
+
+
+# ----------------------------------------------------------------------------- the families, on every replicate
+
+def fit_accelerating_rows(sizes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """tau = a + b x + q x^2, x = log2 N - mean, q >= 0, on every row: (R, n) -> (R, 3) (a, b, q). A row whose least
+    squares curvature is negative (a bending curve, which the saturating family covers) gets the line (q = 0)."""
+    centered = np.log2(sizes) - np.log2(sizes).mean()
+    design = np.column_stack([np.ones_like(centered), centered, centered**2])  # (n, 3)
+    quadratic = rows @ np.linalg.pinv(design).T  # (R, 3)
+    line = np.column_stack([rows.mean(axis=1), (rows - rows.mean(axis=1, keepdims=True)) @ centered / float(centered @ centered),
+                            np.zeros(len(rows))])
+    return np.where(quadratic[:, 2:3] > 0, quadratic, line)
+
+
+@dataclass(frozen=True)
+class FamilyFits:
+    """Every family fitted on every row of (R, n) replicates; `at` evaluates them beyond the largest measured size."""
+
+    sizes: np.ndarray  # (n,) measured, ascending
+    plateau: np.ndarray  # (R, 1) each row's tau at the largest measured size
+    log_linear: np.ndarray  # (R, 2)
+    saturating: np.ndarray  # (R, 3)
+    accelerating: np.ndarray  # (R, 3)
+    ceiling: float
+
+    @classmethod
+    def fit(cls, sizes: np.ndarray, rows: np.ndarray, ceiling: float) -> "FamilyFits":
+        return cls(sizes, rows[:, -1:], fit_log_linear_rows(sizes, rows), fit_saturating_rows(sizes, rows, ceiling),
+                   fit_accelerating_rows(sizes, rows), ceiling)
+
+    def at(self, data_sizes: Sequence[float]) -> dict[str, np.ndarray]:
+        """name -> (R, len(data_sizes)) tau. Each prediction is held between the row's tau at the largest measured
+        size (more data does not lower tau, and the plateau family is that level) and the chain's ceiling k + 1."""
+        at = np.asarray(data_sizes, dtype=np.float64)
+        x = np.log2(at)[None, :] - np.log2(self.sizes).mean()
+        line, saturating, accelerating = self.log_linear, self.saturating, self.accelerating
+        curves = {
+            "log-linear": line[:, :1] + line[:, 1:2] * np.log2(at)[None, :],
+            "saturating": saturating[:, :1] - saturating[:, 1:2] * (at[None, :] / self.sizes.min()) ** (-saturating[:, 2:3]),
+            "accelerating": accelerating[:, :1] + accelerating[:, 1:2] * x + accelerating[:, 2:3] * x**2,
+            "plateau": np.repeat(self.plateau, len(at), axis=1),
+        }
+        return {name: np.clip(curve, self.plateau, self.ceiling) for name, curve in curves.items()}
 
 
 def weighted_quantiles(values: np.ndarray, weights: np.ndarray, quantiles: Sequence[float]) -> list[float]:
@@ -131,18 +174,35 @@ def weighted_quantiles(values: np.ndarray, weights: np.ndarray, quantiles: Seque
     return [float(values[order][min(int(np.searchsorted(cumulative, q, side="left")), len(values) - 1)]) for q in quantiles]
 
 
+def union_interval(curves: Mapping[str, np.ndarray], low_tail: float, high_tail: float) -> tuple[np.ndarray, np.ndarray]:
+    """The union of the families' percentile intervals: the lowest family's low_tail quantile to the highest family's
+    1 - high_tail quantile, per column. Each curve (R, k) -> two (k,) arrays."""
+    low = np.min([np.quantile(curve, low_tail, axis=0) for curve in curves.values()], axis=0)
+    high = np.max([np.quantile(curve, 1.0 - high_tail, axis=0) for curve in curves.values()], axis=0)
+    return low, high
+
+
+def first_crossing(grid: np.ndarray, curves: np.ndarray, target: float) -> np.ndarray:
+    """(R,) the first grid size at which each row's curve (R, G) reaches `target`; inf where it does not within the grid."""
+    reached = curves >= target
+    return np.where(reached.any(axis=1), grid[np.argmax(reached, axis=1)], np.inf)
+
+
 # ----------------------------------------------------------------------------- the forecast
 
 @dataclass(frozen=True)
 class SizeForecast:
-    """tau forecast at one data size: the model-averaged point and percentile interval."""
+    """tau forecast at one data size: the measured-shape point and the union interval over the families."""
 
     data_size: float
     tau: float
     tau_low: float
     tau_high: float
-    by_model: dict[str, float]  # each curve's point prediction
-    measured: bool  # True when this size was measured (then tau is the measurement)
+    by_model: dict[str, float]  # each family's point prediction
+    measured: bool  # True when this size was measured (then tau is the measurement, its interval the held-out one)
+
+
+Crossing = float | str  # a size, or "beyond N" when past the reach of the forecast
 
 
 @dataclass(frozen=True)
@@ -151,30 +211,39 @@ class Forecast:
 
     data_sizes: list[float]  # measured, ascending
     accept_lengths: list[float]  # (n,) measured tau per size
-    accept_length_intervals: list[tuple[float, float]]  # (n,) percentile intervals of the measured tau
+    accept_length_intervals: list[tuple[float, float]]  # (n,) held-out percentile intervals of the measured tau
     planned_sizes: list[float]
     full_size: float | None
     break_even: float | None
     confidence: float
-    slope: dict[str, Any] | None  # scaling.LocalSlope.to_dict(), from 2 sizes
-    model_weights: dict[str, float]  # {} below 3 sizes
+    slope: dict[str, Any] | None  # scaling.LocalSlope.to_dict(), from 2 sizes, training noise included
+    model_weights: dict[str, float]  # the point forecast's weights over MEASURED_SHAPE; {} below 3 sizes
     weight_rule: str
     loo_rmse: dict[str, float | None]
-    predictions: list[SizeForecast]  # planned sizes and the full data beyond the measured ones; [] below 3 sizes
-    crossing_size: float | None  # model-averaged median size at which tau reaches break-even; inf: not reached
-    crossing_low: float | None
-    crossing_high: float | None
-    crossing_within_horizon: float | None  # share of the mixture that reaches break-even by the horizon
+    predictions: list[SizeForecast]  # planned sizes and the horizon within reach; [] below 3 sizes
+    crossing_size: Crossing | None  # where the measured shape reaches break-even; "beyond N" past the reach
+    crossing_low: Crossing | None  # the union over the families
+    crossing_high: Crossing | None
+    crossing_within_horizon: float | None  # share of the measured shape's replicates that reach break-even by the horizon
     horizon: float | None  # the full data, else the largest planned size
     doublings_to_horizon: float | None  # from the largest measured size
+    reach: float  # the largest size a tau is forecast at: the horizon or MAX_DOUBLINGS_BEYOND past the data, the smaller
     doublings_at_slope: tuple[float, float, float] | None  # (point, low, high) more doublings to break-even, 2+ sizes
     lower_bound_sizes: list[float]
+    training_noise: dict[str, Any]  # TrainingNoise as a dict
+    looks: int  # verdicts the run issues; each is made at one-sided level (1 - confidence) / looks
+    verdict_bounds: tuple[float, float] | None  # the one-sided (low, high) bounds the verdict read, at the horizon
     verdict: str  # one of VERDICTS
     line: str  # the plain sentence that starts with the verdict
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def verdict_level(self) -> float:
+        """One-sided confidence of each verdict's bound."""
+        return 1.0 - (1.0 - self.confidence) / self.looks
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready, strict JSON: a size never reached (inf) is written as the string "inf"."""
+        """JSON-ready, strict JSON: a non-finite number is written as a string ("inf")."""
         return _strict_json(json.loads(json.dumps(asdict(self), default=float)))
 
     def save(self, path: str | os.PathLike) -> None:
@@ -184,11 +253,13 @@ class Forecast:
     def from_dict(cls, record: dict[str, Any]) -> "Forecast":
         record = dict(record)
         for name in ("crossing_size", "crossing_low", "crossing_high"):
-            record[name] = None if record[name] is None else float(record[name])
+            value = record[name]
+            record[name] = value if value is None or str(value).startswith("beyond") else float(value)
         record["predictions"] = [SizeForecast(**item) for item in record["predictions"]]
         record["accept_length_intervals"] = [tuple(item) for item in record["accept_length_intervals"]]
-        if record["doublings_at_slope"] is not None:
-            record["doublings_at_slope"] = tuple(float(value) for value in record["doublings_at_slope"])
+        for name in ("doublings_at_slope", "verdict_bounds"):
+            if record[name] is not None:
+                record[name] = tuple(float(value) for value in record[name])
         return cls(**record)
 
     @classmethod
@@ -207,8 +278,43 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
-def _size(value: float) -> str:
-    return "never" if not math.isfinite(value) else f"{value:,.0f}"
+def _crossing(value: float, reach: float) -> Crossing:
+    return value if value <= reach else f"beyond {reach:,.0f}"
+
+
+def _size_text(value: Crossing) -> str:
+    return value if isinstance(value, str) else f"{value:,.0f}"
+
+
+def _sizes_text(sizes: Sequence[float]) -> str:
+    return ", ".join(f"{size:g}" for size in sizes)
+
+
+def _point_weights(sizes: np.ndarray, taus: np.ndarray, ceiling: float) -> tuple[dict[str, float], str, dict[str, float | None]]:
+    """The point forecast's weights over MEASURED_SHAPE, the rule that gave them, and the leave-one-size-out errors."""
+    loo = {model: leave_one_size_out_error(sizes, taus, model, ceiling) for model in MEASURED_SHAPE}
+    if len(sizes) >= SIZES_TO_RANK_MODELS and all(value is not None for value in loo.values()):
+        inverse = {model: 1.0 / max(float(value) ** 2, 1e-12) for model, value in loo.items()}
+        return {model: value / sum(inverse.values()) for model, value in inverse.items()}, "inverse leave-one-size-out mean squared error", loo
+    return ({model: 0.5 for model in MEASURED_SHAPE},
+            f"equal: with {len(sizes)} sizes the 3-parameter curve cannot be scored on a left-out size (needs {SIZES_TO_RANK_MODELS})", loo)
+
+
+def _gain_shape(sizes: np.ndarray, taus: np.ndarray, rows: np.ndarray, tail: float) -> str:
+    """Gains per doubling over the lower and the upper half of the sizes, and whether their change is resolved: the
+    words "shrinking" or "growing" only when the change's paired interval excludes 0."""
+    middle = len(sizes) // 2
+    log2_sizes = np.log2(sizes)
+
+    def halves(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (..., n) -> per-doubling gains (...,), (...,)
+        return ((values[..., middle] - values[..., 0]) / (log2_sizes[middle] - log2_sizes[0]),
+                (values[..., -1] - values[..., middle]) / (log2_sizes[-1] - log2_sizes[middle]))
+
+    lower_gain, upper_gain = halves(taus)
+    change_low, change_high = np.quantile(np.subtract(*halves(rows)[::-1]), [tail, 1.0 - tail])
+    word = "shrinking" if change_high < 0 else "growing" if change_low > 0 else "no change resolved"
+    return (f"per doubling {lower_gain:+.3f} from {sizes[0]:g} to {sizes[middle]:g} and {upper_gain:+.3f} from {sizes[middle]:g} to "
+            f"{sizes[-1]:g} ({word}: change {upper_gain - lower_gain:+.3f}, interval {change_low:+.3f} to {change_high:+.3f})")
 
 
 def forecast(
@@ -221,6 +327,9 @@ def forecast(
     max_accept_length: float = math.inf,
     confidence: float = 0.95,
     lower_bound_sizes: Sequence[float] = (),
+    seed_accept_lengths: Mapping[float, Sequence[float]] | None = None,
+    looks: int = 1,
+    seed: int = 0,
 ) -> Forecast:
     """The forecast from the sizes measured so far.
 
@@ -230,7 +339,12 @@ def forecast(
     planned_sizes: training.data_sizes; full_size: every sample the run will have (None: unknown).
     break_even: tau at which speculation pays off (break_even.break_even_from_throughput); None: no verdict
       beyond "not yet known" (nothing to compare with).
-    max_accept_length: the chain's ceiling (steps + 1) bounding the saturating curve.
+    max_accept_length: the chain's ceiling (steps + 1) bounding every family.
+    lower_bound_sizes: sizes whose draft the step cap stopped while still improving (tau a lower bound).
+    seed_accept_lengths: per size, the taus of extra drafts trained on the same samples with other seeds and
+      scored on the same held-out set: they measure the training noise (else TRAINING_NOISE_PRIOR).
+    looks: how many verdicts the run issues (a staged run: one per staged size and the final one).
+    seed: the training-noise draws (deterministic for a given seed).
     """
     sizes = np.asarray(data_sizes, dtype=np.float64)
     taus = np.asarray(accept_lengths, dtype=np.float64)
@@ -241,140 +355,219 @@ def forecast(
         raise ValueError(f"data sizes must be distinct positive sample counts, got {sizes.tolist()}")
     if replicates.ndim != 2 or replicates.shape[1] != len(sizes):
         raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicates.shape}")
+    if looks < 1:
+        raise ValueError(f"looks counts the verdicts a run issues, at least 1; got {looks}")
     order = np.argsort(sizes)
     sizes, taus, replicates = sizes[order], taus[order], replicates[:, order]
-    tail = (1.0 - confidence) / 2.0
-    intervals = [tuple(float(bound) for bound in np.quantile(replicates[:, column], [tail, 1.0 - tail])) for column in range(len(sizes))]
-    largest = float(sizes[-1])
-    planned = sorted({float(size) for size in planned_sizes})
-    horizon = full_size if full_size is not None else (max(planned) if planned and max(planned) > largest else None)
-    doublings_to_horizon = None if horizon is None else max(0.0, math.log2(horizon / largest))
-    lower_bounds = sorted(float(size) for size in lower_bound_sizes)
-    rests_on = f"from {len(sizes)} size{'s' if len(sizes) > 1 else ''} ({', '.join(f'{size:g}' for size in sizes)} samples)"
-    notes: list[str] = []
-    if lower_bounds:
-        notes.append(f"The drafts at {', '.join(f'{size:g}' for size in lower_bounds)} samples were stopped by the step cap while still "
-                     "improving: their tau is a lower bound, so the forecast may be low.")
+    noise = training_noise(dict(zip(sizes.tolist(), taus.tolist())), seed_accept_lengths)
+    rows = with_training_noise(replicates, noise, seed)  # (R, n): held-out and training noise
+    return _Forecaster(sizes, taus, replicates, rows, noise, planned_sizes, full_size, break_even, max_accept_length, confidence,
+                       sorted(float(size) for size in lower_bound_sizes), looks).run()
 
-    # A measured draft that already clears break-even by its whole interval is a "go" whatever the forecast.
-    measured_go = break_even is not None and any(low >= break_even for low, _ in intervals)
-    measured_line = ""
-    if measured_go:
-        index = next(i for i, (low, _) in enumerate(intervals) if low >= break_even)
-        measured_line = (f"go: the draft trained on {sizes[index]:g} samples already reaches tau {taus[index]:.3f} "
-                         f"({confidence:.0%} interval {intervals[index][0]:.3f}-{intervals[index][1]:.3f}), above break-even "
-                         f"{break_even:.3f}: measured, not forecast.")
 
-    empty = dict(slope=None, model_weights={}, weight_rule="", loo_rmse={}, predictions=[], crossing_size=None, crossing_low=None,
-                 crossing_high=None, crossing_within_horizon=None, doublings_at_slope=None)
-    common = dict(data_sizes=sizes.tolist(), accept_lengths=taus.tolist(), accept_length_intervals=intervals, planned_sizes=planned,
-                  full_size=full_size, break_even=break_even, confidence=confidence, horizon=horizon,
-                  doublings_to_horizon=doublings_to_horizon, lower_bound_sizes=lower_bounds, notes=notes)
+class _Forecaster:
+    """One forecast's inputs and the steps that build it, in the order the module docstring gives them."""
 
-    if len(sizes) == 1:
-        line = measured_line or (f"not yet known: one size measured, tau {taus[0]:.3f} ({confidence:.0%} interval {intervals[0][0]:.3f}-"
-                                 f"{intervals[0][1]:.3f}) at {sizes[0]:g} samples; a slope needs a second size, a curve a third.")
-        return Forecast(**common, **empty, verdict="go" if measured_go else "not yet known", line=line)
+    def __init__(self, sizes, taus, replicates, rows, noise: TrainingNoise, planned_sizes, full_size, break_even, ceiling, confidence,
+                 lower_bounds: list[float], looks: int):
+        self.sizes, self.taus, self.rows, self.noise = sizes, taus, rows, noise
+        self.break_even, self.ceiling, self.confidence, self.lower_bounds, self.looks = break_even, ceiling, confidence, lower_bounds, looks
+        self.full_size = full_size
+        self.tail = (1.0 - confidence) / 2.0
+        self.verdict_tail = (1.0 - confidence) / looks  # one-sided, per look (Bonferroni over the run's looks)
+        self.largest = float(sizes[-1])
+        self.planned = sorted({float(size) for size in planned_sizes})
+        self.horizon = full_size if full_size is not None else (max(self.planned) if self.planned and max(self.planned) > self.largest else None)
+        self.doublings_to_horizon = None if self.horizon is None else max(0.0, math.log2(self.horizon / self.largest))
+        limit = self.largest * 2.0**MAX_DOUBLINGS_BEYOND
+        self.reach = limit if self.horizon is None else min(limit, max(float(self.horizon), self.largest))
+        self.intervals = [tuple(float(bound) for bound in np.quantile(replicates[:, column], [self.tail, 1.0 - self.tail]))
+                          for column in range(len(sizes))]
+        self.rests_on = f"from {len(sizes)} size{'s' if len(sizes) > 1 else ''} ({_sizes_text(sizes)} samples)"
+        self.percent = f"{confidence:.0%}"
+        self.notes: list[str] = [f"Training noise: sd {noise.sd:.4f} tau per draft ({noise.source}), in every interval."]
+        if lower_bounds:
+            self.notes.append(f"The drafts at {_sizes_text(lower_bounds)} samples were stopped by the step cap while still improving: their "
+                              "tau is a lower bound, so the forecast may be low and no no-go rests on it.")
 
-    slope: LocalSlope = local_slope(sizes, taus, replicates, confidence, lower_bounds)
-    doublings = slope.doublings_to(break_even) if break_even is not None else None
+    # ---- the measured largest draft: the only ground for a "go" ------------------------------------------
+    def measured_bounds(self) -> tuple[float, float]:
+        """One-sided (low, high) bounds of the largest size's tau at the verdict's level, training noise included."""
+        column = self.rows[:, -1]
+        return float(np.quantile(column, self.verdict_tail)), float(np.quantile(column, 1.0 - self.verdict_tail))
 
-    if len(sizes) == 2:
-        text = (f"{rests_on} only a slope: {slope.slope:+.3f} tau per doubling ({confidence:.0%} interval {slope.slope_low:+.3f} to "
-                f"{slope.slope_high:+.3f})")
-        if doublings is not None and not measured_go:
-            point, low, high = doublings
-            if math.isfinite(point):
-                text += (f"; at the measured slope break-even {break_even:.3f} is {point:.1f} more doublings away (interval {low:.1f} to "
-                         f"{'never' if not math.isfinite(high) else f'{high:.1f}'})")
-            else:
-                text += f"; at the measured slope (not positive) break-even {break_even:.3f} is not reached"
-            if doublings_to_horizon is not None:
-                where = "the full data" if full_size is not None else "the largest planned size"
-                text += f"; {where} ({horizon:,.0f} samples) is {doublings_to_horizon:.1f} doublings away"
-        text += ". A third size is needed before a curve, a predicted tau or a crossing size."
-        line = measured_line or f"not yet known: {text}"
-        return Forecast(**{**common, "notes": notes + ([text] if measured_go else [])}, **{**empty, "slope": slope.to_dict(),
-                        "doublings_at_slope": doublings}, verdict="go" if measured_go else "not yet known", line=line)
+    def level_text(self) -> str:
+        looks = f", {self.looks} looks" if self.looks > 1 else ""
+        return f"one-sided {1.0 - self.verdict_tail:.1%}{looks}, held-out and training noise"
 
-    # 3 or more sizes: the model-averaged bootstrap over both curves.
-    fits = {"log-linear": fit_log_linear_rows(sizes, replicates),
-            "saturating": fit_saturating_rows(sizes, replicates, max_accept_length)}
-    points = {"log-linear": fit_log_linear_rows(sizes, taus[None, :]),
-              "saturating": fit_saturating_rows(sizes, taus[None, :], max_accept_length)}
-    loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in fits}
-    if len(sizes) >= SIZES_TO_RANK_MODELS and all(value is not None for value in loo.values()):
-        inverse = {model: 1.0 / max(float(value) ** 2, 1e-12) for model, value in loo.items()}
-        weights = {model: value / sum(inverse.values()) for model, value in inverse.items()}
-        rule = "inverse leave-one-size-out mean squared error"
-    else:
-        weights = {model: 0.5 for model in fits}
-        rule = (f"equal: with {len(sizes)} sizes the 3-parameter curve cannot be scored on a left-out size "
-                f"(needs {SIZES_TO_RANK_MODELS}), so nothing measured ranks the two curves")
-    reference = float(sizes.min())
-    # Each replicate of model m carries w_m / R, so the pooled sample is the mixture of the two bootstraps.
-    mixture_weights = np.concatenate([np.full(len(fits[model]), weights[model] / len(fits[model])) for model in fits])
+    def measured_go(self) -> str | None:
+        if self.break_even is None:
+            return None
+        low, _ = self.measured_bounds()
+        if low < self.break_even:
+            return None
+        return (f"go: the draft trained on {self.largest:g} samples measures tau {self.taus[-1]:.3f}, above break-even {self.break_even:.3f} "
+                f"even at its lower bound {low:.3f} ({self.level_text()}): measured, not forecast; a draft on more data of this kind "
+                "is not expected to score lower.")
 
-    wanted = sorted({size for size in planned if size > largest} | ({float(horizon)} if horizon is not None and horizon > largest else set()))
-    predictions = [SizeForecast(float(size), float(tau), *interval, by_model={}, measured=True)
-                   for size, tau, interval in zip(sizes, taus, intervals) if size in planned]
-    if wanted:
-        pooled = np.concatenate([predict_rows(model, fits[model], reference, np.array(wanted)) for model in fits])  # (2R, k)
-        point_by_model = {model: predict_rows(model, points[model], reference, np.array(wanted))[0] for model in fits}
-        for column, size in enumerate(wanted):
-            low, high = weighted_quantiles(pooled[:, column], mixture_weights, [tail, 1.0 - tail])
-            point = sum(weights[model] * float(point_by_model[model][column]) for model in fits)
-            predictions.append(SizeForecast(size, point, low, high, {model: float(point_by_model[model][column]) for model in fits}, False))
+    def measured_at_horizon(self) -> tuple[str, str]:
+        """The verdict when the horizon is already measured (the full data was trained): a measurement, not a forecast."""
+        low, high = self.measured_bounds()
+        if high < self.break_even and not self.lower_bounds:
+            return "no-go", (f"no-go: the draft trained on {self.largest:g} samples, the full data, measures tau {self.taus[-1]:.3f}, below "
+                             f"break-even {self.break_even:.3f} even at its upper bound {high:.3f} ({self.level_text()}): measured, not "
+                             f"forecast; {self.rests_on}.")
+        capped = " (capped sizes are lower bounds)" if high < self.break_even else ""
+        return "not yet known", (f"not yet known{capped}: the draft trained on {self.largest:g} samples, the full data, measures tau "
+                                 f"{self.taus[-1]:.3f} (bounds {low:.3f} to {high:.3f}, {self.level_text()}) against break-even "
+                                 f"{self.break_even:.3f}; {self.rests_on}.")
 
-    crossing = crossing_low = crossing_high = within = None
-    verdict, line = "not yet known", ""
-    at_horizon = next((item for item in predictions if horizon is not None and item.data_size == float(horizon)), None)
-    # The curve's shape, lower half against upper half of the sizes (3 sizes: the two segments), paired.
-    middle = len(sizes) // 2
-    log2_sizes = np.log2(sizes)
+    # ---- the build ----------------------------------------------------------------------------------------
+    def run(self) -> Forecast:
+        if len(self.sizes) == 1:
+            return self.one_size()
+        slope = local_slope(self.sizes, self.taus, self.rows, self.confidence, self.lower_bounds)
+        if len(self.sizes) == 2:
+            return self.two_sizes(slope)
+        return self.curves(slope)
 
-    def halves(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (..., n) -> per-doubling gains (...,), (...,)
-        return ((values[..., middle] - values[..., 0]) / (log2_sizes[middle] - log2_sizes[0]),
-                (values[..., -1] - values[..., middle]) / (log2_sizes[-1] - log2_sizes[middle]))
+    def result(self, verdict: str, line: str, **parts: Any) -> Forecast:
+        empty = dict(slope=None, model_weights={}, weight_rule="", loo_rmse={}, predictions=[], crossing_size=None, crossing_low=None,
+                     crossing_high=None, crossing_within_horizon=None, doublings_at_slope=None, verdict_bounds=None)
+        return Forecast(data_sizes=self.sizes.tolist(), accept_lengths=self.taus.tolist(), accept_length_intervals=self.intervals,
+                        planned_sizes=self.planned, full_size=self.full_size, break_even=self.break_even, confidence=self.confidence,
+                        horizon=self.horizon, doublings_to_horizon=self.doublings_to_horizon, reach=self.reach,
+                        lower_bound_sizes=self.lower_bounds, training_noise=asdict(self.noise), looks=self.looks, notes=self.notes,
+                        verdict=verdict, line=line, **{**empty, **parts})
 
-    lower_gain, upper_gain = halves(taus)
-    change_low, change_high = np.quantile(np.subtract(*halves(replicates)[::-1]), [tail, 1.0 - tail])
-    resolved = "resolved" if change_high < 0 or change_low > 0 else "not resolved"
-    shape = (f"per doubling {lower_gain:+.3f} from {sizes[0]:g} to {sizes[middle]:g} and {upper_gain:+.3f} from {sizes[middle]:g} to "
-             f"{largest:g} ({'shrinking' if upper_gain < lower_gain else 'not shrinking'}; change {upper_gain - lower_gain:+.3f}, "
-             f"interval {change_low:+.3f} to {change_high:+.3f}, {resolved})")
-    if break_even is not None:
-        crossings = np.concatenate([crossing_rows(model, fits[model], reference, break_even) for model in fits])
-        crossing, crossing_low, crossing_high = weighted_quantiles(crossings, mixture_weights, [0.5, tail, 1.0 - tail])
-        if horizon is not None:
-            within = float(mixture_weights[crossings <= horizon].sum() / mixture_weights.sum())
-    if measured_go:
-        verdict, line = "go", measured_line
-    elif break_even is None:
-        line = f"not yet known: no break-even tau to compare with (measure the serving timings); {rests_on}, {shape}."
-    elif at_horizon is None:
-        line = (f"not yet known: no size beyond the largest measured ({largest:g}) is planned or known, so there is nothing to forecast "
-                f"against break-even {break_even:.3f}; {rests_on}.")
-    else:
-        where = (f"at {at_horizon.data_size:,.0f} samples ({doublings_to_horizon:.1f} doublings beyond {largest:g}) tau is forecast "
-                 f"{at_horizon.tau:.3f} ({confidence:.0%} interval {at_horizon.tau_low:.3f}-{at_horizon.tau_high:.3f}; line "
-                 f"{at_horizon.by_model['log-linear']:.3f}, saturating {at_horizon.by_model['saturating']:.3f})")
-        if at_horizon.tau_low >= break_even:
-            cross = ("" if crossing is None or not math.isfinite(crossing) else
-                     f"; it crosses break-even at about {_size(crossing)} samples (interval {_size(crossing_low)} to {_size(crossing_high)})")
-            verdict, line = "go", f"go: {where}, above break-even {break_even:.3f} by its whole interval{cross}; {rests_on}."
-        elif at_horizon.tau_high < break_even:
-            verdict, line = "no-go", (f"no-go: {where}, below break-even {break_even:.3f} even at its upper end: not within "
-                                      f"{doublings_to_horizon:.1f} doublings; {rests_on}, {shape}.")
-        else:
-            line = (f"not yet known: {where}, an interval that contains break-even {break_even:.3f} (reached by the horizon in "
-                    f"{within:.0%} of the mixture); {rests_on}, {shape}. The next planned size narrows it.")
-        if doublings_to_horizon > slope.doublings_measured:
-            notes.append(f"The horizon is {doublings_to_horizon:.1f} doublings beyond the largest size, more than the "
-                         f"{slope.doublings_measured:.1f} measured: the interval there is mostly the choice of curve.")
-    return Forecast(**common, slope=slope.to_dict(), model_weights=weights, weight_rule=rule, loo_rmse=loo, predictions=predictions,
-                    crossing_size=crossing, crossing_low=crossing_low, crossing_high=crossing_high, crossing_within_horizon=within,
-                    doublings_at_slope=doublings, verdict=verdict, line=line)
+    def early_verdict(self, text: str) -> tuple[str, str]:
+        """One or two sizes: a measured go, a measured full data, or not yet known with `text`."""
+        if (go := self.measured_go()) is not None:
+            return "go", go
+        if self.break_even is not None and self.horizon is not None and self.horizon <= self.largest:
+            return self.measured_at_horizon()
+        return "not yet known", f"not yet known: {text}"
+
+    def one_size(self) -> Forecast:
+        low, high = self.intervals[0]
+        verdict, line = self.early_verdict(f"one size measured, tau {self.taus[0]:.3f} ({self.percent} interval {low:.3f}-{high:.3f}) at "
+                                           f"{self.sizes[0]:g} samples; a slope needs a second size, a curve a third.")
+        return self.result(verdict, line)
+
+    def two_sizes(self, slope: LocalSlope) -> Forecast:
+        text = (f"{self.rests_on} only a slope: {slope.slope:+.3f} tau per doubling ({self.percent} interval {slope.slope_low:+.3f} to "
+                f"{slope.slope_high:+.3f}, training noise included)")
+        doublings = slope.doublings_to(self.break_even) if self.break_even is not None else None
+        if doublings is not None:
+            text += "; " + self.doublings_text(*doublings)
+        if self.horizon is not None and self.horizon > self.reach:  # (within reach, the slope's words named it)
+            where = "the full data" if self.full_size is not None else "the largest planned size"
+            text += f"; {where} ({self.horizon:,.0f} samples) is {self.doublings_to_horizon:.1f} doublings away"
+        verdict, line = self.early_verdict(text + ". A third size is needed before a curve, a predicted tau or a crossing size.")
+        if verdict != "not yet known":
+            self.notes.append(text)
+        return self.result(verdict, line, slope=slope.to_dict(), doublings_at_slope=doublings)
+
+    def doublings_text(self, point: float, low: float, high: float) -> str:
+        """"At the measured slope, k more doublings" only as far as the reach: past it, words, not a number."""
+        reach_doublings = math.log2(self.reach / self.largest)
+        where = (f"{self.reach:,.0f} samples, " + ("the full data" if self.full_size is not None and self.reach == self.full_size else
+                                                   "the largest planned size" if self.reach == self.horizon else
+                                                   "the furthest a slope is read"))
+        if not math.isfinite(point):
+            return f"at the measured slope (not positive) break-even {self.break_even:.3f} is not reached"
+        if point > reach_doublings:
+            return f"at the measured slope break-even {self.break_even:.3f} is not reached within {reach_doublings:.1f} doublings ({where})"
+        upper = f"{high:.1f}" if high <= reach_doublings else f"more than {reach_doublings:.1f}"
+        return (f"at the measured slope break-even {self.break_even:.3f} is {point:.1f} more doublings away ({self.percent} interval "
+                f"{low:.1f} to {upper}; {reach_doublings:.1f} doublings reach {where})")
+
+    def curves(self, slope: LocalSlope) -> Forecast:
+        sizes, taus = self.sizes, self.taus
+        self.fits = FamilyFits.fit(sizes, self.rows, self.ceiling)
+        self.point_fits = FamilyFits.fit(sizes, taus[None, :], self.ceiling)
+        weights, rule, loo = _point_weights(sizes, taus, self.ceiling)
+        shape = _gain_shape(sizes, taus, self.rows, self.tail)
+        wanted = sorted({size for size in self.planned if size > self.largest}
+                        | ({float(self.horizon)} if self.horizon is not None and self.horizon > self.largest else set()))
+        within = [size for size in wanted if size <= self.reach * (1 + 1e-9)]
+        beyond = [size for size in wanted if size not in within]
+        predictions = [SizeForecast(float(size), float(tau), *interval, by_model={}, measured=True)
+                       for size, tau, interval in zip(sizes, taus, self.intervals) if size in self.planned]
+        if within:
+            curves, points = self.fits.at(within), self.point_fits.at(within)
+            low, high = union_interval(curves, self.tail, self.tail)
+            for column, size in enumerate(within):
+                point = sum(weights[model] * float(points[model][0, column]) for model in MEASURED_SHAPE)
+                predictions.append(SizeForecast(size, point, float(low[column]), float(high[column]),
+                                                {model: float(points[model][0, column]) for model in FAMILIES}, False))
+        if beyond:
+            self.notes.append(f"Not forecast: {_sizes_text(beyond)} samples, more than {MAX_DOUBLINGS_BEYOND:g} doublings beyond the largest "
+                              f"measured size ({self.largest:g}).")
+        parts = dict(slope=slope.to_dict(), model_weights=weights, weight_rule=rule, loo_rmse=loo, predictions=predictions,
+                     doublings_at_slope=slope.doublings_to(self.break_even) if self.break_even is not None else None)
+        if self.break_even is None:
+            return self.result("not yet known", f"not yet known: no break-even tau to compare with (measure the serving timings); "
+                               f"{self.rests_on}, {shape}.", **parts)
+        parts.update(self.crossing(weights))
+        verdict, line, bounds = self.verdict_from_curves(predictions, shape, parts)
+        return self.result(verdict, line, verdict_bounds=bounds, **parts)
+
+    def crossing(self, weights: Mapping[str, float]) -> dict[str, Any]:
+        """Where tau reaches break-even, read on a grid up to the reach: the measured shape's point and the union of the
+        families' intervals; past the reach, "beyond N"."""
+        if self.reach <= self.largest:
+            return {}
+        count = max(2, int(math.log2(self.reach / self.largest) * CROSSING_GRID_PER_DOUBLING))
+        grid = np.geomspace(self.largest, self.reach, count)
+        curves, points = self.fits.at(grid), self.point_fits.at(grid)
+        point_curve = sum(weights[model] * points[model] for model in MEASURED_SHAPE)
+        crossings = {name: first_crossing(grid, curve, self.break_even) for name, curve in curves.items()}
+        # "nearest": a quantile between a size and inf is one of them, never NaN.
+        low = min(float(np.quantile(values, self.tail, method="nearest")) for values in crossings.values())
+        high = max(float(np.quantile(values, 1.0 - self.tail, method="nearest")) for values in crossings.values())
+        pooled = np.concatenate([crossings[model] for model in MEASURED_SHAPE])
+        mixture = np.concatenate([np.full(len(crossings[model]), weights[model]) for model in MEASURED_SHAPE])
+        within = None if self.horizon is None else float(mixture[pooled <= self.horizon].sum() / mixture.sum())
+        point = float(first_crossing(grid, point_curve, self.break_even)[0])
+        return dict(crossing_size=_crossing(point, self.reach), crossing_low=_crossing(low, self.reach),
+                    crossing_high=_crossing(high, self.reach), crossing_within_horizon=within)
+
+    def verdict_from_curves(self, predictions: list[SizeForecast], shape: str,
+                            parts: Mapping[str, Any]) -> tuple[str, str, tuple[float, float] | None]:
+        be = self.break_even
+        if (go := self.measured_go()) is not None:
+            return "go", go, self.measured_bounds()
+        if self.horizon is None:
+            return "not yet known", (f"not yet known: no size beyond the largest measured ({self.largest:g}) is planned or known, so there "
+                                     f"is nothing to forecast against break-even {be:.3f} (set analysis.full_data_size); {self.rests_on}."), None
+        if self.horizon <= self.largest:
+            return (*self.measured_at_horizon(), self.measured_bounds())
+        if self.horizon > self.reach * (1 + 1e-9):
+            return "not yet known", (f"not yet known: the horizon ({self.horizon:,.0f} samples) is {self.doublings_to_horizon:.1f} doublings "
+                                     f"beyond the largest measured size ({self.largest:g}), past the {MAX_DOUBLINGS_BEYOND:g} a forecast "
+                                     f"extrapolates: measure a size within {MAX_DOUBLINGS_BEYOND:g} doublings of it; {self.rests_on}, {shape}."), None
+        at = next(item for item in predictions if item.data_size == float(self.horizon))
+        curves = self.fits.at([float(self.horizon)])
+        low, high = (float(bound[0]) for bound in union_interval(curves, self.verdict_tail, self.verdict_tail))
+        where = (f"at {at.data_size:,.0f} samples ({self.doublings_to_horizon:.1f} doublings beyond {self.largest:g}) tau is forecast "
+                 f"{at.tau:.3f} under the measured shape ({self.percent} interval {at.tau_low:.3f}-{at.tau_high:.3f} over the curve families: "
+                 + ", ".join(f"{name} {at.by_model[name]:.3f}" for name in FAMILIES) + ")")
+        if high < be:
+            if self.lower_bounds:
+                return "not yet known", (f"not yet known (capped sizes are lower bounds): {where}, below break-even {be:.3f} even at the "
+                                         f"highest family's upper bound {high:.3f} ({self.level_text()}), but the drafts at "
+                                         f"{_sizes_text(self.lower_bounds)} samples were stopped by the step cap while still improving, so "
+                                         f"their tau and this forecast are lower bounds (raise training.max_steps); {self.rests_on}, {shape}."), (low, high)
+            return "no-go", (f"no-go: {where}, below break-even {be:.3f} even at the highest family's upper bound {high:.3f} "
+                             f"({self.level_text()}): not within {self.doublings_to_horizon:.1f} doublings; {self.rests_on}, {shape}."), (low, high)
+        crossing = parts.get("crossing_size")
+        cross = ("" if crossing is None else
+                 f"; the measured shape crosses break-even at {_size_text(crossing)} samples" if not isinstance(crossing, str) else
+                 f"; the measured shape crosses break-even {crossing} samples")
+        return "not yet known", (f"not yet known: {where}, an interval that contains break-even {be:.3f}{cross}. A 'go' needs a measured "
+                                 f"draft above break-even: no size can rule out that the curve stops rising past it; {self.rests_on}, "
+                                 f"{shape}."), (low, high)
 
 
 # ----------------------------------------------------------------------------- analysis/answer.json
@@ -386,9 +579,9 @@ ANSWER_FILE = "answer.json"
 class AnswerFile:
     """analysis/answer.json: the current forecast with the sizes it rests on, one per break-even case.
 
-    `primary` names the case the plain line is for: the serving measurement of params.analysis (the user's
-    timings), with the embedded loop's own break-even beside it. Stage 6 rewrites it after every size it scores
-    (a staged run rewrites it after each size), atomically, so a reader never sees half a file.
+    `primary` names the case the plain line is for: the user's serving timings when given (params.analysis), else
+    the run's own target (the embedded loop), with any other case beside it. Stage 6 rewrites it after every size it
+    scores (a staged run rewrites it after each size), atomically, so a reader never sees half a file.
     """
 
     primary: str

@@ -429,6 +429,44 @@ BOUND_TOLERANCE = 1e-3
 PILE_UP_LIMIT = 0.05
 
 
+# Exponents of the saturating model's profile fit: log-spaced over the bounds (0, MAX_EXPONENT].
+EXPONENT_GRID = np.geomspace(1e-3, MAX_EXPONENT, 240)
+
+
+def fit_log_linear_rows(sizes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Least squares tau = intercept + slope log2 N on every row: (R, n) -> (R, 2) (intercept, slope)."""
+    log2_sizes = np.log2(sizes)
+    centered = log2_sizes - log2_sizes.mean()
+    slope = (rows - rows.mean(axis=1, keepdims=True)) @ centered / float(centered @ centered)
+    return np.column_stack([rows.mean(axis=1) - slope * log2_sizes.mean(), slope])
+
+
+def fit_saturating_rows(sizes: np.ndarray, rows: np.ndarray, ceiling: float) -> np.ndarray:
+    """tau = tau_inf - gap (N / N_min)^-c on every row by profile least squares over EXPONENT_GRID:
+    (R, n) -> (R, 3) (tau_inf, gap, c), with 1 <= tau_inf <= ceiling and gap >= 0. No refit can fail."""
+    relative = sizes / sizes.min()
+    basis = relative[None, :] ** (-EXPONENT_GRID[:, None])  # (C, n): x = (N / N_min)^-c per exponent
+    basis_mean = basis.mean(axis=1)  # (C,)
+    basis_centered = basis - basis_mean[:, None]
+    rows_mean = rows.mean(axis=1)  # (R,)
+    # Unconstrained tau = a - g x: g = -cov(x, y) / var(x), a = mean(y) + g mean(x).  (R, C)
+    gap = -(rows - rows_mean[:, None]) @ basis_centered.T / (basis_centered ** 2).sum(axis=1)[None, :]
+    gap = np.maximum(gap, 0.0)  # a falling curve is fitted flat (gap 0)
+    tau_inf = rows_mean[:, None] + gap * basis_mean[None, :]
+    # Where the ceiling (or 1) binds, refit the gap with tau_inf fixed there: g = sum((a - y) x) / sum(x^2).
+    bound = np.clip(tau_inf, 1.0, ceiling)
+    refit = np.maximum((bound * basis.sum(axis=1)[None, :] - rows @ basis.T) / (basis ** 2).sum(axis=1)[None, :], 0.0)
+    clipped = bound != tau_inf
+    gap = np.where(clipped, refit, gap)
+    tau_inf = bound
+    # (R, C, n) residuals of every row under every exponent; the best exponent per row.
+    fitted = tau_inf[:, :, None] - gap[:, :, None] * basis[None, :, :]
+    errors = ((rows[:, None, :] - fitted) ** 2).sum(axis=2)
+    best = errors.argmin(axis=1)
+    pick = np.arange(len(rows))
+    return np.column_stack([tau_inf[pick, best], gap[pick, best], EXPONENT_GRID[best]])
+
+
 def _fit_log_linear(sizes: np.ndarray, taus: np.ndarray) -> np.ndarray:
     """(intercept at log2 N = 0, slope per doubling)."""
     slope = float(_slope_per_doubling(np.log2(sizes), taus))
@@ -459,12 +497,9 @@ def leave_one_size_out_error(data_sizes: Sequence[float], accept_lengths: Sequen
         keep = np.arange(len(sizes)) != left_out
         if model == "log-linear":
             params, reference = _fit_log_linear(sizes[keep], taus[keep]), 1.0
-        else:
+        else:  # the profile fit the forecast uses: it cannot fail, and it is fast enough to run per size left out
             reference = float(sizes[keep].min())
-            try:
-                params = _fit_normalized(sizes[keep] / reference, taus[keep], ceiling)
-            except (RuntimeError, ValueError):
-                return None
+            params = fit_saturating_rows(sizes[keep], taus[keep][None, :], ceiling)[0]
         errors.append(float(_predict(model, params, sizes[left_out : left_out + 1], reference)[0]) - taus[left_out])
     return float(np.sqrt(np.mean(np.square(errors))))
 
