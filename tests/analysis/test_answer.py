@@ -3,11 +3,11 @@ plain-words answer with the measured numbers and intervals at the configured con
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
-
-import json
-
 import pytest
 
 from eaglekit.analysis.acceptance import percentile_interval, sweep_acceptance
@@ -23,10 +23,10 @@ from eaglekit.analysis.scaling import scaling_answer
 from eaglekit.topology import Topology
 
 
-def agreements(rate: float, seed: int) -> dict[str, list[np.ndarray]]:
+def agreements(rate: float, seed: int, steps: int = 3) -> dict[str, list[np.ndarray]]:
     """Two datasets of held-out samples; each position agrees with probability `rate` at every step."""
     generator = np.random.default_rng(seed)
-    return {name: [generator.random((12, 3)) < rate for _ in range(8)] for name in ("alpha", "beta")}
+    return {name: [generator.random((12, steps)) < rate for _ in range(8)] for name in ("alpha", "beta")}
 
 
 def test_the_answer_reports_the_measured_numbers_at_the_configured_confidence():
@@ -150,3 +150,85 @@ def test_summary_record_and_headline_carry_the_measured_numbers(tmp_path):
                             LOOP, embedded, seed_case, lower_bound_sizes=(), stage_seconds=1.0)
     assert none["slope_per_doubling"] is None and none["doublings_needed"] == {} and none["ceiling_identified"] is False
     assert none["largest_data_size"] == 40.0
+
+
+# ----------------------------------------------------------------------------- the forecast on every shipped params file
+
+PARAMS_FILES = sorted((Path(__file__).resolve().parents[2] / "params").glob("*.yaml"))
+
+
+def rising_agreements(sizes, steps: int) -> dict[int, dict[str, list[np.ndarray]]]:
+    """Synthetic held-out agreements whose acceptance rises by 0.04 per doubling from 0.3 (chain of `steps`)."""
+    return {size: agreements(min(0.9, 0.3 + 0.04 * np.log2(size / sizes[0])), index, steps) for index, size in enumerate(sizes)}
+
+
+@pytest.mark.parametrize("path", PARAMS_FILES, ids=[path.stem for path in PARAMS_FILES])
+def test_the_forecast_and_the_answer_file_on_every_shipped_params_file(path, tmp_path):
+    """Each params file's data sizes, full data and break-even, with synthetic measured taus, after every size in turn:
+    params/kimi_k25_big_run.yaml's last size is its full data, where the forecast raised KeyError('log-linear')."""
+    from eaglekit.analysis.forecast import VERDICTS, AnswerFile
+    from eaglekit.analysis.answer import forecast_answer
+    from eaglekit.config import load_params
+
+    params = load_params(path)
+    settings, sizes = params.analysis, sorted(params.training.data_sizes)
+    timings = (settings.baseline_tokens_per_s, settings.speculative_tokens_per_s, settings.measured_accept_length)
+    cases = {"embedded loop": 1.9}
+    if all(value is not None for value in timings):
+        cases = {"serving (params.analysis)": break_even_from_throughput(*timings).break_even_accept_length, **cases}
+    by_size = rising_agreements(sizes, settings.chain_steps)
+    for count in range(1, len(sizes) + 1):
+        acceptance = sweep_acceptance({size: by_size[size] for size in sizes[:count]}, settings.chain_steps, num_resamples=40)
+        scaling = sweep_scaling(acceptance, 1.9, max_accept_length=settings.chain_steps + 1.0, confidence=settings.confidence)
+        answer = forecast_answer(acceptance, scaling, sizes, cases, max_accept_length=settings.chain_steps + 1.0,
+                                 confidence=settings.confidence, full_size=settings.full_data_size)
+        assert answer.verdict in VERDICTS and answer.line.startswith(answer.verdict), answer.line
+        answer.save(tmp_path / "answer.json")
+        assert AnswerFile.load(tmp_path / "answer.json") == answer
+
+
+def test_a_draft_labelled_converged_while_its_tau_still_rose_is_a_lower_bound():
+    """The rule stops when tau has not improved by min_improvement for `patience` evaluations. Judged on smoothed taus,
+    it labelled converged drafts whose best tau rose by more than that over those evaluations (the demo had two)."""
+    from eaglekit.analysis.answer import lower_bound_sizes
+
+    rows = [{"size": 10, "converged": True, "recent_gain": 0.004},   # converged by the rule's own test
+            {"size": 20, "converged": True, "recent_gain": 0.021},   # "converged", but rose 0.021 > 0.01: still rising
+            {"size": 40, "converged": False, "recent_gain": 0.05},   # the step cap
+            {"size": 80, "converged": True, "recent_gain": None}]    # too few evaluations to tell: the label stands
+    assert lower_bound_sizes(rows, min_improvement=0.01, annealed=False) == {20.0: 0.021, 40.0: 0.05}
+    # Under an anneal the last evaluations are the anneal's own rise: only the cap makes a lower bound.
+    assert lower_bound_sizes(rows, min_improvement=0.01, annealed=True) == {40.0: 0.05}
+
+
+def test_the_verdict_uses_this_targets_break_even_unless_serving_timings_are_given():
+    """The demo's answer.json opened with 2.296, the Kimi-K2.5 serving case of the params defaults, on SmolLM2."""
+    from types import SimpleNamespace
+
+    from eaglekit.analysis.answer import EMBEDDED_CASE, SERVING_CASE, break_even_cases, serving_case
+
+    embedded = break_even_from_throughput(5.5, 3.7, 1.2, draft_length=3)
+    unset = SimpleNamespace(baseline_tokens_per_s=None, speculative_tokens_per_s=None, measured_accept_length=None)
+    assert serving_case(unset) is None
+    assert break_even_cases(serving_case(unset), embedded) == {EMBEDDED_CASE: embedded.break_even_accept_length}
+    given = serving_case(SimpleNamespace(baseline_tokens_per_s=90.0, speculative_tokens_per_s=82.3, measured_accept_length=2.1))
+    cases = break_even_cases(given, embedded)
+    assert list(cases) == [SERVING_CASE, EMBEDDED_CASE] and cases[SERVING_CASE] == pytest.approx(2.1 * 90 / 82.3)
+    assert break_even_cases(None, None) == {}
+
+
+def test_answer_in_words_without_serving_timings_says_nothing_of_another_deployment():
+    acceptance = sweep_acceptance({20: agreements(0.2, 0), 80: agreements(0.5, 1)}, 3, num_resamples=50)
+    embedded = break_even_from_throughput(5.5, 3.7, 1.2, draft_length=3)
+    lines = answer_in_words(acceptance, "all", Topology.chain(3), 16, 0.95, embedded, LOOP, [], None)
+    assert len(lines) == 3 and not any("tok/s plain" in line for line in lines)
+
+
+def test_extra_seed_drafts_give_their_pooled_tau_per_size():
+    from eaglekit.analysis.acceptance import chain_counts, concat_counts, pooled_accept_length
+    from eaglekit.analysis.answer import seed_accept_lengths
+
+    first, second = agreements(0.3, 5), agreements(0.35, 6)
+    taus = seed_accept_lengths({20: [first, second], 40: []}, 3)
+    expected = [pooled_accept_length(concat_counts([chain_counts(values, 3) for values in drafts.values()])) for drafts in (first, second)]
+    assert taus == {20.0: pytest.approx(expected)}

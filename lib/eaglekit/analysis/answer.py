@@ -1,5 +1,6 @@
 """Stage 6's answer: the sweep's scaling answer, the `scaling_summary.json` record, the headline metrics
-event and the answer in plain words (notebook 06), every number taken from what was measured.
+event and the answer in plain words (notebook 06), every number taken from what was measured; and what the
+go / no-go forecast is made against (`break_even_cases`) and on (`lower_bound_sizes`, `forecast_answer`).
 
 Nothing here measures: it reads the sweep's offline acceptance (`acceptance.SweepAcceptance`), the real
 loop's summary (`checkpoints.evaluate_speculative_loop`), the scaling answer
@@ -11,18 +12,63 @@ from __future__ import annotations
 import json
 import os
 from datetime import datetime, timezone
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 
-from eaglekit.analysis.acceptance import SweepAcceptance, percentile_interval
+from eaglekit.analysis.acceptance import SweepAcceptance, chain_counts, concat_counts, percentile_interval, pooled_accept_length
 from eaglekit.io import write_json
-from eaglekit.analysis.break_even import BreakEven
+from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
 from eaglekit.analysis.forecast import AnswerFile, forecast
 from eaglekit.analysis.scaling import ScalingAnswer, scaling_answer
 from eaglekit.topology import Topology
+
+
+SERVING_CASE = "serving (params.analysis)"
+EMBEDDED_CASE = "embedded loop"
+
+
+def serving_case(analysis: Any) -> BreakEven | None:
+    """Break-even from the user's serving timings (analysis.baseline_tokens_per_s, speculative_tokens_per_s,
+    measured_accept_length), None when any is unset: then no deployment was measured for this target."""
+    timings = (analysis.baseline_tokens_per_s, analysis.speculative_tokens_per_s, analysis.measured_accept_length)
+    return None if any(value is None for value in timings) else break_even_from_throughput(*timings)
+
+
+def break_even_cases(serving: BreakEven | None, embedded: BreakEven | None) -> dict[str, float]:
+    """Label -> break-even tau, the primary case first: the user's serving timings when given, else the run's own
+    target (the embedded loop's timings). A verdict is never made against another deployment's break-even."""
+    cases = {SERVING_CASE: serving, EMBEDDED_CASE: embedded}
+    return {label: case.break_even_accept_length for label, case in cases.items() if case is not None}
+
+
+def lower_bound_sizes(rows: Iterable[Mapping[str, Any]], min_improvement: float, annealed: bool) -> dict[float, float | None]:
+    """{data size: recent gain} of the drafts whose tau is a lower bound: stopped by the step cap, or labelled
+    converged while the rule's own test says otherwise. The rule stops when held-out tau has not improved by
+    min_improvement for `patience` evaluations; a draft whose best tau rose by more than that over those last
+    evaluations (`recent_gain`, judged on single taus where the rule judged their smoothed mean) was still rising.
+    Under an anneal (`annealed`) the last evaluations are the anneal's own rise, so only the cap counts.
+
+    rows: sweep rows or `DraftEntry.to_dict()`s with size, converged, recent_gain."""
+    bounds = {}
+    for row in rows:
+        gain = row.get("recent_gain")
+        rising = not annealed and gain is not None and gain > min_improvement
+        if not row.get("converged", True) or rising:
+            bounds[float(row["size"])] = gain
+    return bounds
+
+
+def seed_accept_lengths(agreements_by_size: Mapping[int, Sequence[Mapping[str, Sequence]]], steps: int) -> dict[float, list[float]]:
+    """{size: pooled held-out tau of each extra-seed draft}: the forecast's measured training noise.
+
+    agreements_by_size: per size, one {dataset: [(P, k) agreement]} per extra seed, scored on the same held-out
+    samples as the sweep's drafts (`checkpoints.offline_agreements_by_size` per seed)."""
+    return {float(size): [pooled_accept_length(concat_counts([chain_counts(values, steps) for values in by_dataset.values()]))
+                          for by_dataset in drafts]
+            for size, drafts in agreements_by_size.items() if drafts}
 
 
 @dataclass(frozen=True)
@@ -86,7 +132,7 @@ def analysis_summary_record(
     heldout_samples: int,
     scaling: SweepScaling,
     embedded_case: BreakEven,
-    seed_case: BreakEven,
+    seed_case: BreakEven | None,
     loop_summary: Mapping[str, Any],
     benchmark_file: str | None = None,
     benchmark_summary: pd.DataFrame | None = None,
@@ -101,7 +147,7 @@ def analysis_summary_record(
         "statements": scaling.statements,
         "benchmark": None if benchmark_summary is None else {"file": benchmark_file, "summary": benchmark_summary.to_dict(orient="records")},
         "break_even": embedded_case.to_dict(),
-        "seed_break_even": seed_case.to_dict(),
+        "seed_break_even": None if seed_case is None else seed_case.to_dict(),  # None: no serving timings given
         "speculative_loop": dict(loop_summary),
     }
 
@@ -116,7 +162,7 @@ def headline_metrics(
     scaling: SweepScaling,
     loop_summary: Mapping[str, Any],
     embedded_case: BreakEven,
-    seed_case: BreakEven,
+    seed_case: BreakEven | None,
     lower_bound_sizes: Collection[float],
     stage_seconds: float,
 ) -> dict[str, Any]:
@@ -135,7 +181,7 @@ def headline_metrics(
         "loop_speedup": loop_summary["speedup"],
         "outputs_equal": loop_summary["outputs_equal"],
         "break_even_embedded": embedded_case.break_even_accept_length,
-        "break_even_seed": seed_case.break_even_accept_length,
+        "break_even_seed": None if seed_case is None else seed_case.break_even_accept_length,
         "slope_per_doubling": None if answer is None else answer.slope.slope,
         "slope_low": None if answer is None else answer.slope.slope_low,
         "slope_high": None if answer is None else answer.slope.slope_high,
@@ -155,13 +201,13 @@ def answer_in_words(
     embedded_case: BreakEven,
     loop_summary: dict,
     scaling_statements: Sequence[str],
-    seed_case: BreakEven,
+    seed_case: BreakEven | None,
     benchmark_summary: pd.DataFrame | None = None,
     benchmark_name: str = "",
 ) -> list[str]:
     """The answer as paragraphs: held-out tau from the smallest to the largest draft with its interval, the
     paired-bootstrap gain between them, the real loop against break-even, the scaling statements, the
-    benchmark curve (when measured) and the seed's serving case. Intervals are at `confidence`."""
+    benchmark curve (when measured) and the serving timings of params.analysis (when given). Intervals are at `confidence`."""
     overall = acceptance.summary[acceptance.summary["dataset"] == pooled_dataset].sort_values("data_size")
     first, last = overall.iloc[0], overall.iloc[-1]
     lines = [f"On {heldout_samples} held-out samples, a greedy {topology.label} (ceiling tau {topology.ceiling:g}): tau went from "
@@ -183,9 +229,11 @@ def answer_in_words(
         lines.append(f"On {int(last_bench['prompts'])} benchmark prompts from outside the training data ({benchmark_name}), the real "
                      f"loop's tau went from {first_bench['tau']:.2f} ({first_bench['data_size']:g} samples) to {last_bench['tau']:.2f} "
                      f"({confidence:.0%} interval {last_bench['tau_low']:.2f}-{last_bench['tau_high']:.2f}) with {last_bench['data_size']:g}.")
-    lines.append(f"For the seed's serving case ({seed_case.baseline_tokens_per_s:g} tok/s plain, {seed_case.speculative_tokens_per_s:g} tok/s "
-                 f"at tau {seed_case.accept_length:g}) the draft must reach tau {seed_case.break_even_accept_length:.2f} to break even; "
-                 "this run's curve is for the embedded target and its draft, not that deployment.")
+    if seed_case is None:
+        return lines
+    lines.append(f"For the serving timings of params.analysis ({seed_case.baseline_tokens_per_s:g} tok/s plain, "
+                 f"{seed_case.speculative_tokens_per_s:g} tok/s at tau {seed_case.accept_length:g}) the draft must reach tau "
+                 f"{seed_case.break_even_accept_length:.2f} to break even.")
     return lines
 
 
@@ -198,16 +246,23 @@ def forecast_answer(
     confidence: float,
     full_size: float | None = None,
     lower_bound_sizes: Collection[float] = (),
+    seed_accept_lengths: Mapping[float, Sequence[float]] | None = None,
+    looks: int = 1,
+    seed: int = 0,
 ) -> AnswerFile:
     """analysis/answer.json's content: `forecast.forecast` on the pooled held-out curve the scaling answer reads,
-    once per break-even case (label -> tau; the first is the primary line), over `planned_sizes`
-    (training.data_sizes) and the full data when known."""
+    once per break-even case (label -> tau; the first is the primary line, `break_even_cases`), over `planned_sizes`
+    (training.data_sizes) and the full data when known. `seed_accept_lengths`: pooled tau of extra-seed drafts per
+    size (the training noise); `looks`: the verdicts the run issues (`forecast.forecast`)."""
+    if not break_evens:
+        raise ValueError("no break-even case: give serving timings (params.analysis) or measure the embedded loop")
     overall = scaling.overall
     replicates = acceptance.pooled_replicates[scaling.pooled_dataset]  # (R, sizes), columns in acceptance.data_sizes order
     columns = [list(acceptance.data_sizes).index(size) for size in overall["data_size"]]
     forecasts = {label: forecast(overall["data_size"].to_numpy(float), overall["tau_pooled"].to_numpy(float), replicates[:, columns],
                                  planned_sizes=planned_sizes, full_size=full_size, break_even=break_even,
-                                 max_accept_length=max_accept_length, confidence=confidence, lower_bound_sizes=sorted(lower_bound_sizes))
+                                 max_accept_length=max_accept_length, confidence=confidence, lower_bound_sizes=sorted(lower_bound_sizes),
+                                 seed_accept_lengths=seed_accept_lengths, looks=looks, seed=seed)
                  for label, break_even in break_evens.items()}
     return AnswerFile(primary=next(iter(break_evens)), forecasts=forecasts, sizes=[float(size) for size in overall["data_size"]],
                       planned_sizes=sorted(float(size) for size in planned_sizes),

@@ -4,7 +4,7 @@
 1. offline acceptance per draft and dataset on the sweep's held-out samples (`checkpoints`, `acceptance`);
 2. the real speculative-decoding loop with the largest draft on held-out prompts (`checkpoints.evaluate_speculative_loop`);
 3. preflight (the doctor) on the exported SGLang draft;
-4. break-even (`break_even`) for the seed's serving case (params) and for the loop's own timings;
+4. break-even (`break_even`) for the loop's own timings and, when params.analysis gives serving timings, for those;
 5. the benchmark prompts through the real loop with every draft (`benchmark`);
 6. the scaling answer on the pooled held-out curve (`answer.sweep_scaling`) and the go / no-go forecast (`forecast`);
 7. which topology to serve (`topology_sweep`), checked through the real tree loop;
@@ -30,8 +30,9 @@ import pandas as pd
 import torch
 
 from eaglekit.analysis.acceptance import SweepAcceptance, sweep_acceptance
-from eaglekit.analysis.answer import (SweepScaling, analysis_summary_record, answer_in_words, forecast_answer, headline_metrics,
-                                      sweep_scaling, write_summary_record)
+from eaglekit.analysis.answer import (SweepScaling, analysis_summary_record, answer_in_words, break_even_cases, forecast_answer,
+                                      headline_metrics, lower_bound_sizes, seed_accept_lengths, serving_case, sweep_scaling,
+                                      write_summary_record)
 from eaglekit.analysis.benchmark import BenchmarkRun, benchmark_drafts
 from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
 from eaglekit.analysis.checkpoints import (LoopReport, evaluate_speculative_loop, heldout_prompts, heldout_samples, load_draft_checkpoint,
@@ -79,7 +80,7 @@ class AnalysisResult:
     loop: LoopReport  # the largest draft through the real loop against plain greedy decoding
     loop_seconds: float
     doctor: pd.DataFrame  # preflight findings on the exported SGLang draft
-    seed_case: BreakEven  # the seed's serving measurement (params.analysis)
+    seed_case: BreakEven | None  # the user's serving measurement (params.analysis); None when not given
     embedded_case: BreakEven  # the loop's own timings
     benchmark: BenchmarkRun
     scaling: SweepScaling
@@ -111,8 +112,28 @@ class AnalysisResult:
         return self.topology.steps + 1.0
 
     def break_even_table(self) -> pd.DataFrame:
-        return pd.DataFrame([{"case": "seed (params.analysis)", "topology": "as served", **self.seed_case.to_dict()},
-                             {"case": "embedded loop, largest draft", "topology": self.topology.label, **self.embedded_case.to_dict()}])
+        serving = [] if self.seed_case is None else [{"case": "serving (params.analysis)", "topology": "as served", **self.seed_case.to_dict()}]
+        return pd.DataFrame([*serving, {"case": "embedded loop, largest draft", "topology": self.topology.label, **self.embedded_case.to_dict()}])
+
+
+def run_looks(run_dir: str | os.PathLike, data_sizes) -> int:
+    """The verdicts a run issues: one here, plus one per size a staged run forecast from while generation ran
+    (staged/slices.json). Each verdict spends (1 - confidence) / looks of the run's chance of a wrong "go"."""
+    from eaglekit.staged.slices import StagedRecord, sizes_to_stage
+
+    return 1 + (len(sizes_to_stage(data_sizes)) if StagedRecord.path(run_dir).exists() else 0)
+
+
+def _seed_accept_lengths(sweep: SweepRecord, run_dir: Path, head, heldout: list[dict], steps: int, max_length: int) -> dict[float, list[float]]:
+    """Held-out tau of the extra-seed drafts stage 5 trained (training noise), scored on the same held-out samples;
+    {} when it trained none (the forecast then uses its documented prior)."""
+    extra = getattr(sweep, "seed_checkpoints", None)  # {size: [checkpoint]}: stage 5's second seeds, when it trains them
+    if extra is None:
+        return {}
+    agreements = {size: [offline_agreements_by_size({size: path}, head.embed_tokens, head.lm_head, heldout, steps, max_length)[size]
+                         for path in paths]
+                  for size, paths in extra(run_dir).items()}
+    return seed_accept_lengths(agreements, steps)
 
 
 def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisResult:
@@ -136,7 +157,10 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
                                      capture_layer_ids=sweep.capture_layer_ids, max_seq_len=params.capture.max_seq_len)
     heldout = heldout_samples(sweep, captured)
     checkpoints = sweep.checkpoints(out)  # {data size: best checkpoint}
-    still_improving = sweep.still_improving()  # {data size: recent gain} of drafts stopped by the step cap: lower bounds
+    # {data size: recent gain} of drafts whose tau is a lower bound: capped, or still rising when patience stopped them.
+    training = params.training
+    still_improving = lower_bound_sizes([entry.to_dict() for entry in sweep.runs], training.min_improvement,
+                                        annealed=training.decay_steps != 0 and training.decay_fraction > 0)
     head = load_target_head_weights(model_dir)
 
     offline_started = time.perf_counter()
@@ -161,7 +185,7 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
                              loop.summary["tau_loop_pooled"])
     doctor.to_csv(analysis_dir / "doctor.csv", index=False)
 
-    seed_case = break_even_from_throughput(settings.baseline_tokens_per_s, settings.speculative_tokens_per_s, settings.measured_accept_length)
+    seed_case = serving_case(settings)
     embedded_case = break_even_from_throughput(loop.summary["greedy_tokens_per_second"], loop.summary["speculative_tokens_per_second"],
                                                loop.summary["tau_loop_pooled"], draft_length=steps)
 
@@ -174,13 +198,13 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
                             lower_bound_sizes=still_improving)
     summary = analysis_summary_record(topology, len(heldout), scaling, embedded_case, seed_case, loop.summary,
                                       settings.benchmark_prompts, benchmark.summary)
-    # The go / no-go forecast: against the user's serving timings (params.analysis) first, the embedded loop's beside it.
+    # The go / no-go forecast: against the user's serving timings when given, else the embedded loop's (this target's);
     # analysis.full_data_size is the horizon; unset, the largest planned size is.
-    forecast = forecast_answer(acceptance, scaling, params.training.data_sizes,
-                               {"serving (params.analysis)": seed_case.break_even_accept_length,
-                                "embedded loop": embedded_case.break_even_accept_length},
+    forecast = forecast_answer(acceptance, scaling, params.training.data_sizes, break_even_cases(seed_case, embedded_case),
                                max_accept_length=steps + 1.0, confidence=settings.confidence,
-                               full_size=settings.full_data_size, lower_bound_sizes=still_improving)
+                               full_size=settings.full_data_size, lower_bound_sizes=still_improving,
+                               seed_accept_lengths=_seed_accept_lengths(sweep, out, head, heldout, steps, max_length),
+                               looks=run_looks(out, params.training.data_sizes), seed=params.run.seed)
     forecast.save(analysis_dir / ANSWER_FILE)
     summary["forecast"] = {"verdict": forecast.verdict, "line": forecast.line, "sizes": forecast.sizes}
 
