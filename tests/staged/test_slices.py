@@ -101,3 +101,75 @@ def test_a_malformed_record_names_the_entry(tmp_path):
     path.write_text('{"seed": 0,')
     with pytest.raises(InputError, match="slices.json"):
         StagedRecord.load(tmp_path, seed=0, heldout_size=2)
+
+
+# ---- the slice is stage 5's: errors stage 3 retries, the recorded ids, prep's order ------------------
+
+def write_logs(run_dir, answered=(), errors=()):
+    """generations.jsonl with `answered` keys; errors.jsonl with (key, session) pairs."""
+    generation = run_dir / "generation"
+    generation.mkdir(parents=True, exist_ok=True)
+    (generation / "generations.jsonl").write_text("".join(
+        json.dumps({"dataset": key[0], "id": key[1], "partition": "short", "session": 1, "content": "x"}) + "\n" for key in answered))
+    (generation / "errors.jsonl").write_text("".join(
+        json.dumps({"dataset": key[0], "id": key[1], "session": session, "error": "timeout"}) + "\n" for key, session in errors))
+
+
+def test_an_error_an_earlier_session_left_is_not_settled_while_this_session_retries_it(tmp_path):
+    """Stage 3 retries every error of an earlier session (generation.retry_errors): the staged slice once took such an
+    error as final, so it trained on other samples than stage 5 when the retry answered."""
+    write_logs(tmp_path, answered=[*HELDOUT, TRAIN[0], TRAIN[2]], errors=[(TRAIN[1], 1), (TRAIN[3], 2)])
+    state = read_settled(tmp_path, frozenset(), first_session=2)
+    assert state.failed == {TRAIN[3]} and not state.settled(TRAIN[1])  # session 1's error: retried now
+    assert settled_prefix(ORDER, state).train == [TRAIN[0]]  # waits at t1 instead of skipping it
+    assert read_settled(tmp_path, frozenset(), first_session=None).failed == {TRAIN[1], TRAIN[3]}  # generation ended
+
+
+def test_next_session_is_the_session_stage_3_writes_next(tmp_path):
+    from eaglekit.staged.slices import next_session
+
+    assert next_session(tmp_path) == 1
+    (tmp_path / "generation").mkdir()
+    (tmp_path / "generation" / "sessions.jsonl").write_text('{"session": 1}\n{"session": 2}\n')
+    assert next_session(tmp_path) == 3
+
+
+def test_a_recorded_slice_is_checked_against_prep_order_and_the_slice_the_answers_give_now():
+    from eaglekit.staged.slices import slice_mismatch
+
+    recorded = SliceEntry(size=2, train=[TRAIN[0], TRAIN[2]])  # t1 had failed when it was recorded
+    assert slice_mismatch(recorded, [TRAIN[0], TRAIN[2]], ORDER) is None
+    problem = slice_mismatch(recorded, [TRAIN[0], TRAIN[1]], ORDER)  # t1 was answered since
+    assert "stage 5 would train size 2 on other samples" in problem and "('d', 't2')" in problem and "('d', 't1')" in problem
+    assert "not in prep/order.json" in slice_mismatch(SliceEntry(size=2, train=[TRAIN[0], HELDOUT[0]]), [], ORDER)
+    assert "not in prep/order.json's training order" in slice_mismatch(SliceEntry(size=2, train=[TRAIN[2], TRAIN[0]]), [], ORDER)
+
+
+def test_the_record_keeps_the_hash_of_its_ids_and_of_prep_order(tmp_path):
+    from eaglekit.staged.slices import check_order, keys_sha256, order_sha256
+
+    record = StagedRecord(seed=3, heldout_size=2, heldout=list(HELDOUT), order_sha256=order_sha256(ORDER))
+    record.slices[2] = SliceEntry(size=2, train=list(TRAIN[:2]), train_sha256=keys_sha256(TRAIN[:2]), status="done")
+    record.save(tmp_path)
+    assert StagedRecord.load(tmp_path, seed=3, heldout_size=2) == record
+    check_order(record, ORDER, tmp_path)
+    replanned = TrainingOrder(seed=0, heldout_size=2, heldout=HELDOUT, train=TRAIN[::-1])
+    with pytest.raises(InputError, match="another prep/order.json"):
+        check_order(record, replanned, tmp_path)
+    saved = json.loads(StagedRecord.path(tmp_path).read_text())
+    saved["slices"][0]["train"] = [list(TRAIN[0]), list(TRAIN[3])]  # edited after it was staged
+    StagedRecord.path(tmp_path).write_text(json.dumps(saved))
+    with pytest.raises(InputError, match=r"slices\[0\]\.train.*train_sha256"):
+        StagedRecord.load(tmp_path, seed=3, heldout_size=2)
+
+
+def test_stage_5_can_check_its_subsets_against_the_staged_record(tmp_path):
+    from eaglekit.staged.slices import subset_mismatches
+
+    assert subset_mismatches(tmp_path, {2: TRAIN[:2]}) == []  # not a staged run
+    record = StagedRecord(seed=3, heldout_size=2)
+    record.slices[2] = SliceEntry(size=2, train=list(TRAIN[:2]))
+    record.slices[4] = SliceEntry(size=4, train=[TRAIN[0], TRAIN[2], TRAIN[3], TRAIN[4]])
+    record.save(tmp_path)
+    lines = subset_mismatches(tmp_path, {2: TRAIN[:2], 4: TRAIN[:4]})
+    assert len(lines) == 1 and lines[0].startswith("staged size 4 trained on other samples than stage 5's subset")

@@ -56,3 +56,81 @@ def test_no_size_starts_once_generation_has_ended(tmp_path):
 def test_without_a_planned_order_nothing_is_staged(tmp_path):
     params = load_params(ROOT / "params" / "smoke.yaml")
     assert StagedWorker(params, tmp_path, GenerationSignal(running=True)).run() == []
+
+
+# ---- a staged slice is the one stage 5 trains: waited for, checked, set aside when it differs -----------
+
+class EndsAtFirstWait:
+    """Generation running until the worker first waits for it; then ended."""
+
+    def __init__(self):
+        self._running = True
+
+    def running(self) -> bool:
+        return self._running
+
+    def wait(self, seconds: float) -> None:
+        self._running = False
+
+
+def staged_folder(tmp_path: Path, params, answered, errors, sessions: int) -> Path:
+    """Prep's order, stage 3's logs (answers; errors as (id, session)) and `sessions` finished sessions."""
+    run_dir = planned_run_folder(tmp_path, params.run.seed, params.training.heldout_size)
+    generation = run_dir / "generation"
+    generation.mkdir()
+    (generation / "generations.jsonl").write_text("".join(
+        json.dumps({"dataset": "d", "id": name, "partition": "short", "content": "x"}) + "\n" for name in answered))
+    (generation / "errors.jsonl").write_text("".join(
+        json.dumps({"dataset": "d", "id": name, "session": session, "error": "timeout"}) + "\n" for name, session in errors))
+    (generation / "sessions.jsonl").write_text("".join(json.dumps({"session": number}) + "\n" for number in range(1, sessions + 1)))
+    return run_dir
+
+
+def stub_training(monkeypatch) -> list:
+    """Every answered sample tokenizes; "training" a size marks it done. Returns the sizes staged, in order."""
+    import eaglekit.staged.worker as worker
+
+    staged = []
+    monkeypatch.setattr(worker, "write_staged_data", lambda run_dir, keys, params, tokenizer: ({}, set(keys)))
+    monkeypatch.setattr(worker.StagedWorker, "_load_tokenizer", lambda self: None)
+
+    def stage(self, entry, record, planned_prompts):
+        entry.status = "done"
+        record.save(self.run_dir)
+        staged.append((entry.size, list(entry.train)))
+
+    monkeypatch.setattr(worker.StagedWorker, "_stage_size", stage)
+    return staged
+
+
+def test_a_slice_waits_for_the_retry_of_an_error_an_earlier_session_left(tmp_path, monkeypatch):
+    params = load_params(ROOT / "params" / "smoke.yaml")
+    heldout = [f"h{i}" for i in range(params.training.heldout_size)]
+    # t1 failed in session 1; session 2 (this generation) retries it and has not answered it yet.
+    run_dir = staged_folder(tmp_path, params, [*heldout, *(f"t{i}" for i in range(20) if i != 1)], [("t1", 1)], sessions=1)
+    staged = stub_training(monkeypatch)
+    assert StagedWorker(params, run_dir, EndsAtFirstWait()).run() == []
+    assert staged == [] and StagedRecord.load(run_dir, params.run.seed, params.training.heldout_size).slices == {}
+
+
+def test_a_recorded_size_whose_samples_are_no_longer_stage_5s_is_reported_and_staged_again(tmp_path, monkeypatch, caplog):
+    from eaglekit.staged.slices import SliceEntry, keys_sha256
+
+    params = load_params(ROOT / "params" / "smoke.yaml")
+    heldout = [f"h{i}" for i in range(params.training.heldout_size)]
+    # An earlier session left t1 failed and size 4 was staged without it; a resume answered t1.
+    run_dir = staged_folder(tmp_path, params, [*heldout, *(f"t{i}" for i in range(20))], [], sessions=2)
+    old = [("d", "t0"), ("d", "t2"), ("d", "t3"), ("d", "t4")]
+    record = StagedRecord(params.run.seed, params.training.heldout_size, heldout=[("d", name) for name in heldout])
+    record.slices[4] = SliceEntry(size=4, train=old, train_sha256=keys_sha256(old), status="done")
+    record.save(run_dir)
+    (run_dir / "staged" / "training" / "size-0000004").mkdir(parents=True)
+    staged = stub_training(monkeypatch)
+    with caplog.at_level("WARNING", logger="eaglekit.staged.worker"):
+        assert StagedWorker(params, run_dir, GenerationSignal(running=True)).run() == sorted(params.training.data_sizes)
+    assert staged[0] == (4, [("d", f"t{i}") for i in range(4)])
+    record = StagedRecord.load(run_dir, params.run.seed, params.training.heldout_size)
+    (aside,) = record.set_aside
+    assert aside["size"] == 4 and "stage 5 would train size 4 on other samples" in aside["problem"]
+    assert (run_dir / aside["folder"]).exists() and not (run_dir / "staged" / "training" / "size-0000004").exists()
+    assert "staged size 4: stage 5 would train size 4 on other samples" in caplog.text

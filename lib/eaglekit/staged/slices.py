@@ -4,25 +4,31 @@ A staged run trains the sizes of `training.data_sizes` on the prefixes of prep's
 (`prep/order.json`) as their answers arrive. The rule is the full run's (`TrainingOrder.split`): a
 planned sample that never becomes a training sample (failed for good, dropped by quality, rejected by
 the template) leaves a hole and the next sample in the order takes its place. So a sample's place is
-decided only when every sample before it is settled (answered, or in errors.jsonl): size N can train once
-the held-out set is settled and the settled prefix of the training order holds N samples that tokenize.
+decided only when every sample before it is settled: answered, or failed in a way stage 5 also skips. Stage 3
+retries on every session the errors earlier sessions left (`generation.retry_errors`, the default), so an
+error is final only when this session recorded it (`read_settled`'s `first_session`); an older one is still
+being answered. Size N can train once the held-out set is settled and the settled prefix of the training order
+holds N samples that tokenize: then its slice is exactly the subset stage 5 trains N on, if no later session
+answers one of its holes.
 
-`staged/slices.json` (`StagedRecord`) keeps, per size, the exact samples it trained on, written before
-training starts, and the draft vocab the first size fixed. A later `--resume` that answers a prompt which
-had failed would move every later sample by one place in a fresh split: the record keeps the sizes
-already trained on what they were trained on.
+`staged/slices.json` (`StagedRecord`) keeps, per size, the exact samples it trained on (and their hash), written
+before training starts, the hash of the prep/order.json they were taken from, and the draft vocab the first
+size fixed. A later `--resume` that answers a prompt which had failed moves every later sample by one place:
+the worker compares each recorded slice with the slice stage 5 would now train (`slice_mismatch`), reports a
+difference and stages that size again; stage 5 can check its subsets against the record (`subset_mismatches`).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import os
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from eaglekit.generation.logs import ERRORS_FILE, GENERATIONS_FILE, finished_keys
+from eaglekit.generation.logs import ERRORS_FILE, GENERATIONS_FILE, SESSIONS_FILE, count_lines, finished_keys, iter_record_heads
 from eaglekit.generation.prompts import PromptSource
 from eaglekit.io import InputError, read_jsonl, write_json, write_jsonl
 from eaglekit.training.order import Key, TrainingOrder
@@ -59,12 +65,26 @@ def class_a_keys(run_dir: str | os.PathLike) -> frozenset[Key]:
                      for path in sorted((Path(run_dir) / "prep").glob("*/tokenized_data.jsonl")) for _, record in read_jsonl(path))
 
 
-def read_settled(run_dir: str | os.PathLike, class_a: frozenset[Key]) -> Settled:
+def next_session(run_dir: str | os.PathLike) -> int:
+    """The number stage 3 gives its next session (1 + the sessions recorded): read before stage 3 starts, it is
+    the session this run's generation writes."""
+    return 1 + count_lines(Path(run_dir) / "generation" / SESSIONS_FILE)
+
+
+def read_settled(run_dir: str | os.PathLike, class_a: frozenset[Key], first_session: int | None = None) -> Settled:
     """What stage 3's logs say now. Both files are append-only; a torn last line (a write in progress) is skipped.
-    An answer read after an error record of the same prompt wins (the prompt was retried)."""
+    An answer read after an error record of the same prompt wins (the prompt was retried).
+
+    first_session: the first session of the generation running now (`next_session` before it started); an error
+    whose latest record is older is retried in this session, so it is not settled yet. None: every error is final
+    (generation.retry_errors false, or a generation that has ended)."""
     generation_dir = Path(run_dir) / "generation"
     answered = frozenset(finished_keys(generation_dir / GENERATIONS_FILE))
-    failed = frozenset(finished_keys(generation_dir / ERRORS_FILE)) - answered
+    latest_session: dict[Key, int] = {}
+    for _, _, head in iter_record_heads(generation_dir / ERRORS_FILE):
+        latest_session[(head["dataset"], head["id"])] = int(head.get("session") or 0)
+    failed = frozenset(key for key, session in latest_session.items()
+                       if key not in answered and (first_session is None or session >= first_session))
     return Settled(class_a=class_a, answered=answered, failed=failed)
 
 
@@ -139,6 +159,7 @@ class SliceEntry:
     size: int
     train: list[Key]
     status: str = "training"  # "training" (started; a resume continues it) or "done"
+    train_sha256: str = ""  # of `train`, as written: a record edited or torn since does not match it
     started: str = ""
     finished: str = ""
     answered_at_start: int = 0  # stage 3's answers when this size started, of `planned_prompts`
@@ -154,6 +175,8 @@ class StagedRecord:
     heldout: list[Key] = field(default_factory=list)
     vocab_counted_over: int | None = None  # the size whose training samples the draft vocab was counted over
     slices: dict[int, SliceEntry] = field(default_factory=dict)
+    order_sha256: str = ""  # of the prep/order.json the slices were taken from
+    set_aside: list[dict] = field(default_factory=list)  # sizes whose recorded samples were not stage 5's: size, problem, folder
 
     @staticmethod
     def path(run_dir: str | os.PathLike) -> Path:
@@ -164,7 +187,7 @@ class StagedRecord:
 
     def save(self, run_dir: str | os.PathLike) -> None:
         record = {"seed": self.seed, "heldout_size": self.heldout_size, "heldout": [list(key) for key in self.heldout],
-                  "vocab_counted_over": self.vocab_counted_over,
+                  "vocab_counted_over": self.vocab_counted_over, "order_sha256": self.order_sha256, "set_aside": self.set_aside,
                   "slices": [{**asdict(entry), "train": [list(key) for key in entry.train]} for _, entry in sorted(self.slices.items())]}
         write_json(self.path(run_dir), record)
 
@@ -185,10 +208,67 @@ class StagedRecord:
         slices: dict[int, SliceEntry] = {}
         for number, entry in enumerate(record.get("slices", [])):
             try:
-                slices[int(entry["size"])] = SliceEntry(**{**entry, "train": [tuple(key) for key in entry["train"]]})
+                staged = SliceEntry(**{**entry, "train": [tuple(key) for key in entry["train"]]})
             except (KeyError, TypeError, ValueError) as error:
                 raise InputError(path, None, f"slices[{number}]", f"malformed staged size: {error}") from None
-        return cls(seed, heldout_size, [tuple(key) for key in record.get("heldout", [])], record.get("vocab_counted_over"), slices)
+            slices[staged.size] = staged
+            if staged.train_sha256 and staged.train_sha256 != keys_sha256(staged.train):
+                raise InputError(path, None, f"slices[{number}].train", "does not match its train_sha256: the record was changed "
+                                 "after the size was staged; move staged/ aside to start the staged run over")
+        return cls(seed, heldout_size, [tuple(key) for key in record.get("heldout", [])], record.get("vocab_counted_over"), slices,
+                   record.get("order_sha256", ""), list(record.get("set_aside", [])))
+
+
+def keys_sha256(keys: Sequence[Key]) -> str:
+    """A hash of (dataset, id) keys in their order: what a slice or prep's order is, in a few bytes."""
+    return hashlib.sha256(json.dumps([list(key) for key in keys]).encode("utf-8")).hexdigest()
+
+
+def order_sha256(order: TrainingOrder) -> str:
+    return keys_sha256([*order.heldout, ("--train--", ""), *order.train])
+
+
+def check_order(record: StagedRecord, order: TrainingOrder, run_dir: str | os.PathLike) -> None:
+    """Refuse a record whose slices were taken from another prep/order.json (prep ran again since)."""
+    if record.order_sha256 and record.order_sha256 != order_sha256(order):
+        raise InputError(StagedRecord.path(run_dir), None, "order_sha256", "the staged sizes were taken from another prep/order.json "
+                         "(prep ran again since): move staged/ aside to start the staged run over")
+
+
+def slice_mismatch(entry: SliceEntry, expected: Sequence[Key], order: TrainingOrder) -> str | None:
+    """Why a recorded slice is not the subset stage 5 trains its size on, or None when it is.
+
+    expected: the slice the settled logs give now (`slice_for`). Also checked against prep's order alone: every
+    sample planned for training, none held out, in the planned order."""
+    place = {key: index for index, key in enumerate(order.train)}
+    unplanned = [key for key in entry.train if key not in place]
+    if unplanned:
+        return f"{len(unplanned)} of its samples are not in prep/order.json's training order (first {unplanned[0]})"
+    if [place[key] for key in entry.train] != sorted(place[key] for key in entry.train):
+        return "its samples are not in prep/order.json's training order"
+    if list(entry.train) != list(expected):
+        first = next((index for index, (a, b) in enumerate(zip(entry.train, expected)) if a != b), min(len(entry.train), len(expected)))
+        return (f"stage 5 would train size {entry.size} on other samples: from place {first} on, the slice recorded "
+                f"{entry.train[first] if first < len(entry.train) else 'nothing'} where the answers now give "
+                f"{expected[first] if first < len(expected) else 'nothing'} (a prompt that had failed was answered since)")
+    return None
+
+
+def subset_mismatches(run_dir: str | os.PathLike, subsets: dict[int, Sequence[Key]]) -> list[str]:
+    """Stage 5's check of its subsets ({size: training keys, in order}) against the staged record: one line per staged
+    size that trained on other samples (its staged forecast is then not about stage 5's draft); [] when none or
+    when the run was not staged."""
+    path = StagedRecord.path(run_dir)
+    if not path.exists():
+        return []
+    record = json.loads(path.read_text(encoding="utf-8"))
+    lines = []
+    for entry in record.get("slices", []):
+        size, staged = int(entry["size"]), [tuple(key) for key in entry["train"]]
+        if size in subsets and staged != [tuple(key) for key in subsets[size]]:
+            lines.append(f"staged size {size} trained on other samples than stage 5's subset (hash {keys_sha256(staged)[:12]} vs "
+                         f"{keys_sha256(list(subsets[size]))[:12]}): its staged forecast was not about this draft")
+    return lines
 
 
 def slice_for(size: int, prefix: Prefix, samples: set[Key]) -> list[Key] | None:

@@ -10,8 +10,13 @@ slice adds only its new samples), trains the size by the default rule into `stag
 What differs from the full stages 4-6, on purpose:
 - the draft vocab is counted over the first staged size's training samples and kept for every size (stage 5
   counts it over the largest subset, which does not exist yet);
-- the break-even is the serving case of params.analysis only (the embedded loop's timings come from stage 6's
-  real loop, which runs on the largest draft);
+- the break-even is the user's serving timings (params.analysis) when given, else this target's own loop timed once
+  with the first staged draft (staged/break_even.json; stage 6 times it again with the largest draft);
+- a slice is taken only once settled as stage 5 will see it (an error an earlier session left is retried first),
+  and every recorded size is matched with stage 5's slice again before it is reused: a difference is reported and
+  the size staged again (`slices.slice_mismatch`);
+- each verdict is made at (1 - confidence) / looks, looks counting every staged forecast and stage 6's
+  (`analysis.stage.run_looks`);
 - training runs in this one process (no torchrun), and capture writes shards (no online mode).
 Once generation has ended, no new size starts: the size in progress finishes, and stages 4-6 then run over
 all the data as in any run, writing the final answer.
@@ -22,6 +27,7 @@ under the run folder's one lock, and tells it that generation ended by closing a
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
@@ -32,16 +38,17 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import Params
-from eaglekit.io import AppendLog, atomic_write
-from eaglekit.staged.slices import (FORECASTS_FILE, STAGED_DIR, SliceEntry, StagedRecord, now, class_a_keys, planned_prompt_count,
-                                    read_settled, settled_prefix, sizes_to_stage, slice_for, write_staged_data)
+from eaglekit.io import AppendLog, atomic_write, write_json
+from eaglekit.staged.slices import (FORECASTS_FILE, STAGED_DIR, SliceEntry, StagedRecord, check_order, class_a_keys, keys_sha256,
+                                    next_session, now, order_sha256, planned_prompt_count, read_settled, settled_prefix, sizes_to_stage,
+                                    slice_for, slice_mismatch, write_staged_data)
 from eaglekit.training.order import read_training_order
 
 logger = logging.getLogger(__name__)
 
 POLL_S = 5.0  # how often the worker looks at stage 3's logs while a slice is not settled
 VOCAB_COUNTS_FILE = "draft_vocab_counts.pt"
-PRIMARY_CASE = "serving (params.analysis)"
+BREAK_EVEN_FILE = "break_even.json"  # the embedded loop's break-even, measured once on the first staged draft
 
 
 def cpu_threads_split() -> tuple[int, int] | None:
@@ -100,7 +107,11 @@ class StagedWorker:
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> list[int]:
-        """Stage every size it can while generation runs; returns the sizes trained by this call."""
+        """Stage every size it can while generation runs; returns the sizes trained by this call.
+
+        Every size, recorded or not, is first matched with the slice stage 5 would train it on now (`_wait_for_slice`):
+        a recorded size whose samples differ (a failed prompt was answered since) is reported and set aside, and the
+        size is staged again; a new size starts only while generation runs."""
         params = self.params
         order = read_training_order(self.run_dir, params.training.heldout_size, params.run.seed)
         if order is None:
@@ -108,19 +119,31 @@ class StagedWorker:
                            "stages 4-6 run after generation")
             return []
         record = StagedRecord.load(self.run_dir, params.run.seed, params.training.heldout_size)
+        check_order(record, order, self.run_dir)
+        record.order_sha256 = order_sha256(order)
         share_cores()
         class_a = class_a_keys(self.run_dir)
         planned_prompts = planned_prompt_count(order, class_a)
+        # Stage 3 retries the errors of earlier sessions (generation.retry_errors): only this session's are final.
+        first_session = next_session(self.run_dir) if params.generation.retry_errors else None
         trained = []
         try:
             for size in sizes_to_stage(params.training.data_sizes):
                 entry = record.slices.get(size)
-                if entry is not None and entry.status == "done":
-                    continue
-                if entry is None:
-                    entry = self._wait_for_slice(size, order, class_a, record, planned_prompts)
-                    if entry is None:
+                found = self._wait_for_slice(size, order, class_a, first_session, record, new=entry is None)
+                if found is None:
+                    break
+                train, answered = found
+                if entry is not None and (problem := slice_mismatch(entry, train, order)) is not None:
+                    self._set_aside(entry, record, problem)
+                    entry = None
+                    if not self.generation.running():
+                        logger.info("staged run: generation has ended; size %d and larger are left to stages 4-6", size)
                         break
+                if entry is None:
+                    entry = self._record_slice(size, train, answered, record, planned_prompts)
+                elif entry.status == "done":
+                    continue
                 else:
                     logger.info("staged size %d: resuming its training on the %d samples recorded in staged/slices.json", size, len(entry.train))
                 self._stage_size(entry, record, planned_prompts)
@@ -129,34 +152,65 @@ class StagedWorker:
             self._close()
         return trained
 
-    def _wait_for_slice(self, size: int, order, class_a, record: StagedRecord, planned_prompts: int) -> SliceEntry | None:
-        """Wait until size's slice is settled and record it; None when generation ended first (or cannot fill it)."""
+    def _wait_for_slice(self, size: int, order, class_a, first_session: int | None, record: StagedRecord,
+                        new: bool) -> tuple[list, int] | None:
+        """(the slice stage 5 would train `size` on, prompts answered) once it is settled; None when generation ended
+        before a new size's slice was, or when every sample is settled and too few can train."""
         while True:
             running = self.generation.running()  # read before the logs: once ended, the logs hold every answer
-            if not running:
+            if new and not running:
                 logger.info("staged run: generation has ended; size %d and larger are left to stages 4-6", size)
                 return None
-            settled = read_settled(self.run_dir, class_a)
+            # An ended generation retries nothing more until a resume, so then every error is a hole stage 5 skips.
+            settled = read_settled(self.run_dir, class_a, first_session if running else None)
             prefix = settled_prefix(order, settled)
             if prefix.heldout is not None and len(prefix.train) >= size:
                 keys = set(prefix.heldout) | set(prefix.train) | set(record.heldout)
                 keys.update(key for item in record.slices.values() for key in item.train)
                 _, samples = write_staged_data(self.run_dir, keys, self.params, self._load_tokenizer())
+                self._check_heldout(record, [key for key in prefix.heldout if key in samples])
                 train = slice_for(size, prefix, samples)
                 if train is not None:
-                    if not record.heldout:
-                        record.heldout = [key for key in prefix.heldout if key in samples]
-                    entry = SliceEntry(size=size, train=train, started=now(), answered_at_start=len(settled.answered))
-                    record.slices[size] = entry
-                    record.save(self.run_dir)  # before training: a resume trains this size on these samples
-                    logger.info("staged size %d: its slice is answered (%d of %d prompts answered so far); training it while "
-                                "generation runs", size, len(settled.answered), planned_prompts)
-                    return entry
+                    return train, len(settled.answered)
                 if prefix.complete:
                     logger.warning("staged size %d: every planned sample is settled and only %d can train; not staged", size,
                                    len([key for key in prefix.train if key in samples]))
                     return None
+            if not running:
+                logger.warning("staged size %d: generation has ended before its slice could be settled; left to stages 4-6", size)
+                return None
             self.generation.wait(self.poll_s)
+
+    def _check_heldout(self, record: StagedRecord, heldout: list) -> None:
+        """The held-out set is fixed at the first size; if stage 5's would now differ, every staged score is on another set."""
+        if not record.heldout:
+            record.heldout = heldout
+        elif record.heldout != heldout:
+            raise RuntimeError(f"staged run: the held-out set stage 5 will score on differs from the one the staged sizes were scored on "
+                               f"({len(heldout)} vs {len(record.heldout)} samples; a held-out prompt that had failed was answered since): "
+                               "move staged/ aside to start the staged run over")
+
+    def _record_slice(self, size: int, train: list, answered: int, record: StagedRecord, planned_prompts: int) -> SliceEntry:
+        entry = SliceEntry(size=size, train=train, train_sha256=keys_sha256(train), started=now(), answered_at_start=answered)
+        record.slices[size] = entry
+        record.save(self.run_dir)  # before training: a resume trains this size on these samples
+        logger.info("staged size %d: its slice is answered (%d of %d prompts answered so far); training it while generation runs",
+                    size, answered, planned_prompts)
+        return entry
+
+    def _set_aside(self, entry: SliceEntry, record: StagedRecord, problem: str) -> None:
+        """Report a recorded size whose samples are not stage 5's, move its training folder aside, and forget it."""
+        folder = self.staged_dir / "training" / f"size-{entry.size:07d}"
+        aside = folder.with_name(f"{folder.name}.set-aside-{dt.datetime.now():%Y%m%d-%H%M%S}")
+        if folder.exists():
+            folder.rename(aside)
+        record.set_aside.append({"size": entry.size, "problem": problem, "train_sha256": entry.train_sha256, "at": now(),
+                                 "folder": str(aside.relative_to(self.run_dir))})
+        del record.slices[entry.size]
+        self._agreements.pop(entry.size, None)
+        record.save(self.run_dir)
+        logger.warning("staged size %d: %s; its draft is set aside (%s) and not forecast from, and the size is staged again on "
+                       "stage 5's samples", entry.size, problem, aside.relative_to(self.run_dir))
 
     def _stage_size(self, entry: SliceEntry, record: StagedRecord, planned_prompts: int) -> None:
         from eaglekit.capture.shards import ShardDataset
@@ -205,39 +259,78 @@ class StagedWorker:
     # ---- stage 6's part: score every staged size, rewrite the answer ------------------------------
     def _forecast(self, record: StagedRecord, captured, heldout_indices: list[int], planned_prompts: int, seconds: float) -> None:
         from eaglekit.analysis.acceptance import sweep_acceptance
-        from eaglekit.analysis.answer import forecast_answer, sweep_scaling
-        from eaglekit.analysis.break_even import break_even_from_throughput
+        from eaglekit.analysis.answer import break_even_cases, forecast_answer, lower_bound_sizes, serving_case, sweep_scaling
         from eaglekit.analysis.checkpoints import offline_agreements_by_size
         from eaglekit.analysis.forecast import ANSWER_FILE
+        from eaglekit.analysis.stage import run_looks
         from eaglekit.run_folder import stage_dir
 
-        params, settings = self.params, self.params.analysis
+        params, settings, training = self.params, self.params.analysis, self.params.training
         steps = settings.chain_steps
         done = record.done_sizes()
         heldout = [captured[index] for index in heldout_indices]
         new = {size: Path(record.slices[size].result["best_checkpoint"]) for size in done if size not in self._agreements}
         self._agreements.update(offline_agreements_by_size(new, self._head.embed_tokens, self._head.lm_head, heldout, steps,
-                                                           params.training.max_length))
+                                                           training.max_length))
         acceptance = sweep_acceptance({size: self._agreements[size] for size in done}, steps, settings.bootstrap_resamples,
                                       settings.confidence, params.run.seed)
-        serving = break_even_from_throughput(settings.baseline_tokens_per_s, settings.speculative_tokens_per_s, settings.measured_accept_length)
-        lower_bounds = [float(size) for size in done if not record.slices[size].result.get("converged", True)]
-        scaling = sweep_scaling(acceptance, serving.break_even_accept_length, max_accept_length=steps + 1.0, confidence=settings.confidence,
+        serving = serving_case(settings)  # the user's timings; without them, this target's own loop
+        cases = break_even_cases(serving, None if serving is not None else self._embedded_break_even(record, heldout))
+        if not cases:
+            logger.warning("staged forecast after sizes %s: no break-even (no serving timings in params.analysis and no local target "
+                           "to time the loop on); stage 6 measures it", done)
+            return
+        lower_bounds = lower_bound_sizes([record.slices[size].result for size in done], training.min_improvement,
+                                         annealed=training.decay_steps != 0 and training.decay_fraction > 0)
+        scaling = sweep_scaling(acceptance, next(iter(cases.values())), max_accept_length=steps + 1.0, confidence=settings.confidence,
                                 target_accept_length=settings.target_accept_length, lower_bound_sizes=lower_bounds)
-        answer = forecast_answer(acceptance, scaling, params.training.data_sizes, {PRIMARY_CASE: serving.break_even_accept_length},
-                                 max_accept_length=steps + 1.0, confidence=settings.confidence, full_size=settings.full_data_size,
-                                 lower_bound_sizes=lower_bounds)
+        answer = forecast_answer(acceptance, scaling, training.data_sizes, cases, max_accept_length=steps + 1.0,
+                                 confidence=settings.confidence, full_size=settings.full_data_size, lower_bound_sizes=lower_bounds,
+                                 looks=run_looks(self.run_dir, training.data_sizes), seed=params.run.seed)
         answer.save(stage_dir(self.run_dir, "analysis") / ANSWER_FILE)
         answered = len(read_settled(self.run_dir, frozenset()).answered)
         running = self.generation.running()
         measured = {float(size): round(float(tau), 4) for size, tau in zip(scaling.overall["data_size"], scaling.overall["tau_pooled"])}
         with AppendLog(self.staged_dir / FORECASTS_FILE) as log:
             log.append({"updated": answer.updated, "sizes": answer.sizes, "tau": measured, "verdict": answer.verdict, "line": answer.line,
+                        "break_even_case": answer.primary, "break_even": cases[answer.primary], "lower_bound_sizes": sorted(lower_bounds),
                         "generation_running": running, "answered": answered, "planned_prompts": planned_prompts,
                         "seconds": round(seconds, 1)})
-        logger.info("staged forecast after sizes %s (generation %s, %d of %d prompts answered): %s",
+        logger.info("staged forecast after sizes %s (generation %s, %d of %d prompts answered; break-even %.3f, %s): %s",
                     ", ".join(f"{size:g}" for size in answer.sizes), "still running" if running else "ended", answered,
-                    planned_prompts, answer.line)
+                    planned_prompts, cases[answer.primary], answer.primary, answer.line)
+
+    def _embedded_break_even(self, record: StagedRecord, heldout: list[dict]):
+        """This target's own break-even, from the real loop with the smallest staged draft on held-out prompts (the
+        cycle's cost hardly depends on the draft's quality), measured once and kept in staged/break_even.json. None
+        when the target runs in an engine (no local model to time).
+        Timed while generation shares the machine: greedy and speculative alternate, so the load hits both alike."""
+        from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
+        from eaglekit.analysis.checkpoints import evaluate_speculative_loop, heldout_prompts, load_draft_checkpoint
+        from eaglekit.analysis.stage import one_torch_thread
+
+        settings = self.params.analysis
+        path = self.staged_dir / BREAK_EVEN_FILE
+        if path.exists():
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            return BreakEven(**{**saved, "assumptions": tuple(saved["assumptions"])})
+        _, source, _ = self._load_target()
+        if self._target[2] is not None:
+            return None
+        smallest = record.done_sizes()[0]
+        draft = load_draft_checkpoint(Path(record.slices[smallest].result["best_checkpoint"]), self._head.embed_tokens)
+        prompts = heldout_prompts(heldout, settings.specdec_prompts, max_prompt_tokens=self.params.training.max_length)
+        with one_torch_thread():
+            loop = evaluate_speculative_loop(source, draft, [prompt["input_ids"] for prompt in prompts], settings.chain_steps,
+                                             settings.specdec_max_new_tokens, [int(self._load_tokenizer().eos_token_id)])
+        summary = loop.summary
+        case = break_even_from_throughput(summary["greedy_tokens_per_second"], summary["speculative_tokens_per_second"],
+                                          summary["tau_loop_pooled"], draft_length=settings.chain_steps)
+        write_json(path, case.to_dict())
+        logger.info("staged run: this target's break-even tau %.3f, from the real loop with the %d-sample draft on %d held-out prompts "
+                    "(staged/%s; stage 6 measures it again with the largest draft)", case.break_even_accept_length, smallest,
+                    len(prompts), BREAK_EVEN_FILE)
+        return case
 
     # ---- the target, loaded once for every slice --------------------------------------------------
     def _load_tokenizer(self):
