@@ -47,6 +47,9 @@ def test_fit_recovers_a_saturating_curve_from_per_sample_bootstrap():
     assert "extrapolation" in needed.statement
     assert needed.data_size_low < needed.data_size < needed.data_size_high
 
+    beyond = data_needed(fit, 2.595)  # true curve: N ~ 3.2e6, 25x the largest size: past 3 doublings
+    assert beyond.reachable and "not predicted within 3 doublings" in beyond.statement and "no size is given" in beyond.statement
+
     ceiling = data_needed(fit, 3.5, label="break-even")
     assert not ceiling.reachable and ceiling.data_size is None
     assert "stays below the break-even accept length 3.5" in ceiling.statement
@@ -149,12 +152,12 @@ def test_local_slope_recovers_a_known_slope_per_doubling_and_counts_doublings():
     assert slope.doublings_measured == pytest.approx(4.0)
     point, low, high = slope.doublings_to(1.1 + 0.06 * 4 + 0.3)  # 0.3 above the largest: 5 doublings
     assert point == pytest.approx(5.0) and low < 5.0 < high
-    text = slope.doublings_statement(1.64, "break-even")
-    assert "5.0 more doublings" in text and "32x the largest" in text and "lower bound on the data needed" in text
+    text = slope.doublings_statement(1.34 + 0.12, "break-even")  # 2 doublings at +0.06
+    assert "2.0 more doublings" in text and "4x the largest" in text and "lower bound on the data needed" in text
     assert "320 samples were still improving" in slope.statement()
     assert slope.doublings_to(1.0) == (0.0, 0.0, 0.0)
-    far = slope.doublings_statement(1.34 + 0.06 * 25, "break-even")  # 25 doublings at +0.06
-    assert "25 more doublings" in far and "not a way to get there" in far and "x the largest" not in far
+    for far in (slope.doublings_statement(1.64, "break-even"), slope.doublings_statement(1.34 + 0.06 * 25, "break-even")):  # 5, 25
+        assert "more than 3 doublings" in far and "no count is given" in far and "5.0" not in far and "25" not in far
     flat = local_slope(sizes, np.full(5, 1.2), _paired_replicates(np.full(5, 1.2), rng))
     assert flat.slope == pytest.approx(0.0, abs=1e-12) and flat.doublings_to(2.0)[0] == math.inf
     assert "not shown to get there" in flat.doublings_statement(2.0)
@@ -192,7 +195,7 @@ def test_three_sizes_and_a_three_parameter_curve_are_not_identified():
     # Data needed only as doublings at the measured slope: (2.07 - 1.54) / 0.05 = 10.6.
     needed = answer["doublings_needed"][0]
     assert needed["doublings"] == pytest.approx((2.07 - 1.54) / 0.05, rel=1e-6)
-    assert "more doublings of data at the measured slope" in needed["statement"]
+    assert "more than 3 doublings of data at the measured slope" in needed["statement"]  # 10.6: past what 3 sizes speak for
     assert "samples to" not in " ".join(answer["statements"])  # no point estimate of a data size anywhere
 
 

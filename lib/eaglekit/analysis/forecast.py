@@ -46,7 +46,8 @@ from typing import Any
 
 import numpy as np
 
-from eaglekit.analysis.scaling import LocalSlope, fit_log_linear_rows, fit_saturating_rows, leave_one_size_out_error, local_slope
+from eaglekit.analysis.scaling import (MAX_DOUBLINGS_BEYOND, LocalSlope, fit_log_linear_rows, fit_saturating_rows, leave_one_size_out_error,
+                                      local_slope)
 from eaglekit.io import write_json
 
 # The curve families the interval spans, and what each stands for.
@@ -57,9 +58,6 @@ FAMILIES = {
     "plateau": "no gain past the largest measured size: a knee just past the data",
 }
 MEASURED_SHAPE = ("log-linear", "saturating")  # the families the point forecast averages
-# No tau is forecast further than this past the largest measured size: the families' spread there is the
-# choice of curve, not anything measured.
-MAX_DOUBLINGS_BEYOND = 3.0
 # Draft-to-draft training noise (sd of tau between drafts of one size, same held-out set) and its degrees of
 # freedom, used when no second seed was trained: docs/forecast.md, "Training noise".
 TRAINING_NOISE_PRIOR = (0.013, 4)

@@ -224,8 +224,9 @@ class DataNeeded:
         return asdict(self)
 
 
-# Beyond this multiple of the largest measured size a fitted N is reported as out of reach, not as a forecast.
-FORECAST_LIMIT = 100.0
+# No data size or tau is stated further than this many doublings past the largest measured size: there the
+# curves the sizes cannot tell apart diverge (docs/forecast.md backtests knees and S-curves).
+MAX_DOUBLINGS_BEYOND = 3.0
 
 
 def data_needed(fit: ScalingFit, target_accept_length: float, label: str = "target") -> DataNeeded:
@@ -239,14 +240,15 @@ def data_needed(fit: ScalingFit, target_accept_length: float, label: str = "targ
     reachable_fraction = float(np.isfinite(sizes).mean())
     largest = float(fit.data_sizes.max())
     percent = f"{fit.confidence:.0%}"
-    if math.isfinite(point):
-        where = (
-            f"{point / largest:.3g}x beyond the largest size measured ({largest:.3g}), an extrapolation"
-            + (" too far to read as a forecast: within reach of this kind of data it is not" if point > FORECAST_LIMIT * largest else "")
-            if point > largest
-            else f"within the measured range (largest {largest:.3g})"
-        )
-        upper = "not reached" if not math.isfinite(high) else f"{high:.3g}"
+    reach = largest * 2.0**MAX_DOUBLINGS_BEYOND
+    if math.isfinite(point) and point > reach:
+        statement = (f"Reaching {label} accept length {target_accept_length:.3g} is not predicted within {MAX_DOUBLINGS_BEYOND:g} doublings "
+                     f"of the largest size measured ({largest:.3g}, so beyond {reach:.3g} samples): past what the sizes speak for, so "
+                     "no size is given.")
+    elif math.isfinite(point):
+        where = (f"{point / largest:.3g}x beyond the largest size measured ({largest:.3g}), an extrapolation" if point > largest
+                 else f"within the measured range (largest {largest:.3g})")
+        upper = "not reached" if not math.isfinite(high) else f"beyond {reach:.3g}" if high > reach else f"{high:.3g}"
         statement = (
             f"Reaching {label} accept length {target_accept_length:.3g} needs about {point:.3g} training samples "
             f"({percent} interval {low:.3g} to {upper}; reached in {reachable_fraction:.0%} of bootstrap fits), {where}."
@@ -287,10 +289,6 @@ def _slope_per_doubling(log2_sizes: np.ndarray, accept_lengths: np.ndarray) -> n
     """Least-squares slope of tau on log2 N; accept_lengths (..., n) -> (...,)."""
     centered = log2_sizes - log2_sizes.mean()
     return (accept_lengths - accept_lengths.mean(axis=-1, keepdims=True)) @ centered / float(centered @ centered)
-
-
-# Beyond this many doublings (a millionfold the data) a doublings count is reported as out of reach.
-FAR_DOUBLINGS = 20
 
 
 @dataclass(frozen=True)
@@ -357,11 +355,11 @@ class LocalSlope:
         if not math.isfinite(point):
             return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g}: the measured slope is not "
                     "positive, so more data of this kind is not shown to get there.")
-        upper = "never, within the interval (the slope's interval reaches zero)" if not math.isfinite(high) else f"{high:.1f}"
-        if point > FAR_DOUBLINGS:
-            return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take {point:.0f} more doublings "
-                    f"of data at the measured slope ({self.confidence:.0%} interval {low:.0f} to {upper}): more than {FAR_DOUBLINGS} doublings, "
-                    "over a millionfold the largest size. At this slope, more data of this kind is not a way to get there.")
+        if point > MAX_DOUBLINGS_BEYOND:
+            return (f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take more than "
+                    f"{MAX_DOUBLINGS_BEYOND:g} doublings of data at the measured slope (over {2.0 ** MAX_DOUBLINGS_BEYOND:g}x the largest "
+                    "size): past what the measured sizes speak for, so no count is given.")
+        upper = (f"more than {MAX_DOUBLINGS_BEYOND:g}" if high > MAX_DOUBLINGS_BEYOND else f"{high:.1f}")
         return (
             f"Reaching the {label} accept length {target_accept_length:.3g} from {largest:.3g} would take {point:.1f} more doublings of "
             f"data at the measured slope ({self.confidence:.0%} interval {low:.1f} to {upper}), i.e. about {2.0 ** point:.3g}x the largest "
