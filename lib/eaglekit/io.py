@@ -3,13 +3,22 @@
 Every output is either written atomically (temp file in the same folder, fsync, rename) or is an
 append-only JSONL log whose torn last line is repaired on open. Nothing half-written is ever read
 as complete.
+
+A writer killed mid-write (kill -9, OOM, a lost node) leaves its temp file behind, up to a whole
+checkpoint or model in size. Temp files are named `.<target>.<pid>@<host>.<random>.tmp`, so the next
+atomic write of the same target removes those whose writer is dead (`remove_stale_temp_files`), and
+a resume sweeps the folders it owns the same way: one mechanism for every atomic writer in the kit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import glob
 import json
 import os
+import re
+import socket
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -32,19 +41,83 @@ class InputError(ValueError):
         return {"file": self.path, "line": self.line, "field": self.field, "reason": self.reason}
 
 
+TEMP_SUFFIX = ".tmp"
+# `<pid>@<host>` of the writer, then mkstemp's random part (letters, digits, "_": never a dot).
+_WRITER_TAIL = re.compile(r"^(?P<target>.+)\.(?P<pid>\d+)@(?P<host>[A-Za-z0-9-]+)$")
+
+
+def _host() -> str:
+    """This machine's name as a temp-file name can carry it (no dots: they separate the name's parts)."""
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def _temp_prefix(target_name: str) -> str:
+    return f".{target_name}.{os.getpid()}@{_host()}."
+
+
+def _temp_file_writer(name: str) -> tuple[str, int | None, str | None] | None:
+    """(target name, writer pid, writer host) of an `atomic_write` temp file name, None for other names.
+
+    A temp file from before writers named themselves (`.<target>.<random>.tmp`) has pid and host None."""
+    if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
+        return None
+    body = name[1:-len(TEMP_SUFFIX)]
+    if "." not in body:
+        return None
+    rest = body.rsplit(".", 1)[0]  # drop mkstemp's random part
+    match = _WRITER_TAIL.match(rest)
+    if match is None:
+        return rest, None, None
+    return match["target"], int(match["pid"]), match["host"]
+
+
+def remove_stale_temp_files(folder: str | os.PathLike, target: str = "*", every_writer: bool = False) -> list[Path]:
+    """Delete the temp files `atomic_write` left in `folder` for targets matching the glob `target`.
+
+    A temp file is stale when its writer is dead: a pid on this machine that no longer runs, or a
+    file from before writers named themselves. A live writer's file, and one written on another
+    machine (a shared filesystem: its pid means nothing here), are kept, unless `every_writer`, for a
+    folder whose files only the caller writes (a capture rank's own shards). Returns what it removed.
+    """
+    folder, host, removed = Path(folder), _host(), []
+    if not folder.is_dir():
+        return removed
+    for entry in os.scandir(folder):
+        parsed = _temp_file_writer(entry.name)
+        if parsed is None or not entry.is_file(follow_symlinks=False) or not fnmatch.fnmatchcase(parsed[0], target):
+            continue
+        _, pid, writer_host = parsed
+        dead = pid is None or (writer_host == host and not pid_alive(pid))
+        if every_writer or dead:
+            with contextlib.suppress(FileNotFoundError):  # another cleaner got there first
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+    return removed
+
+
 @contextlib.contextmanager
-def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8") -> Iterator[IO]:
-    """Open a temp file beside `path`; on success fsync and rename it over `path`, else delete it."""
+def atomic_write(path: str | os.PathLike, mode: str = "w", encoding: str | None = "utf-8",
+                 previous: str | os.PathLike | None = None) -> Iterator[IO]:
+    """Open a temp file beside `path`; on success fsync and rename it over `path`, else delete it.
+
+    Stale temp files of `path` (their writer is dead) are removed first, so a target rewritten after a
+    kill never keeps the killed write's temp file. `previous`: the file at `path` is first renamed
+    there (a rotation: `path` is the new file, `previous` the one before it). A crash between the two
+    renames leaves `previous` whole and `path` absent, so a reader tries `path`, then `previous`.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if "b" in mode:
         encoding = None
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temp_files(path.parent, glob.escape(path.name))
+    fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, mode, encoding=encoding) as handle:
             yield handle
             handle.flush()
             os.fsync(handle.fileno())
+        if previous is not None and path.exists():
+            os.replace(path, previous)
         os.replace(tmp_name, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

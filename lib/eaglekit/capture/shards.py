@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 from eaglekit.generation.capacity import hidden_state_bytes_per_token
-from eaglekit.io import AppendLog, atomic_write, write_json
+from eaglekit.io import AppendLog, atomic_write, remove_stale_temp_files, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +222,8 @@ class ShardWriter:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
-        # Temp shards of this rank were left by a killed run; only this rank writes them, so they are safe to drop.
-        for stray in self.output_dir.glob(f".shard-r{rank:02d}-*.tmp"):
-            stray.unlink()
+        # Temp shards of this rank were left by a killed run; only this rank writes them, so all are safe to drop.
+        remove_stale_temp_files(self.output_dir, f"shard-r{rank:02d}-*", every_writer=True)
         existing = read_rank_indexes(self.output_dir).get(rank, [])
         self.next_shard_number = 1 + max((record["shard_number"] for record in existing), default=-1)
         self._buffer: list[CapturedSample] = []
