@@ -98,3 +98,19 @@ def test_loop_table_names_each_prompt_and_a_lossy_loop_is_refused(tmp_path):
                                 per_prompt=[{**row, "outputs_equal": row["prompt"] != 1} for row in report.per_prompt])
     with pytest.raises(RuntimeError, match=r"differs from plain greedy decoding on prompts \[1\]"):
         lossy.require_lossless()
+
+
+def test_a_checkpoint_with_nan_weights_is_refused_before_any_tau(tmp_path):
+    """What a run that trained on a NaN feature saved before the guard: loading it for scoring names the file."""
+    from eaglekit.analysis.checkpoints import load_draft_checkpoint
+
+    target = tiny_target()
+    target.save_pretrained(tmp_path / "target")
+    head = load_target_head_weights(tmp_path / "target")
+    vocab = select_draft_vocab(count_generated_tokens(samples_from_target(target, 3, seed=3), target.config.vocab_size), 200)
+    draft = build_draft_from_target(head, vocab.d2t, vocab.t2d)
+    state = {name: tensor.clone() for name, tensor in draft.state_dict().items()}
+    state["fc.weight"][0, 0] = float("nan")
+    save_checkpoint(tmp_path / "best.pt", state, {}, {"step": 4}, TrainSettings(), draft)
+    with pytest.raises(RuntimeError, match=rf"{tmp_path / 'best.pt'}: the draft's weights \['fc.weight'\] hold NaN"):
+        load_draft_checkpoint(tmp_path / "best.pt", head.embed_tokens)

@@ -168,3 +168,19 @@ def test_measured_topology_sweep(target, embedded_model_dir, exports, heldout_sa
     assert by_name.loc["tree:2,2,6", "tau"] >= by_name.loc["chain:2", "tau"] - 1e-9
     choice = recommend(table, costs)
     assert choice["sglang"]["topology"] in by_name.index and "vllm" in choice
+
+
+def test_an_export_with_nan_weights_is_refused_before_any_tau(tmp_path):
+    """A NaN written into an exported model.safetensors (an export from before the guard, or a damaged copy):
+    evaluating it names the folder instead of reporting the accept length a NaN draft fakes."""
+    from safetensors.torch import load_file, save_file
+
+    from support import samples_from_target, tiny_draft, tiny_target
+
+    tiny = tiny_target()
+    folder = export_sglang(tiny_draft(tiny, samples_from_target(tiny, 3, seed=5)), tiny.config, tmp_path / "sglang")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["lm_head.weight"][3, 1] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match=rf"{folder}: the draft's weights \['lm_head.weight'\] hold NaN"):
+        load_draft_for_target(folder, tiny)

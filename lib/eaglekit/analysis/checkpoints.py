@@ -146,6 +146,7 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target_embed_tokens: torc
     target_embed_tokens (V, H): the target's frozen embeddings, which checkpoints do not carry.
     """
     from eaglekit.training import load_checkpoint, load_draft_weights
+    from eaglekit.training.finite import require_finite_draft
 
     checkpoint_path = Path(checkpoint_path)
     if not checkpoint_path.exists():
@@ -160,6 +161,7 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target_embed_tokens: torc
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target_embed_tokens.float())
     load_draft_weights(draft, checkpoint)
+    require_finite_draft(draft, str(checkpoint_path))  # a NaN draft's argmax agrees by accident: no tau from it
     return draft.eval()
 
 

@@ -109,10 +109,12 @@ def load_draft_for_target(draft_dir: str | Path, target: nn.Module) -> Eagle3Dra
     """An export (SGLang or vLLM folder) rebuilt with the target's embeddings, checked against the target,
     in the target's dtype (a bf16 export runs in float32 next to a float32 target)."""
     from eaglekit.draft.export import cast_weights, check_against_target, load_export
+    from eaglekit.training.finite import require_finite_draft
 
     embed = target.get_input_embeddings().weight.detach()
     draft = load_export(draft_dir, embed.cpu(), target_num_hidden_layers=int(target.config.num_hidden_layers))
     check_against_target(draft, target.config)
+    require_finite_draft(draft, str(draft_dir))  # a NaN draft's argmax agrees by accident: no tau from it
     cast_weights(draft, embed.dtype)
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(embed.cpu())  # full precision, not the export dtype load_export used

@@ -259,7 +259,16 @@ def vllm_config(
     }
 
 
+def _check_exportable(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: Path) -> None:
+    """Refuse a draft that contradicts its target, or whose weights hold NaN or inf (a server would run it without an error)."""
+    from eaglekit.training.finite import require_finite_draft  # training imports draft: imported here, not at the top
+
+    check_against_target(model, target_config)
+    require_finite_draft(model, f"export to {output_dir}")
+
+
 def _write_folder(output_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Weights, then config (each atomic; stale temp files of a killed export go with the next write, `io.atomic_write`)."""
     output_dir.mkdir(parents=True, exist_ok=True)
     with atomic_write(output_dir / WEIGHTS_FILE, "wb") as handle:
         handle.write(_safetensors_bytes(tensors))
@@ -274,8 +283,8 @@ def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 
 
 def export_sglang(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the SGLang-loadable folder (config.json + model.safetensors); refuses a mismatched draft."""
-    check_against_target(model, target_config)
+    """Write the SGLang-loadable folder (config.json + model.safetensors); refuses a mismatched or non-finite draft."""
+    _check_exportable(model, target_config, Path(output_dir))
     folder = _write_folder(Path(output_dir), sglang_config(model, target_config, dtype), _export_tensors(model, dtype))
     validate_export(folder, target_config)
     return folder
@@ -290,8 +299,9 @@ def export_vllm(
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
     """Write the vLLM / speculators folder (speculators config.json; `layers.0.*` names plus the target's
-    embed_tokens). verifier_name_or_path: see vllm_config (written as a portable reference)."""
-    check_against_target(model, target_config)
+    embed_tokens). verifier_name_or_path: see vllm_config (written as a portable reference). Refuses a mismatched
+    or non-finite draft."""
+    _check_exportable(model, target_config, Path(output_dir))
     config = vllm_config(model, target_config, verifier_name_or_path, speculative_tokens, dtype)
     folder = _write_folder(Path(output_dir), config, _export_tensors(model, dtype, "vllm"))
     validate_export(folder, target_config)

@@ -3,6 +3,11 @@
 The draft is unrolled on its own states exactly as in training (== serving); a chain start counts when
 all its predicted tokens exist and the target generated them. tau is DESIGN's offline definition for a
 greedy chain (eaglekit.analysis.acceptance pools it).
+
+No tau comes from a NaN: a draft whose weights or logits are not finite, or a held-out sample whose
+features are not, stops the scoring with the sample or the tensors named (eaglekit.training.finite):
+torch's argmax takes NaN for the maximum, so NaN logits all propose one token, which can agree with
+a target argmax taken over NaN states and fake a perfect score.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from eaglekit.analysis.acceptance import chain_counts, pooled_accept_length
 from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.topology import Topology
 from eaglekit.training.batch import collate, device_autocast, eligible_rows
+from eaglekit.training.finite import NonFiniteError, all_finite, raise_for_features, require_finite_draft
 from eaglekit.training.split import token_reader
 from eaglekit.training.teacher import TargetArgmaxCache
 
@@ -88,6 +94,7 @@ def per_position_agreement(
         extra = sorted(index for index, count in named.items() if count > 1 or not 0 <= index < len(samples))
         raise ValueError(f"batches must name each of the {len(samples)} samples exactly once: missing {missing[:10]}, "
                          f"repeated or out of range {extra[:10]}")
+    require_finite_draft(model, "held-out scoring")
     if target_cache is not None:
         target_cache.bind(target_lm_head.to(device))
     was_training = model.training
@@ -97,6 +104,7 @@ def per_position_agreement(
     for batch_indices in batches:
         chunk = [samples[index] for index in batch_indices]
         batch = collate(chunk, max_length).to(device)
+        finite = all_finite(batch.aux_hidden_states, batch.final_hidden_states)  # read once per batch, with the agreement
         with device_autocast(device):
             step_states = model(batch.input_ids, batch.aux_hidden_states, chain_steps, return_normed_states=True)  # k x (B, T, H)
         if target_cache is None:
@@ -112,7 +120,12 @@ def per_position_agreement(
         for step, states in enumerate(step_states):
             with device_autocast(device):
                 logits = model.lm_head(states[rows, starts])  # (N, Vd)
+            finite &= all_finite(logits)
             agree[step, rows, starts] = draft_to_target[logits.argmax(-1)] == target_argmax[rows, starts + 1 + step]
+        if not bool(finite):
+            raise_for_features(chunk, samples, "held-out scoring")
+            raise NonFiniteError(f"held-out scoring: the draft's logits on samples {[str(sample['id']) for sample in chunk]} are not "
+                                 "finite although its weights and their features are (an overflow in the forward): no tau is computed")
         for row, (index, sample) in enumerate(zip(batch_indices, chunk)):
             start_rows = torch.nonzero(complete[row]).flatten()
             results[index] = SampleAgreement(
