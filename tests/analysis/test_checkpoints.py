@@ -59,7 +59,7 @@ def test_ablation_variants_are_scored_from_the_record_and_drawn(tmp_path):
         draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, seed=seed)
         path = tmp_path / "run" / entry.best_checkpoint
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_checkpoint(path, draft.state_dict(), {}, {}, TrainSettings(), draft)
+        save_checkpoint(path, draft.state_dict(), {}, {"step": entry.best_step}, TrainSettings(), draft)  # the step sweep.json names
     sweep = dataclasses.replace(base, ablation=ablation)
 
     table = score_ablation(sweep, tmp_path / "run", head.embed_tokens, head.lm_head, samples, steps=2, max_length=64, num_resamples=20)

@@ -22,6 +22,7 @@ from eaglekit.draft.export import (
 )
 from eaglekit.io import InputError
 from eaglekit.draft.vocab import select_draft_vocab
+from killed_writer import kill_mid_write
 from support import randomize_norms, samples_from_target, target_head, tiny_draft, tiny_target
 
 # DESIGN "Draft checkpoint": the exact tensor set, written out by hand (not derived from the code under test).
@@ -152,6 +153,33 @@ def test_refuses_draft_that_contradicts_target(trained, tmp_path):
     with pytest.raises(DraftTargetMismatch, match="t2d disagrees"):
         export_sglang(unmapped, target.config, tmp_path / "e")
     assert not (tmp_path / "a").exists()
+
+
+def test_refuses_a_draft_with_nan_weights(trained, tmp_path):
+    """A server runs a NaN draft without an error; its argmax is draft id 0 everywhere."""
+    target, _, model = trained
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.midlayer.mlp.down_proj.weight[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match=r"midlayer\.mlp\.down_proj\.weight.*NaN or inf"):
+        export_vllm(broken, target.config, tmp_path / "vllm", verifier_name_or_path="tiny-target")
+    assert not (tmp_path / "vllm" / "model.safetensors").exists()
+
+
+def test_an_export_killed_mid_write_leaves_no_temp_file_once_it_runs_again(trained, tmp_path):
+    """kill -9 of a real process writing the export's model.safetensors (48 MiB in), then the export again:
+    no `.model.safetensors.*.tmp` is left beside the model, and the model is whole."""
+    target, samples, model = trained
+    folder = tmp_path / "export" / "vllm"
+    folder.mkdir(parents=True)
+    kill_mid_write(folder / "model.safetensors", 48)
+    export_vllm(model, target.config, folder, verifier_name_or_path="tiny-target")
+    assert sorted(path.name for path in folder.iterdir()) == ["config.json", "model.safetensors"]
+    reloaded = load_export(folder)
+    with torch.no_grad():
+        expected = cast_weights(copy.deepcopy(model), torch.bfloat16)(samples[0]["input_ids"][None], samples[0]["aux_hidden_states"][None], 2)
+        actual = reloaded(samples[0]["input_ids"][None], samples[0]["aux_hidden_states"][None], 2)
+    assert all(torch.equal(one, two) for one, two in zip(expected, actual))
 
 
 def test_validate_catches_misnamed_and_misshaped_tensors(trained, tmp_path):

@@ -4,10 +4,14 @@ with the file and the field named; an unversioned file from an earlier run still
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
+import torch
+
 from eaglekit.io import InputError
+from eaglekit.training.checkpoint import file_digest
 from eaglekit.training.record import (
     RECORD_VERSION,
     DraftEntry,
@@ -27,7 +31,7 @@ def test_saved_record_loads_equal_and_every_entry_carries_its_topology(tmp_path)
     loaded = SweepRecord.load_run(tmp_path)
     assert loaded == record()
     assert loaded.largest.size == 40 and loaded.still_improving() == {40.0: 0.02}
-    assert loaded.checkpoints(tmp_path) == {20: tmp_path / "training/size-0000020/best.pt", 40: tmp_path / "training/size-0000040/best.pt"}
+    assert loaded.checkpoints(tmp_path, verify=False) == {20: tmp_path / "training/size-0000020/best.pt", 40: tmp_path / "training/size-0000040/best.pt"}
     assert [entry.variant for entry in loaded.ablation] == ["original answers", "regenerated answers"]
     assert "STILL IMPROVING" in loaded.convergence_lines()[1] and "converged" in loaded.convergence_lines()[0]
     assert list(loaded.table().index) == [20, 40]
@@ -124,6 +128,10 @@ def test_an_unversioned_sweep_from_an_earlier_run_still_reads(tmp_path):
 def test_entry_from_a_sweep_row_makes_paths_relative(tmp_path):
     row = {key: value for key, value in entry(20).to_dict().items() if key not in ("variant", "topology")}
     row.update(best_checkpoint=str(tmp_path / "training/size-0000020/best.pt"), metrics_path=str(tmp_path / "training/size-0000020/metrics.jsonl"))
-    assert DraftEntry.from_sweep_row(row, CHAIN, tmp_path) == entry(20)
+    (tmp_path / "training/size-0000020").mkdir(parents=True)
+    torch.save({"progress": {"step": row["best_step"]}}, row["best_checkpoint"])  # the entry lists only a checkpoint that loads
+    digest = file_digest(row["best_checkpoint"])
+    assert DraftEntry.from_sweep_row(row, CHAIN, tmp_path) == dataclasses.replace(entry(20), checkpoint_bytes=digest.bytes,
+                                                                                 checkpoint_sha256=digest.sha256)
     with pytest.raises(ValueError):
         DraftEntry.from_sweep_row(dict(row, best_checkpoint="/elsewhere/best.pt"), CHAIN, tmp_path)

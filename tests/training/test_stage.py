@@ -137,6 +137,52 @@ def test_online_capture_trains_through_the_same_interface_as_the_shards(captured
         assert one.size == two.size and one.best_accept_length == pytest.approx(two.best_accept_length, abs=0.05)
 
 
+def test_a_nan_in_a_capture_shard_stops_stage_5_naming_the_shard_and_the_sample(captured_run, tmp_path):
+    """One NaN in one training sample's features, written into its real shard file: the stage stops at the step
+    that reads it, naming the shard and the sample, instead of logging `loss nan` and scoring a NaN draft."""
+    from safetensors.torch import load_file, save_file
+
+    from eaglekit.capture.shards import ShardDataset
+    from eaglekit.run_folder import tokenized_data_files
+    from eaglekit.training.order import sweep_split
+    from eaglekit.training.split import nested_subsets, read_conversation_keys
+
+    _, target_dir = captured_run
+    run_dir = fresh_run(captured_run, "nan")
+    params = load_params(write_params(tmp_path / "p.yaml", target_dir))
+    captured = ShardDataset(run_dir / "capture")
+    keys = captured.keys
+    _, order = sweep_split(run_dir, keys, params.training.heldout_size, params.run.seed,
+                           read_conversation_keys(tokenized_data_files(run_dir), keys))
+    record = captured.samples[nested_subsets(order, SIZES)[SIZES[0]][0]]  # a sample the smallest size trains on
+    shard = run_dir / "capture" / record["shard"]
+    tensors = load_file(shard)
+    tensors["aux_hidden_states"][record["offset"] + 3, 0] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="non-finite feature") as error:
+        run_training_stage(params, run_dir)
+    assert f"sample {record['dataset']}/{record['id']} in shard {shard}" in str(error.value)
+    assert not (run_dir / "training" / "sweep.json").exists()
+
+
+def test_a_torn_best_checkpoint_is_found_on_read_and_retrained_on_rerun(captured_run, tmp_path):
+    """best.pt of the smaller size cut in half after the sweep: reading sweep.json's checkpoints names it; rerunning
+    stage 5 restores or retrains that size, and the sweep lists a best.pt that loads, with the same held-out tau."""
+    _, target_dir = captured_run
+    run_dir = fresh_run(captured_run, "torn_best")
+    params = load_params(write_params(tmp_path / "p.yaml", target_dir))
+    first = run_training_stage(params, run_dir)
+    best = run_dir / first.runs[0].best_checkpoint
+    with open(best, "r+b") as handle:
+        handle.truncate(best.stat().st_size // 2)
+    with pytest.raises(ValueError, match=f"{best}: torn checkpoint: .*bytes, sweep.json recorded"):  # TornCheckpointError
+        SweepRecord.load_run(run_dir).checkpoints(run_dir)
+    second = run_training_stage(params, run_dir)
+    assert load_checkpoint(best)["progress"]["step"] == second.runs[0].best_step
+    assert list(second.checkpoints(run_dir)) == SIZES  # every checkpoint verified against sweep.json
+    assert [entry.best_accept_length for entry in second.runs] == [entry.best_accept_length for entry in first.runs]
+
+
 def test_params_and_sizes_are_checked_before_training(captured_run, tmp_path):
     from eaglekit.config import ParamsError
 

@@ -247,7 +247,7 @@ def score_ablation(
         return None
     tables = []
     for entry in sweep.ablation:
-        draft = load_draft_checkpoint(sweep.path(run_dir, entry.best_checkpoint), target_embed_tokens)
+        draft = load_draft_checkpoint(entry.verified_checkpoint(run_dir), target_embed_tokens)  # the file sweep.json recorded
         summary, _ = acceptance_tables(offline_agreements_by_dataset(draft, target_lm_head, samples, steps, max_length),
                                        steps, num_resamples, confidence, seed)
         tables.append(summary.assign(variant=entry.variant, data_size=entry.size))

@@ -4,16 +4,18 @@ Modules, in dependency order: settings (`TrainSettings`: the params' training se
 fields), schedule (the learning rate, pure), stopping (the progress and the stopping rule, pure), batch
 and packing (what the draft reads), teacher (the target's distribution over the draft vocab), loss (the
 reference TTT loss; the chunked one is eaglekit.draft.head_loss), heldout (simulated tau), split
-(held-out split, nested subsets, data order), distributed, metrics, checkpoint (save, load, resume_from),
-loop (`train_draft`), sweep (`train_size_sweep`), record (`sweep.json`), memory (what a GPU holds),
+(held-out split, nested subsets, data order), finite (NaN/inf guards on features, loss and drafts),
+distributed, metrics, checkpoint (save, load, resume_from, torn-file fallback), loop (`train_draft`), sweep (`train_size_sweep`), record (`sweep.json`), memory (what a GPU holds),
 stage (`run_training_stage`, and `python -m eaglekit.training`).
 
 This package re-exports the public names of those modules (stage's aside: it reads the capture stage).
 """
 
 from eaglekit.training.batch import Batch, add_feature_noise, collate, device_autocast, eligible_rows, to_device
-from eaglekit.training.checkpoint import (BEST_CHECKPOINT, LAST_CHECKPOINT, anneals_a_converged_run, check_resumable, load_checkpoint,
-                                          load_draft_weights, resume_from, save_checkpoint)
+from eaglekit.training.checkpoint import (BEST_CHECKPOINT, LAST_CHECKPOINT, PREVIOUS_CHECKPOINT, CheckpointDigest, ResumePoint,
+                                          TornCheckpointError, anneals_a_converged_run, check_resumable, find_resume_point,
+                                          load_checkpoint, load_draft_weights, resume_from, save_checkpoint, verify_checkpoint)
+from eaglekit.training.finite import NonFiniteError, require_finite_draft
 from eaglekit.training.distributed import Distributed, full_state_dicts, gradient_sync, rank_packs, setup_distributed, wrap_model
 from eaglekit.training.heldout import (SampleAgreement, heldout_batches, per_position_agreement, sample_lengths,
                                        simulated_accept_length)
@@ -29,13 +31,14 @@ from eaglekit.training.sweep import train_size_sweep
 from eaglekit.training.teacher import DISTILL_TARGETS, TargetArgmaxCache, TargetSignals, Teacher, target_signals
 
 __all__ = [
-    "BEST_CHECKPOINT", "DISTILL_TARGETS", "DRAFT_FIELDS", "LAST_CHECKPOINT", "METRICS_FILE", "Batch", "Distributed", "IndexedSubset",
-    "SampleAgreement", "StepLoss", "TargetArgmaxCache", "TargetSignals", "Teacher", "TrainProgress", "TrainResult", "TrainSettings",
+    "BEST_CHECKPOINT", "DISTILL_TARGETS", "DRAFT_FIELDS", "LAST_CHECKPOINT", "METRICS_FILE", "PREVIOUS_CHECKPOINT", "Batch",
+    "CheckpointDigest", "Distributed", "IndexedSubset", "NonFiniteError", "ResumePoint", "SampleAgreement", "TornCheckpointError", "StepLoss", "TargetArgmaxCache", "TargetSignals", "Teacher", "TrainProgress", "TrainResult", "TrainSettings",
     "ablation_sample_keys", "add_feature_noise", "anneal_length", "anneal_note", "anneals_a_converged_run", "check_resumable",
-    "collate", "conversation_key", "decay_window", "device_autocast", "eligible_rows", "evaluate_and_checkpoint", "full_state_dicts",
+    "collate", "conversation_key", "decay_window", "device_autocast", "eligible_rows", "evaluate_and_checkpoint", "find_resume_point",
+    "full_state_dicts",
     "gradient_sync", "heldout_batches", "iterate_metrics", "learning_rate_at", "load_checkpoint", "load_draft_weights",
     "nested_subsets", "per_position_agreement", "plateaued", "rank_packs", "rank_samples_at", "read_conversation_keys", "recent_gain",
-    "record_evaluation", "resume_from", "sample_index_at", "sample_lengths", "save_checkpoint", "setup_distributed", "should_stop",
+    "record_evaluation", "require_finite_draft", "resume_from", "sample_index_at", "sample_lengths", "save_checkpoint", "setup_distributed", "should_stop",
     "simulated_accept_length", "split_heldout", "step_learning_rate", "stratified_order", "target_signals", "to_device",
-    "token_reader", "train_draft", "train_size_sweep", "truncate_metrics", "ttt_loss", "ttt_step", "wrap_model",
+    "token_reader", "train_draft", "train_size_sweep", "truncate_metrics", "ttt_loss", "ttt_step", "verify_checkpoint", "wrap_model",
 ]

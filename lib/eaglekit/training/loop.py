@@ -32,8 +32,10 @@ from eaglekit.draft.head_loss import chunked_ttt_loss
 from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.io import AppendLog, format_duration
 from eaglekit.training.batch import add_feature_noise, collate, device_autocast, eligible_rows
-from eaglekit.training.checkpoint import BEST_CHECKPOINT, LAST_CHECKPOINT, resume_from, save_checkpoint
+from eaglekit.training.checkpoint import (BEST_CHECKPOINT, LAST_CHECKPOINT, PREVIOUS_CHECKPOINT, find_resume_point, prepare_resume,
+                                          resume_from, save_checkpoint)
 from eaglekit.training.distributed import Distributed, full_state_dicts, gradient_sync, rank_packs, setup_distributed, wrap_model
+from eaglekit.training.finite import all_finite, check_step
 from eaglekit.training.heldout import heldout_batches, per_position_agreement, sample_lengths, simulated_accept_length
 from eaglekit.training.metrics import METRICS_FILE
 from eaglekit.training.prefetch import Prefetcher, SerializedSamples
@@ -69,11 +71,13 @@ class TrainResult:
 @dataclass
 class StepLoss:
     """One optimizer step's loss over all ranks: loss (the weighted TTT loss), stats (k, 4) float64 on the
-    host (summed CE, counted rows, correct top-1, eligible rows per TTT step), tokens (real tokens)."""
+    host (summed CE, counted rows, correct top-1, eligible rows per TTT step), tokens (real tokens),
+    non_finite_batches (micro-batches, over all ranks, whose features hold a NaN or inf)."""
 
     loss: float
     stats: torch.Tensor
     tokens: int
+    non_finite_batches: int = 0
 
 
 @dataclass
@@ -90,6 +94,7 @@ class Run:
     total_steps: int
     output_dir: Path
     log: AppendLog | None
+    train_samples: Sequence[dict] = ()  # what the steps read from: a non-finite feature's error names its shard
 
     @property
     def label(self) -> str:
@@ -131,9 +136,12 @@ def ttt_step(run: Run, rank_samples: list[list[dict]]) -> StepLoss:
     # Stats stay on the device until the step is done: no host sync inside the micro-batch loop.
     stats = torch.zeros(training.ttt_steps, 4, dtype=torch.float64, device=device)
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    non_finite = torch.zeros((), dtype=torch.float64, device=device)
     for micro, (batch, rows, samples) in enumerate(zip(micro_batches, eligible, teacher_samples)):
         lengths = batch.lengths.tolist()  # host ints: the teacher skips padding without a device sync
         batch = batch.to(device)  # rows stay on the host: the loss picks its rows there (eaglekit.draft.head_loss)
+        # A NaN feature would turn the loss, then every weight, into NaN: counted here, read with the loss (`finite.check_step`).
+        non_finite += (~all_finite(batch.aux_hidden_states, batch.final_hidden_states)).double()
         targets = run.teacher.signals(batch.final_hidden_states, lengths, training.distill, samples, training.max_length)
         # The teacher reads the clean final states; only the features the draft reads get noise.
         features = add_feature_noise(batch.aux_hidden_states, training.feature_noise)  # (B, T, 3H)
@@ -146,11 +154,12 @@ def ttt_step(run: Run, rank_samples: list[list[dict]]) -> StepLoss:
         stats += micro_stats
         loss_total += loss.detach()
     if training.parallel != "none":
-        totals = torch.cat([stats.flatten(), loss_total.view(1)])
+        totals = torch.cat([stats.flatten(), loss_total.view(1), non_finite.view(1)])
         dist.all_reduce(totals)
-        stats, loss_total = totals[:-1].view_as(stats), totals[-1]
+        stats, loss_total, non_finite = totals[:-2].view_as(stats), totals[-2], totals[-1]
     tokens = sum(int(batch.lengths.sum()) for batch in micro_batches) * world_size
-    return StepLoss(float(loss_total), stats.cpu(), tokens)  # the step's one host sync, for the log line
+    loss_value, non_finite_batches = torch.stack([loss_total, non_finite]).tolist()  # the step's one host sync, for the log line
+    return StepLoss(loss_value, stats.cpu(), tokens, int(non_finite_batches))
 
 
 def evaluate_and_checkpoint(run: Run, progress: TrainProgress, heldout_samples: Sequence[dict],
@@ -177,7 +186,9 @@ def evaluate_and_checkpoint(run: Run, progress: TrainProgress, heldout_samples: 
     if run.distributed.is_main:
         if progress.best_step == progress.step:
             save_checkpoint(run.output_dir / BEST_CHECKPOINT, model_state, optimizer_state, progress.to_dict(), settings, run.model)
-        save_checkpoint(run.output_dir / LAST_CHECKPOINT, model_state, optimizer_state, progress.to_dict(), settings, run.model)
+        # The last.pt before this one is kept as last.prev.pt: a resume falls back to it if this one turns out torn.
+        save_checkpoint(run.output_dir / LAST_CHECKPOINT, model_state, optimizer_state, progress.to_dict(), settings, run.model,
+                        previous=run.output_dir / PREVIOUS_CHECKPOINT)
     if settings.training.parallel != "none":
         dist.barrier()
     return progress
@@ -215,7 +226,10 @@ def train_draft(
 
     target_lm_head (V, H): the target's output embedding (the teacher). Writes to `output_dir`:
     metrics.jsonl (one "train" line per step, one "heldout" line per evaluation), last.pt (resume),
-    best.pt (best held-out simulated accept length, not lowest loss). Resumes from last.pt if present.
+    best.pt (best held-out simulated accept length, not lowest loss), last.prev.pt (the last.pt before).
+    Resumes from last.pt if present (`checkpoint.find_resume_point`: a torn one falls back to last.prev.pt,
+    or to step 0, saying so). A NaN or inf in a batch's features, a step's loss or its gradient norm stops
+    training with the sample and its shard named (`finite.check_step`), before the optimizer steps.
     Under torchrun with parallel="ddp"/"fsdp" every rank calls this with the same arguments.
     target_cache: True, a `TargetArgmaxCache` for this call; a cache, shared (`train_size_sweep` passes one
     to all sizes); False, the reference path that recomputes the full-vocab argmax at every use (the
@@ -230,7 +244,7 @@ def train_draft(
     if len(train_samples) == 0 or len(heldout_samples) == 0:
         raise ValueError(f"need training and held-out samples, got {len(train_samples)} and {len(heldout_samples)}")
     last_path, metrics_path = output_dir / LAST_CHECKPOINT, output_dir / METRICS_FILE
-    if last_path.exists() and not resume:
+    if (last_path.exists() or (output_dir / PREVIOUS_CHECKPOINT).exists()) and not resume:
         raise FileExistsError(f"{last_path} exists: pass resume=True to continue that run, or choose a new output_dir")
 
     torch.manual_seed(settings.seed)
@@ -240,11 +254,17 @@ def train_draft(
     wrapped = wrap_model(model, training.parallel, device, settings.activation_checkpointing)
     trainable = [parameter for parameter in wrapped.parameters() if parameter.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, betas=(settings.beta1, settings.beta2), weight_decay=training.weight_decay)
-    resumed = last_path.exists()
-    progress = (resume_from(last_path, model, optimizer, settings, metrics_path if distributed.is_main else None) if resumed
-                else TrainProgress())
+    point = find_resume_point(output_dir)
+    if training.parallel != "none":
+        dist.barrier()  # every rank has read the folder before rank 0 changes it
+    if distributed.is_main:
+        prepare_resume(point, output_dir, metrics_path)
+    resumed = point.path is not None
+    progress = (resume_from(point.path, model, optimizer, settings, metrics_path if distributed.is_main else None, point.checkpoint)
+                if resumed else TrainProgress())
+    point.checkpoint = None  # a whole checkpoint (GBs for a large target's draft) is not held while training
     run = Run(model, wrapped, optimizer, teacher, settings, device, distributed, settings.resolved_max_steps(len(train_samples), distributed.world_size),
-              output_dir, AppendLog(metrics_path) if distributed.is_main else None)
+              output_dir, AppendLog(metrics_path) if distributed.is_main else None, train_samples)
     # The held-out set never changes: its length-sorted batches are planned once (tokens only, no features).
     eval_batches = heldout_batches(sample_lengths(heldout_samples, training.max_length), training.micro_batch_size)
 
@@ -280,6 +300,7 @@ def _train_steps(run: Run, progress: TrainProgress, upcoming: Prefetcher, traina
         rank_samples = next(upcoming)
         step = ttt_step(run, rank_samples)
         gradient_norm = float(torch.nn.utils.clip_grad_norm_(trainable, training.grad_clip))
+        check_step(progress.step + 1, step.loss, gradient_norm, step.non_finite_batches, rank_samples, run.train_samples)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         progress.step += 1

@@ -13,7 +13,10 @@ analysis.
     draft_vocab        size, coverage, counted_tokens, coverage_curve [[vocab size, share covered], ...]
     capture_dir, capture_mode, capture_layer_ids, split_seed, export {"sglang": folder, "vllm": folder}
 
-Paths are relative to the run folder (`SweepRecord.path`).
+Paths are relative to the run folder (`SweepRecord.path`). Each entry records its best checkpoint's size
+and sha256 (`checkpoint_bytes`, `checkpoint_sha256`; absent in older files), taken after the checkpoint
+was loaded back whole at its best step: a torn best.pt is never listed. `SweepRecord.checkpoints` checks
+each file against them before handing out its path, so stage 6 never scores a file cut short since.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ import pandas as pd
 
 from eaglekit.io import InputError, write_json
 from eaglekit.topology import Topology
+from eaglekit.training.checkpoint import CheckpointDigest, check_digest, verify_checkpoint
 from eaglekit.training.loop import TrainResult
 from eaglekit.training.metrics import recent_gain
 
 SWEEP_FILE = "sweep.json"
 RECORD_VERSION = 1
 RERUN = "rerun stage 5 (notebook 05, or eaglekit train --params P --run-dir D; trained sizes resume from their checkpoints)"
+RETRAIN = ("rerun stage 5: the size resumes, finds its best.pt unreadable, and restores it or trains the size again "
+           "(trained sizes resume from their checkpoints)")
 
 
 @dataclass(frozen=True)
@@ -60,13 +66,16 @@ class DraftEntry:
     recent_window_steps: list[int] | None
     recent_evaluations: int
     heldout_size: int
+    checkpoint_bytes: int | None = None  # best_checkpoint's size and sha256 when the record was written (None: an older record)
+    checkpoint_sha256: str | None = None
 
     @classmethod
     def from_sweep_row(cls, row: dict[str, Any], topology: Topology, run_dir: str | os.PathLike) -> DraftEntry:
         """From a `training.train_size_sweep` row; paths made relative to the run folder."""
         known = {item.name for item in fields(cls)} - {"variant", "topology"}
         values = {key: value for key, value in row.items() if key in known}
-        values.update(best_checkpoint=_relative(row["best_checkpoint"], run_dir), metrics_path=_relative(row["metrics_path"], run_dir))
+        values.update(best_checkpoint=_relative(row["best_checkpoint"], run_dir), metrics_path=_relative(row["metrics_path"], run_dir),
+                      **_verified_digest(row["best_checkpoint"], row["best_step"]))
         return cls(variant=f"{row['size']} samples", topology=topology, **values)
 
     @classmethod
@@ -79,10 +88,27 @@ class DraftEntry:
                    samples_by_dataset=dict(samples_by_dataset), schedule=schedule, steps=result.steps, step_cap=result.step_cap,
                    samples_seen=result.samples_seen, epochs=result.samples_seen / size, converged=result.converged,
                    stopped=result.stopped, improved_step=result.improved_step, heldout_size=heldout_size,
-                   **recent_gain(result.metrics_path, patience))
+                   **recent_gain(result.metrics_path, patience), **_verified_digest(result.best_checkpoint, result.best_step))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"topology": self.topology.to_dict()}
+
+    def verified_checkpoint(self, run_dir: str | os.PathLike) -> Path:
+        """best_checkpoint as a path on this machine, checked first: the file sweep.json recorded (size, sha256),
+        or for an older record one that loads at its best step. A torn one raises TornCheckpointError naming it."""
+        path = Path(run_dir) / self.best_checkpoint
+        if self.checkpoint_bytes is None or self.checkpoint_sha256 is None:
+            verify_checkpoint(path, self.best_step)
+        else:
+            check_digest(path, CheckpointDigest(self.checkpoint_bytes, self.checkpoint_sha256), RETRAIN)
+        return path
+
+
+def _verified_digest(path: str | os.PathLike, best_step: int) -> dict[str, Any]:
+    """What sweep.json records of a best checkpoint, once it has loaded back whole at its best step:
+    a torn one is never listed (TornCheckpointError naming the file)."""
+    digest = verify_checkpoint(path, best_step)
+    return {"checkpoint_bytes": digest.bytes, "checkpoint_sha256": digest.sha256}
 
 
 def _relative(path: str | os.PathLike, run_dir: str | os.PathLike) -> str:
@@ -125,9 +151,11 @@ class SweepRecord:
         """A path the record holds (relative to the run folder) as a path on this machine."""
         return Path(run_dir) / relative
 
-    def checkpoints(self, run_dir: str | os.PathLike) -> dict[int, Path]:
-        """{data size: best checkpoint}, ascending."""
-        return {entry.size: self.path(run_dir, entry.best_checkpoint) for entry in self.runs}
+    def checkpoints(self, run_dir: str | os.PathLike, verify: bool = True) -> dict[int, Path]:
+        """{data size: best checkpoint}, ascending, each checked against sweep.json (`DraftEntry.verified_checkpoint`)
+        unless `verify` is False (paths only)."""
+        return {entry.size: entry.verified_checkpoint(run_dir) if verify else self.path(run_dir, entry.best_checkpoint)
+                for entry in self.runs}
 
     def still_improving(self) -> dict[float, float | None]:
         """{data size: recent gain} of the drafts stopped by the step cap: their tau is a lower bound."""
@@ -237,6 +265,7 @@ _ENTRY_TYPES: dict[str, tuple[type, ...]] = {
     "samples_seen": (int,), "epochs": (float,), "converged": (bool,), "stopped": (str, type(None)), "improved_step": (int,),
     "recent_gain": (float, type(None)), "recent_window_steps": (list, type(None)), "recent_evaluations": (int,), "heldout_size": (int,),
 }
+_OPTIONAL_ENTRY_TYPES: dict[str, tuple[type, ...]] = {"checkpoint_bytes": (int, type(None)), "checkpoint_sha256": (str, type(None))}
 
 
 class _Reader:
@@ -284,4 +313,6 @@ class _Reader:
     def entry(self, record: Any, where: str) -> DraftEntry:
         self.expect(record, dict, where)
         values = {key: self.field(record, key, kinds, f"{where}.") for key, kinds in _ENTRY_TYPES.items()}
+        # Written since checkpoints were verified; an older file has neither and its entries verify by loading.
+        values |= {key: self.expect(record[key], kinds, f"{where}.{key}") for key, kinds in _OPTIONAL_ENTRY_TYPES.items() if key in record}
         return DraftEntry(topology=self.topology(record, f"{where}."), **values)

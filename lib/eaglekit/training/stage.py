@@ -11,7 +11,9 @@ vLLM, trains the ablation pair when configured, and writes `training/sweep.json`
     torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R --sizes 5000   # one size
 
 Each size resumes from its `last.pt`, so rerunning the same command after a kill continues every
-loss curve where its last checkpoint left it. `--sizes` trains those sizes only (the split and the
+loss curve where its last checkpoint left it (a torn last.pt: from last.prev.pt, or from step 0, with a
+warning naming the file; a torn best.pt: restored or that size retrained, eaglekit.training.checkpoint).
+sweep.json lists only best checkpoints that loaded back at their best step, with their size and sha256. `--sizes` trains those sizes only (the split and the
 draft vocab are those of the whole sweep) and writes no sweep.json; a later run without `--sizes`
 finds them trained and only evaluates the rest.
 
