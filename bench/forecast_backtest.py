@@ -11,16 +11,17 @@ slope interval over 60 / 960 (with 60 / 240 / 960 equally spaced in log2 N the l
 (tau_960 - tau_60) / 4, so var(slope) = (var_60 + var_960 - 2 rho sd_60 sd_960) / 16). Only 60, 240 and 960
 were measured; 120 and 480 were not, and none is invented here.
 
-    python bench/forecast_backtest.py [--resamples 4000] [--coverage]
+    python bench/forecast_backtest.py [--resamples 4000] [--coverage [--experiments 500]]
 
---coverage also reruns the synthetic coverage experiment of tests/analysis/test_forecast.py with more
-experiments and prints the rates.
+--coverage also reruns the synthetic experiments of tests/analysis/test_forecast.py with more experiments
+and prints coverage, widths and wrong-"go" rates per truth; PYTHONPATH=<an older checkout>/lib runs the same
+experiments on that checkout's forecast (docs/forecast.md's "before" numbers).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import inspect
 
 import numpy as np
 
@@ -77,50 +78,87 @@ def backtest(resamples: int) -> None:
               f"{'yes' if low <= measured[0] <= high else 'no'} |")
     print(f"\nExtrapolation coverage (60, 240 -> 960): {covered} of {total}.\n")
 
-    print("| recipe | forecast at 3,840 [95%] | line / saturating | at 15,360 [95%] | at the seed's 87,800 [95%] | "
-          f"goal {GOAL} reached at | verdict vs the seed's break-even {SEED_BREAK_EVEN} |")
-    print("|---|---|---|---|---|---|---|")
+    print("| recipe | forecast at 3,840 [95%] | line / saturating / accelerating / plateau | at 7,680 [95%] | "
+          f"goal {GOAL} reached at | verdict vs the seed's break-even {SEED_BREAK_EVEN} at {SEED_FULL:,} |")
+    print("|---|---|---|---|---|---|")
     lines = []
     for name, (points, slope_interval) in CURVES.items():
         sizes, taus, replicates, _ = rebuilt_replicates(points, slope_interval, resamples, seed=0)
-        now = forecast(sizes, taus, replicates, planned_sizes=[*sizes, 3840, 15360], full_size=SEED_FULL, break_even=SEED_BREAK_EVEN,
+        now = forecast(sizes, taus, replicates, planned_sizes=[*sizes, 3840, 7680], full_size=SEED_FULL, break_even=SEED_BREAK_EVEN,
                        max_accept_length=4.0)
-        goal = forecast(sizes, taus, replicates, planned_sizes=sizes, full_size=SEED_FULL, break_even=GOAL, max_accept_length=4.0)
+        goal = forecast(sizes, taus, replicates, planned_sizes=[*sizes, 7680], full_size=7680, break_even=GOAL, max_accept_length=4.0)
         by_size = {item.data_size: item for item in now.predictions}
-        cell = lambda item: f"{item.tau:.3f} [{item.tau_low:.3f}, {item.tau_high:.3f}]"
-        goal_at = ("already measured" if goal.verdict == "go" and goal.line.endswith("measured, not forecast.") else
-                   f"{goal.crossing_size:,.0f} [{goal.crossing_low:,.0f}, "
-                   f"{'never' if not math.isfinite(goal.crossing_high) else f'{goal.crossing_high:,.0f}'}]")
-        print(f"| {name} | {cell(by_size[3840.0])} | {by_size[3840.0].by_model['log-linear']:.3f} / "
-              f"{by_size[3840.0].by_model['saturating']:.3f} | {cell(by_size[15360.0])} | {cell(by_size[float(SEED_FULL)])} | {goal_at} | "
-              f"{now.verdict} |")
+        cell = lambda item: f"{item.tau:.3f} [{item.tau_low:.3f}, {item.tau_high:.3f}]"  # noqa: E731
+        size = lambda value: value if isinstance(value, str) else f"{value:,.0f}"  # noqa: E731
+        goal_at = ("already measured" if goal.verdict == "go" else
+                   f"{size(goal.crossing_size)} [{size(goal.crossing_low)}, {size(goal.crossing_high)}]")
+        families = " / ".join(f"{by_size[3840.0].by_model[family]:.3f}" for family in ("log-linear", "saturating", "accelerating", "plateau"))
+        print(f"| {name} | {cell(by_size[3840.0])} | {families} | {cell(by_size[7680.0])} | {goal_at} | {now.verdict} |")
         lines.append(f"- {name}: {now.line}")
     print("\n" + "\n".join(lines))
 
 
+# Synthetic truths of the shapes data scaling produces (tests/analysis/test_forecast.py has the same).
+TRUTHS = {
+    "log-linear": lambda n: 1.2 + 0.06 * np.log2(n / 60.0),
+    "saturating": lambda n: 1.8 - 0.45 * (n / 60.0) ** -0.3,
+    "knee": lambda n: 1.2 + 0.06 * np.minimum(np.log2(n / 60.0), 5.0),
+    "s-curve": lambda n: 1.1 + 0.5 / (1.0 + np.exp(-0.8 * (np.log2(n / 60.0) - 5.0))),
+    "flat": lambda n: 1.3 + 0.0 * n,
+}
+TRAINING_SD = 0.013  # the drafts' own noise in the simulation: the forecast's prior (docs/forecast.md, "Training noise")
+
+
+def synthetic(truth, sizes, seed: int, resamples: int, samples: int = 60) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray(sizes)
+    per_sample = (truth(sizes)[None, :] + rng.normal(0.0, 0.25, (samples, 1)) + rng.normal(0.0, 0.15, (samples, len(sizes)))
+                  + rng.normal(0.0, TRAINING_SD, (1, len(sizes))))
+    return per_sample.mean(axis=0), paired_bootstrap_means(per_sample, resamples, seed + 10_000)
+
+
+def _call(sizes, taus, replicates, **kwargs):
+    """forecast() with the keywords this checkout's version takes (run against an older lib/ for the 'before' numbers)."""
+    accepted = inspect.signature(forecast).parameters
+    return forecast(sizes, taus, replicates, **{key: value for key, value in kwargs.items() if key in accepted})
+
+
 def coverage(experiments: int, resamples: int) -> None:
-    truths = {"log-linear": lambda n: 1.2 + 0.06 * np.log2(n / 60.0), "saturating": lambda n: 1.8 - 0.45 * (n / 60.0) ** -0.3,
-              "flat": lambda n: 1.3 + 0.0 * n}
-    print(f"\n| truth | sizes | weights | covered at 3,840 | at 15,360 | mean width at 15,360 | ({experiments} experiments, "
-          f"{resamples} resamples, 60 held-out samples) |")
-    print("|---|---|---|---|---|---|---|")
+    """Coverage at 2, 3 and 4 doublings past 960 and the wrong-"go" rate with break-even 0 to 0.02 above the truth at
+    3 doublings (the horizon), per truth; then the chance of ever a wrong "go" over a staged run's 6 looks."""
+    ahead = (3840.0, 7680.0, 15360.0)
+    print(f"\n| truth | sizes | covered at 3,840 | at 7,680 | at 15,360 | mean width at 3,840 / 7,680 | wrong go, break-even within "
+          f"0.02 above the truth at 7,680 | ({experiments} experiments, {resamples} resamples) |")
+    print("|---|---|---|---|---|---|---|---|")
     for sizes in ([60.0, 240.0, 960.0], [60.0, 120.0, 240.0, 480.0, 960.0]):
-        for name, truth in truths.items():
-            hits, widths = {3840.0: 0, 15360.0: 0}, []
+        for name, truth in TRUTHS.items():
+            hits, widths, wrong = dict.fromkeys(ahead, 0), {size: [] for size in ahead}, 0
+            forecast_at = dict.fromkeys(ahead, 0)
             for seed in range(experiments):
-                rng = np.random.default_rng(seed)
-                per_sample = (truth(np.asarray(sizes))[None, :] + rng.normal(0.0, 0.25, (60, 1))
-                              + rng.normal(0.0, 0.15, (60, len(sizes))))
-                result = forecast(sizes, per_sample.mean(axis=0), paired_bootstrap_means(per_sample, resamples, seed + 10_000),
-                                  planned_sizes=[*sizes, 3840.0], full_size=15360.0, break_even=2.0, max_accept_length=4.0)
+                taus, replicates = synthetic(truth, sizes, seed, resamples)
+                break_even = float(truth(np.array(ahead[1]))) + np.random.default_rng(seed + 1).uniform(0.0, 0.02)
+                result = _call(sizes, taus, replicates, planned_sizes=[*sizes, ahead[0], ahead[2]], full_size=ahead[1],
+                               break_even=break_even, max_accept_length=4.0, seed=seed)
+                wrong += result.verdict == "go"
                 for item in result.predictions:
                     if not item.measured:
+                        forecast_at[item.data_size] += 1
                         hits[item.data_size] += item.tau_low <= float(truth(np.array(item.data_size))) <= item.tau_high
-                        if item.data_size == 15360.0:
-                            widths.append(item.tau_high - item.tau_low)
-            rule = "equal" if len(sizes) < 5 else "inverse LOO MSE"
-            print(f"| {name} | {len(sizes)} | {rule} | {hits[3840.0] / experiments:.3f} | {hits[15360.0] / experiments:.3f} | "
-                  f"{np.mean(widths):.3f} | |")
+                        widths[item.data_size].append(item.tau_high - item.tau_low)
+            rate = lambda size: f"{hits[size] / forecast_at[size]:.3f}" if forecast_at[size] else "refused"  # noqa: E731
+            print(f"| {name} | {len(sizes)} | {rate(ahead[0])} | {rate(ahead[1])} | {rate(ahead[2])} | "
+                  f"{np.mean(widths[ahead[0]]):.3f} / {np.mean(widths[ahead[1]]):.3f} | {wrong / experiments:.3f} | |")
+    sizes = [60.0, 120.0, 240.0, 480.0, 960.0]
+    print(f"\n| truth | ever a wrong go over 6 looks (5 staged sizes, then stage 6), horizon 3,840 | ({experiments} sequences) |")
+    print("|---|---|---|")
+    for name, truth in TRUTHS.items():
+        ever = 0
+        for seed in range(experiments):
+            break_even = float(truth(np.array(3840.0))) + np.random.default_rng(seed + 1).uniform(0.0, 0.02)
+            looks = [synthetic(truth, sizes[:count], seed, resamples) for count in range(1, 6)] + [synthetic(truth, sizes, seed + 50_000, resamples)]
+            ever += any(_call(sizes[:len(taus)], taus, replicates, planned_sizes=sizes, full_size=3840.0, break_even=break_even,
+                              max_accept_length=4.0, looks=len(looks), seed=seed).verdict == "go" for taus, replicates in looks)
+        print(f"| {name} | {ever / experiments:.3f} | |")
 
 
 if __name__ == "__main__":
@@ -128,7 +166,10 @@ if __name__ == "__main__":
     parser.add_argument("--resamples", type=int, default=4000)
     parser.add_argument("--coverage", action="store_true", help="also the synthetic coverage experiment")
     parser.add_argument("--experiments", type=int, default=500)
+    parser.add_argument("--coverage-resamples", type=int, default=400)
+    parser.add_argument("--no-backtest", action="store_true", help="only the synthetic experiments (e.g. on an older lib/)")
     args = parser.parse_args()
-    backtest(args.resamples)
+    if not args.no_backtest:
+        backtest(args.resamples)
     if args.coverage:
-        coverage(args.experiments, 400)
+        coverage(args.experiments, args.coverage_resamples)

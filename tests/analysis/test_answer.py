@@ -196,9 +196,12 @@ def test_a_draft_labelled_converged_while_its_tau_still_rose_is_a_lower_bound():
             {"size": 20, "converged": True, "recent_gain": 0.021},   # "converged", but rose 0.021 > 0.01: still rising
             {"size": 40, "converged": False, "recent_gain": 0.05},   # the step cap
             {"size": 80, "converged": True, "recent_gain": None}]    # too few evaluations to tell: the label stands
-    assert lower_bound_sizes(rows, min_improvement=0.01, annealed=False) == {20.0: 0.021, 40.0: 0.05}
+    from types import SimpleNamespace
+
+    no_anneal = SimpleNamespace(min_improvement=0.01, decay_steps=0, decay_fraction=0.75)  # params/demo.yaml's rule
+    assert lower_bound_sizes(rows, no_anneal) == {20.0: 0.021, 40.0: 0.05}
     # Under an anneal the last evaluations are the anneal's own rise: only the cap makes a lower bound.
-    assert lower_bound_sizes(rows, min_improvement=0.01, annealed=True) == {40.0: 0.05}
+    assert lower_bound_sizes(rows, SimpleNamespace(min_improvement=0.01, decay_steps=None, decay_fraction=0.75)) == {40.0: 0.05}
 
 
 def test_the_verdict_uses_this_targets_break_even_unless_serving_timings_are_given():

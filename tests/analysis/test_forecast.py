@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from eaglekit.analysis.forecast import (MAX_DOUBLINGS_BEYOND, TRAINING_NOISE_PRIOR, Forecast, fit_accelerating_rows,
-                                        fit_saturating_rows, forecast, paired_bootstrap_means, training_noise, weighted_quantiles)
+                                        fit_saturating_rows, forecast, paired_bootstrap_means, training_noise)
 
 TRUTHS = {
     "log-linear": lambda n: 1.2 + 0.06 * np.log2(n / 60.0),
@@ -147,11 +147,6 @@ def test_measured_seed_to_seed_noise_widens_the_interval():
     width = lambda result: result.predictions[-1].tau_high - result.predictions[-1].tau_low  # noqa: E731
     assert width(noisy) > width(quiet) + 0.05
     assert noisy.training_noise["seeds_by_size"] == {60.0: 2, 240.0: 1}
-
-
-def test_weighted_quantiles_keep_inf():
-    values = np.array([1.0, 2.0, np.inf, np.inf])
-    assert weighted_quantiles(values, np.ones(4), [0.25, 0.9]) == [1.0, math.inf]
 
 
 # ----------------------------------------------------------------------------- what it claims, in words

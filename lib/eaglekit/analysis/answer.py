@@ -44,18 +44,22 @@ def break_even_cases(serving: BreakEven | None, embedded: BreakEven | None) -> d
     return {label: case.break_even_accept_length for label, case in cases.items() if case is not None}
 
 
-def lower_bound_sizes(rows: Iterable[Mapping[str, Any]], min_improvement: float, annealed: bool) -> dict[float, float | None]:
+def lower_bound_sizes(rows: Iterable[Mapping[str, Any]], training: Any) -> dict[float, float | None]:
     """{data size: recent gain} of the drafts whose tau is a lower bound: stopped by the step cap, or labelled
     converged while the rule's own test says otherwise. The rule stops when held-out tau has not improved by
-    min_improvement for `patience` evaluations; a draft whose best tau rose by more than that over those last
-    evaluations (`recent_gain`, judged on single taus where the rule judged their smoothed mean) was still rising.
-    Under an anneal (`annealed`) the last evaluations are the anneal's own rise, so only the cap counts.
+    training.min_improvement for `patience` evaluations; a draft whose best tau rose by more than that over those
+    last evaluations (`recent_gain`, judged on single taus where the rule judged their smoothed mean) was still
+    rising. Under an anneal (training.decay_steps / decay_fraction) the last evaluations are the anneal's own rise,
+    so only the cap counts.
 
-    rows: sweep rows or `DraftEntry.to_dict()`s with size, converged, recent_gain."""
+    rows: sweep rows or `DraftEntry.to_dict()`s with size, converged, recent_gain; training: the params section."""
+    from eaglekit.training.schedule import anneal_length
+
+    annealed = anneal_length(training.decay_steps, training.decay_fraction, 1) > 0
     bounds = {}
     for row in rows:
         gain = row.get("recent_gain")
-        rising = not annealed and gain is not None and gain > min_improvement
+        rising = not annealed and gain is not None and gain > training.min_improvement
         if not row.get("converged", True) or rising:
             bounds[float(row["size"])] = gain
     return bounds

@@ -4,7 +4,7 @@ the size at which tau crosses break-even, and one plain line (go / no-go / not y
 It never claims more than the sizes support:
 - 1 size: the measured point and its interval.
 - 2 sizes: the local slope per doubling (`scaling.local_slope`) and "at the measured slope, k more doublings" to
-  break-even, only as far as the horizon; no curve, no predicted tau, no crossing size.
+  break-even, only as far as the reach below; no curve, no predicted tau, no crossing size.
 - 3 or more sizes: tau at the planned sizes and the horizon (the full data, else the largest planned size), each
   at most MAX_DOUBLINGS_BEYOND doublings past the largest measured size. Beyond that the sizes say nothing that
   a number could carry, and the line says so in words.
@@ -32,6 +32,7 @@ issues (a staged run re-forecasts after every size; Bonferroni keeps the chance 
 - "no-go" when even the highest family's upper bound at the horizon stays below break-even, and no size it rests
   on was stopped by the step cap (a capped draft's tau is a lower bound, so its forecast is too): then "not yet
   known (capped sizes are lower bounds)".
+- a horizon already measured (the full data was trained) is read as that measurement, "go" or "no-go" by its bounds.
 - else "not yet known", with what the measured shape says and what would decide it.
 """
 
@@ -163,13 +164,6 @@ class FamilyFits:
             "plateau": np.repeat(self.plateau, len(at), axis=1),
         }
         return {name: np.clip(curve, self.plateau, self.ceiling) for name, curve in curves.items()}
-
-
-def weighted_quantiles(values: np.ndarray, weights: np.ndarray, quantiles: Sequence[float]) -> list[float]:
-    """Quantiles of a weighted sample, "nearest" style (no interpolation, so inf stays inf)."""
-    order = np.argsort(values, kind="stable")
-    cumulative = np.cumsum(weights[order]) / weights.sum()
-    return [float(values[order][min(int(np.searchsorted(cumulative, q, side="left")), len(values) - 1)]) for q in quantiles]
 
 
 def union_interval(curves: Mapping[str, np.ndarray], low_tail: float, high_tail: float) -> tuple[np.ndarray, np.ndarray]:

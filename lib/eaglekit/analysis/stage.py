@@ -158,9 +158,7 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
     heldout = heldout_samples(sweep, captured)
     checkpoints = sweep.checkpoints(out)  # {data size: best checkpoint}
     # {data size: recent gain} of drafts whose tau is a lower bound: capped, or still rising when patience stopped them.
-    training = params.training
-    still_improving = lower_bound_sizes([entry.to_dict() for entry in sweep.runs], training.min_improvement,
-                                        annealed=training.decay_steps != 0 and training.decay_fraction > 0)
+    still_improving = lower_bound_sizes([entry.to_dict() for entry in sweep.runs], params.training)
     head = load_target_head_weights(model_dir)
 
     offline_started = time.perf_counter()

@@ -280,8 +280,7 @@ class StagedWorker:
             logger.warning("staged forecast after sizes %s: no break-even (no serving timings in params.analysis and no local target "
                            "to time the loop on); stage 6 measures it", done)
             return
-        lower_bounds = lower_bound_sizes([record.slices[size].result for size in done], training.min_improvement,
-                                         annealed=training.decay_steps != 0 and training.decay_fraction > 0)
+        lower_bounds = lower_bound_sizes([record.slices[size].result for size in done], training)
         scaling = sweep_scaling(acceptance, next(iter(cases.values())), max_accept_length=steps + 1.0, confidence=settings.confidence,
                                 target_accept_length=settings.target_accept_length, lower_bound_sizes=lower_bounds)
         answer = forecast_answer(acceptance, scaling, training.data_sizes, cases, max_accept_length=steps + 1.0,
