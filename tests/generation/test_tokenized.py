@@ -23,7 +23,8 @@ from eaglekit.chat import prompt_token_count, tokenize_conversation  # noqa: E40
 from eaglekit.generation.client import EndpointSpec  # noqa: E402
 from eaglekit.generation import PartitionSettings, PromptSource, RetryPolicy, generate, read_generations  # noqa: E402
 from eaglekit.io import InputError, read_jsonl  # noqa: E402
-from eaglekit.generation.tokenized import UsageMismatchError, build_tokenized_data  # noqa: E402
+from eaglekit.generation.tokenized import (  # noqa: E402
+    TRUNCATION_BOUNDARY_TOKENS, UsageMismatchError, build_tokenized_data, check_first_answers)
 
 
 FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
@@ -120,13 +121,16 @@ def test_prompt_quoting_chatml_is_tokenized_as_text_not_a_failed_stage(tmp_path,
 
 def test_truncated_answer_gets_no_end_of_turn_token(tmp_path, tokenizer):
     prompts = conversation_file(tmp_path / "prompts.jsonl", [[{"role": "user", "content": "Count to ten."}]])
-    write_answers(tmp_path / "out", prompts, {"p0": {"content": "one two three", "finish_reason": "length",
-                                                     "truncated": True}})
+    content = "one two three four five six seven eight"
+    write_answers(tmp_path / "out", prompts, {"p0": {"content": content, "finish_reason": "length", "truncated": True}})
     tokenized = build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok",
                                      tokenizer=tokenizer)
     sample = next(iter(read_jsonl(tokenized.files["ds"])))[1]
-    assert masked(tokenizer, sample) == "one two three"
-    assert sample["loss_mask"][-1] == 1 and tokenizer.convert_tokens_to_ids("<|im_end|>") != sample["input_ids"][-1]
+    # The sample ends at the answer's last token; the tokens at the cut (re-tokenized text) carry no loss.
+    assert tokenizer.decode(sample["input_ids"]).endswith(content)
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") != sample["input_ids"][-1]
+    assert sample["loss_mask"][-TRUNCATION_BOUNDARY_TOKENS:] == [0] * TRUNCATION_BOUNDARY_TOKENS
+    assert masked(tokenizer, sample) == "one two three four"
 
 
 def test_an_answer_the_template_cannot_render_is_rejected_with_dataset_id_file_line(tmp_path, embedded_model_dir):
@@ -164,12 +168,63 @@ def test_token_counts_are_checked_against_the_servers_usage(tmp_path, tokenizer)
                                 "completion_tokens": completion - (index == 1)}
     write_answers(tmp_path / "out", prompts, answers)
     source = [PromptSource("ds", "short", prompts)]
-    with pytest.raises(UsageMismatchError, match=r"ds: 2 of 4 records .* prompt \d+ vs server \d+"):
-        build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer)
-    allowed = build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer,
-                                   max_usage_disagreement=0.5)
-    assert allowed.usage_checked == {"ds": 4} and allowed.usage_disagreements == {"ds": 2}
-    assert allowed.usage_table() == [{"dataset": "ds", "checked": 4, "disagree": 2, "rejected": 0}]
+    records = [record for _, record in read_jsonl(tmp_path / "out" / "generations.jsonl")]
+    by_id = {record["id"]: record for _, record in read_jsonl(prompts)}
+    # While generating: the first answers' mismatch stops the run, naming the records and both counts.
+    with pytest.raises(UsageMismatchError, match=r"ds: 2 of 4 the first answers .* prompt \d+ vs server \d+"):
+        check_first_answers("ds", records, by_id, tokenizer, max_usage_disagreement=0.01)
+    assert check_first_answers("ds", records[:2], by_id, tokenizer, max_usage_disagreement=0.01) == 2
+    # At the end of a finished generation: no error; the two records are left out, each named with both counts.
+    summary = build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer)
+    assert summary.usage_checked == {"ds": 4} and summary.usage_disagreements == {"ds": 2}
+    assert summary.written == {"ds": 2} and summary.rejected == {"ds": {"usage": 2}}
+    assert summary.usage_table() == [{"dataset": "ds", "checked": 4, "disagree": 2, "rejected": 2}]
+    rejects = {record["id"]: record for _, record in read_jsonl(tmp_path / "tok" / "rejects.jsonl")}
+    assert sorted(rejects) == ["p2", "p3"] and "vs server" in rejects["p2"]["reason"] and rejects["p2"]["line"] == 3
+
+
+def test_a_truncated_answer_re_tokenized_from_text_is_its_cut_not_a_disagreement(tmp_path, tokenizer):
+    """A server without raw ids cuts an answer at max_tokens and returns the text of those tokens; encoding the text
+    again merges or splits tokens at the cut (a word or a UTF-8 character cut in two). That is the cut, not a server
+    that saw another prompt: the run completes, and the tokens at the cut never train the draft."""
+    full = ("Voilà: the café's crème brûlée 🎉🎉 costs 12€, naïvely reckoned; supercalifragilistic words and "
+            "日本語のテキスト split badly at any cut.")
+    answer_ids = tokenizer.encode(full, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Describe the menu."}]
+    prompts = conversation_file(tmp_path / "prompts.jsonl", [messages] * len(answer_ids[4:]))
+    answers, shifted = {}, 0
+    for index, cut in enumerate(range(4, len(answer_ids))):
+        text = tokenizer.decode(answer_ids[:cut])  # what the server returns for `cut` generated tokens
+        shifted += len(tokenizer.encode(text, add_special_tokens=False)) != cut
+        answers[f"p{index}"] = {"content": text, "finish_reason": "length", "truncated": True,
+                                "prompt_tokens": prompt_token_count(tokenizer, messages), "completion_tokens": cut}
+    assert shifted >= 3, "no cut changed the token count: the test would not test the boundary"
+    write_answers(tmp_path / "out", prompts, answers)
+    summary = build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok",
+                                   tokenizer=tokenizer, max_usage_disagreement=0.01)
+    assert summary.usage_disagreements == {"ds": 0} and summary.written == {"ds": len(answers)}
+    for _, sample in read_jsonl(summary.files["ds"]):
+        cut = int(sample["id"][1:]) + 4
+        generated = [token for token, mask in zip(sample["input_ids"], sample["loss_mask"]) if mask]
+        assert len(generated) <= cut  # the tokens at the cut masked
+        assert generated == answer_ids[:len(generated)], "a trained token the target did not generate there"
+
+
+def test_a_systematic_mismatch_stops_generation_after_the_first_answers(tmp_path, tokenizer):
+    """The fault endpoint counts characters, not the target's tokens (a server whose tokenizer is not the kit's):
+    the stage's check on the first answers stops the run there, long before the last prompt."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"question {index}" for index in range(120)])
+    conversations = {record["id"]: record for _, record in read_jsonl(prompts)}
+
+    def check(dataset, records):
+        check_first_answers(dataset, records, conversations, tokenizer, max_usage_disagreement=0.01)
+
+    with FaultEndpoint(FaultOptions()) as endpoint:
+        with pytest.raises(UsageMismatchError, match=r"ds: \d+ of 32 the first answers .*generation stopped"):
+            generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
+                     [PartitionSettings("short", concurrency=2, max_tokens=16)], first_answers_check=check, **FAST)
+    answered = len(read_generations(tmp_path / "out"))
+    assert 32 <= answered < 60, answered  # stopped after the first answers, the answers kept
 
 
 def test_reasoning_and_tool_calls_from_the_record_placed_by_the_template(tmp_path, embedded_model_dir):

@@ -14,7 +14,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from eaglekit.generation.logs import (
 )
 from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS, quality_flags
+from eaglekit.generation.tokenized import EARLY_CHECK_ANSWERS
 from eaglekit.generation.settings import DEFAULT_RETRY, PartitionSettings, RetryPolicy
 from eaglekit.io import AppendLog, repair_torn_tail, write_json
 
@@ -95,7 +97,9 @@ class GenerationEngine:
                  retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
                  log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
                  progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
-                 probe_wait_s: float = 60.0, seed: int = 0, priority: Sequence[tuple[str, str]] | None = None):
+                 probe_wait_s: float = 60.0, seed: int = 0, priority: Sequence[tuple[str, str]] | None = None,
+                 first_answers_check: Callable[[str, list[dict]], Any] | None = None,
+                 first_answers: int = EARLY_CHECK_ANSWERS):
         self.sources = list(sources)
         # (dataset, id) in the order to request them (prep's planned training order); the rest after, in file order.
         self.priority = {tuple(key): rank for rank, key in enumerate(priority or ())}
@@ -127,6 +131,11 @@ class GenerationEngine:
         self.progress_bar = progress_bar
         self.health_interval_s, self.unhealthy_after, self.probe_wait_s = health_interval_s, unhealthy_after, probe_wait_s
         self.rng = random.Random(seed)
+        # A systematic fault in the answers (the server's template is not the kit's) shows in a dataset's first
+        # answers of a session: `first_answers_check(dataset, records)` runs on them and an exception stops the run.
+        self.first_answers_check, self.first_answers = first_answers_check, first_answers
+        self._first_records: dict[str, list[dict]] = defaultdict(list)
+        self._first_checked: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._abandon: asyncio.Event | None = None
@@ -427,6 +436,21 @@ class GenerationEngine:
             counts.errors -= 1
         self.completion_tokens_this_session += completion_tokens or 0
         self._finished(item)
+        self._check_first_answers(item.dataset, record)
+
+    def _check_first_answers(self, dataset: str, record: dict[str, Any]) -> None:
+        if self.first_answers_check is None or dataset in self._first_checked:
+            return
+        first = self._first_records[dataset]
+        first.append(record)
+        if len(first) < self.first_answers:
+            return
+        self._first_checked.add(dataset)
+        del self._first_records[dataset]
+        try:
+            self.first_answers_check(dataset, first)
+        except Exception as error:  # the answers are kept; the run stops with the check's words
+            self._fail_run(error)
 
     def _record_error(self, item: PromptItem, endpoint_name: str, attempts: int, kind: str, status: int | None,
                       message: str, failures: list[str]) -> None:

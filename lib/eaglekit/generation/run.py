@@ -7,7 +7,7 @@ import asyncio
 import logging
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,8 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
              history_reasoning: str = "field", retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
              log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0, progress_bar: bool = True,
              health_interval_s: float = 5.0, unhealthy_after: int = 3, probe_wait_s: float = 60.0,
-             seed: int = 0, priority: Sequence[tuple[str, str]] | None = None) -> GenerationSummary:
+             seed: int = 0, priority: Sequence[tuple[str, str]] | None = None,
+             first_answers_check: Callable[[str, list[dict]], Any] | None = None) -> GenerationSummary:
     """Generate an answer for every prompt not already answered in output_dir; blocks until done.
 
     sources: (dataset, partition, prompts.jsonl) triples. partitions: run in this order, each with
@@ -48,6 +49,8 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
     marked failed; a failure to write the outputs stops the run with its error.
     priority: (dataset, id) keys in the order to request them within each partition (the stage passes prep's
     planned training order, `training.order`: the samples the first data sizes need are answered first).
+    first_answers_check: called with (dataset, records) on each dataset's first 32 answers of the session; what it
+    raises stops the run (the stage's usage check: a systematic mismatch is said after minutes, not days).
 
     The engine runs on its own event loop in a worker thread, so this works the same in a terminal
     and inside Jupyter (whose own loop is already running).
@@ -65,7 +68,7 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
         chat_template_kwargs=chat_template_kwargs, history_reasoning=history_reasoning, retry=retry, request_timeout_s=request_timeout_s, retry_errors=retry_errors,
         log_interval_s=log_interval_s, flush_interval_s=flush_interval_s, shutdown_grace_s=shutdown_grace_s, progress_bar=progress_bar,
         health_interval_s=health_interval_s, unhealthy_after=unhealthy_after, probe_wait_s=probe_wait_s, seed=seed,
-        priority=priority)
+        priority=priority, first_answers_check=first_answers_check)
     return run_engine(engine)
 
 

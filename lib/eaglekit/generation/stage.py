@@ -26,7 +26,7 @@ from eaglekit.generation.prompts import PromptSource, history_reasoning_for
 from eaglekit.generation.run import generate
 from eaglekit.generation.server import serving_endpoints
 from eaglekit.generation.settings import PartitionSettings, RetryPolicy
-from eaglekit.generation.tokenized import TokenizedDataSummary, build_tokenized_data
+from eaglekit.generation.tokenized import TokenizedDataSummary, build_tokenized_data, check_first_answers
 from eaglekit.io import read_jsonl
 from eaglekit.run_folder import Metrics, prompt_files, record_stage_outcome, stage_dir
 from eaglekit.target import load_tokenizer
@@ -56,6 +56,19 @@ def _log_size_readiness(order: TrainingOrder, sources: list[PromptSource], sizes
     for row in requests_before_each_size(order, partition_of, sizes):
         parts = ", ".join(f"{row[partition][0]} of {row[partition][1]} {partition}" for partition in row if partition != "size")
         logger.info("size %d (and the held-out set) answered after %s requests (prep/order.json)", row["size"], parts)
+
+
+def _first_answers_check(sources: list[PromptSource], tokenizer, params: Params):
+    """The usage check on each dataset's first answers (`check_first_answers`), for `generate`."""
+    conversations: dict[str, dict[str, dict]] = {}
+    for source in sources:
+        conversations.setdefault(source.dataset, {}).update(
+            (str(record["id"]), record) for _, record in read_jsonl(source.path))
+
+    def check(dataset: str, records: list[dict]) -> None:
+        check_first_answers(dataset, records, conversations[dataset], tokenizer,
+                            params.generation.max_usage_disagreement, params.prep.chat_template_kwargs)
+    return check
 
 
 def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> GenerationResult:
@@ -90,6 +103,7 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
             chat_template_kwargs=params.prep.chat_template_kwargs,  # e.g. Qwen3's enable_thinking, as prep rendered it
             history_reasoning=history_reasoning,
             priority=order.priority() if order is not None else None,
+            first_answers_check=_first_answers_check(sources, tokenizer, params),
         )
     tokenized = build_tokenized_data(
         generation_dir, sources, generation_dir / "tokenized", tokenizer=tokenizer,

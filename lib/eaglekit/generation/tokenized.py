@@ -2,11 +2,21 @@
 
 From the target's raw token ids when the server returned them, else by the target's chat template
 (`eaglekit.chat`). Every record's prompt and completion token counts are checked against the
-server's `usage` (`prompt_tokens`, `completion_tokens`): disagreements are counted per dataset and
-the stage fails when a dataset's share passes `max_usage_disagreement` (a server whose template
-differs from the kit's, e.g. no default system prompt, trains the draft on prompts the target never
-saw). A truncated answer (finish_reason "length") ends at its last generated token: no end-of-turn
-token is appended. A record that cannot be tokenized goes to `<tokenized_dir>/rejects.jsonl`
+server's `usage` (`prompt_tokens`, `completion_tokens`): a server whose template differs from the kit's
+(e.g. no default system prompt) would train the draft on prompts the target never saw. A systematic
+mismatch shows in the first answers: `check_first_answers` runs on a dataset's first
+`EARLY_CHECK_ANSWERS` answers while generation runs and stops it there (UsageMismatchError), not after
+the last answer. At the end, a record whose counts still disagree is left out of the training data
+(rejects.jsonl, both counts named) and a share past `max_usage_disagreement` is a warning: a finished
+generation never ends in this error.
+
+A truncated answer (finish_reason "length") ends at its last generated token: no end-of-turn token is
+appended. Re-tokenized from its text (a server without raw ids), the cut is not where the target's tokens
+ended: the text of a cut answer can end inside a word or a UTF-8 character, and encoding it again merges
+or splits the last tokens (on 1,003 ShareGPT answers cut at 96 tokens, counts off by -4 to +4, none
+further; docs/long_runs.md). So for such a record a count within `TRUNCATION_BOUNDARY_TOKENS` of the
+server's is the cut's boundary, not a disagreement, and its last `TRUNCATION_BOUNDARY_TOKENS` generated
+tokens get loss_mask 0: the draft never trains on a token the target may not have produced there. A record that cannot be tokenized goes to `<tokenized_dir>/rejects.jsonl`
 (dataset, id, file, line, reason) under bad_input "skip", and stops the stage under "fail".
 """
 
@@ -24,6 +34,9 @@ from eaglekit.generation.quality import QUALITY_FLAGS, TRUNCATED_POLICIES
 from eaglekit.io import InputError, read_jsonl, write_jsonl
 
 logger = logging.getLogger(__name__)
+
+TRUNCATION_BOUNDARY_TOKENS = 4  # tokens at a cut re-tokenized text may merge or split (see the module docstring)
+EARLY_CHECK_ANSWERS = 32  # a dataset's first answers checked against the server's usage while generation runs
 
 
 @dataclass
@@ -52,6 +65,62 @@ class TokenizedDataSummary:
 
 class UsageMismatchError(ValueError):
     """Token counts disagree with the server's usage in too many records of a dataset."""
+
+
+def usage_disagreement(record: dict, prompt_count: int, completion_count: int, from_text: bool) -> str | None:
+    """None when the kit's counts agree with the server's usage (or it gave none), else both counts in words.
+
+    Servers differ on whether the end-of-turn token counts as a completion token. A truncated answer
+    re-tokenized from its text may differ by up to TRUNCATION_BOUNDARY_TOKENS at the cut."""
+    server_prompt, server_completion = record.get("prompt_tokens"), record.get("completion_tokens")
+    if server_prompt is None or server_completion is None:
+        return None
+    if record.get("truncated") and from_text:
+        completion_ok = abs(server_completion - completion_count) <= TRUNCATION_BOUNDARY_TOKENS
+    else:
+        completion_ok = server_completion in (completion_count, completion_count - 1)
+    if server_prompt == prompt_count and completion_ok:
+        return None
+    return f"prompt {prompt_count} vs server {server_prompt}, completion {completion_count} vs server {server_completion}"
+
+
+def _usage_error(dataset: str, disagree: int, checked: int, allowed: float, examples: list[str], when: str) -> str:
+    return (f"{dataset}: {disagree} of {checked} {when} have prompt or completion token counts that differ from the "
+            f"server's usage (allowed share {allowed}); e.g. {'; '.join(examples)[:600]}. The server's chat template or "
+            "tokenizer is not the kit's: serve the target with its own template, or raise "
+            "generation.max_usage_disagreement knowingly")
+
+
+def check_first_answers(dataset: str, records: Sequence[dict], conversations: dict[str, dict], tokenizer,
+                        max_usage_disagreement: float, template_kwargs: dict | None = None) -> int:
+    """Re-tokenize a dataset's first answers and compare them with the server's usage; raise UsageMismatchError when
+    more than max_usage_disagreement of them disagree (a systematic mismatch: stop now, not after the last answer).
+
+    records: generation records (with text); conversations: the prompts by id. Returns how many were checked."""
+    checked, examples = 0, []
+    for record in records:
+        conversation = conversations.get(record["id"])
+        if conversation is None or record.get("prompt_tokens") is None or record.get("completion_tokens") is None:
+            continue
+        if record.get("token_ids") is not None and record.get("prompt_token_ids") is not None:
+            continue  # trained on the server's own ids: what it saw is what the draft learns
+        prompt_count, sample = _retokenize(tokenizer, conversation, record, template_kwargs)
+        checked += 1
+        if (words := usage_disagreement(record, prompt_count, sum(sample.loss_mask), from_text=True)) is not None:
+            examples.append(f"{dataset}/{record['id']}: {words}")
+    if checked and len(examples) / checked > max_usage_disagreement:
+        raise UsageMismatchError(_usage_error(dataset, len(examples), checked, max_usage_disagreement, examples,
+                                              f"the first answers (checked while generating; generation stopped)"))
+    return checked
+
+
+def _mask_cut(loss_mask: list[int]) -> list[int]:
+    """loss_mask 0 on the last TRUNCATION_BOUNDARY_TOKENS generated tokens (a truncated answer re-tokenized from text)."""
+    positions = [index for index, mask in enumerate(loss_mask) if mask][-TRUNCATION_BOUNDARY_TOKENS:]
+    masked = list(loss_mask)
+    for index in positions:
+        masked[index] = 0
+    return masked
 
 
 def _conversation_messages(conversation: dict) -> list[dict]:
@@ -89,8 +158,9 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
     truncated_policy: "keep" (meta.truncated = True) or "drop". drop_flags: quality flags to drop.
     bad_input: "skip" (rejects.jsonl) or "fail" (raise, naming dataset, id, file and line).
     max_usage_disagreement: the share of a dataset's records whose prompt or completion token count may
-        differ from the server's usage before UsageMismatchError stops the stage (checked where the
-        record carries usage counts; the completion may count the end-of-turn token or not).
+        differ from the server's usage (`usage_disagreement`) before a warning; each such record is left
+        out (rejects.jsonl, field "usage"). The error that stops generation comes early, from
+        `check_first_answers`.
     """
     from eaglekit.chat import ChatTemplateError
 
@@ -164,17 +234,18 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
             else:
                 raise ValueError(f"{dataset}/{conversation['id']}: the server returned no token ids; pass the "
                                  "target's tokenizer so the answer is re-tokenized with its chat template")
-            server_prompt, server_completion = record.get("prompt_tokens"), record.get("completion_tokens")
-            if server_prompt is not None and server_completion is not None:
+            if record.get("prompt_tokens") is not None and record.get("completion_tokens") is not None:
                 checked += 1
-                # Servers differ on whether the end-of-turn token counts as a completion token.
-                completion_ok = server_completion in (completion_count, completion_count - 1)
-                if server_prompt != prompt_count or not completion_ok:
-                    disagree += 1
-                    if len(summary.usage_examples) < max_examples:
-                        summary.usage_examples.append(
-                            f"{dataset}/{conversation['id']}: prompt {prompt_count} vs server {server_prompt}, "
-                            f"completion {completion_count} vs server {server_completion}")
+            if (words := usage_disagreement(record, prompt_count, completion_count, from_text=not raw_ids)) is not None:
+                disagree += 1
+                if len(summary.usage_examples) < max_examples:
+                    summary.usage_examples.append(f"{dataset}/{conversation['id']}: {words}")
+                rejected["usage"] += 1
+                rejects.append({"dataset": dataset, "id": conversation["id"], "file": path, "line": line, "field": "usage",
+                                "reason": f"token counts differ from the server's usage: {words}"})
+                continue
+            if record.get("truncated") and not raw_ids:
+                loss_mask = _mask_cut(loss_mask)
             samples.append({"id": conversation["id"], "input_ids": input_ids, "loss_mask": loss_mask,
                             "source": conversation.get("source", dataset),
                             "meta": {**(conversation.get("meta") or {}), "dataset": dataset,
@@ -194,12 +265,9 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
     for dataset, checked in summary.usage_checked.items():
         disagree = summary.usage_disagreements[dataset]
         if checked and disagree / checked > max_usage_disagreement:
-            raise UsageMismatchError(
-                f"{dataset}: {disagree} of {checked} records have prompt or completion token counts that differ "
-                f"from the server's usage (allowed share {max_usage_disagreement}); e.g. "
-                f"{'; '.join(e for e in summary.usage_examples if e.startswith(dataset + '/'))[:600]}. The server's "
-                "chat template or tokenizer is not the kit's: serve the target with its own template, or raise "
-                "generation.max_usage_disagreement knowingly")
+            examples = [example for example in summary.usage_examples if example.startswith(dataset + "/")]
+            logger.warning("%s; those records are left out of the training data (%s)", _usage_error(
+                dataset, disagree, checked, max_usage_disagreement, examples, "records"), tokenized_dir / "rejects.jsonl")
     if summary.compared:
         logger.info("raw token ids vs re-tokenized text: %d of %d disagree", summary.disagreements, summary.compared)
     return summary
