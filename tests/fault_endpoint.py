@@ -25,7 +25,7 @@ mixed run and the test reads what it asked for:
     #sleep:0.25      answer after 0.25 s (bench latency distributions)
 Attempts are counted per prompt text. With `api_key` set, every route (health and models too)
 answers 401 unless `Authorization: Bearer <api_key>` is sent; tests rotate it mid-run by assigning
-`server.options.api_key`. `last_request` holds the last chat request's JSON body, `chat_requests` all of them.
+`server.options.api_key` (and swap the served model by assigning `server.options.served_model`). `last_request` holds the last chat request's JSON body, `chat_requests` all of them.
 Server-wide options choose the dialect. `token_ids="sglang"` / `"vllm"` answer exactly in the
 shape of that engine's own pydantic `ChatCompletionResponse` dump (the fixtures
 tests/fixtures/serving/{sglang,vllm}_chat_protocol.json, built by protocol_fixtures.py from the
@@ -73,6 +73,7 @@ class FaultOptions:
     slow_seconds: float = 5.0
     model: str = "fault-model"
     api_key: str | None = None            # require `Authorization: Bearer <api_key>` on every route
+    served_model: str | None = None       # answers name this model whatever was asked (a restart with another model)
 
 
 def fake_token_ids(text: str) -> list[int]:
@@ -206,7 +207,7 @@ class FaultServer:
         usage = {"prompt_tokens": len(prompt_text), "completion_tokens": len(completion_text),
                  "total_tokens": len(prompt_text) + len(completion_text)}
         head = {"id": f"chatcmpl-{self.requests}", "object": "chat.completion", "created": int(time.time()),
-                "model": request.get("model", self.options.model)}
+                "model": self.options.served_model or request.get("model", self.options.model)}
         dialect = self.options.token_ids
         if dialect == "sglang":
             return self._sglang(head, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 
 from eaglekit.generation.client import (  # noqa: E402
-    Endpoint, EndpointAuthError, EndpointPool, EndpointSpec, TransientError, parse_chat_response, parse_retry_after)
+    Endpoint, EndpointAuthError, EndpointModelChangedError, EndpointPool, EndpointSpec, TransientError, parse_chat_response, parse_retry_after)
 from eaglekit.generation import (  # noqa: E402
     GenerationLog, PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, generation_table,
     has_repetition_loop, quality_flags, read_generations, summarize_generations)
@@ -292,6 +292,34 @@ def test_key_rotated_mid_run_stops_at_once_naming_endpoint_and_fix(tmp_path, mon
                            partitions, **FAST)
     assert summary.datasets["ds"].done == total and summary.datasets["ds"].errors == 0
     assert set(ids_once(output).values()) == {1}
+
+
+def test_served_model_changed_mid_run_stops_naming_the_endpoint_and_both_models(tmp_path):
+    """The server is restarted with another model mid-run: the first answer naming it stops the run; every kept answer
+    came from the probed model, and a resume against the probed model again finishes exactly once."""
+    total = 80
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.02" for i in range(total)])
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 4, 16)]
+    output = tmp_path / "out"
+    with FaultEndpoint(FaultOptions(served_model="model-a")) as endpoint:
+        def swap() -> None:
+            while len(finished_keys(output / "generations.jsonl")) < 10:
+                time.sleep(0.005)
+            endpoint.server.options.served_model = "model-b"
+
+        swapper = threading.Thread(target=swap, daemon=True)
+        swapper.start()
+        with pytest.raises(EndpointModelChangedError) as caught:
+            within(60, generate, source, [EndpointSpec(endpoint.base_url, name="sglang-test")], output, partitions, **FAST)
+        swapper.join(5)
+        message = str(caught.value)
+        assert "sglang-test" in message and "'model-a'" in message and "'model-b'" in message and "--resume" in message
+        done_before = len(finished_keys(output / "generations.jsonl"))
+        assert 10 <= done_before < total
+        assert not (output / "errors.jsonl").exists() or not (output / "errors.jsonl").read_text().strip()
+        endpoint.server.options.served_model = "model-a"
+        summary = generate(source, [EndpointSpec(endpoint.base_url, name="sglang-test")], output, partitions, **FAST)
+    assert summary.datasets["ds"].done == total and set(ids_once(output).values()) == {1}
 
 
 def test_keyed_endpoint_starts_without_model_and_sends_the_key_to_health_and_models(tmp_path):

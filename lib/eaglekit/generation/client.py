@@ -92,6 +92,7 @@ class EndpointCapabilities:
     returns_prompt_token_ids: bool   # ... and the prompt's token ids
     rejects_unknown_fields: bool     # answered 4xx to `return_token_ids` (e.g. 422 from transformers serve)
     reasoning_field: str | None      # "reasoning_content" or "reasoning" when the answer carried the key
+    served_model: str | None = None  # the `model` the probe's answer named; every later answer must name it too
 
 
 class TransientError(Exception):
@@ -113,7 +114,24 @@ class RequestRejected(Exception):
         self.status, self.message = status, message
 
 
-class EndpointAuthError(RuntimeError):
+class EndpointFatalError(RuntimeError):
+    """A fault of the endpoint, not of a prompt: the run stops at once, no prompt is marked failed, and a resume
+    (once the endpoint is fixed) requests again whatever was in flight."""
+
+
+class EndpointModelChangedError(EndpointFatalError):
+    """An answer names another model than the probe found: the server was restarted with another model mid-run.
+    Answers of two models would train one draft silently; the run stops, naming the endpoint and both models."""
+
+    def __init__(self, endpoint: str, probed: str, answered: str):
+        super().__init__(
+            f"endpoint {endpoint}: an answer came from model {answered!r}, but the run started on {probed!r} (the probe's "
+            "answer): the server now serves another model. Answers so far are kept, each from the probed model; serve "
+            f"{probed!r} again and rerun with --resume, or start a new run id for the new model.")
+        self.endpoint, self.probed, self.answered = endpoint, probed, answered
+
+
+class EndpointAuthError(EndpointFatalError):
     """401/403: the endpoint refuses our key. Stops the run; the message names the endpoint and the fix."""
 
     def __init__(self, endpoint: str, status: int, url: str, message: str, api_key_env: str | None):
@@ -330,6 +348,9 @@ class Endpoint:
             body["chat_template_kwargs"] = {**body.get("chat_template_kwargs", {}), **chat_template_kwargs}
         data = await self._post_chat(self.capabilities.model, messages, max_tokens, temperature, top_p, body)
         answer = parse_chat_response(data)
+        served = self.capabilities.served_model
+        if served is not None and isinstance(data.get("model"), str) and data["model"] != served:
+            raise EndpointModelChangedError(self.name, served, data["model"])
         if answer.finish_reason in GAVE_UP_FINISH_REASONS:
             # The server gave up on the request (SGLang and vLLM "abort": cancelled, preempted, shut down;
             # vLLM "error"): whatever text came back is not an answer. Retried like any transient failure.
@@ -415,7 +436,8 @@ class Endpoint:
             model=model, accepts_token_ids=answer.token_ids is not None,
             returns_prompt_token_ids=answer.prompt_token_ids is not None,
             rejects_unknown_fields=rejects_unknown_fields,
-            reasoning_field=next((name for name in ("reasoning_content", "reasoning") if name in message), None))
+            reasoning_field=next((name for name in ("reasoning_content", "reasoning") if name in message), None),
+            served_model=data.get("model") if isinstance(data.get("model"), str) else None)
         return self.capabilities
 
     async def check_health(self) -> bool:

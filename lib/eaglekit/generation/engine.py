@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from eaglekit.generation.client import (
     ChatAnswer,
     Endpoint,
-    EndpointAuthError,
+    EndpointFatalError,
     EndpointPool,
     EndpointSpec,
     RequestRejected,
@@ -360,7 +360,7 @@ class GenerationEngine:
                     endpoint.pause(error.retry_after_s)  # the server is alive and asks us to wait
                 else:
                     transient = True
-            except (RequestRejected, EndpointAuthError) as error:
+            except (RequestRejected, EndpointFatalError) as error:
                 outcome = error
             except Exception as error:  # a client bug must cost one prompt, never the slot or the run
                 logger.exception("%s/%s: unexpected error on %s", item.dataset, item.id, endpoint.name)
@@ -371,7 +371,7 @@ class GenerationEngine:
             if isinstance(outcome, ChatAnswer):
                 self._record_answer(item, endpoint.name, attempts, latency, outcome)
                 return
-            if isinstance(outcome, EndpointAuthError):
+            if isinstance(outcome, EndpointFatalError):
                 self._fail_run(outcome)  # not the prompt's fault: no record, requested again on resume
                 return
             if isinstance(outcome, RequestRejected):
