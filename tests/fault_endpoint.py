@@ -10,6 +10,8 @@ mixed run and the test reads what it asked for:
     #fault:429x1 / #fault:503x3 / #fault:408x1   same, other statuses
     #fault:resetx1   reset the TCP connection instead of answering (first attempt)
     #fault:slowx1    sleep `slow_seconds` before answering (past the client's timeout)
+    #fault:drip      a whole answer, one byte every `drip_seconds` (no read waits long; the whole takes minutes)
+    #fault:huge      a valid answer `huge_bytes` long (a runaway body), streamed in 1 MiB chunks
     #fault:400       always 400 with a context-length message (x<n> works too); also 413, 422, 404
     #fault:401 / #fault:403   the key refused (x<n> works too)
     #retryafter:1.5  add `Retry-After: 1.5` to this prompt's 429/503 answers
@@ -74,6 +76,8 @@ class FaultOptions:
     model: str = "fault-model"
     api_key: str | None = None            # require `Authorization: Bearer <api_key>` on every route
     served_model: str | None = None       # answers name this model whatever was asked (a restart with another model)
+    drip_seconds: float = 1.0             # #fault:drip: one byte of the answer every this many seconds
+    huge_bytes: int = 256 << 20           # #fault:huge: the answer's content length
 
 
 def fake_token_ids(text: str) -> list[int]:
@@ -87,6 +91,7 @@ class FaultServer:
     attempts: Counter = field(default_factory=Counter)
     statuses: Counter = field(default_factory=Counter)
     requests: int = 0
+    huge_bytes_sent: int = 0
     service_seconds: float = 0.0   # sum over chat completions of request read -> response written
     last_headers: dict = field(default_factory=dict)   # of the last chat completion, names lower-cased
     last_request: dict = field(default_factory=dict)   # the last chat completion's JSON body
@@ -184,7 +189,39 @@ class FaultServer:
             return False
         if failing and kind == "slow":
             await asyncio.sleep(self.options.slow_seconds)
+        if failing and kind == "drip":
+            return await self.send_dripping(writer, json.dumps(self.completion(request, prompt, None)).encode())
+        if failing and kind == "huge":
+            return await self.send_huge(writer)
         return self.send(writer, 200, self.completion(request, prompt, kind if failing else None))
+
+    async def send_dripping(self, writer: asyncio.StreamWriter, body: bytes) -> bool:
+        """A whole, valid answer sent one byte every `drip_seconds` (each read arrives well within any read timeout)."""
+        self.statuses["drip"] += 1
+        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode())
+        for index in range(len(body)):
+            writer.write(body[index:index + 1])
+            await writer.drain()
+            await asyncio.sleep(self.options.drip_seconds)
+        return True
+
+    async def send_huge(self, writer: asyncio.StreamWriter) -> bool:
+        """A valid chat completion whose content is `huge_bytes` long, streamed in 1 MiB chunks; `huge_bytes_sent`
+        counts what left before the client stopped reading."""
+        self.statuses["huge"] += 1
+        head = b'{"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop", ' \
+               b'"message": {"role": "assistant", "content": "'
+        tail = b'"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+        chunk = b"x" * (1 << 20)
+        chunks = self.options.huge_bytes // len(chunk)
+        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                     f"{len(head) + chunks * len(chunk) + len(tail)}\r\n\r\n".encode() + head)
+        for _ in range(chunks):
+            writer.write(chunk)
+            await writer.drain()
+            self.huge_bytes_sent += len(chunk)
+        writer.write(tail)
+        return True
 
     def completion(self, request: dict, prompt: str, kind: str | None) -> dict:
         content, reasoning, finish_reason = f"Answer: {prompt}", "Let me think.", "stop"

@@ -322,6 +322,38 @@ def test_served_model_changed_mid_run_stops_naming_the_endpoint_and_both_models(
     assert summary.datasets["ds"].done == total and set(ids_once(output).values()) == {1}
 
 
+def test_a_dripping_body_times_out_by_the_whole_request_deadline(tmp_path):
+    """One byte of the answer every 0.2 s: no read waits long, so a timeout between reads never fires. The request's
+    deadline bounds it whole: each attempt ends after request_timeout_s, the prompt is recorded, the rest answered."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["a", "b #fault:drip", "c"])
+    with FaultEndpoint(FaultOptions(drip_seconds=0.2)) as endpoint:
+        started = time.monotonic()
+        summary = within(30, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
+                         tmp_path / "out", [PartitionSettings("short", concurrency=3, max_tokens=16)],
+                         request_timeout_s=1.0, **{**FAST, "retry": RetryPolicy(2, 0.01, 0.05)})
+        elapsed = time.monotonic() - started
+    assert summary.datasets["ds"].done == 2 and summary.datasets["ds"].errors == 1
+    errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert errors["p1"]["kind"] == "timeout" and errors["p1"]["attempts"] == 2 and "1 s" in errors["p1"]["message"]
+    assert elapsed < 15
+
+
+def test_a_huge_body_is_cut_at_the_cap_and_recorded_naming_the_endpoint(tmp_path):
+    """A 256 MB answer to a 16-token request: reading stops at the cap (about 1 MB here), the prompt is recorded as
+    too large with the endpoint named, never retried, and the other prompts are answered."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", ["a", "b #fault:huge", "c", "d"])
+    with FaultEndpoint(FaultOptions()) as endpoint:
+        summary = within(60, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url, name="big")],
+                         tmp_path / "out", [PartitionSettings("short", concurrency=2, max_tokens=16)], **FAST)
+        sent = endpoint.server.huge_bytes_sent
+    assert summary.datasets["ds"].done == 3 and summary.datasets["ds"].errors == 1
+    errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
+    assert errors["p1"]["kind"] == "too_large" and errors["p1"]["attempts"] == 1 and errors["p1"]["endpoint"] == "big"
+    assert "endpoint big" in errors["p1"]["message"]
+    assert sent < 32 << 20, f"{sent:,} bytes left the server: the client kept reading past its cap"
+    assert (tmp_path / "out" / "generations.jsonl").stat().st_size < 1 << 20
+
+
 def test_keyed_endpoint_starts_without_model_and_sends_the_key_to_health_and_models(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["one", "two"])
     with FaultEndpoint(FaultOptions(api_key="secret")) as endpoint:

@@ -52,6 +52,16 @@ RETRY_AFTER_STATUS_CODES = frozenset({429, 503})
 MAX_RETRY_AFTER_S = 600.0  # a server asking for more is honoured for this long, then asked again
 # Finish reasons that mean no answer: retried, then recorded as an error ("length" is a truncated answer).
 GAVE_UP_FINISH_REASONS = frozenset({"abort", "error"})
+# The most bytes an answer's body may hold: BODY_BYTES_PER_TOKEN per answer token (text escaped as \uXXXX runs to
+# ~18 B a token, each token id ~7 B), BODY_BYTES_PER_PROMPT_CHAR per request character (the prompt's token ids come
+# back), and BODY_BASE_BYTES for the rest. A body past it is a server fault: reading stops there, so a runaway
+# answer (one of 210 MB was seen) costs the cap, not the kernel's memory.
+BODY_BYTES_PER_TOKEN = 64
+BODY_BYTES_PER_PROMPT_CHAR = 8
+BODY_BASE_BYTES = 1 << 20
+ERROR_BODY_BYTES = 64 << 10  # of an HTTP error's body: enough for the server's message
+CONTROL_DEADLINE_S = 30.0  # a health check or model list, whole (a server that drips bytes never stalls one)
+PROBE_DEADLINE_S = 120.0  # the probe's one-token answer, whole: a loaded server may queue it a while
 
 
 @dataclass(frozen=True)
@@ -109,9 +119,22 @@ class TransientError(Exception):
 class RequestRejected(Exception):
     """About the request itself (400 prompt too long, 413, 422): record the server's message, do not retry."""
 
+    kind = "rejected"
+
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status, self.message = status, message
+
+
+class AnswerTooLarge(RequestRejected):
+    """A 200 whose body passed the size cap (`answer_body_cap`): recorded for the prompt, naming the endpoint, never
+    retried (the same request would run away again); the rest of the run goes on."""
+
+    kind = "too_large"
+
+    def __init__(self, endpoint: str, cap: int):
+        super().__init__(200, f"endpoint {endpoint}: the answer's body passed {cap:,} bytes (max_tokens x "
+                              f"{BODY_BYTES_PER_TOKEN} B + the prompt's allowance); reading stopped there")
 
 
 class EndpointFatalError(RuntimeError):
@@ -275,6 +298,22 @@ def parse_chat_response(data: Any) -> ChatAnswer:
         reasoning_field=reasoning_field)
 
 
+def answer_body_cap(max_tokens: int, request_bytes: int) -> int:
+    """The most bytes a chat answer's body may hold (see BODY_BYTES_PER_TOKEN)."""
+    return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max_tokens + BODY_BYTES_PER_PROMPT_CHAR * request_bytes
+
+
+async def _read_capped(response, cap: int) -> bytes | None:
+    """The body, or None once it passes `cap` bytes (reading stops there)."""
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @functools.cache
 def tls_context() -> ssl.SSLContext:
     """One TLS context per process for every client: building one loads the CA store (~50 ms)."""
@@ -287,6 +326,9 @@ class Endpoint:
     def __init__(self, spec: EndpointSpec, max_connections: int, request_timeout_s: float,
                  connect_timeout_s: float = 10.0):
         self.spec = spec
+        # The whole request, sending to the last byte of the answer: httpx's timeout bounds only each read, so a
+        # server that sends a byte a second would hold a request (and a stop) for ever.
+        self.request_deadline_s = request_timeout_s
         self.base_url = spec.base_url.rstrip("/")
         # Health lives at the server root (SGLang, vLLM, transformers serve all serve /health there).
         self.root_url = self.base_url.removesuffix("/v1")
@@ -360,45 +402,63 @@ class Endpoint:
         return answer
 
     async def _post_chat(self, model: str, messages: list[dict[str, Any]], max_tokens: int,
-                         temperature: float | None, top_p: float | None, extra_body: dict[str, Any]) -> Any:
+                         temperature: float | None, top_p: float | None, extra_body: dict[str, Any],
+                         deadline_s: float | None = None) -> Any:
+        """One POST, whole within deadline_s (default the request deadline), its body within the size cap."""
+        deadline_s = deadline_s or self.request_deadline_s
         body: dict[str, Any] = {**extra_body, "model": model, "messages": messages, "max_tokens": max_tokens}
         if temperature is not None:
             body["temperature"] = temperature
         if top_p is not None:
             body["top_p"] = top_p
+        payload = json.dumps(body).encode()
         try:
             # The POST goes through the SDK client's own HTTP client and pool with the SDK's headers,
             # but skips its per-request option building (typed options, deep copies, URL merging:
             # ~0.4 ms a request, the bulk of the client's cost at 1,000 requests/s). We read
             # non-standard fields (token_ids, reasoning) from the JSON, so its models add nothing.
-            response = await self.http_client.post(self._chat_url, content=json.dumps(body).encode(),
-                                                   headers=self._headers)
+            status, headers, content = await asyncio.wait_for(
+                self._post_capped(payload, answer_body_cap(max_tokens, len(payload))), deadline_s)
+        except asyncio.TimeoutError:
+            raise TransientError("timeout", f"no whole answer within {deadline_s:g} s "
+                                            "(generation.request_timeout_s bounds the whole request)") from None
         except (httpx2.TransportError, aiohttp.ClientError, OSError) as error:
             # The aiohttp transport maps every dropped connection to httpx2.ConnectTimeout; the
             # aiohttp error it chains tells a real timeout (a TimeoutError) from a reset.
             cause = error.__cause__ or error
             timed_out = isinstance(cause, TimeoutError) or (cause is error and isinstance(error, httpx2.TimeoutException))
             raise TransientError("timeout" if timed_out else "connection", f"{type(cause).__name__}: {cause}") from None
-        status = response.status_code
         if status >= 400:
-            message = response.text[:2000]
+            message = content.decode("utf-8", "replace")[:2000]
             kind = classify_status(status)
             if kind == "auth":
                 raise self._auth_error(status, self._chat_url, message)
             if kind == "request":
                 raise RequestRejected(status, message)
-            retry_after = parse_retry_after(response.headers.get("retry-after")) \
-                if status in RETRY_AFTER_STATUS_CODES else None
+            retry_after = parse_retry_after(headers.get("retry-after")) if status in RETRY_AFTER_STATUS_CODES else None
             raise TransientError(f"http_{status}", message, status, retry_after)
         try:
-            return json.loads(response.content)
+            return json.loads(content)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise TransientError("bad_response", f"response is not JSON: {error}") from None
+
+    async def _post_capped(self, payload: bytes, cap: int) -> tuple[int, Any, bytes]:
+        """(status, headers, body) of one POST, the body read in chunks and never past `cap` (AnswerTooLarge);
+        an error's body only up to ERROR_BODY_BYTES."""
+        async with self.http_client.stream("POST", self._chat_url, content=payload, headers=self._headers) as response:
+            limit = cap if response.status_code < 400 else ERROR_BODY_BYTES
+            content = await _read_capped(response, limit)
+            if content is None and response.status_code < 400:
+                raise AnswerTooLarge(self.name, cap)
+            return response.status_code, response.headers, content if content is not None else b"(body cut)"
 
     async def list_models(self) -> list[str]:
         """Model ids at /v1/models (with the key). Raises EndpointAuthError on 401/403."""
         url = f"{self.base_url}/models"
-        response = await self.control_client.get(url, timeout=30.0)
+        try:
+            response = await asyncio.wait_for(self.control_client.get(url, timeout=30.0), CONTROL_DEADLINE_S)
+        except asyncio.TimeoutError:
+            raise TransientError("timeout", f"{url}: no whole answer within {CONTROL_DEADLINE_S:g} s") from None
         if classify_status(response.status_code) == "auth" and response.status_code >= 400:
             raise self._auth_error(response.status_code, url, response.text)
         response.raise_for_status()
@@ -423,13 +483,13 @@ class Endpoint:
         messages = [{"role": "user", "content": "Say OK."}]
         rejects_unknown_fields = False
         try:
-            data = await self._post_chat(model, messages, 1, 0.0, None, {"return_token_ids": True})
+            data = await self._post_chat(model, messages, 1, 0.0, None, {"return_token_ids": True}, PROBE_DEADLINE_S)
         except RequestRejected as error:
             if error.status not in (400, 422):
                 raise
             logger.info("%s rejected return_token_ids (HTTP %d); sending plain requests", self.name, error.status)
             rejects_unknown_fields = True
-            data = await self._post_chat(model, messages, 1, 0.0, None, {})
+            data = await self._post_chat(model, messages, 1, 0.0, None, {}, PROBE_DEADLINE_S)
         answer = parse_chat_response(data)
         message = data["choices"][0]["message"]  # validated by parse_chat_response
         self.capabilities = EndpointCapabilities(
@@ -447,14 +507,14 @@ class Endpoint:
         """
         try:
             url = f"{self.root_url}/health"
-            response = await self.control_client.get(url)
+            response = await asyncio.wait_for(self.control_client.get(url), CONTROL_DEADLINE_S)
             if response.status_code == 404:
                 url = f"{self.base_url}/models"
-                response = await self.control_client.get(url)
+                response = await asyncio.wait_for(self.control_client.get(url), CONTROL_DEADLINE_S)
             if response.status_code in AUTH_STATUS_CODES:
                 raise self._auth_error(response.status_code, url, response.text)
             return response.is_success
-        except (httpx2.HTTPError, OSError):
+        except (httpx2.HTTPError, OSError, asyncio.TimeoutError):
             return False
 
     def pause(self, seconds: float) -> None:

@@ -375,7 +375,7 @@ class GenerationEngine:
                 self._fail_run(outcome)  # not the prompt's fault: no record, requested again on resume
                 return
             if isinstance(outcome, RequestRejected):
-                self._record_error(item, endpoint.name, attempts, "rejected", outcome.status, outcome.message, failures)
+                self._record_error(item, endpoint.name, attempts, outcome.kind, outcome.status, outcome.message, failures)
                 return
             if not isinstance(outcome, TransientError):
                 self._record_error(item, endpoint.name, attempts, "client_error", None,
