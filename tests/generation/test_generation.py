@@ -30,6 +30,7 @@ from eaglekit.generation import (  # noqa: E402
     GenerationLog, PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, generation_table,
     has_repetition_loop, quality_flags, read_generations, summarize_generations)
 from eaglekit.io import read_jsonl  # noqa: E402
+from eaglekit.generation.engine import GenerationSettingsChanged  # noqa: E402
 from support import write_prompts  # noqa: E402  (shared test helpers, tests/support.py)
 
 FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
@@ -352,6 +353,34 @@ def test_a_huge_body_is_cut_at_the_cap_and_recorded_naming_the_endpoint(tmp_path
     assert "endpoint big" in errors["p1"]["message"]
     assert sent < 32 << 20, f"{sent:,} bytes left the server: the client kept reading past its cap"
     assert (tmp_path / "out" / "generations.jsonl").stat().st_size < 1 << 20
+
+
+def test_a_resume_with_other_settings_is_refused_naming_the_keys(tmp_path):
+    """Half the prompts answered, then resumed with another max_tokens, temperature and served model: refused before
+    any request, each differing key named with both values; the same settings resume and finish exactly once."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i}" for i in range(12)])
+    source, output = [PromptSource("ds", "short", prompts)], tmp_path / "out"
+    first = [PartitionSettings("short", concurrency=2, max_tokens=16)]
+    with FaultEndpoint(FaultOptions(served_model="model-a")) as endpoint:
+        spec = [EndpointSpec(endpoint.base_url)]
+        generate(source, spec, output, first, temperature=0.0, **FAST)
+        kept = [record for _, record in read_jsonl(output / "generations.jsonl")]
+        assert {(record["model"], record["max_tokens"], record["temperature"]) for record in kept} == {("model-a", 16, 0.0)}
+        lines = (output / "generations.jsonl").read_text().splitlines(keepends=True)
+        (output / "generations.jsonl").write_text("".join(lines[:6]))  # six answered, six to do
+        endpoint.server.options.served_model = "model-b"
+        requests_before = endpoint.server.requests
+        with pytest.raises(GenerationSettingsChanged) as caught:
+            generate(source, spec, output, [PartitionSettings("short", 2, max_tokens=32)], temperature=0.7, **FAST)
+        message = str(caught.value)
+        for words in ("max_tokens", "{'short': 16}", "{'short': 32}", "temperature", "0.7", "model", "model-a", "model-b",
+                      "settings.json"):
+            assert words in message, words
+        assert endpoint.server.requests - requests_before <= 1  # the probe only: no answer asked for
+        assert len((output / "generations.jsonl").read_text().splitlines()) == 6
+        endpoint.server.options.served_model = "model-a"
+        summary = generate(source, spec, output, [PartitionSettings("short", 4, max_tokens=16)], temperature=0.0, **FAST)
+    assert summary.datasets["ds"].done == 12 and set(ids_once(output).values()) == {1}
 
 
 def test_keyed_endpoint_starts_without_model_and_sends_the_key_to_health_and_models(tmp_path):

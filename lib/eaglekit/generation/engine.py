@@ -9,6 +9,7 @@ healthy endpoint (`eaglekit.generation.client`). Answers and errors are appended
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -52,6 +53,33 @@ from eaglekit.generation.settings import DEFAULT_RETRY, PartitionSettings, Retry
 from eaglekit.io import AppendLog, repair_torn_tail, write_json
 
 logger = logging.getLogger(__name__)
+
+SETTINGS_FILE = "settings.json"  # what produced the answers of this folder (`GenerationEngine._settings`)
+
+
+class GenerationSettingsChanged(ValueError):
+    """A resume whose settings would produce other answers than the folder holds: refused, the keys named."""
+
+
+def check_generation_settings(path: Path, settings: dict[str, Any], has_answers: bool) -> None:
+    """Refuse a resume whose answer-deciding settings differ from those the folder's answers were made with.
+
+    A first session writes `path`. A folder with answers but no settings file (written before the kit kept one)
+    adopts the current settings with a warning: its earlier records carry none."""
+    if not path.is_file():
+        if has_answers:
+            logger.warning("%s: none kept by the session(s) that wrote the answers here; taking this session's "
+                           "settings as theirs (earlier records carry no settings)", path)
+        write_json(path, settings)
+        return
+    kept = json.loads(path.read_text())
+    changed = {key: (kept.get(key), value) for key, value in settings.items() if kept.get(key) != value}
+    if changed:
+        lines = "; ".join(f"{key}: {old!r} in the folder, {new!r} now" for key, (old, new) in changed.items())
+        raise GenerationSettingsChanged(
+            f"{path}: this resume would answer with other settings than the answers already here ({lines}); answers of "
+            "two settings would be mixed in one training set. Restore those params (or the served model) and resume, "
+            "or start a new run id for the new settings.")
 
 # A server answering 429/503 with Retry-After is honoured without spending the prompt's attempts,
 # up to this many waits per prompt and session (then the waits count like any transient failure).
@@ -131,6 +159,7 @@ class GenerationEngine:
         self.progress_bar = progress_bar
         self.health_interval_s, self.unhealthy_after, self.probe_wait_s = health_interval_s, unhealthy_after, probe_wait_s
         self.rng = random.Random(seed)
+        self._max_tokens = {partition.name: partition.max_tokens for partition in self.partitions}
         # A systematic fault in the answers (the server's template is not the kit's) shows in a dataset's first
         # answers of a session: `first_answers_check(dataset, records)` runs on them and an exception stops the run.
         self.first_answers_check, self.first_answers = first_answers_check, first_answers
@@ -241,6 +270,7 @@ class GenerationEngine:
         try:
             if todo and not self._stop.is_set():
                 await self.pool.probe_all(self.probe_wait_s)
+                check_generation_settings(self.output_dir / SETTINGS_FILE, self._settings(), bool(answered))
                 write_json(self.output_dir / "endpoints.json",
                            [{"name": endpoint.name, "base_url": endpoint.base_url,
                              "capabilities": asdict(endpoint.capabilities) if endpoint.capabilities else None}
@@ -277,6 +307,15 @@ class GenerationEngine:
         if self._fatal is not None:
             raise self._fatal
         return summary
+
+    def _settings(self) -> dict[str, Any]:
+        """What decides an answer (never concurrency or routing): the served model, each partition's max_tokens, the
+        sampling and the extra request fields. Kept in settings.json; a resume must match it."""
+        models = sorted({endpoint.capabilities.served_model or endpoint.capabilities.model
+                         for endpoint in self.pool.endpoints if endpoint.capabilities is not None})
+        return {"model": models, "max_tokens": {partition.name: partition.max_tokens for partition in self.partitions},
+                "temperature": self.temperature, "top_p": self.top_p, "extra_body": self.extra_body,
+                "chat_template_kwargs": self.chat_template_kwargs}
 
     def _background_ended(self, task: asyncio.Task) -> None:
         """A task of the run ended with an exception: stop the run and raise it from `run`."""
@@ -424,6 +463,8 @@ class GenerationEngine:
             "session": self.session, "attempts": attempts, "latency_s": round(latency, 4),
             "prompt_tokens": answer.prompt_tokens, "completion_tokens": completion_tokens,
             "finish_reason": answer.finish_reason, "truncated": answer.finish_reason == "length", "flags": flags,
+            "model": self._model_of(endpoint_name),
+            "max_tokens": self._max_tokens[item.partition], "temperature": self.temperature,
             "reasoning_field": answer.reasoning_field, "finished_at": time.time(),
             "content": answer.content, "reasoning": answer.reasoning, "tool_calls": answer.tool_calls,
             "prompt_token_ids": answer.prompt_token_ids, "token_ids": answer.token_ids}
@@ -451,6 +492,12 @@ class GenerationEngine:
             self.first_answers_check(dataset, first)
         except Exception as error:  # the answers are kept; the run stops with the check's words
             self._fail_run(error)
+
+    def _model_of(self, endpoint_name: str) -> str | None:
+        for endpoint in self.pool.endpoints:
+            if endpoint.name == endpoint_name and endpoint.capabilities is not None:
+                return endpoint.capabilities.served_model or endpoint.capabilities.model
+        return None
 
     def _record_error(self, item: PromptItem, endpoint_name: str, attempts: int, kind: str, status: int | None,
                       message: str, failures: list[str]) -> None:
