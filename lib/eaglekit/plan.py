@@ -21,6 +21,7 @@ from typing import Any
 
 from eaglekit.capture.plan import planned_slice_bytes
 from eaglekit.capture.shards import stored_bytes_per_token
+from eaglekit.capture.stage import capture_length
 from eaglekit.config import Params
 from eaglekit.generation.capacity import load_model_config, plan_capacity
 from eaglekit.generation.plan import target_config, weight_bytes
@@ -52,11 +53,6 @@ class RunPlan:
         return {"target": self.target, "capacity": self.capacity, "slices": self.slices,
                 "training_memory": self.training_memory, "generation": self.generation, "horizon": self.horizon,
                 "assumptions": [vars(assumption) for assumption in self.assumptions]}
-
-
-def _capture_length(params: Params) -> int:
-    """Tokens captured per sample: capture.max_seq_len, never past training.max_length (as stage 4 does)."""
-    return min(params.capture.max_seq_len, params.training.max_length)
 
 
 def _worst_prompt_tokens(params: Params, partition: str) -> int:
@@ -126,7 +122,7 @@ def plan_run(params: Params, *, prompts: int | None = None, tokens_per_sample: f
     """The whole run's plan from params; the keyword arguments replace the assumptions named after them."""
     config = target_config(params)
     text = load_model_config(config)
-    capture_cap = _capture_length(params)
+    capture_cap = capture_length(params)
     prompt_count = _prompt_count(params, prompts)
     short = params.generation.partitions[0]
     answers = Assumption("answer_tokens", answer_tokens, "--answer-tokens") if answer_tokens is not None else \
