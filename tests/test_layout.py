@@ -21,7 +21,8 @@ TOPICS = {
     "draft": {"target_families": "head loading, shapes and exports on every tiny target family",
               "speculators_load": "the vLLM export through speculators' own loader and forward",
               "doctor_serving": "the doctor on server settings SGLang and vLLM refuse with a kit draft"},
-    "training": {"recipe_levers": "distillation target and feature noise through training"},
+    "training": {"recipe_levers": "distillation target and feature noise through training",
+                 "faults": "NaN features, torn checkpoints and dead writers' temp files through training and export"},
 }
 MAX_MODULE_LINES = 600
 

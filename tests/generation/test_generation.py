@@ -24,8 +24,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 
-from eaglekit.generation.client import (  # noqa: E402
-    Endpoint, EndpointAuthError, EndpointModelChangedError, EndpointPool, EndpointSpec, TransientError, parse_chat_response, parse_retry_after)
+from eaglekit.generation.client import Endpoint, EndpointPool, EndpointSpec, parse_chat_response  # noqa: E402
+from eaglekit.generation.errors import (  # noqa: E402
+    EndpointAuthError, EndpointModelChangedError, TransientError, parse_retry_after)
 from eaglekit.generation import (  # noqa: E402
     GenerationLog, PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, generation_table,
     has_repetition_loop, quality_flags, read_generations, summarize_generations)

@@ -28,11 +28,9 @@ anything without it).
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import functools
 import json
 import logging
-import math
 import ssl
 import time
 from dataclasses import dataclass
@@ -43,13 +41,12 @@ import httpx2
 import openai
 
 from eaglekit.config import EndpointParams
+from eaglekit.generation.errors import (
+    AUTH_STATUS_CODES, RETRY_AFTER_STATUS_CODES, EndpointAuthError, EndpointModelChangedError,
+    RequestRejected, TransientError, classify_status, parse_retry_after)
 
 logger = logging.getLogger(__name__)
 
-AUTH_STATUS_CODES = frozenset({401, 403})
-REQUEST_STATUS_CODES = frozenset({400, 413, 422})  # about the request itself: terminal for the prompt
-RETRY_AFTER_STATUS_CODES = frozenset({429, 503})
-MAX_RETRY_AFTER_S = 600.0  # a server asking for more is honoured for this long, then asked again
 # Finish reasons that mean no answer: retried, then recorded as an error ("length" is a truncated answer).
 GAVE_UP_FINISH_REASONS = frozenset({"abort", "error"})
 # The most bytes an answer's body may hold: BODY_BYTES_PER_TOKEN per answer token (text escaped as \uXXXX runs to
@@ -105,27 +102,6 @@ class EndpointCapabilities:
     served_model: str | None = None  # the `model` the probe's answer named; every later answer must name it too
 
 
-class TransientError(Exception):
-    """Worth retrying: connection error, timeout, 408, 429, 5xx, a malformed 200 (`bad_response`).
-
-    retry_after_s: what the server asked for in `Retry-After` (429/503), else None.
-    """
-
-    def __init__(self, kind: str, message: str, status: int | None = None, retry_after_s: float | None = None):
-        super().__init__(f"{kind}: {message}")
-        self.kind, self.message, self.status, self.retry_after_s = kind, message, status, retry_after_s
-
-
-class RequestRejected(Exception):
-    """About the request itself (400 prompt too long, 413, 422): record the server's message, do not retry."""
-
-    kind = "rejected"
-
-    def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
-        self.status, self.message = status, message
-
-
 class AnswerTooLarge(RequestRejected):
     """A 200 whose body passed the size cap (`answer_body_cap`): recorded for the prompt, naming the endpoint, never
     retried (the same request would run away again); the rest of the run goes on."""
@@ -135,65 +111,6 @@ class AnswerTooLarge(RequestRejected):
     def __init__(self, endpoint: str, cap: int):
         super().__init__(200, f"endpoint {endpoint}: the answer's body passed {cap:,} bytes (max_tokens x "
                               f"{BODY_BYTES_PER_TOKEN} B + the prompt's allowance); reading stopped there")
-
-
-class EndpointFatalError(RuntimeError):
-    """A fault of the endpoint, not of a prompt: the run stops at once, no prompt is marked failed, and a resume
-    (once the endpoint is fixed) requests again whatever was in flight."""
-
-
-class EndpointModelChangedError(EndpointFatalError):
-    """An answer names another model than the probe found: the server was restarted with another model mid-run.
-    Answers of two models would train one draft silently; the run stops, naming the endpoint and both models."""
-
-    def __init__(self, endpoint: str, probed: str, answered: str):
-        super().__init__(
-            f"endpoint {endpoint}: an answer came from model {answered!r}, but the run started on {probed!r} (the probe's "
-            "answer): the server now serves another model. Answers so far are kept, each from the probed model; serve "
-            f"{probed!r} again and rerun with --resume, or start a new run id for the new model.")
-        self.endpoint, self.probed, self.answered = endpoint, probed, answered
-
-
-class EndpointAuthError(EndpointFatalError):
-    """401/403: the endpoint refuses our key. Stops the run; the message names the endpoint and the fix."""
-
-    def __init__(self, endpoint: str, status: int, url: str, message: str, api_key_env: str | None):
-        where = f"the environment variable {api_key_env}" if api_key_env else \
-            "an environment variable named by `api_key_env` in the endpoint's params"
-        super().__init__(
-            f"endpoint {endpoint}: HTTP {status} from {url}: the server refuses the API key ({message[:300]}). "
-            f"Put a valid key in {where}, then rerun with --resume: finished prompts are kept and no prompt "
-            "was marked failed by this.")
-        self.endpoint, self.status, self.url = endpoint, status, url
-
-
-def classify_status(status: int) -> str:
-    """"auth", "request" (terminal for the prompt) or "transient" for an HTTP error status (>= 400)."""
-    if status in AUTH_STATUS_CODES:
-        return "auth"
-    if status in REQUEST_STATUS_CODES:
-        return "request"
-    return "transient"
-
-
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
-    """Seconds to wait from a `Retry-After` header: delta-seconds or an HTTP date; None when absent or bad."""
-    if value is None or not value.strip():
-        return None
-    value = value.strip()
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when is None:
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
-    if math.isnan(seconds):
-        return None
-    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
 
 
 @dataclass(frozen=True)

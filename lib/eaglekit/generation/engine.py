@@ -23,15 +23,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from eaglekit.generation.client import (
-    ChatAnswer,
-    Endpoint,
-    EndpointFatalError,
-    EndpointPool,
-    EndpointSpec,
-    RequestRejected,
-    TransientError,
-)
+from eaglekit.generation.client import ChatAnswer, Endpoint, EndpointPool, EndpointSpec
+from eaglekit.generation.errors import EndpointFatalError, RequestRejected, TransientError
 from eaglekit.generation.logs import (
     ERRORS_FILE,
     GENERATIONS_FILE,
