@@ -102,15 +102,27 @@ def nested_capture_slices(data_files: Mapping[str, str | os.PathLike], vocab_siz
              "keys": [list(samples[position].key) for position in positions]} for size, positions in parts]
 
 
+def format_bytes(count: float) -> str:
+    """A byte count in the largest decimal unit it fills (B, KB, MB, GB, TB, as disks are sold), 3 significant
+    digits: "812 B", "3.21 MB", "41.7 TB". A demo's megabytes never read as "0.000 TB"."""
+    if count < 0 or count != count:
+        raise ValueError(f"a byte count must be a number >= 0, got {count!r}")
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if count >= scale * 0.9995:  # 999.6 KB rounds to "1.00 MB", not "1e+03 KB"
+            scaled = count / scale
+            return f"{scaled:,.2f} {unit}" if scaled < 10 else f"{scaled:,.1f} {unit}" if scaled < 100 else f"{scaled:,.0f} {unit}"
+    return f"{count:,.0f} B"
+
+
 def format_slice_plan(plan: StoragePlan) -> str:
     """The per-slice bytes as lines: what the disk must hold before each size can train."""
     if not plan.slices:
-        return f"one capture: {plan.tokens:,} tokens x {plan.bytes_per_token:,} B = {plan.planned_bytes / 1e12:.3f} TB ({plan.feature_dtype})"
+        return f"one capture: {plan.tokens:,} tokens x {plan.bytes_per_token:,} B = {format_bytes(plan.planned_bytes)} ({plan.feature_dtype})"
     lines = []
     for part in plan.slices:
         label = f"size {part['size']:>7,}" if part["size"] is not None else "untrained   "
-        lines.append(f"{label}: {part['samples']:>7,} samples {part['tokens']:>14,} tokens {part['bytes'] / 1e12:9.3f} TB "
-                     f"(cumulative {part['cumulative_bytes'] / 1e12:.3f} TB, {plan.feature_dtype})")
+        lines.append(f"{label}: {part['samples']:>7,} samples {part['tokens']:>14,} tokens {format_bytes(part['bytes']):>9} "
+                     f"(cumulative {format_bytes(part['cumulative_bytes'])}, {plan.feature_dtype})")
     return "\n".join(lines)
 
 
