@@ -25,6 +25,9 @@ mixed run and the test reads what it asked for:
     #fault:loop      content that ends in a repetition loop
     #fault:think     reasoning but empty content
     #sleep:0.25      answer after 0.25 s (bench latency distributions)
+    #tokens:300      an answer of 300 tokens (fewer, finish_reason "length", past the request's max_tokens), made at
+                     `token_seconds` a token: a decode of realistic length and time (ETA and partition-overlap tests);
+                     each one's (prompt, start, end) is kept in `spans`, its seconds in `in_flight`/`peak_in_flight`
 Attempts are counted per prompt text. With `api_key` set, every route (health and models too)
 answers 401 unless `Authorization: Bearer <api_key>` is sent; tests rotate it mid-run by assigning
 `server.options.api_key` (and swap the served model by assigning `server.options.served_model`). `last_request` holds the last chat request's JSON body, `chat_requests` all of them.
@@ -59,6 +62,7 @@ from dataclasses import dataclass, field
 
 DIRECTIVE = re.compile(r"#fault:(\w+?)(?:x(\d+))?(?=\s|$)")
 SLEEP = re.compile(r"#sleep:([0-9.]+)")
+TOKENS = re.compile(r"#tokens:(\d+)")
 RETRY_AFTER = re.compile(r"#retryafter:([0-9.]+)")
 KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
                 "stop", "seed", "frequency_penalty", "tools", "chat_template_kwargs"}  # transformers serve's own fields
@@ -78,6 +82,7 @@ class FaultOptions:
     served_model: str | None = None       # answers name this model whatever was asked (a restart with another model)
     drip_seconds: float = 1.0             # #fault:drip: one byte of the answer every this many seconds
     huge_bytes: int = 256 << 20           # #fault:huge: the answer's content length
+    token_seconds: float = 0.001          # #tokens:N: seconds per generated token
 
 
 def fake_token_ids(text: str) -> list[int]:
@@ -99,6 +104,7 @@ class FaultServer:
     control_headers: list = field(default_factory=list)  # (path, authorization) of GET requests
     in_flight: int = 0             # chat completions being answered now
     peak_in_flight: int = 0        # the most answered at once
+    spans: list = field(default_factory=list)  # (prompt, start, end) of each #tokens answer, time.monotonic()
 
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -167,6 +173,8 @@ class FaultServer:
                 await asyncio.sleep(float(sleep.group(1)))
             finally:
                 self.in_flight -= 1
+        if (tokens := TOKENS.search(prompt)) is not None and kind is None:
+            return await self.send_tokens(writer, request, prompt, int(tokens.group(1)))
         failing = kind is not None and (count is None or attempt <= count)
         if failing and kind in TRANSIENT_STATUSES:
             headers = {}
@@ -194,6 +202,26 @@ class FaultServer:
         if failing and kind == "huge":
             return await self.send_huge(writer)
         return self.send(writer, 200, self.completion(request, prompt, kind if failing else None))
+
+    async def send_tokens(self, writer: asyncio.StreamWriter, request: dict, prompt: str, wanted: int) -> bool:
+        """An answer of `wanted` tokens (one a character), cut at the request's max_tokens, after that many tokens'
+        decode time."""
+        limit = request.get("max_tokens") or request.get("max_completion_tokens") or wanted
+        made = min(wanted, int(limit))
+        started = time.monotonic()
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(made * self.options.token_seconds)
+        finally:
+            self.in_flight -= 1
+        self.spans.append((prompt, started, time.monotonic()))
+        answer = self.completion(request, prompt, "length" if made < wanted else None)
+        message = answer["choices"][0]["message"]
+        message["content"] = "t" * made
+        message.pop(self.options.reasoning_field or "", None)
+        answer["usage"]["completion_tokens"] = made
+        return self.send(writer, 200, answer)
 
     async def send_dripping(self, writer: asyncio.StreamWriter, body: bytes) -> bool:
         """A whole, valid answer sent one byte every `drip_seconds` (each read arrives well within any read timeout)."""
@@ -393,9 +421,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strict-fields", action="store_true")
     parser.add_argument("--slow-seconds", type=float, default=5.0)
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--token-seconds", type=float, default=0.001)
     args = parser.parse_args(argv)
     options = FaultOptions(token_ids=args.token_ids, reasoning_field=args.reasoning_field,
-                           strict_fields=args.strict_fields, slow_seconds=args.slow_seconds, api_key=args.api_key)
+                           strict_fields=args.strict_fields, slow_seconds=args.slow_seconds, api_key=args.api_key,
+                           token_seconds=args.token_seconds)
     try:
         asyncio.run(serve_forever(options, args.port))
     except KeyboardInterrupt:

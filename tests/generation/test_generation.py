@@ -923,3 +923,47 @@ def test_past_reasoning_is_sent_so_the_server_renders_the_prompt_prep_rendered(t
                                    tools=TOOLS if template == "qwen3" else None)
     assert "I should run ls." in prepared or "Count them." in prepared
     assert _served_prompt(tokenizer, request) == prepared
+
+
+def _occupancy(spans: list[tuple[str, float, float]], concurrency: dict[str, int]) -> tuple[float, dict[str, int]]:
+    """The most room the server's answers took at once (sum over partitions of in flight / concurrency), and the most
+    in flight of each partition; a span's partition is its prompt's first letter."""
+    events = sorted([(start, 1, prompt[0]) for prompt, start, _ in spans] + [(end, -1, prompt[0]) for prompt, _, end in spans])
+    running = {name: 0 for name in concurrency}
+    room, peaks = 0.0, dict(running)
+    for _, change, name in events:  # at equal times an end (-1) comes before a start: an answer frees its room first
+        running[name] += change
+        peaks[name] = max(peaks[name], running[name])
+        room = max(room, sum(running[key] / concurrency[key] for key in concurrency))
+    return room, peaks
+
+
+def test_the_long_partition_starts_in_the_room_the_short_one_frees_as_it_drains(tmp_path):
+    # Answers of realistic length and decode time: 32 short ones of 20-200 tokens (one of 400, a long drain), then
+    # 6 long ones of 600. The long partition must start before the last short answer is in, and the server must
+    # never hold more than the room: short in flight / 8 + long in flight / 2 <= 1.
+    rng = random.Random(0)
+    short = [f"s{index} #tokens:{rng.randint(20, 200) if index != 28 else 400}" for index in range(32)]
+    long = [f"l{index} #tokens:600" for index in range(6)]
+    sources = [PromptSource("chat", "short", write_prompts(tmp_path / "short.jsonl", short)),
+               PromptSource("code", "long", write_prompts(tmp_path / "long.jsonl", long))]
+    partitions = [PartitionSettings("short", concurrency=8, max_tokens=512),
+                  PartitionSettings("long", concurrency=2, max_tokens=1024)]
+    with FaultEndpoint(FaultOptions(token_seconds=0.002)) as endpoint:
+        summary = within(60, generate, sources, [EndpointSpec(endpoint.base_url)], tmp_path / "out", partitions,
+                         **{**FAST, "log_interval_s": 0.1})
+        spans = list(endpoint.server.spans)
+    assert summary.datasets["chat"].done == 32 and summary.datasets["code"].done == 6
+    assert ids_once(tmp_path / "out") == Counter({f"p{index}": 1 for index in range(32)}) + \
+        Counter({f"p{index}": 1 for index in range(6)})
+    last_short_end = max(end for prompt, _, end in spans if prompt.startswith("s"))
+    first_long_start = min(start for prompt, start, _ in spans if prompt.startswith("l"))
+    assert first_long_start < last_short_end - 0.2, "the long partition waited for the short one to drain"
+    room, peaks = _occupancy(spans, {"s": 8, "l": 2})
+    assert room <= 1.0 and peaks == {"s": 8, "l": 2}, (room, peaks)
+    # Every progress record says its ETA in words; none gives the long partition a plain figure before it has
+    # answers of its own (the old ETA priced it at the short partition's request rate).
+    metrics = [record for _, record in read_jsonl(tmp_path / "out" / "metrics.jsonl")]
+    assert all(set(record["eta"]) == {"short", "long"} and record["eta_total"] for record in metrics)
+    before_long = [record for record in metrics if record["done"]["code"] == 0 and not record["final"]]
+    assert before_long and all(record["eta"]["long"].startswith(("not yet known", "at most")) for record in before_long)

@@ -1,95 +1,85 @@
 """The async generation engine: every prompt through the endpoints, with each partition's concurrency kept full.
 
 A new request starts the moment one finishes (never waves that wait for their slowest member),
-partitions run in the order given (default short, then long), and requests go to the least busy
-healthy endpoint (`eaglekit.generation.client`). Answers and errors are appended to the files
-`eaglekit.generation.logs` reads; a progress record and line every `log_interval_s`.
+partitions are sent in the order given (default short, then long), and requests go to the least busy
+healthy endpoint (`eaglekit.generation.client`). Once a partition has sent its last prompt, the next one starts
+in the room its drain frees (`SharedPool`), so the endpoints stay full through the change. Answers and errors are
+appended to the files `eaglekit.generation.logs` reads; a progress record and line every `log_interval_s`, with an
+ETA from tokens and the work in flight (`logs.run_etas`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import itertools
 import logging
 import os
 import random
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
-from eaglekit.generation.client import ChatAnswer, Endpoint, EndpointPool, EndpointSpec
+from eaglekit.generation.capacity import SharedPool
+from eaglekit.generation.client import ChatAnswer, Endpoint, EndpointSpec
 from eaglekit.generation.errors import EndpointFatalError, RequestRejected, TransientError
 from eaglekit.generation.logs import (
     ERRORS_FILE,
+    ETA_MIN_SECONDS,
+    ETA_WINDOW_S,
     GENERATIONS_FILE,
     METRICS_FILE,
     SESSIONS_FILE,
     GenerationSummary,
+    PartitionWork,
     compact_errors,
     count_answers,
     count_lines,
     failure_record,
     finished_keys,
     progress_line,
+    run_etas,
     summarize_generations,
 )
 from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS, quality_flags
+from eaglekit.generation.settings import (  # noqa: F401  (GenerationSettingsChanged: the engine's refusal, importable here)
+    DEFAULT_RETRY, SETTINGS_FILE, GenerationSettingsChanged, PartitionSettings, RetryPolicy, check_generation_settings)
 from eaglekit.generation.tokenized import EARLY_CHECK_ANSWERS
-from eaglekit.generation.settings import DEFAULT_RETRY, PartitionSettings, RetryPolicy
 from eaglekit.io import AppendLog, repair_torn_tail, write_json
 
 logger = logging.getLogger(__name__)
-
-SETTINGS_FILE = "settings.json"  # what produced the answers of this folder (`GenerationEngine._settings`)
-
-
-class GenerationSettingsChanged(ValueError):
-    """A resume whose settings would produce other answers than the folder holds: refused, the keys named."""
-
-
-def check_generation_settings(path: Path, settings: dict[str, Any], has_answers: bool) -> None:
-    """Refuse a resume whose answer-deciding settings differ from those the folder's answers were made with.
-
-    A first session writes `path`. A folder with answers but no settings file (written before the kit kept one)
-    adopts the current settings with a warning: its earlier records carry none."""
-    if not path.is_file():
-        if has_answers:
-            logger.warning("%s: none kept by the session(s) that wrote the answers here; taking this session's "
-                           "settings as theirs (earlier records carry no settings)", path)
-        write_json(path, settings)
-        return
-    kept = json.loads(path.read_text())
-    changed = {key: (kept.get(key), value) for key, value in settings.items() if kept.get(key) != value}
-    if changed:
-        lines = "; ".join(f"{key}: {old!r} in the folder, {new!r} now" for key, (old, new) in changed.items())
-        raise GenerationSettingsChanged(
-            f"{path}: this resume would answer with other settings than the answers already here ({lines}); answers of "
-            "two settings would be mixed in one training set. Restore those params (or the served model) and resume, "
-            "or start a new run id for the new settings.")
 
 # A server answering 429/503 with Retry-After is honoured without spending the prompt's attempts,
 # up to this many waits per prompt and session (then the waits count like any transient failure).
 MAX_RETRY_AFTER_WAITS = 100
 
 
+ETA_RECENT_ANSWERS = 64  # the decode speed reads at least this many latest answers, however old
+
+
 @dataclass
 class _PartitionProgress:
+    """What the ETA of one partition reads (`logs.PartitionWork`), kept as the session goes."""
+
     total: int = 0            # to do this session
     finished: int = 0         # done or errored this session
-    started_at: float | None = None
-    ended_at: float | None = None
+    running: dict[int, float] = field(default_factory=dict)   # attempt -> when it was sent (monotonic)
+    lengths: list[int] = field(default_factory=list)          # completion tokens of this session's answers
+    recent: deque = field(default_factory=deque)              # (finished at, completion tokens, latency s)
 
-    def rate(self, now: float) -> float | None:
-        if self.started_at is None or self.finished == 0:
-            return None
-        return self.finished / max(1e-9, (self.ended_at or now) - self.started_at)
+    def add_answer(self, tokens: int | None, latency: float, now: float) -> None:
+        if tokens is None:
+            return
+        self.lengths.append(tokens)
+        self.recent.append((now, tokens, latency))
+        while len(self.recent) > ETA_RECENT_ANSWERS and self.recent[0][0] < now - ETA_WINDOW_S:
+            self.recent.popleft()
 
 
 class _Slot:
@@ -97,15 +87,15 @@ class _Slot:
     by the attempt's `finally`, or by the task's done-callback if the task ends (even cancelled before
     it first ran) still holding it."""
 
-    __slots__ = ("endpoint", "pool")
+    __slots__ = ("endpoint", "limit", "pool")
 
-    def __init__(self, pool: EndpointPool, endpoint: Endpoint | None = None):
-        self.pool, self.endpoint = pool, endpoint
+    def __init__(self, pool: SharedPool, limit: int, endpoint: Endpoint | None = None):
+        self.pool, self.limit, self.endpoint = pool, limit, endpoint
 
     def release(self, transient_failure: bool = False) -> None:
         endpoint, self.endpoint = self.endpoint, None
         if endpoint is not None:
-            self.pool.release(endpoint, transient_failure=transient_failure)
+            self.pool.release(endpoint, transient_failure=transient_failure, limit=self.limit)
 
 
 class GenerationEngine:
@@ -120,7 +110,8 @@ class GenerationEngine:
                  progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
                  probe_wait_s: float = 60.0, seed: int = 0, priority: Sequence[tuple[str, str]] | None = None,
                  first_answers_check: Callable[[str, list[dict]], Any] | None = None,
-                 first_answers: int = EARLY_CHECK_ANSWERS):
+                 first_answers: int = EARLY_CHECK_ANSWERS, overlap_partitions: bool = True,
+                 eta_min_seconds: float = ETA_MIN_SECONDS):
         self.sources = list(sources)
         # (dataset, id) in the order to request them (prep's planned training order); the rest after, in file order.
         self.priority = {tuple(key): rank for rank, key in enumerate(priority or ())}
@@ -150,6 +141,9 @@ class GenerationEngine:
         self.log_interval_s, self.flush_interval_s = log_interval_s, flush_interval_s
         self.shutdown_grace_s = shutdown_grace_s
         self.progress_bar = progress_bar
+        # False: each partition drains before the next is sent (the engine before the overlap; bench/generation.py)
+        self.overlap_partitions = overlap_partitions
+        self.eta_min_seconds = eta_min_seconds  # no ETA before this much sending (a bench's compressed run lowers it)
         self.health_interval_s, self.unhealthy_after, self.probe_wait_s = health_interval_s, unhealthy_after, probe_wait_s
         self.rng = random.Random(seed)
         self._max_tokens = {partition.name: partition.max_tokens for partition in self.partitions}
@@ -252,9 +246,10 @@ class GenerationEngine:
         self.session_started = session_started
         self.dispatch_started: float | None = None
         self._window = (time.monotonic(), 0, 0)  # (time, finished, completion tokens) at the last tick
+        self._attempt_ids = itertools.count()
         self.current_partition: str | None = None
         max_concurrency = max(partition.concurrency for partition in self.partitions)
-        self.pool = EndpointPool(
+        self.pool = SharedPool(
             [Endpoint(spec, max_connections=max_concurrency, request_timeout_s=self.request_timeout_s)
              for spec in self.endpoint_specs],
             unhealthy_after=self.unhealthy_after, health_interval_s=self.health_interval_s)
@@ -272,10 +267,14 @@ class GenerationEngine:
                 health.add_done_callback(self._background_ended)
                 background = [health, asyncio.create_task(self._tick_loop())]
                 self.dispatch_started = time.monotonic()
+                tasks: set[asyncio.Task] = set()
                 for partition in self.partitions:
                     if self._stop.is_set():
                         break
-                    await self._run_partition(partition, todo_by_partition[partition.name])
+                    await self._send_partition(partition, todo_by_partition[partition.name], tasks)
+                    if not self.overlap_partitions:
+                        await self._drain(tasks)
+                await self._drain(tasks)
         finally:
             for task in background:
                 task.cancel()
@@ -315,16 +314,19 @@ class GenerationEngine:
         if not task.cancelled() and task.exception() is not None:
             self._fail_run(task.exception())
 
-    async def _run_partition(self, partition: PartitionSettings, items: list[PromptItem]) -> None:
-        progress = self.progress[partition.name]
+    async def _send_partition(self, partition: PartitionSettings, items: list[PromptItem],
+                              tasks: set[asyncio.Task]) -> None:
+        """Send every prompt of a partition as room frees (`SharedPool`); returns once the last is sent, its
+        requests (and the earlier partitions' still in flight) in `tasks`."""
+        if items and tasks:
+            logger.info("partition %s starts while %d requests of %s are in flight, in the room they free",
+                        partition.name, sum(not task.done() for task in tasks), self.current_partition)
         self.current_partition = partition.name
-        progress.started_at = time.monotonic()
-        tasks: set[asyncio.Task] = set()
         for item in items:
             endpoint = await self.pool.acquire(partition.concurrency, self._stop)
             if endpoint is None:
                 break
-            slot = _Slot(self.pool, endpoint)
+            slot = _Slot(self.pool, partition.concurrency, endpoint)
             task = asyncio.create_task(self._process(item, partition, slot))
             # The backstop: a task that ends holding its slot (cancelled before it first ran, or a
             # bug) gives it back, so no path can leave a slot taken and the run waiting for ever.
@@ -333,8 +335,6 @@ class GenerationEngine:
             task.add_done_callback(self._background_ended)
             tasks.add(task)
             task.add_done_callback(tasks.discard)  # finished tasks are not kept: 80,000 of them add up
-        await self._drain(tasks)
-        progress.ended_at = time.monotonic()
 
     async def _drain(self, tasks: set[asyncio.Task]) -> None:
         """Wait for in-flight requests; once stopping, give them what is left of shutdown_grace_s
@@ -380,6 +380,9 @@ class GenerationEngine:
             attempts += 1
             self.requests_this_session += 1
             started = time.monotonic()
+            attempt = next(self._attempt_ids)
+            running = self.progress[partition.name].running
+            running[attempt] = started
             outcome: BaseException | ChatAnswer
             transient = False
             try:
@@ -399,6 +402,7 @@ class GenerationEngine:
                 outcome = error
             finally:
                 slot.release(transient_failure=transient)
+                running.pop(attempt, None)
             latency = time.monotonic() - started
             if isinstance(outcome, ChatAnswer):
                 self._record_answer(item, endpoint.name, attempts, latency, outcome)
@@ -469,6 +473,7 @@ class GenerationEngine:
             self.errored_keys.discard(key)
             counts.errors -= 1
         self.completion_tokens_this_session += completion_tokens or 0
+        self.progress[item.partition].add_answer(completion_tokens, latency, time.monotonic())
         self._finished(item)
         self._check_first_answers(item.dataset, record)
 
@@ -536,15 +541,8 @@ class GenerationEngine:
             window_time = self.dispatch_started or now
             window_finished, window_tokens = 0, 0
         span = max(1e-9, now - window_time)
-        etas: dict[str, float | None] = {}
-        last_rate = None
-        for partition in self.partitions:
-            progress = self.progress[partition.name]
-            rate = progress.rate(now) or last_rate  # not started yet: the last measured rate, a rough guess
-            last_rate = progress.rate(now) or last_rate
-            remaining = progress.total - progress.finished
-            etas[partition.name] = 0.0 if remaining == 0 else (remaining / rate if rate else None)
-        total_eta = None if any(eta is None for eta in etas.values()) else sum(etas.values())
+        etas, total_eta = run_etas([self._work(partition, now) for partition in self.partitions],
+                                   now - (self.dispatch_started or now), self.eta_min_seconds)
         completion_tokens = sum(counts.completion_tokens for counts in self.datasets.values())
         measured = sum(counts.measured_answers for counts in self.datasets.values())
         flags = {flag: sum(counts.flags.get(flag, 0) for counts in self.datasets.values()) for flag in QUALITY_FLAGS}
@@ -562,9 +560,23 @@ class GenerationEngine:
             "mean_completion_tokens": round(completion_tokens / measured, 2) if measured else None,
             "finished_this_session": finished, "requests_this_session": self.requests_this_session,
             "in_flight": self.pool.in_flight,
+            "in_flight_by_partition": {name: len(progress.running) for name, progress in self.progress.items()},
             "endpoints_in_flight": {endpoint.name: endpoint.in_flight for endpoint in self.pool.endpoints},
             "healthy_endpoints": sum(endpoint.healthy for endpoint in self.pool.endpoints),
-            "eta_s": etas, "eta_total_s": total_eta}
+            "eta_s": {name: eta.seconds for name, eta in etas.items()}, "eta_total_s": total_eta.seconds,
+            "eta": {name: eta.words() for name, eta in etas.items()}, "eta_total": total_eta.words()}
+
+    def _work(self, partition: PartitionSettings, now: float) -> PartitionWork:
+        """A partition's state for its ETA; its slots are its concurrency on each healthy endpoint (capped there)."""
+        progress = self.progress[partition.name]
+        endpoints = [endpoint for endpoint in self.pool.endpoints if endpoint.healthy] or self.pool.endpoints
+        slots = sum(min(partition.concurrency, endpoint.spec.concurrency or partition.concurrency)
+                    for endpoint in endpoints)
+        return PartitionWork(
+            partition.name, to_send=progress.total - progress.finished - len(progress.running),
+            in_flight_ages_s=[now - sent for sent in progress.running.values()], lengths=progress.lengths,
+            recent=[(tokens, latency) for _, tokens, latency in progress.recent], slots=slots,
+            max_tokens=partition.max_tokens)
 
     def _tick(self, final: bool = False) -> None:
         snapshot = self._snapshot(final)

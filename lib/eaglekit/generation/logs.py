@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS
 from eaglekit.io import InputError, format_duration, read_jsonl, write_jsonl
@@ -325,11 +327,15 @@ def progress_line(snapshot: dict[str, Any]) -> str:
     """The progress line of one metrics record, as the log shows it.
 
     progress 1h02m | B1 1200/9000, B2 300/5000 | errors 3 truncated 41 | 2.10 req/s 480 tok/s
-    mean 231 tok | in flight 150 (sglang-kimi 150) | ETA short 3h10m long ? total ?
-    The final line's rates are over the whole session (`rate_window_s`), the others' over the interval.
+    mean 231 tok | in flight 150 (sglang-kimi 150) | ETA short 3h10m, long at most 9h40m (0 answers of it yet:
+    up to max_tokens), total at most 12h50m
+    The final line's rates are over the whole session (`rate_window_s`), the others' over the interval; the ETA's
+    words are `Eta.words` (records from before them carry only seconds).
     """
     datasets = ", ".join(f"{name} {snapshot['done'][name]}/{snapshot['total'][name]}" for name in snapshot["done"])
-    etas = " ".join(f"{name} {format_duration(eta)}" for name, eta in snapshot["eta_s"].items())
+    words = snapshot.get("eta") or {name: format_duration(eta) for name, eta in snapshot["eta_s"].items()}
+    etas = ", ".join(f"{name} {eta}" for name, eta in words.items())
+    total = snapshot.get("eta_total") or format_duration(snapshot["eta_total_s"])
     mean = snapshot["mean_completion_tokens"]
     per_endpoint = ", ".join(f"{name} {count}" for name, count in snapshot.get("endpoints_in_flight", {}).items())
     label = f"final (session {snapshot.get('session', '?')}, rates over {format_duration(snapshot['rate_window_s'])})" \
@@ -337,4 +343,149 @@ def progress_line(snapshot: dict[str, Any]) -> str:
     return (f"{label} {format_duration(snapshot['elapsed_s'])} | {datasets} | errors {snapshot['errors']} "
             f"truncated {snapshot['truncated']} | {snapshot['requests_per_s']:.2f} req/s "
             f"{snapshot['completion_tokens_per_s']:.0f} tok/s mean {'-' if mean is None else f'{mean:.0f}'} tok | "
-            f"in flight {snapshot['in_flight']} ({per_endpoint}) | ETA {etas} total {format_duration(snapshot['eta_total_s'])}")
+            f"in flight {snapshot['in_flight']} ({per_endpoint}) | ETA {etas}, total {total}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The ETA, from tokens and the work in flight
+#
+# A request's time is its answer's length over the speed one sequence decodes at (tokens per second of latency,
+# queue and prefill included). With a partition's `slots` full, its throughput is slots x that speed, and its
+# work left is the prompts not yet sent x the expected answer length, plus what each request in flight has still
+# to generate. Answer lengths are estimated from the answers finished so far with the ones still running counted
+# as at least as long as they already are (Kaplan-Meier): early on only short answers have finished, and a plain
+# mean of them is the bias that made a long partition's ETA look minutes long. Where the running answers may
+# still end anywhere up to max_tokens, the figure is an upper bound ("at most"); before enough evidence there
+# is no figure ("not yet known"), never a rate borrowed from another partition's request count.
+
+ETA_MIN_ANSWERS = 8       # answers finished (this session) before any speed is trusted
+ETA_MIN_SECONDS = 30.0    # seconds of sending before any speed is trusted (the first answers are the quick ones)
+ETA_WINDOW_S = 300.0      # the decode speed is measured over the answers finished in the last 5 minutes
+ETA_RESOLVED = 0.2        # an estimate once its lower and upper bounds differ by less than this share
+
+
+@dataclass(frozen=True)
+class PartitionWork:
+    """One partition's state at one moment, what its ETA reads (the engine fills it; tests make it up)."""
+
+    name: str
+    to_send: int                        # prompts of this session neither in flight nor finished
+    in_flight_ages_s: Sequence[float]   # how long each request in flight has been running
+    lengths: Sequence[int]              # completion tokens of every answer this partition finished this session
+    recent: Sequence[tuple[int, float]]  # (completion tokens, latency s) of its answers finished in the window
+    slots: int                          # requests in flight when it has the endpoints to itself
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Eta:
+    """seconds: an estimate, an upper bound or nothing, as `kind` says ("done", "estimate", "at most",
+    "not yet known"); `why` names the missing evidence."""
+
+    kind: str
+    seconds: float | None = None
+    why: str = ""
+    work_s: float = 0.0          # the partition's work at its own throughput (what a total sums)
+    straggler_s: float = 0.0     # the longest request in flight, alone (no total ends before it)
+
+    def words(self) -> str:
+        if self.kind == "done":
+            return "done"
+        if self.seconds is None:
+            return f"not yet known ({self.why})" if self.why else "not yet known"
+        prefix = "at most " if self.kind == "at most" else ""
+        return f"{prefix}{format_duration(self.seconds)}" + (f" ({self.why})" if self.why else "")
+
+
+def decode_speed(recent: Sequence[tuple[int, float]]) -> float | None:
+    """Tokens per second one sequence gets: generated tokens over the seconds their requests took."""
+    seconds = sum(latency for _, latency in recent)
+    tokens = sum(tokens for tokens, _ in recent)
+    return tokens / seconds if seconds > 0 and tokens > 0 else None
+
+
+def _survival(lengths: np.ndarray, running: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Kaplan-Meier steps of P(length > x): where each step starts (0 first) and its value; running answers are
+    censored at what they made."""
+    observations = np.sort(np.concatenate([lengths, running]))
+    times, deaths = np.unique(lengths, return_counts=True)
+    at_risk = len(observations) - np.searchsorted(observations, times, side="left")
+    values = np.cumprod(1.0 - deaths / at_risk)
+    return np.concatenate([[0.0], times]), np.concatenate([[1.0], values])
+
+
+def answer_work(lengths: Sequence[int], generated: Sequence[float], max_tokens: int, to_send: int
+                ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """Tokens still to generate, as (lower, upper) bounds: `to_send` new answers plus the rest of each running one
+    (`generated`: tokens each has made so far); and the longest of those rests (lower, upper).
+
+    The running answers' lengths are censored at what they made; past the longest length seen, the lower bound
+    ends every unfinished answer there, the upper bound lets it run on to max_tokens."""
+    end = float(max_tokens)
+    finished = np.minimum(np.asarray(lengths, dtype=float), end)
+    running = np.minimum(np.asarray(generated, dtype=float), end - 1.0)
+    starts, values = _survival(finished, running)
+    last = max(float(finished.max(initial=0.0)), float(running.max(initial=0.0)))
+    stops = np.append(starts[1:], last)
+    after = np.append(np.cumsum((values * (stops - starts))[::-1])[::-1], 0.0)  # area of steps i.. up to `last`
+    step = np.searchsorted(starts, running, side="right") - 1                 # the step each running answer is on
+    inside = running < last
+    partial = np.where(inside, values[step] * (stops[step] - running) + after[step + 1], 0.0)
+    totals, longest = [], []
+    for tail in (0.0, float(values[-1])):  # lower bound, upper bound
+        beyond = tail * (end - np.maximum(running, last))
+        alive = np.where(inside, values[step], tail)
+        rests = np.divide(partial + beyond, alive, out=np.zeros_like(running), where=alive > 0)
+        totals.append(to_send * float(after[0] + tail * (end - last)) + float(rests.sum()))
+        longest.append(float(rests.max(initial=0.0)))
+    return (totals[0], totals[1]), (longest[0], longest[1])
+
+
+def partition_eta(work: PartitionWork, pooled_speed: float | None, evidence: str) -> Eta:
+    """The time a partition's work takes at its own concurrency; see the section comment.
+
+    pooled_speed: the decode speed over every partition's recent answers, used (as an upper bound only) while this
+    partition has too few answers of its own. evidence: why no speed is trusted yet ("" when one is)."""
+    if work.to_send == 0 and not work.in_flight_ages_s:
+        return Eta("done", 0.0)
+    own = decode_speed(work.recent) if len(work.recent) >= ETA_MIN_ANSWERS else None
+    speed = own or pooled_speed
+    if evidence or speed is None:  # the run-wide reason is said once, on the total
+        return Eta("not yet known", why="" if evidence else "no answer measured yet")
+    generated = [speed * age for age in work.in_flight_ages_s]
+    (low, high), (low_rest, high_rest) = answer_work(work.lengths, generated, work.max_tokens, work.to_send)
+    throughput = max(1, work.slots) * speed
+    low_s, high_s = max(low / throughput, low_rest / speed), max(high / throughput, high_rest / speed)
+    if own is None:
+        answered = len(work.lengths)
+        return Eta("at most", high_s, f"{answered} answer{'s' if answered != 1 else ''} of it yet: up to max_tokens",
+                   high / throughput, high_rest / speed)
+    if high_s - low_s <= ETA_RESOLVED * high_s:
+        middle = (low + high) / 2 / throughput
+        return Eta("estimate", (low_s + high_s) / 2, "", middle, (low_rest + high_rest) / 2 / speed)
+    return Eta("at most", high_s, "running answers may reach max_tokens", high / throughput, high_rest / speed)
+
+
+def run_etas(partitions: Sequence[PartitionWork], elapsed_s: float, min_seconds: float = ETA_MIN_SECONDS
+             ) -> tuple[dict[str, Eta], Eta]:
+    """Each partition's ETA and the whole run's. Partitions share the endpoints one after another (the next one
+    filling what the last one's drain frees), so the total is the sum of their work times, and never shorter than
+    the longest request still to run. Nothing is trusted before ETA_MIN_ANSWERS answers and `min_seconds` of
+    sending (elapsed_s)."""
+    answered = sum(len(work.lengths) for work in partitions)
+    evidence = ""
+    if elapsed_s < min_seconds:
+        evidence = f"{elapsed_s:.0f} s of {min_seconds:.0f} s measured"
+    elif answered < ETA_MIN_ANSWERS:
+        evidence = f"{answered} of {ETA_MIN_ANSWERS} answers"
+    pooled = decode_speed([answer for work in partitions for answer in work.recent])
+    etas = {work.name: partition_eta(work, pooled, evidence) for work in partitions}
+    open_etas = [eta for eta in etas.values() if eta.kind != "done"]
+    if not open_etas:
+        return etas, Eta("done", 0.0)
+    unknown = [name for name, eta in etas.items() if eta.kind == "not yet known"]
+    if unknown:
+        return etas, Eta("not yet known", why=evidence or f"{unknown[0]}: {etas[unknown[0]].why}")
+    seconds = max(sum(eta.work_s for eta in open_etas), max(eta.straggler_s for eta in open_etas))
+    bounded = any(eta.kind == "at most" for eta in open_etas)
+    return etas, Eta("at most" if bounded else "estimate", seconds)

@@ -29,11 +29,14 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
              log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0, progress_bar: bool = True,
              health_interval_s: float = 5.0, unhealthy_after: int = 3, probe_wait_s: float = 60.0,
              seed: int = 0, priority: Sequence[tuple[str, str]] | None = None,
-             first_answers_check: Callable[[str, list[dict]], Any] | None = None) -> GenerationSummary:
+             first_answers_check: Callable[[str, list[dict]], Any] | None = None,
+             overlap_partitions: bool = True) -> GenerationSummary:
     """Generate an answer for every prompt not already answered in output_dir; blocks until done.
 
-    sources: (dataset, partition, prompts.jsonl) triples. partitions: run in this order, each with
-    its concurrency (per endpoint) and max_tokens. temperature/top_p: None leaves the server default.
+    sources: (dataset, partition, prompts.jsonl) triples. partitions: sent in this order, each with
+    its concurrency (per endpoint) and max_tokens; once one has sent its last prompt the next starts in the room
+    its drain frees (a request of a partition of concurrency C takes 1/C of an endpoint: `capacity.SharedPool`).
+    overlap_partitions=False drains each partition before the next starts. temperature/top_p: None leaves the server default.
     extra_body: extra request fields (e.g. {"seed": 0}).
     chat_template_kwargs: `prep.chat_template_kwargs` (e.g. {"enable_thinking": False} for Qwen3), sent
     in every request as the top-level `chat_template_kwargs` (SGLang, vLLM, `transformers serve`), so
@@ -68,7 +71,7 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
         chat_template_kwargs=chat_template_kwargs, history_reasoning=history_reasoning, retry=retry, request_timeout_s=request_timeout_s, retry_errors=retry_errors,
         log_interval_s=log_interval_s, flush_interval_s=flush_interval_s, shutdown_grace_s=shutdown_grace_s, progress_bar=progress_bar,
         health_interval_s=health_interval_s, unhealthy_after=unhealthy_after, probe_wait_s=probe_wait_s, seed=seed,
-        priority=priority, first_answers_check=first_answers_check)
+        priority=priority, first_answers_check=first_answers_check, overlap_partitions=overlap_partitions)
     return run_engine(engine)
 
 
