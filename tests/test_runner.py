@@ -316,3 +316,108 @@ def test_a_stage_that_ignores_the_stop_is_killed_after_the_grace_and_the_margin(
     notebook = nbformat.read(run_dir / "05_busy.ipynb", as_version=4)
     waiting = next(cell for cell in notebook.cells if "time.sleep(300)" in cell.source)
     assert waiting.metadata.papermill["status"] == "failed" and waiting.outputs[-1]["ename"] == "KernelKilled"
+
+
+# ---- a full disk -------------------------------------------------------------------------------
+
+SMALL_DISK_BYTES = 4 << 20  # the run folder's whole filesystem: params, logs, the space reserve and one stage's output
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 4 MiB filesystem (tmpfs) for the run folder: the disk fills as a real one does, for every writer."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"needs to mount a small tmpfs (root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    yield mount_point
+    subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+def _runner_on_small_disk(params: Path, fill: str, *args: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), *args],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "EAGLEKIT_TEST_FILL": fill})
+
+
+@pytest.mark.parametrize("fill", ["raise", "quiet"], ids=["the-stage-write-fails", "the-notebook-save-fails"])
+def test_a_full_disk_fails_the_stage_naming_the_path_and_the_resume_and_tears_nothing(small_disk, fill):
+    import nbformat
+
+    disk = small_disk
+    params = disk.parent / "scenario.yaml"
+    params.write_text(f"run:\n  name: fixture\n  outputs_dir: {disk}\n")
+    run_dir = disk / "full"
+    first = _runner_on_small_disk(params, fill, "--stages", "fill", "--run-id", "full")
+    assert first.returncode == 1, first.stderr
+    assert "Traceback" not in first.stderr, first.stderr
+    last = first.stderr.strip().splitlines()[-1]
+    assert "stage 08_fill failed" in last and "No space left on device" in last, last
+    assert "free space, then continue with: eaglekit run" in last and "--run-id full --resume" in last, last
+    assert str(run_dir) in last, last  # the message places the failure in the run folder
+
+    state = json.loads((run_dir / "state.json").read_text())
+    stage = state["stages"]["08_fill"]
+    assert state["failed"] == "08_fill" and state["running"] is None and "08_fill" not in state["completed"], state
+    assert stage["status"] == "failed" and "No space left on device" in stage["error"]
+    assert stage["path"] and stage["path"].startswith(str(run_dir)), stage
+    if fill == "raise":  # the stage's own write failed first: that is the error, with its cell
+        assert stage["error"].startswith("cell [") and "OSError" in stage["error"], stage
+    assert "largest in the run folder: shard-00000.bin" in last, last
+    notebook = nbformat.read(run_dir / "08_fill.ipynb", as_version=4)  # whole: it parses
+    assert notebook.metadata.papermill["exception"] is True
+    assert [path.name for path in run_dir.rglob("*.tmp")] == [], "a torn temp file is left behind"
+    assert not (run_dir / "filled_done").exists()
+
+    (run_dir / "shard-00000.bin").unlink()  # the user frees space
+    (run_dir / "no_fill").touch()
+    second = _runner_on_small_disk(params, fill, "--stages", "fill", "--run-id", "full", "--resume")
+    assert second.returncode == 0, second.stderr
+    assert (run_dir / "filled_done").read_text() == "ok"
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["completed"] == ["08_fill"] and state["failed"] is None and "error" not in state["stages"]["08_fill"], state
+    assert not (run_dir / "space_reserve").exists()
+
+
+def test_a_disk_without_room_for_the_runners_own_records_refuses_to_start(tmp_path):
+    disk = tmp_path / "tiny"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"needs to mount a small tmpfs (root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        params = tmp_path / "scenario.yaml"
+        params.write_text(f"run:\n  name: fixture\n  outputs_dir: {disk}\n")
+        with pytest.raises(RunError) as refused:
+            run_pipeline(params, stages=["hello"], run_id="cramped", notebooks_dir=FIXTURE_NOTEBOOKS)
+        message = str(refused.value)
+        assert "no room to start" in message and "No space left on device (ENOSPC)" in message, message
+        assert str(disk / "cramped" / "space_reserve") in message and "--run-id cramped --resume" in message, message
+        assert not (disk / "cramped" / "space_reserve").exists()  # what was written of it is given back
+        assert not (disk / "cramped" / "01_hello.ipynb").exists()  # no stage ran
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_one_notebook_alone_through_papermill_gets_only_the_params_it_declares(tmp_path):
+    import yaml
+
+    repo = Path(__file__).parent.parent
+    notebook = repo / "notebooks" / "03_generation.ipynb"
+    listed = eaglekit_cli("params", str(repo / "params" / "demo.yaml"), str(notebook), "-o", str(tmp_path / "p.yaml"))
+    assert listed.returncode == 0, listed.stderr
+    sections = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    assert "generation" in sections and "capture" not in sections and "analysis" not in sections, sorted(sections)
+
+    def prepare(params_file: Path) -> str:
+        done = subprocess.run([sys.executable, "-m", "papermill", "--prepare-only", str(notebook), str(tmp_path / "out.ipynb"),
+                               "-f", str(params_file), "-p", "run_dir", str(tmp_path / "run")],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return done.stderr
+
+    assert "Passed unknown parameter" in prepare(repo / "params" / "demo.yaml")  # every section the notebook lacks
+    assert "Passed unknown parameter" not in prepare(tmp_path / "p.yaml")

@@ -31,13 +31,55 @@ def new_run_id(name: str) -> str:
     return f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{name}"
 
 
-def run_dir_for(params: Params, run_dir: str = "") -> Path:
-    """The notebook-side rule: the runner passes `run_dir`; run by hand, a notebook uses
-    `outputs/<run.name>-interactive` so stages run one after another share one folder."""
-    path = repo_path(run_dir) if run_dir else repo_path(params.run.outputs_dir) / f"{params.run.name}-interactive"
+RUN_DIR_ENV = "EAGLEKIT_RUN_DIR"  # names the run folder of a notebook run by hand (nbconvert, JupyterLab)
+FIRST_STAGE = "survey"  # the one stage that starts a run folder; every later one reads what earlier ones wrote
+
+
+class RunFolderError(ValueError):
+    """A notebook run by hand was pointed at no run folder, or at one whose stage is finished."""
+
+
+def run_dir_for(params: Params, run_dir: str = "", stage: str | None = None) -> Path:
+    """The notebook-side rule: the run folder is `run_dir` (the parameters cell; the runner sets it), else
+    $EAGLEKIT_RUN_DIR, else `outputs/<run.name>-interactive`, so stages run one after another by hand share one folder.
+
+    `stage` (the notebook's stage name) guards a notebook run by hand (not by the runner, which sets
+    run_log.STAGE_ENV in its kernels): a stage after the first needs a folder that exists (earlier stages filled it),
+    so it stops saying how to name one instead of leaving an empty folder behind; and a stage that the folder's
+    state.json records as finished is not run into it again: a run folder is never overwritten.
+    """
+    from eaglekit.run_log import STAGE_ENV
+
+    chosen = run_dir or os.environ.get(RUN_DIR_ENV, "")
+    path = repo_path(chosen) if chosen else repo_path(params.run.outputs_dir) / f"{params.run.name}-interactive"
+    by_hand = stage is not None and not os.environ.get(STAGE_ENV)
+    if by_hand and stage != FIRST_STAGE and not path.is_dir():
+        raise RunFolderError(
+            f"stage {stage}: no run folder {path}: this stage reads what the earlier stages wrote there. Name the run "
+            f"folder: {RUN_DIR_ENV}=outputs/<run id> jupyter nbconvert --execute --to notebook <notebook>, or set "
+            "run_dir in the parameters cell, or run it with `eaglekit run <params> --stages "
+            f"{stage} --run-id <run id> --resume`")
+    if by_hand:
+        finished = [label for label in _read_completed(path) if label.split("_", 1)[-1] == stage]
+        if finished:
+            raise RunFolderError(
+                f"stage {stage}: run folder {path} records stage {finished[0]} as finished (state.json), and a run "
+                f"folder is never overwritten: its {STAGE_FOLDERS.get(stage, stage)}/ is kept. To run the stage "
+                f"again, move {path / STAGE_FOLDERS.get(stage, stage)} away and remove {finished[0]!r} from "
+                "state.json's `completed`, or run it in a new run folder")
     path.mkdir(parents=True, exist_ok=True)
     (path / "figures").mkdir(exist_ok=True)
     return path
+
+
+def _read_completed(run_dir: Path) -> list[str]:
+    """The stages state.json records as done ([] when there is none, as in a folder made by hand)."""
+    try:
+        return list(json.loads((run_dir / "state.json").read_text(encoding="utf-8")).get("completed", []))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, AttributeError) as error:
+        raise RunFolderError(f"{run_dir / 'state.json'}: unreadable ({error}); the runner writes it whole") from None
 
 
 def _git(*args: str) -> str | None:
@@ -176,9 +218,13 @@ class RunFolderLock:
         record = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                   "command": " ".join(sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+            os.fsync(fd)
+        except OSError as error:  # a full disk: give the lock back rather than hold it with no record of who does
+            os.close(fd)
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
         self.fd = fd
         return self
 

@@ -2,6 +2,8 @@
 
 `outputs/<run_id>/` receives `params.yaml` (resolved), `environment.json`, `run.log`,
 `state.json` (which stages finished), and each executed notebook `NN_<stage>.ipynb`.
+While a run lasts it also holds `space_reserve`: space kept so that, when the disk fills during a
+stage, the runner can still say so in state.json, run.log and the executed notebook.
 Stages are the notebooks `NN_<name>.ipynb` found in the notebooks folder; a notebook whose
 metadata says `"eaglekit": {"needs_endpoint": true}` gets the endpoints (the embedded server,
 started once for the run, when params name none).
@@ -18,7 +20,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ from pathlib import Path
 import nbformat
 
 from eaglekit.config import Params, dump_params, load_params, repo_path
+from eaglekit.disk_full import (
+    SPACE_RESERVE_BYTES, DiskFull, SpaceReserve, describe_os_error, free_space, is_disk_full, largest_files, naming)
+from eaglekit.executed_notebook import failed_cell, mark_unfinished, notebook_saves, settle_executed_notebook
 from eaglekit.io import atomic_write, write_json
 from eaglekit.paths import NOTEBOOKS_DIR
 from eaglekit.run_folder import (
@@ -37,6 +41,7 @@ from eaglekit.run_folder import (
     read_stage_outcome,
     write_environment,
 )
+from eaglekit.run_log import KERNEL_HOOK, RUN_LOG_ENV, STAGE_ENV, run_logger
 
 STAGE_FILE = re.compile(r"^(\d\d)_([a-z0-9_]+)\.ipynb$")
 
@@ -80,69 +85,6 @@ def select_stages(stages: list[Stage], wanted: list[str] | None) -> list[Stage]:
             raise RunError(f"unknown stage {item!r}; stages here: {known}")
         chosen.extend(stage for stage in match if stage not in chosen)
     return sorted(chosen, key=lambda stage: stage.number)
-
-
-def _logger(run_dir: Path) -> logging.Logger:
-    logger = logging.getLogger(f"eaglekit.run.{run_dir.name}")
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    if not logger.handlers:
-        formatter = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
-        for handler in (logging.FileHandler(run_dir / "run.log"), logging.StreamHandler()):
-            handler.setFormatter(formatter)
-            logger.addHandler(handler)
-    return logger
-
-
-# ---- kernel side -------------------------------------------------------------------------------
-
-RUN_LOG_ENV = "EAGLEKIT_RUN_LOG"  # the run folder's run.log, set by the runner for each stage kernel
-STAGE_ENV = "EAGLEKIT_STAGE"  # the stage label, e.g. 03_generation
-
-
-def attach_stage_logging() -> None:
-    """Run inside a stage kernel at start-up: the `eaglekit` logger's lines reach `run.log`, the
-    runner's output and the executed notebook.
-
-    The kernel inherits the runner's stderr, so writing to the kernel's original stderr puts progress
-    lines in `nohup eaglekit run ... > kimi.out` (where `tail -f` shows them); a second handler appends
-    them to `run.log` (O_APPEND, beside the runner's own lines); a third writes to `sys.stderr`, which
-    ipykernel routes into the running cell's output. Library code only logs; how often is its own
-    setting (`log_interval_s`).
-    """
-    run_log = os.environ.get(RUN_LOG_ENV)
-    if not run_log:
-        return
-    stage = os.environ.get(STAGE_ENV, "stage")
-    # ipykernel may redirect fd 2 into the notebook; it keeps the original stderr as this copy.
-    original = getattr(sys.stderr, "_original_stdstream_copy", None)
-    terminal = open(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace") if original is not None else sys.__stderr__
-    kit_logger = logging.getLogger("eaglekit")
-    formatter = logging.Formatter(f"%(asctime)s %(levelname)s [{stage}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
-    # ipykernel routes sys.stderr into the running cell; a plain process (the staged worker) has no cell output, and
-    # its sys.stderr is the terminal handler's stream already.
-    in_kernel = type(sys.stderr).__module__.startswith("ipykernel")
-    handlers = (logging.FileHandler(run_log, encoding="utf-8"), logging.StreamHandler(terminal), *([_NotebookHandler()] if in_kernel else []))
-    for handler in handlers:
-        handler.setFormatter(formatter)
-        kit_logger.addHandler(handler)
-    if kit_logger.level == logging.NOTSET:
-        kit_logger.setLevel(logging.INFO)
-
-
-class _NotebookHandler(logging.StreamHandler):
-    """Writes to whatever `sys.stderr` is at the time (ipykernel's stream into the running cell)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value) -> None:
-        pass
-
-
-_KERNEL_HOOK = "import eaglekit.runner as _eaglekit_runner; _eaglekit_runner.attach_stage_logging(); del _eaglekit_runner"
 
 
 # ---- runner side -------------------------------------------------------------------------------
@@ -267,7 +209,7 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
         async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
             kw["pass_fds"] = (*kw.get("pass_fds", ()), lock_fd)
             kw["env"] = {**(kw.get("env") or os.environ), RUN_LOG_ENV: str(run_log), STAGE_ENV: stage.label}
-            await super()._async_launch_kernel([*kernel_cmd, f"--IPKernelApp.exec_lines={_KERNEL_HOOK}"], **kw)
+            await super()._async_launch_kernel([*kernel_cmd, f"--IPKernelApp.exec_lines={KERNEL_HOOK}"], **kw)
             control.kernel_started(self.provisioner.process)
 
         async def _async_interrupt_kernel(self) -> None:
@@ -279,30 +221,6 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
         interrupt_kernel = _async_interrupt_kernel
 
     return StageKernelManager
-
-
-def _mark_unfinished(output: Path, ename: str, evalue: str) -> int | None:
-    """After a kernel died or was stopped, papermill has saved every cell as completed: mark the cell
-    that was running as failed, with an error output, and the cells after it as never run.
-    Returns the execution count of that cell (None when no cell had started)."""
-    if not output.exists():
-        return None
-    notebook = nbformat.read(output, as_version=4)
-    started = [index for index, cell in enumerate(notebook.cells)
-               if cell.get("metadata", {}).get("papermill", {}).get("start_time")]
-    if not started:
-        return None
-    last = started[-1]
-    cell = notebook.cells[last]
-    cell.metadata.papermill.update(status="failed", exception=True)
-    if cell.cell_type == "code":
-        cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"]))
-    for later in notebook.cells[last + 1:]:
-        later.metadata.setdefault("papermill", {}).update(status="pending", start_time=None, end_time=None, duration=None)
-    notebook.metadata.setdefault("papermill", {})["exception"] = True
-    with atomic_write(output) as handle:
-        nbformat.write(notebook, handle)
-    return cell.get("execution_count")
 
 
 def _read_state(run_dir: Path) -> dict:
@@ -322,7 +240,7 @@ def _save_params(run_dir: Path, params: Params) -> None:
     if path.exists() and path.read_text(encoding="utf-8") != text:
         stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
         shutil.copy2(path, run_dir / f"params.before-{stamp}.yaml")
-    with atomic_write(path) as handle:
+    with naming(path), atomic_write(path) as handle:
         handle.write(text)
 
 
@@ -375,6 +293,11 @@ def run_pipeline(
         lock = RunFolderLock(run_dir).acquire()
     except RunLockedError as error:
         raise RunError(str(error)) from None
+    except OSError as error:
+        if not is_disk_full(error):
+            raise
+        raise RunError(f"run {run_id}: cannot take the run folder's lock: {describe_os_error(error)} writing {error.filename}; "
+                       f"{free_space(run_dir)}; free space, then continue with: {resume_command}") from None
     try:
         return _run_locked(params, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name, staged)
     finally:
@@ -383,14 +306,36 @@ def run_pipeline(
 
 def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
                 lock: RunFolderLock, kernel_name: str, staged: bool = False) -> Path:
+    logger = run_logger(run_dir)
+    state = _read_state(run_dir)
+    reserve = SpaceReserve(run_dir)
+    try:
+        (run_dir / "figures").mkdir(exist_ok=True)
+        reserve.make()
+        _save_params(run_dir, params)
+        with naming(run_dir / "environment.json"):
+            write_environment(run_dir)
+    except OSError as error:
+        reserve.release()
+        if not is_disk_full(error):
+            raise
+        message = (f"run {run_id}: no room to start: {describe_os_error(error)} writing {error.filename}; {free_space(run_dir)} "
+                   f"(the runner keeps {SPACE_RESERVE_BYTES >> 10} KiB for its own records); free space, then continue with: {resume_command}")
+        logger.error(message)
+        raise RunError(message) from None
+    try:
+        return _run_stages(params, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name, staged, logger, state, reserve)
+    finally:
+        reserve.release()
+
+
+def _run_stages(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
+                lock: RunFolderLock, kernel_name: str, staged: bool, logger: logging.Logger, state: dict, reserve: SpaceReserve) -> Path:
     from traitlets.config import Config
 
     from eaglekit.generation.server import serving_endpoints
     from eaglekit.staged.launch import staged_serving_params
 
-    (run_dir / "figures").mkdir(exist_ok=True)
-    logger = _logger(run_dir)
-    state = _read_state(run_dir)
     if resume:
         done = list(state["completed"])
         if state["running"]:
@@ -398,8 +343,6 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
         chosen = [stage for stage in chosen if stage.label not in done]
         logger.info("resuming run %s: done already %s; to run %s", run_id, ", ".join(done) or "none",
                     ", ".join(stage.label for stage in chosen) or "nothing")
-    _save_params(run_dir, params)
-    write_environment(run_dir)
     logger.info("run %s: stages %s -> %s", run_id, [stage.label for stage in chosen], run_dir)
 
     # The kernel's ZMQ sockets on 127.0.0.1 use CurveZMQ when the kernelspec supports it
@@ -416,14 +359,26 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
                     served = staged_serving_params(params) if staged else params
                     endpoints = stack.enter_context(serving_endpoints(served, log_path=run_dir / "server.log"))
                     logger.info("endpoints: %s", [endpoint.url for endpoint in endpoints])
-                with _staged_worker(staged and stage.name == "generation", run_dir, state, control, logger, lock):
-                    _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,
-                               kernel_name, kernel_config)
+                try:
+                    with _staged_worker(staged and stage.name == "generation", run_dir, state, control, logger, lock):
+                        _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,
+                                   kernel_name, kernel_config)
+                except (OSError, DiskFull) as error:
+                    if isinstance(error, OSError) and not is_disk_full(error):
+                        raise
+                    full = error if isinstance(error, DiskFull) else DiskFull.from_os_error(error, run_dir, run_dir / stage.notebook.name)
+                    raise _stage_failed_on_full_disk(stage, full, run_dir, state, reserve, logger, resume_command) from None
     except RunInterrupted as error:
         label = state["running"]
+        unrecorded = ""
         if label:
-            _record(run_dir, state, label, "interrupted", failed=True)
-        logger.error("interrupted (%s)%s; continue with: %s", error, f" in stage {label}" if label else "", resume_command)
+            try:
+                _record(run_dir, state, label, "interrupted", failed=True)
+            except OSError as write_error:
+                if not is_disk_full(write_error):
+                    raise
+                unrecorded = f" (state.json not updated: {describe_os_error(write_error)})"
+        logger.error("interrupted (%s)%s%s; continue with: %s", error, f" in stage {label}" if label else "", unrecorded, resume_command)
         raise RunInterrupted(f"{error}; continue with: {resume_command}", error.signum) from None
     finally:
         control.restore()
@@ -463,7 +418,13 @@ def _staged_worker(wanted: bool, run_dir: Path, state: dict, control: _StageCont
         control.helpers.remove(worker)
         summary = {**staged_summary(run_dir), "exit_status": code}
         state[STAGE_LABEL] = summary
-        write_json(run_dir / "state.json", state)
+        try:
+            with naming(run_dir / "state.json"):
+                write_json(run_dir / "state.json", state)
+        except OSError as error:  # a full disk: the stage's own failure, if any, says so; do not hide it
+            if not is_disk_full(error):
+                raise
+            logger.warning("staged run: its summary is not in state.json: %s writing %s", describe_os_error(error), error.filename)
     if code != 0:
         logger.warning("staged run: the worker exited with status %s (its error is in run.log); stages 4-6 give the answer", code)
     else:
@@ -480,7 +441,10 @@ def stages_with_errors(run_dir: Path) -> dict[str, int]:
 def _record(run_dir: Path, state: dict, label: str, status: str, failed: bool = False, **fields) -> None:
     """state.json: `completed` (stages done without errors, skipped by --resume), `failed`, `running`
     (a stage whose runner vanished without a word keeps it), and per stage its last status."""
-    entry = {**state["stages"].get(label, {}), "status": status, "updated": _now(), **fields}
+    previous = state["stages"].get(label, {})
+    if status == "running":  # a new attempt: the last one's error is history (run.log keeps it)
+        previous = {key: value for key, value in previous.items() if key not in ("error", "path")}
+    entry = {**previous, "status": status, "updated": _now(), **fields}
     state["stages"][label] = entry
     state["running"] = label if status == "running" else None
     if failed:
@@ -491,7 +455,51 @@ def _record(run_dir: Path, state: dict, label: str, status: str, failed: bool = 
         state["completed"] = [*state["completed"], label]
     elif status != "done" and status != "running":
         state["completed"] = [item for item in state["completed"] if item != label]
-    write_json(run_dir / "state.json", state)
+    with naming(run_dir / "state.json"):  # atomic: a write refused by a full disk leaves the previous state.json whole
+        write_json(run_dir / "state.json", state)
+
+
+def _stage_failed_on_full_disk(stage: Stage, full: DiskFull, run_dir: Path, state: dict, reserve: SpaceReserve,
+                               logger: logging.Logger, resume_command: str) -> RunError:
+    """The stage ran out of room. The space reserve is given up so that state.json (the stage failed, with the error and
+    the path), the executed notebook (its last complete save, marked failed) and run.log can still say so; each of
+    those that still cannot be written is named in the one-line message, which ends with the resume command."""
+    free = free_space(Path(full.path) if full.path else run_dir)  # before the reserve is given back
+    reserve.release()
+    output = run_dir / stage.notebook.name
+    first = "" if full.cell is not None else failed_cell(output)
+    if first:  # the stage's own write failed first; papermill's save of that failure then failed too
+        error_text = f"{first.replace(' failed with ', ': ', 1)} (then saving {full.path} failed too: {full.reason})"
+        located = error_text
+    elif full.path:
+        error_text = f"{full.reason} writing {full.path}"
+        located = f"{error_text} ({full.what})"
+    else:  # a failed write() names no file
+        error_text = located = f"{full.reason} writing {full.what} (the error names no file; the stage writes in {run_dir})"
+    where = f" in cell [{full.cell}]" if full.cell is not None else ""
+    parts = [f"stage {stage.label} failed{where}: {located}; {free}; largest in the run folder: {largest_files(run_dir)}"]
+    try:
+        _record(run_dir, state, stage.label, "failed", failed=True, error=error_text, path=full.path)
+        parts.append("state.json: stage marked failed")
+    except OSError as error:
+        kept = _read_state(run_dir)
+        parts.append(f"state.json not updated ({describe_os_error(error)}): the previous one is kept whole "
+                     f"(running: {kept['running']}, failed: {kept['failed']})")
+    unsaved = "the executed notebook could not be saved after this cell: " if full.path == str(output) else ""
+    parts.append(settle_executed_notebook(output, unsaved + error_text))
+    parts.append(f"free space, then continue with: {resume_command}")
+    message = "; ".join(parts)
+    logger.error(message)
+    return RunError(message)
+
+
+def notebook_parameters(params: Params, notebook: Path, **extra) -> dict:
+    """The resolved params sections (and `extra` values) that `notebook`'s parameters cell declares: papermill warns
+    "Passed unknown parameter" for each other one, and the notebook would never read it."""
+    import papermill
+
+    declared = set(papermill.inspect_notebook(str(notebook)))
+    return {key: value for key, value in {**params.sections(), **extra}.items() if key in declared}
 
 
 def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | None, state: dict, control: _StageControl,
@@ -499,12 +507,10 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
     import papermill
     from nbclient.exceptions import DeadKernelError
 
-    parameters = dict(params.sections(), run_dir=str(run_dir))
-    if stage.needs_endpoint:
-        parameters["endpoints"] = [endpoint.model_dump(mode="json") for endpoint in endpoints]
-    declared = set(papermill.inspect_notebook(str(stage.notebook)))
-    parameters = {key: value for key, value in parameters.items() if key in declared}
+    extra = {"endpoints": [endpoint.model_dump(mode="json") for endpoint in endpoints]} if stage.needs_endpoint else {}
+    parameters = notebook_parameters(params, stage.notebook, run_dir=str(run_dir), **extra)
     output = run_dir / stage.notebook.name
+    notebook_saves(output)  # every save atomic: a full disk leaves the last complete one
     clear_stage_outcome(run_dir, stage.name)
     _record(run_dir, state, stage.label, "running", started=_now())
     logger.info("stage %s: running %s", stage.label, stage.notebook)
@@ -520,6 +526,9 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
         control.stage_ended()
         if control.signum is not None:
             raise RunInterrupted(f"stopped by {signal.Signals(control.signum).name}", control.signum) from None
+        full = DiskFull.from_cell_error(error.ename, error.evalue, error.exec_count)
+        if full is not None:
+            raise full from None
         _record(run_dir, state, stage.label, "failed", failed=True, error=f"{error.ename}: {error.evalue}")
         cell_source = "\n".join("    " + line for line in (error.source or "").splitlines()[:15])
         message = (
@@ -535,10 +544,10 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
         control.stage_ended()
         returncode = process.poll() if process is not None else None
         if control.signum is not None:
-            _mark_unfinished(output, "KernelKilled", "stopped by the runner after the shutdown grace period")
+            mark_unfinished(output, "KernelKilled", "stopped by the runner after the shutdown grace period")
             raise RunInterrupted(f"stopped by {signal.Signals(control.signum).name}", control.signum) from None
         how = _describe_exit(returncode)
-        exec_count = _mark_unfinished(output, "DeadKernelError", f"the kernel died ({how})")
+        exec_count = mark_unfinished(output, "DeadKernelError", f"the kernel died ({how})")
         _record(run_dir, state, stage.label, "failed", failed=True, error=f"kernel died ({how})")
         message = (
             f"stage {stage.label} failed: the kernel died in cell [{exec_count}] ({how})\n"

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from eaglekit.config import load_params
-    from eaglekit.runner import attach_stage_logging
+    from eaglekit.run_log import attach_stage_logging
     from eaglekit.staged.worker import GenerationSignal, StagedWorker
 
     attach_stage_logging()  # run.log and the runner's stderr, tagged [staged]

@@ -1,0 +1,119 @@
+"""run.log: the runner's lines and every stage kernel's `eaglekit` log lines in one file of the run folder, also on
+the runner's terminal and in the running cell's output.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import sys
+from pathlib import Path
+
+from eaglekit.disk_full import describe_os_error
+
+
+def run_logger(run_dir: Path) -> logging.Logger:
+    logger = logging.getLogger(f"eaglekit.run.{run_dir.name}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    if not logger.handlers:
+        formatter = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S")
+        for handler in (RunLogHandler(run_dir / "run.log", sys.stderr), logging.StreamHandler()):
+            handler.setFormatter(formatter)
+            logger.addHandler(handler)
+    return logger
+
+
+class RunLogHandler(logging.Handler):
+    """Appends each line to run.log in one write on an O_APPEND descriptor (the runner and its stage kernel share the
+    file). When the disk is full a line is lost from run.log only: the failure is said once on `report` (the
+    terminal), not as a traceback per line, and after a write torn by either process the next line that fits starts
+    on a line of its own."""
+
+    def __init__(self, path: Path, report):
+        super().__init__()
+        self.path = Path(path)
+        self.report = report
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)  # read: the last byte
+        self._failing = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            data = (self.format(record) + "\n").encode("utf-8", "replace")
+        except Exception:
+            self.handleError(record)
+            return
+        try:
+            if self._last_byte() not in (b"", b"\n"):  # a torn line, ours or the other process's
+                data = b"\n" + data
+            if os.write(self._fd, data) < len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        except OSError as error:
+            if not self._failing:
+                self._failing = True
+                with contextlib.suppress(Exception):
+                    self.report.write(f"eaglekit: {self.path}: cannot append: {describe_os_error(error)}; "
+                                      f"its lines reach only this output until there is room\n")
+                    self.report.flush()
+            return
+        self._failing = False
+
+    def _last_byte(self) -> bytes:
+        size = os.fstat(self._fd).st_size
+        return os.pread(self._fd, 1, size - 1) if size else b""
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        super().close()
+
+
+RUN_LOG_ENV = "EAGLEKIT_RUN_LOG"  # the run folder's run.log, set by the runner for each stage kernel
+STAGE_ENV = "EAGLEKIT_STAGE"  # the stage label, e.g. 03_generation
+
+
+def attach_stage_logging() -> None:
+    """Run inside a stage kernel at start-up: the `eaglekit` logger's lines reach `run.log`, the
+    runner's output and the executed notebook.
+
+    The kernel inherits the runner's stderr, so writing to the kernel's original stderr puts progress
+    lines in `nohup eaglekit run ... > kimi.out` (where `tail -f` shows them); a second handler appends
+    them to `run.log` (O_APPEND, beside the runner's own lines); a third writes to `sys.stderr`, which
+    ipykernel routes into the running cell's output. Library code only logs; how often is its own
+    setting (`log_interval_s`).
+    """
+    run_log = os.environ.get(RUN_LOG_ENV)
+    if not run_log:
+        return
+    stage = os.environ.get(STAGE_ENV, "stage")
+    # ipykernel may redirect fd 2 into the notebook; it keeps the original stderr as this copy.
+    original = getattr(sys.stderr, "_original_stdstream_copy", None)
+    terminal = open(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace") if original is not None else sys.__stderr__
+    kit_logger = logging.getLogger("eaglekit")
+    formatter = logging.Formatter(f"%(asctime)s %(levelname)s [{stage}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    # ipykernel routes sys.stderr into the running cell; a plain process (the staged worker) has no cell output, and
+    # its sys.stderr is the terminal handler's stream already.
+    in_kernel = type(sys.stderr).__module__.startswith("ipykernel")
+    handlers = (RunLogHandler(Path(run_log), terminal), logging.StreamHandler(terminal), *([_NotebookHandler()] if in_kernel else []))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        kit_logger.addHandler(handler)
+    if kit_logger.level == logging.NOTSET:
+        kit_logger.setLevel(logging.INFO)
+
+
+class _NotebookHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at the time (ipykernel's stream into the running cell)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+KERNEL_HOOK = "import eaglekit.run_log as _eaglekit_run_log; _eaglekit_run_log.attach_stage_logging(); del _eaglekit_run_log"
