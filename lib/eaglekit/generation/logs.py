@@ -7,6 +7,7 @@ Counters are recounted from the files, so they cover every session of a resumed 
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
@@ -361,7 +362,8 @@ def progress_line(snapshot: dict[str, Any]) -> str:
 ETA_MIN_ANSWERS = 8       # answers finished (this session) before any speed is trusted
 ETA_MIN_SECONDS = 30.0    # seconds of sending before any speed is trusted (the first answers are the quick ones)
 ETA_WINDOW_S = 300.0      # the decode speed is measured over the answers finished in the last 5 minutes
-ETA_RESOLVED = 0.2        # an estimate once its lower and upper bounds differ by less than this share
+ETA_TAIL_AT_RISK = 8      # the lengths are known up to where this many answers (finished or running) still reach
+ETA_RESOLVED = 0.1        # an estimate once its lower and upper bounds differ by less than this share
 
 
 @dataclass(frozen=True)
@@ -379,22 +381,36 @@ class PartitionWork:
 
 @dataclass(frozen=True)
 class Eta:
-    """seconds: an estimate, an upper bound or nothing, as `kind` says ("done", "estimate", "at most",
-    "not yet known"); `why` names the missing evidence."""
+    """How long is left, as `kind` says: "done"; "estimate" (~seconds: its bounds agree within ETA_RESOLVED);
+    "range" (low_s to seconds: answers still running may be long); "at most" (seconds: too few answers of the
+    partition yet, so they are taken up to max_tokens); "not yet known" (`why` names the missing evidence).
+
+    work_s / work_low_s: the partition's tokens at its full throughput (what a total sums); seconds / low_s
+    include the drain's tail, until its last answer is in."""
 
     kind: str
     seconds: float | None = None
+    low_s: float | None = None
     why: str = ""
-    work_s: float = 0.0          # the partition's work at its own throughput (what a total sums)
-    straggler_s: float = 0.0     # the longest request in flight, alone (no total ends before it)
+    work_s: float = 0.0
+    work_low_s: float = 0.0
 
     def words(self) -> str:
         if self.kind == "done":
             return "done"
         if self.seconds is None:
             return f"not yet known ({self.why})" if self.why else "not yet known"
-        prefix = "at most " if self.kind == "at most" else ""
-        return f"{prefix}{format_duration(self.seconds)}" + (f" ({self.why})" if self.why else "")
+        figure = {"estimate": "~", "at most": "at most "}.get(self.kind, "")
+        if self.kind == "range":
+            figure = f"{format_duration(self.low_s)} to "
+        return f"{figure}{format_duration(self.seconds)}" + (f" ({self.why})" if self.why else "")
+
+
+def _combined(kind: str, low: float, high: float, **fields) -> Eta:
+    """An Eta from its bounds: an estimate (their middle) once they agree within ETA_RESOLVED."""
+    if kind == "range" and high - low <= ETA_RESOLVED * high:
+        return Eta("estimate", (low + high) / 2, low, **fields)
+    return Eta(kind, high, low, **fields)
 
 
 def decode_speed(recent: Sequence[tuple[int, float]]) -> float | None:
@@ -414,64 +430,108 @@ def _survival(lengths: np.ndarray, running: np.ndarray) -> tuple[np.ndarray, np.
     return np.concatenate([[0.0], times]), np.concatenate([[1.0], values])
 
 
-def answer_work(lengths: Sequence[int], generated: Sequence[float], max_tokens: int, to_send: int
-                ) -> tuple[tuple[float, float], tuple[float, float]]:
-    """Tokens still to generate, as (lower, upper) bounds: `to_send` new answers plus the rest of each running one
-    (`generated`: tokens each has made so far); and the longest of those rests (lower, upper).
+@dataclass(frozen=True)
+class WorkLeft:
+    """One bound (lower or upper) of a partition's work left, in tokens."""
 
-    The running answers' lengths are censored at what they made; past the longest length seen, the lower bound
-    ends every unfinished answer there, the upper bound lets it run on to max_tokens."""
+    total: float          # every token still to generate: new answers and the rest of the running ones
+    makespan: float       # the tokens one slot runs until the last answer is in (the drain's tail included)
+
+
+def _schedule(rests: np.ndarray, jobs: np.ndarray, bulk: float, slots: int) -> float:
+    """Greedy list scheduling, in tokens: the running rests hold their slots, `bulk` tokens spread evenly over all
+    of them, then each job takes the first free slot; when the last one is done."""
+    free = np.zeros(max(slots, len(rests)))
+    free[:len(rests)] = np.sort(rests)[::-1]
+    free = (free + bulk / len(free)).tolist()
+    heapq.heapify(free)
+    for job in jobs.tolist():
+        heapq.heappush(free, heapq.heappop(free) + job)
+    return max(free)
+
+
+def work_left(lengths: Sequence[int], generated: Sequence[float], max_tokens: int, to_send: int, slots: int
+              ) -> tuple[WorkLeft, WorkLeft]:
+    """The tokens left, as (lower, upper) bounds: `to_send` new answers and the rest of each running one
+    (`generated`: what each has made so far), and when the last ends with `slots` kept full as long as there is work.
+
+    The running answers' lengths are censored at what they made. The lengths are known up to where fewer than
+    ETA_TAIL_AT_RISK answers still reach (a curve from one or two answers past it says nothing); past it the lower
+    bound ends every unfinished answer there, the upper bound lets it run on to max_tokens. The drain's tail comes from
+    scheduling the last prompts (4 per slot, lengths at the distribution's quantiles, 3 orders averaged): long
+    answers sent last are what keeps a partition running after its throughput says it is done."""
     end = float(max_tokens)
     finished = np.minimum(np.asarray(lengths, dtype=float), end)
     running = np.minimum(np.asarray(generated, dtype=float), end - 1.0)
     starts, values = _survival(finished, running)
-    last = max(float(finished.max(initial=0.0)), float(running.max(initial=0.0)))
+    observations = np.sort(np.concatenate([finished, running]))
+    last = float(observations[-ETA_TAIL_AT_RISK]) if len(observations) >= ETA_TAIL_AT_RISK else 0.0
+    known = starts <= last
+    known[0] = True
+    starts, values = starts[known], values[known]
     stops = np.append(starts[1:], last)
     after = np.append(np.cumsum((values * (stops - starts))[::-1])[::-1], 0.0)  # area of steps i.. up to `last`
     step = np.searchsorted(starts, running, side="right") - 1                 # the step each running answer is on
     inside = running < last
     partial = np.where(inside, values[step] * (stops[step] - running) + after[step + 1], 0.0)
-    totals, longest = [], []
+    last_jobs = min(to_send, 4 * max(1, slots))
+    quantiles = (np.arange(last_jobs) + 0.5) / max(1, last_jobs)
+    orders = [np.random.default_rng(seed).permutation(last_jobs) for seed in range(3)]
+    bounds = []
     for tail in (0.0, float(values[-1])):  # lower bound, upper bound
-        beyond = tail * (end - np.maximum(running, last))
+        mean = float(after[0] + tail * (end - last))
         alive = np.where(inside, values[step], tail)
-        rests = np.divide(partial + beyond, alive, out=np.zeros_like(running), where=alive > 0)
-        totals.append(to_send * float(after[0] + tail * (end - last)) + float(rests.sum()))
-        longest.append(float(rests.max(initial=0.0)))
-    return (totals[0], totals[1]), (longest[0], longest[1])
+        rests = np.divide(partial + tail * (end - np.maximum(running, last)), alive,
+                          out=np.zeros_like(running), where=alive > 0)
+        # The lengths' distribution: each step's drop is the mass at its start; what is left at `last` sits at
+        # `last` (lower) or max_tokens (upper). Its quantiles stand for the last prompts' answers; each running
+        # answer's rest is drawn from it beyond what it made (the drain ends with the longest of them, and the
+        # longest of several draws is longer than the longest of their means).
+        points = np.append(starts[1:], last if tail == 0.0 else end)
+        cumulative = np.cumsum(np.append(-np.diff(values), values[-1]))
+        jobs = points[np.minimum(np.searchsorted(cumulative / cumulative[-1], quantiles), len(points) - 1)]
+        below = np.where(running >= points[0], cumulative[np.maximum(np.searchsorted(points, running, "right") - 1, 0)], 0.0)
+        bulk = (to_send - last_jobs) * mean
+        spans = []
+        for seed, order in enumerate(orders):
+            draw = below + np.random.default_rng(seed).random(len(running)) * (cumulative[-1] - below)
+            drawn = points[np.minimum(np.searchsorted(cumulative, draw), len(points) - 1)]
+            spans.append(_schedule(np.maximum(drawn - running, 0.0), jobs[order], bulk, slots))
+        makespan = float(np.mean(spans))
+        bounds.append(WorkLeft(to_send * mean + float(rests.sum()), makespan))
+    return bounds[0], bounds[1]
 
 
 def partition_eta(work: PartitionWork, pooled_speed: float | None, evidence: str) -> Eta:
     """The time a partition's work takes at its own concurrency; see the section comment.
 
-    pooled_speed: the decode speed over every partition's recent answers, used (as an upper bound only) while this
+    pooled_speed: the decode speed over every partition's recent answers, used (for an upper bound only) while this
     partition has too few answers of its own. evidence: why no speed is trusted yet ("" when one is)."""
     if work.to_send == 0 and not work.in_flight_ages_s:
-        return Eta("done", 0.0)
+        return Eta("done", 0.0, 0.0)
     own = decode_speed(work.recent) if len(work.recent) >= ETA_MIN_ANSWERS else None
     speed = own or pooled_speed
     if evidence or speed is None:  # the run-wide reason is said once, on the total
         return Eta("not yet known", why="" if evidence else "no answer measured yet")
     generated = [speed * age for age in work.in_flight_ages_s]
-    (low, high), (low_rest, high_rest) = answer_work(work.lengths, generated, work.max_tokens, work.to_send)
+    low, high = work_left(work.lengths, generated, work.max_tokens, work.to_send, work.slots)
     throughput = max(1, work.slots) * speed
-    low_s, high_s = max(low / throughput, low_rest / speed), max(high / throughput, high_rest / speed)
     if own is None:
         answered = len(work.lengths)
-        return Eta("at most", high_s, f"{answered} answer{'s' if answered != 1 else ''} of it yet: up to max_tokens",
-                   high / throughput, high_rest / speed)
-    if high_s - low_s <= ETA_RESOLVED * high_s:
-        middle = (low + high) / 2 / throughput
-        return Eta("estimate", (low_s + high_s) / 2, "", middle, (low_rest + high_rest) / 2 / speed)
-    return Eta("at most", high_s, "running answers may reach max_tokens", high / throughput, high_rest / speed)
+        return Eta("at most", high.makespan / speed, None,
+                   f"{answered} answer{'s' if answered != 1 else ''} of it yet: up to max_tokens",
+                   high.total / throughput, high.total / throughput)
+    return _combined("range", low.makespan / speed, high.makespan / speed, work_s=high.total / throughput,
+                     work_low_s=low.total / throughput)
 
 
-def run_etas(partitions: Sequence[PartitionWork], elapsed_s: float, min_seconds: float = ETA_MIN_SECONDS
-             ) -> tuple[dict[str, Eta], Eta]:
-    """Each partition's ETA and the whole run's. Partitions share the endpoints one after another (the next one
-    filling what the last one's drain frees), so the total is the sum of their work times, and never shorter than
-    the longest request still to run. Nothing is trusted before ETA_MIN_ANSWERS answers and `min_seconds` of
-    sending (elapsed_s)."""
+def run_etas(partitions: Sequence[PartitionWork], elapsed_s: float, min_seconds: float = ETA_MIN_SECONDS,
+             overlap: bool = True) -> tuple[dict[str, Eta], Eta]:
+    """Each partition's ETA and the whole run's, partitions in the order they are sent.
+
+    With overlap (the engine's default) the next partition fills the room the last one's drain frees, so the total
+    is the earlier partitions' work at full throughput plus the last one's time with its tail; without, each
+    partition's drain adds up. Nothing is trusted before ETA_MIN_ANSWERS answers and `min_seconds` of sending."""
     answered = sum(len(work.lengths) for work in partitions)
     evidence = ""
     if elapsed_s < min_seconds:
@@ -482,10 +542,16 @@ def run_etas(partitions: Sequence[PartitionWork], elapsed_s: float, min_seconds:
     etas = {work.name: partition_eta(work, pooled, evidence) for work in partitions}
     open_etas = [eta for eta in etas.values() if eta.kind != "done"]
     if not open_etas:
-        return etas, Eta("done", 0.0)
+        return etas, Eta("done", 0.0, 0.0)
     unknown = [name for name, eta in etas.items() if eta.kind == "not yet known"]
     if unknown:
         return etas, Eta("not yet known", why=evidence or f"{unknown[0]}: {etas[unknown[0]].why}")
-    seconds = max(sum(eta.work_s for eta in open_etas), max(eta.straggler_s for eta in open_etas))
-    bounded = any(eta.kind == "at most" for eta in open_etas)
-    return etas, Eta("at most" if bounded else "estimate", seconds)
+    bounds = []
+    for high in (False, True):
+        ends = [eta.seconds if high else (eta.low_s or 0.0) for eta in open_etas]
+        works = [eta.work_s if high else eta.work_low_s for eta in open_etas]
+        bounds.append(max(sum(works[:-1]) + ends[-1], *ends) if overlap else sum(ends))
+    waiting = [name for name, eta in etas.items() if eta.kind == "at most"]
+    if waiting:  # a bound from max_tokens is no ETA: said, with the bound, but not as a figure
+        return etas, Eta("not yet known", why=f"{waiting[0]} has no answers yet: at most {format_duration(bounds[1])}")
+    return etas, _combined("range", bounds[0], bounds[1])
