@@ -14,6 +14,11 @@
    pilot measures prompt and completion lengths and the rate, `eaglekit.generation.capacity` plans the
    concurrency from them, then the same prompts run at the no-preemption worst case and at the
    planned concurrency: errors, completion tokens/s, and the pilot-rate ETA against the wall time.
+5. `--partitions`: a short and a long partition (lognormal answer lengths, `--token-seconds` a token, the issue-38
+   run's shape at about 1/20 of its time) on the fault endpoint, once with each partition drained before the next
+   (the engine before the overlap) and once with the long one starting in the room the short one's drain frees:
+   wall times side by side, and the ETA the progress records gave at 10%, 25% and 50% of each run against the time
+   actually left.
 
 The endpoint is tests/fault_endpoint.py in its own process (a separate interpreter, so its work does
 not share the client's GIL). Run: `python bench/generation.py [--requests N] [--embedded]`.
@@ -44,9 +49,9 @@ from eaglekit.generation.client import EndpointSpec  # noqa: E402
 from eaglekit.generation import PartitionSettings, PromptSource, generate, read_generations  # noqa: E402
 
 
-def start_endpoint() -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, str(REPO / "tests" / "fault_endpoint.py"), "--port", "0"],
-                               stdout=subprocess.PIPE, text=True)
+def start_endpoint(token_seconds: float = 0.001) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, str(REPO / "tests" / "fault_endpoint.py"), "--port", "0",
+                                "--token-seconds", str(token_seconds)], stdout=subprocess.PIPE, text=True)
     line = process.stdout.readline()
     if not line.startswith("READY"):
         raise RuntimeError(f"fault endpoint did not start: {line!r}")
@@ -223,6 +228,55 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
                   f"(pilot-rate ETA {eta:.1f} s, at the pilot's concurrency {pilot_concurrency})", flush=True)
 
 
+def partition_texts(rng: np.random.Generator, name: str, count: int, mean_tokens: float, max_tokens: int) -> list[str]:
+    lengths = np.clip(rng.lognormal(np.log(mean_tokens) - 0.5, 1.0, count), 1, max_tokens).astype(int)
+    return [f"{name}{index} #tokens:{tokens}" for index, tokens in enumerate(lengths.tolist())]
+
+
+def bench_partitions(workdir: Path, token_seconds: float, scale: float) -> None:
+    from eaglekit.generation import GenerationEngine, run_engine
+    from eaglekit.io import format_duration, read_jsonl
+
+    rng = np.random.default_rng(0)
+    short = partition_texts(rng, "s", int(1500 * scale), 400, 4096)
+    long = partition_texts(rng, "l", int(100 * scale), 1500, 8192)
+    sources = [PromptSource("chat", "short", write_prompts(workdir / "short.jsonl", short)),
+               PromptSource("code", "long", write_prompts(workdir / "long.jsonl", long))]
+    partitions = [PartitionSettings("short", 64, 4096), PartitionSettings("long", 8, 8192)]
+    process, base_url = start_endpoint(token_seconds)
+    results = {}
+    try:
+        for overlap in (False, True):
+            output = workdir / f"partitions_{overlap}"
+            engine = GenerationEngine(sources, [EndpointSpec(base_url)], output, partitions, progress_bar=False,
+                                      log_interval_s=1.0, overlap_partitions=overlap, eta_min_seconds=30.0 / 20)
+            started = time.perf_counter()
+            run_engine(engine)
+            wall = time.perf_counter() - started
+            records = [record for _, record in read_jsonl(output / "metrics.jsonl")]
+            answers = list(read_generations(output).values())
+            short_end = max(r["finished_at"] for r in answers if r["partition"] == "short")
+            long_start = min(r["finished_at"] - r["latency_s"] for r in answers if r["partition"] == "long")
+            results[overlap] = (wall, records, long_start - short_end)
+    finally:
+        process.kill()
+    tokens = sum(int(text.rsplit(":", 1)[1]) for text in short + long)
+    print(f"[5] two partitions: {len(short)} short (concurrency 64, max 4096) then {len(long)} long (concurrency 8, "
+          f"max 8192), {tokens} tokens at {token_seconds * 1000:.1f} ms a token")
+    before, after = results[False][0], results[True][0]
+    print(f"    wall: drained one after the other {before:.1f} s | long starting in the short drain's room "
+          f"{after:.1f} s | {before / after:.3f}x ({before - after:.1f} s less)")
+    for overlap, (wall, records, gap) in results.items():
+        end = records[-1]["elapsed_s"]
+        print(f"    {'overlap' if overlap else 'drained'}: first long request sent {gap:+.1f} s after the last short "
+              f"answer; the ETA the run said, against the time left:")
+        for share in (0.10, 0.25, 0.50):
+            record = min(records[:-1], key=lambda record: abs(record["elapsed_s"] - share * end))
+            left = end - record["elapsed_s"]
+            print(f"      at {record['elapsed_s']:.1f} s ({share:.0%}): {record['eta_total']} | actual {format_duration(left)}"
+                  f" ({left:.1f} s) | long {record['eta']['long']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=4000, help="requests in the long-tail bench")
@@ -237,11 +291,17 @@ def main() -> None:
     parser.add_argument("--capacity-max-tokens", type=int, default=128)
     parser.add_argument("--capacity-prompts", type=int, default=16, help="prompts in the pilot and in each run")
     parser.add_argument("--capacity-requested", type=int, default=32)
+    parser.add_argument("--partitions", action="store_true", help="only [5]: two partitions, drained vs overlapped, and the ETA")
+    parser.add_argument("--token-seconds", type=float, default=0.002, help="[5]: the fault endpoint's seconds a token")
+    parser.add_argument("--partitions-scale", type=float, default=1.0, help="[5]: prompts x this (1: 1,500 + 100)")
     args = parser.parse_args()
     import logging
     logging.getLogger("eaglekit").setLevel(logging.WARNING)
     with tempfile.TemporaryDirectory() as directory:
         workdir = Path(directory)
+        if args.partitions:
+            bench_partitions(workdir, args.token_seconds, args.partitions_scale)
+            return
         if args.capacity:
             bench_capacity(workdir, args.capacity_kv_tokens, args.capacity_max_tokens, args.capacity_requested,
                            args.capacity_prompts)

@@ -542,7 +542,8 @@ class GenerationEngine:
             window_finished, window_tokens = 0, 0
         span = max(1e-9, now - window_time)
         etas, total_eta = run_etas([self._work(partition, now) for partition in self.partitions],
-                                   now - (self.dispatch_started or now), self.eta_min_seconds)
+                                   now - (self.dispatch_started or now), self.eta_min_seconds,
+                                   overlap=self.overlap_partitions)
         completion_tokens = sum(counts.completion_tokens for counts in self.datasets.values())
         measured = sum(counts.measured_answers for counts in self.datasets.values())
         flags = {flag: sum(counts.flags.get(flag, 0) for counts in self.datasets.values()) for flag in QUALITY_FLAGS}
