@@ -135,6 +135,14 @@ def test_per_position_points_say_how_many_positions_they_rest_on(acceptance):
     assert largest[largest["dataset"] == "all"]["positions_reaching"].is_monotonic_decreasing
     plt.close(figure)
 
+    # A dataset whose draft never agrees at step 1 has no step-2 point (NaN, 0 positions): no label for it either.
+    never = sweep_acceptance({60: {"chat": [np.ones((10, 2), bool)] * 3, "code": [np.zeros((10, 2), bool)] * 3}}, steps=2, num_resamples=20).per_position
+    assert never["acceptance"].isna().sum() == 1
+    figure = plots.plot_per_position_acceptance(never, "a dataset never reaching step 2")
+    assert sorted(text.get_text() for text in figure.axes[0].texts) == ["n=30"] * 4 + ["n=60"]  # no "n=0"
+    assert all(0 < text.get_position()[1] < 1 for text in figure.axes[0].texts)  # inside the axes, the 0 acceptance's too
+    plt.close(figure)
+
 
 def test_ablation_bars_print_their_values():
     rng = np.random.default_rng(3)

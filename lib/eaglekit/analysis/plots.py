@@ -175,17 +175,20 @@ def plot_per_position_acceptance(per_position: pd.DataFrame, title: str, colors:
         style = {"linewidth": 2.2, "zorder": 3} if name == "all" else {"linewidth": 1.2}
         line = axis.plot(group["step"], group["acceptance"], marker="o", label=name, color=colors[str(name)], **style)[0]
         axis.fill_between(group["step"], group["acceptance_low"], group["acceptance_high"], color=line.get_color(), alpha=0.12)
-    for step, points in per_position.groupby("step"):
-        # A column of labels right of each step, in the order of the points, LABEL_GAP apart so none overlaps another.
-        points = points.sort_values("acceptance")
-        heights = np.maximum.accumulate(points["acceptance"].to_numpy() - LABEL_GAP * np.arange(len(points))) + LABEL_GAP * np.arange(len(points))
-        heights -= max(0.0, heights[-1] - 0.97)  # the column stays inside the axes
-        for row, height in zip(points.itertuples(), heights):
-            axis.annotate(f"n={int(row.positions_reaching):,}", (step, row.acceptance), xytext=(step + 0.06, height), textcoords="data",
-                          fontsize=7, color=colors[str(row.dataset)], va="center")
     steps = sorted(per_position["step"].unique())
+    for step, points in per_position.groupby("step"):
+        # A column of labels beside each step, in the order of the points, LABEL_GAP apart so none overlaps another;
+        # left of the first step (the lines leave it to the right), right of the others.
+        side = -1 if step == steps[0] and len(steps) > 1 else 1
+        points = points.dropna(subset=["acceptance"]).sort_values("acceptance")  # no position reached: no point, no label
+        lowest = np.maximum(points["acceptance"].to_numpy(), 0.03)  # a label at 0 would be cut by the axes
+        heights = np.maximum.accumulate(lowest - LABEL_GAP * np.arange(len(points))) + LABEL_GAP * np.arange(len(points))
+        heights = np.minimum(heights, 0.97 - LABEL_GAP * np.arange(len(points))[::-1])  # and under the top, as far apart
+        for row, height in zip(points.itertuples(), heights):
+            axis.annotate(f"n={int(row.positions_reaching):,}", (step, row.acceptance), xytext=(step + 0.06 * side, height),
+                          textcoords="data", fontsize=7, color=colors[str(row.dataset)], va="center", ha="left" if side > 0 else "right")
     axis.set_xticks(steps)
-    axis.set_xlim(steps[0] - 0.15, steps[-1] + 0.4)  # room for the last step's labels
+    axis.set_xlim(steps[0] - (0.4 if len(steps) > 1 else 0.15), steps[-1] + 0.4)  # room for the labels
     axis.set_xlabel("chain step j  (n: positions whose steps 1..j-1 agreed, that acc_j rests on)")
     axis.set_ylabel("acc_j (given steps 1..j-1 agreed)")
     axis.set_ylim(0, 1)
