@@ -199,51 +199,65 @@ def measured_truth(tau: float, low: float, high: float, break_even: float) -> st
 def backtest(sizes: list[float], taus: np.ndarray, lows: np.ndarray, highs: np.ndarray, replicates: np.ndarray,
              lower_bounds: list[float], seeds: dict[float, list[float]], args: argparse.Namespace, chain: int,
              confidence: float) -> tuple[str, list[dict[str, Any]]]:
+    """Markdown tables (forecast against measured, size by size; by doublings ahead; the verdict at each
+    break-even against what the largest size measured) and their rows. The forecast at one break-even gives
+    the same taus and intervals as at another (break-even only changes the verdict), so taus come from the first."""
     from eaglekit.analysis.forecast import forecast
 
-    truth = measured_truth(taus[-1], lows[-1], highs[-1], args.break_even)
-    rows, lines = [], []
-    lines.append("| fit on (sizes) | predicts | forecast tau [interval] | measured tau [95%] | error | covered | width |")
+    rows, lines, verdicts = [], [], {break_even: [] for break_even in args.break_even}
+    lines.append("| fit on (sizes) | predicts (doublings ahead) | forecast tau [interval] | measured tau [95%] | error | covered | width |")
     lines.append("|---|---|---|---|---|---|---|")
-    verdict_lines = ["| fit on (sizes) | verdict at break-even {:.2f} | bounds read | right? |".format(args.break_even), "|---|---|---|---|"]
     for count in range(args.min_fit, len(sizes) + 1):
-        result = forecast(sizes[:count], taus[:count], replicates[:, :count], planned_sizes=sizes, full_size=sizes[-1],
-                          break_even=args.break_even, max_accept_length=chain + 1, confidence=confidence,
-                          lower_bound_sizes=[size for size in lower_bounds if size <= sizes[count - 1]],
-                          seed_accept_lengths={size: values for size, values in seeds.items() if size <= sizes[count - 1]} or None,
-                          looks=args.looks, seed=args.seed)
         fit_text = f"{int(sizes[0])}-{int(sizes[count - 1])} ({count})"
-        predicted = {prediction.data_size: prediction for prediction in result.predictions if not prediction.measured}
-        for index in range(count, len(sizes)):
-            prediction = predicted.get(sizes[index])
-            if prediction is None:
-                lines.append(f"| {fit_text} | {int(sizes[index])} | none (past the reach {result.reach:.0f}) | "
-                             f"{taus[index]:.3f} [{lows[index]:.3f}, {highs[index]:.3f}] | - | - | - |")
+        for break_even in args.break_even:
+            result = forecast(sizes[:count], taus[:count], replicates[:, :count], planned_sizes=sizes, full_size=sizes[-1],
+                              break_even=break_even, max_accept_length=chain + 1, confidence=confidence,
+                              lower_bound_sizes=[size for size in lower_bounds if size <= sizes[count - 1]],
+                              seed_accept_lengths={size: values for size, values in seeds.items() if size <= sizes[count - 1]} or None,
+                              looks=args.looks, seed=args.seed)
+            truth = measured_truth(taus[-1], lows[-1], highs[-1], break_even)
+            right = ("no claim" if result.verdict == "not yet known" else
+                     "yes" if result.verdict == truth else "**no**" if truth in ("go", "no-go") else "not decidable")
+            bounds = "-" if result.verdict_bounds is None else f"[{result.verdict_bounds[0]:.3f}, {result.verdict_bounds[1]:.3f}]"
+            crossing = "-" if result.crossing_size is None else (
+                result.crossing_size if isinstance(result.crossing_size, str) else f"{result.crossing_size:,.0f}")
+            verdicts[break_even].append(f"| {fit_text} | {result.verdict} | {bounds} | {crossing} | {right} |")
+            rows.append({"fit_sizes": count, "break_even": break_even, "verdict": result.verdict, "line": result.line,
+                         "verdict_bounds": result.verdict_bounds, "crossing_size": result.crossing_size, "truth": truth, "right": right,
+                         "lower_bound_sizes": result.lower_bound_sizes, "training_noise": result.training_noise})
+            if break_even != args.break_even[0]:
                 continue
-            covered = prediction.tau_low <= taus[index] <= prediction.tau_high
-            row = {"fit_sizes": count, "size": sizes[index], "doublings": float(np.log2(sizes[index] / sizes[count - 1])),
-                   "tau": prediction.tau, "low": prediction.tau_low, "high": prediction.tau_high, "by_family": prediction.by_model,
-                   "measured": float(taus[index]), "error": prediction.tau - float(taus[index]), "covered": bool(covered),
-                   "width": prediction.tau_high - prediction.tau_low}
-            rows.append(row)
-            lines.append(f"| {fit_text} | {int(sizes[index])} (+{row['doublings']:.0f}) | {prediction.tau:.3f} [{prediction.tau_low:.3f}, "
-                         f"{prediction.tau_high:.3f}] | {taus[index]:.3f} [{lows[index]:.3f}, {highs[index]:.3f}] | {row['error']:+.3f} | "
-                         f"{'yes' if covered else '**no**'} | {row['width']:.3f} |")
-        bounds = "-" if result.verdict_bounds is None else f"[{result.verdict_bounds[0]:.3f}, {result.verdict_bounds[1]:.3f}]"
-        right = ("no claim" if result.verdict == "not yet known" else
-                 "yes" if result.verdict == truth else "**no**" if truth in ("go", "no-go") else "not decidable")
-        verdict_lines.append(f"| {fit_text} | {result.line} | {bounds} | {right} |")
-        rows.append({"fit_sizes": count, "verdict": result.verdict, "line": result.line, "verdict_bounds": result.verdict_bounds,
-                     "truth": truth, "lower_bound_sizes": result.lower_bound_sizes, "training_noise": result.training_noise})
-    by_doubling = {}
+            predicted = {prediction.data_size: prediction for prediction in result.predictions if not prediction.measured}
+            for index in range(count, len(sizes)):
+                prediction = predicted.get(sizes[index])
+                if prediction is None:
+                    lines.append(f"| {fit_text} | {int(sizes[index])} | none (past the reach {result.reach:.0f}) | "
+                                 f"{taus[index]:.3f} [{lows[index]:.3f}, {highs[index]:.3f}] | - | - | - |")
+                    continue
+                covered = prediction.tau_low <= taus[index] <= prediction.tau_high
+                row = {"fit_sizes": count, "size": sizes[index], "doublings": float(np.log2(sizes[index] / sizes[count - 1])),
+                       "tau": prediction.tau, "low": prediction.tau_low, "high": prediction.tau_high, "by_family": prediction.by_model,
+                       "measured": float(taus[index]), "error": prediction.tau - float(taus[index]), "covered": bool(covered),
+                       "width": prediction.tau_high - prediction.tau_low}
+                rows.append(row)
+                lines.append(f"| {fit_text} | {int(sizes[index])} (+{row['doublings']:.0f}) | {prediction.tau:.3f} [{prediction.tau_low:.3f}, "
+                             f"{prediction.tau_high:.3f}] | {taus[index]:.3f} [{lows[index]:.3f}, {highs[index]:.3f}] | {row['error']:+.3f} | "
+                             f"{'yes' if covered else '**no**'} | {row['width']:.3f} |")
+    by_doubling: dict[int, list[dict]] = {}
     for row in rows:
         if "covered" in row:
             by_doubling.setdefault(round(row["doublings"]), []).append(row)
-    summary = ["| doublings ahead | forecasts | covered | mean abs error | mean width |", "|---|---|---|---|---|"]
+    summary = ["| doublings ahead | forecasts | covered | mean error | mean abs error | mean width |", "|---|---|---|---|---|---|"]
     for doublings, group in sorted(by_doubling.items()):
         summary.append(f"| {doublings} | {len(group)} | {sum(row['covered'] for row in group)}/{len(group)} | "
-                       f"{np.mean([abs(row['error']) for row in group]):.3f} | {np.mean([row['width'] for row in group]):.3f} |")
-    text = "\n".join(lines) + "\n\n" + "\n".join(summary) + f"\n\nTruth at the largest size: {truth}.\n\n" + "\n".join(verdict_lines)
+                       f"{np.mean([row['error'] for row in group]):+.3f} | {np.mean([abs(row['error']) for row in group]):.3f} | "
+                       f"{np.mean([row['width'] for row in group]):.3f} |")
+    text = "\n".join(lines) + "\n\n" + "\n".join(summary)
+    for break_even, verdict_lines in verdicts.items():
+        truth = measured_truth(taus[-1], lows[-1], highs[-1], break_even)
+        text += (f"\n\nBreak-even {break_even:.2f}; what the largest size measured: {truth}.\n\n"
+                 "| fit on (sizes) | verdict | bounds read (one-sided) | measured shape crosses at | right? |\n|---|---|---|---|---|\n"
+                 + "\n".join(verdict_lines))
     return text, rows
 
 
@@ -258,7 +272,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=384, help="samples longer than this (prompt + answer) are left out")
     parser.add_argument("--seeds-at", default="", type=lambda text: [int(part) for part in text.split(",") if part],
                         help="sizes at which a second seed is trained (training noise)")
-    parser.add_argument("--break-even", type=float, default=1.45, help="the verdict's break-even tau")
+    parser.add_argument("--break-even", default="1.91,1.45", type=lambda text: [float(part) for part in text.split(",")],
+                        help="the verdicts' break-even taus: 1.91, this target's embedded loop on this CPU (docs/demo_run.md); "
+                             "1.45, issue 14's goal")
     parser.add_argument("--looks", type=int, default=None, help="verdicts the run issues (default: one per size and the final one)")
     parser.add_argument("--min-fit", type=int, default=3, help="fewest sizes a backtest forecast is fitted on")
     parser.add_argument("--seed", type=int, default=0, help="the forecast's training-noise draws")
