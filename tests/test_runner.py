@@ -88,7 +88,10 @@ def test_endpoint_key_never_lands_in_the_run_folder(tmp_path, embedded_server, m
 
 
 def test_runner_starts_and_stops_the_embedded_server(tmp_path):
-    run_dir = run_pipeline(scenario(tmp_path), stages=["ask"], run_id="served", notebooks_dir=FIXTURE_NOTEBOOKS)
+    run_dir = run_pipeline(scenario(tmp_path), stages=["ask", "after"], run_id="served", notebooks_dir=FIXTURE_NOTEBOOKS)
+    # stopped once no later stage needs it: stages 4-6 get the server's memory and cores
+    assert (run_dir / "server_during_later_stage").read_text() == "down"
+    assert "endpoints stopped: no later stage needs them" in (run_dir / "run.log").read_text()
     answer = json.loads((run_dir / "answer.json").read_text())
     assert answer["finish_reason"] in {"length", "stop"}
     assert "Uvicorn running" in (run_dir / "server.log").read_text() or (run_dir / "server.log").stat().st_size > 0

@@ -5,6 +5,9 @@ was running failed, the cells after it never ran).
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
+import json
 import os
 from pathlib import Path
 
@@ -22,8 +25,10 @@ class AtomicNotebookSaves:
     def __init__(self, path: Path):
         self.path = Path(path)
         self.unsaved: str | None = None
+        self.last: str | None = None  # the newest notebook papermill saved or tried to: what runs now
 
     def write(self, buf: str, path: str) -> None:
+        self.last = buf
         try:
             write_notebook_text(self.path, buf)
         except OSError:
@@ -65,6 +70,32 @@ def notebook_saves(output: Path) -> AtomicNotebookSaves:
     saves = NOTEBOOK_SAVES[key]
     saves.unsaved = None
     return saves
+
+
+def running_cell(output: Path) -> str:
+    """` in cell [5] (`result = run_analysis_stage(params, out)`) for 1m12s`: the cell papermill last marked running in
+    `output`'s newest save; '' before the first cell starts."""
+    saves = NOTEBOOK_SAVES.get(str(output))
+    if saves is None or saves.last is None:
+        return ""
+    try:
+        cells = json.loads(saves.last)["cells"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    running = [cell for cell in cells if cell.get("metadata", {}).get("papermill", {}).get("status") == "running"]
+    if not running:
+        return ""
+    cell = running[-1]
+    source = "".join(cell.get("source", "")).strip().splitlines()
+    first = next((line for line in source if line.strip() and not line.lstrip().startswith(("#", "from ", "import "))),
+                 source[0] if source else "")
+    since = ""
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        started = dt.datetime.fromisoformat(cell["metadata"]["papermill"]["start_time"].replace("Z", "+00:00"))
+        seconds = int((dt.datetime.now(dt.timezone.utc) - started).total_seconds())
+        since = f" for {seconds // 60}m{seconds % 60:02d}s"
+    number = cell.get("execution_count")
+    return f" in cell [{number if number is not None else '?'}] (`{first[:80]}`){since}"
 
 
 def mark_unfinished(output: Path, ename: str, evalue: str, unsaved: str | None = None) -> int | None:

@@ -5,10 +5,15 @@ the runner's terminal and in the running cell's output.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import errno
 import logging
 import os
+import re
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from eaglekit.disk_full import describe_os_error
@@ -117,3 +122,64 @@ class _NotebookHandler(logging.StreamHandler):
 
 
 KERNEL_HOOK = "import eaglekit.run_log as _eaglekit_run_log; _eaglekit_run_log.attach_stage_logging(); del _eaglekit_run_log"
+
+
+# ---- no silent stretch -----------------------------------------------------------------------
+
+SILENCE_LIMIT_S = 30.0  # run.log never goes longer without a line: a user tailing it tells a long step from a hang
+HEARTBEAT_AFTER_S = 25.0  # the runner's "still running" line comes this long after the last line, within the limit
+LINE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ")
+
+
+class StageHeartbeat:
+    """While a stage runs, a thread watches run.log: after `after_s` without a new byte (from the runner, the stage's
+    kernel or the staged worker), one line says the stage still runs, where (`where()`: the running cell and for how
+    long) and how long nothing was logged. Stages log their own progress; this covers the steps that cannot (a model
+    load, one long forward) so that no stretch of run.log is silent past SILENCE_LIMIT_S."""
+
+    def __init__(self, run_log: Path, logger: logging.Logger, label: str, where: Callable[[], str],
+                 after_s: float = HEARTBEAT_AFTER_S, poll_s: float = 1.0):
+        self.run_log, self.logger, self.label, self.where = Path(run_log), logger, label, where
+        self.after_s, self.poll_s = after_s, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name=f"heartbeat-{label}", daemon=True)
+
+    def __enter__(self) -> "StageHeartbeat":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _size(self) -> int:
+        try:
+            return self.run_log.stat().st_size
+        except OSError:
+            return -1
+
+    def _watch(self) -> None:
+        size, changed = self._size(), time.monotonic()
+        while not self._stop.wait(self.poll_s):
+            now, current = time.monotonic(), self._size()
+            if current != size:
+                size, changed = current, now
+            elif now - changed >= self.after_s:
+                with contextlib.suppress(Exception):  # a heartbeat never fails the stage it reports on
+                    self.logger.info("stage %s: still running%s; nothing logged for %.0f s", self.label, self.where(), now - changed)
+                size, changed = self._size(), time.monotonic()
+
+
+def silent_stretches(run_log: Path, limit_s: float = SILENCE_LIMIT_S) -> list[tuple[str, str, float]]:
+    """(line before, line after, seconds) for every gap between consecutive timestamped lines of run.log longer than
+    `limit_s` (lines without a timestamp, such as a traceback's, belong to the line before)."""
+    stretches, previous, previous_line = [], None, ""
+    for line in Path(run_log).read_text(encoding="utf-8", errors="replace").splitlines():
+        match = LINE_TIME.match(line)
+        if not match:
+            continue
+        moment = dt.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S")
+        if previous is not None and (gap := (moment - previous).total_seconds()) > limit_s:
+            stretches.append((previous_line, line, gap))
+        previous, previous_line = moment, line
+    return stretches

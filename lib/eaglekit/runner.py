@@ -30,7 +30,7 @@ import nbformat
 from eaglekit.config import Params, dump_params, load_params, repo_path
 from eaglekit.disk_full import (
     SPACE_RESERVE_BYTES, DiskFull, SpaceReserve, describe_os_error, free_space, is_disk_full, largest_files, naming)
-from eaglekit.executed_notebook import failed_cell, mark_unfinished, notebook_saves, settle_executed_notebook
+from eaglekit.executed_notebook import failed_cell, mark_unfinished, notebook_saves, running_cell, settle_executed_notebook
 from eaglekit.io import atomic_write, write_json
 from eaglekit.paths import NOTEBOOKS_DIR
 from eaglekit.run_folder import (
@@ -41,7 +41,7 @@ from eaglekit.run_folder import (
     read_stage_outcome,
     write_environment,
 )
-from eaglekit.run_log import KERNEL_HOOK, RUN_LOG_ENV, STAGE_ENV, run_logger
+from eaglekit.run_log import KERNEL_HOOK, RUN_LOG_ENV, STAGE_ENV, StageHeartbeat, run_logger
 
 STAGE_FILE = re.compile(r"^(\d\d)_([a-z0-9_]+)\.ipynb$")
 
@@ -351,14 +351,18 @@ def _run_stages(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
     control = _StageControl(params.generation.shutdown_grace_s, logger)
     control.install()
     try:
-        with contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as serving:
             endpoints = None
-            for stage in chosen:
+            for index, stage in enumerate(chosen):
                 if stage.needs_endpoint and endpoints is None:
                     logger.info("starting endpoints (embedded server unless params name endpoints)")
                     served = staged_serving_params(params) if staged else params
-                    endpoints = stack.enter_context(serving_endpoints(served, log_path=run_dir / "server.log"))
+                    endpoints = serving.enter_context(serving_endpoints(served, log_path=run_dir / "server.log"))
                     logger.info("endpoints: %s", [endpoint.url for endpoint in endpoints])
+                elif endpoints is not None and not any(later.needs_endpoint for later in chosen[index:]):
+                    serving.close()  # the embedded server's memory and cores go to the stages after generation
+                    endpoints = None
+                    logger.info("endpoints stopped: no later stage needs them")
                 try:
                     with _staged_worker(staged and stage.name == "generation", run_dir, state, control, logger, lock):
                         _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,
@@ -517,11 +521,12 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
     started = time.monotonic()
     control.stage_started()
     try:
-        papermill.execute_notebook(
-            str(stage.notebook), str(output), parameters=parameters, kernel_name=kernel_name,
-            cwd=str(stage.notebook.parent), progress_bar=False, log_output=False, config=kernel_config,
-            kernel_manager_class=_stage_kernel_manager(control, lock.fd, run_dir / "run.log", stage),
-        )
+        with StageHeartbeat(run_dir / "run.log", logger, stage.label, lambda: running_cell(output)):
+            papermill.execute_notebook(
+                str(stage.notebook), str(output), parameters=parameters, kernel_name=kernel_name,
+                cwd=str(stage.notebook.parent), progress_bar=False, log_output=False, config=kernel_config,
+                kernel_manager_class=_stage_kernel_manager(control, lock.fd, run_dir / "run.log", stage),
+            )
     except papermill.PapermillExecutionError as error:
         control.stage_ended()
         if control.signum is not None:

@@ -40,6 +40,13 @@ def test_every_stage_ran(smoke_run):
         assert (smoke_run / f"{stage}.ipynb").is_file()
 
 
+def test_run_log_is_never_silent_for_more_than_30_s(smoke_run):
+    from eaglekit.run_log import SILENCE_LIMIT_S, silent_stretches
+
+    stretches = silent_stretches(smoke_run / "run.log", SILENCE_LIMIT_S)
+    assert not stretches, "\n".join(f"{gap:.0f} s silent after: {before}" for before, _, gap in stretches)
+
+
 def test_stage_outputs_feed_the_next_stage(smoke_run):
     prep = json.loads((smoke_run / "prep" / "summary.json").read_text())
     assert {source["source"] for source in prep["sources"]} == {"tooltalk", "sharegpt", "humaneval", "asdiv"}
