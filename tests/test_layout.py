@@ -56,10 +56,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_level_imports(path: Path) -> set[str]:
-    """eaglekit modules imported at module level (not inside functions), resolved to modules that exist."""
+def _imports(path: Path, deferred: bool) -> set[str]:
+    """eaglekit modules `path` imports at module level, or (deferred) inside its functions, resolved to modules that
+    exist. A deferred import is a dependency all the same: deferring it only hides a circle."""
+    tree = ast.parse(path.read_text())
+    nodes = [node for node in ast.walk(tree) if node not in tree.body] if deferred else tree.body
     names: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("eaglekit"):
             for alias in node.names:
                 candidate = f"{node.module}.{alias.name}"
@@ -75,7 +78,7 @@ def _exists(module: str) -> bool:
 
 
 def test_the_library_has_no_import_circle():
-    graph = {_module_name(path): _module_level_imports(path) for path in LIBRARY.rglob("*.py")}
+    graph = {_module_name(path): _imports(path, deferred=False) for path in LIBRARY.rglob("*.py")}
     # A module importing a package's submodule also runs the package's __init__, except its own packages'
     # (already running when the module is imported, so that edge is no circle).
     for module, imports in graph.items():
@@ -84,6 +87,9 @@ def test_the_library_has_no_import_circle():
             imports.update(package for i in range(2, len(parts)) if (package := ".".join(parts[:i])) in graph
                            and not module.startswith(package + "."))
         imports.discard(module)
+    # Imports inside functions run once every module is loaded: a module-to-module edge, packages aside.
+    for path in LIBRARY.rglob("*.py"):
+        graph[_module_name(path)].update(_imports(path, deferred=True) - {_module_name(path)})
     state: dict[str, int] = {}
     cycle: list[str] = []
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from eaglekit.capture.plan import planned_slice_bytes
 from eaglekit.capture.shards import stored_bytes_per_token
-from eaglekit.capture.stage import capture_length
+from eaglekit.capture.inputs import capture_length
 from eaglekit.config import Params
 from eaglekit.generation.capacity import load_model_config, plan_capacity
 from eaglekit.generation.plan import target_config, weight_bytes

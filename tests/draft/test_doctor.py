@@ -176,7 +176,7 @@ def test_cli(tmp_path, capsys):
     output = capsys.readouterr().out
     assert "ERROR" in output and "tie_word_embeddings" in output and 'fix: set "tie_word_embeddings": false' in output
     good = _write(tmp_path / "good", DRAFT)
-    completed = subprocess.run([sys.executable, "-m", "eaglekit.draft.doctor", "--draft", str(good), "--target-config", str(tmp_path / "target_config.json")],
+    completed = subprocess.run([sys.executable, "-m", "eaglekit.cli", "doctor", "--draft", str(good), "--target-config", str(tmp_path / "target_config.json")],
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "0 error(s)" in completed.stdout

@@ -47,6 +47,18 @@ def test_run_log_is_never_silent_for_more_than_30_s(smoke_run):
     assert not stretches, "\n".join(f"{gap:.0f} s silent after: {before}" for before, _, gap in stretches)
 
 
+def test_executed_notebooks_hold_no_progress_bar_frozen_at_its_first_frame(smoke_run):
+    import nbformat
+
+    for stage in STAGES:
+        notebook = nbformat.read(smoke_run / f"{stage}.ipynb", as_version=4)
+        for cell in notebook.cells:
+            for output in cell.get("outputs", []):
+                data = output.get("data", {})
+                assert "application/vnd.jupyter.widget-view+json" not in data, f"{stage}: a tqdm widget in cell [{cell.execution_count}]"
+                assert "0%|" not in output.get("text", ""), f"{stage}: a tqdm bar in cell [{cell.execution_count}]"
+
+
 def test_stage_outputs_feed_the_next_stage(smoke_run):
     prep = json.loads((smoke_run / "prep" / "summary.json").read_text())
     assert {source["source"] for source in prep["sources"]} == {"tooltalk", "sharegpt", "humaneval", "asdiv"}

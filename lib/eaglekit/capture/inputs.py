@@ -6,9 +6,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eaglekit.io import InputError, read_jsonl
+
+if TYPE_CHECKING:
+    from eaglekit.config import Params
+
+
+def capture_length(params: Params) -> int:
+    """Tokens captured per sample: capture.max_seq_len, but never past training.max_length (training reads no more)."""
+    return min(params.capture.max_seq_len, params.training.max_length)
 
 
 @dataclass

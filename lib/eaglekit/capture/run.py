@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as distributed
 from torch import nn
 
-from eaglekit.capture.forward import FeatureSource, as_feature_source, load_target, plan_batches
+from eaglekit.capture.forward import FeatureSource, as_feature_source, plan_batches
 from eaglekit.capture.inputs import TokenizedSample, read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.plan import check_disk_space

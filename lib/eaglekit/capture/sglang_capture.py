@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from eaglekit.capture.layers import resolve_capture_layer_ids
     from eaglekit.capture.run import capture_to_shards
-    from eaglekit.capture.stage import capture_length
+    from eaglekit.capture.inputs import capture_length
     from eaglekit.config import load_params
     from eaglekit.run_folder import stage_dir, tokenized_data_files
     from eaglekit.target import resolve_model, target_layout

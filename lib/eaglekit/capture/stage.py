@@ -20,7 +20,7 @@ import torch
 
 from eaglekit.capture.checks import check_captured_samples, feature_norms, write_sample_subset
 from eaglekit.capture.forward import FeatureSource, load_target
-from eaglekit.capture.inputs import read_tokenized_samples
+from eaglekit.capture.inputs import capture_length, read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.online import CapturedSamples, open_captured_samples
 from eaglekit.capture.plan import PLAN_FILE, InsufficientDiskError, StoragePlan, plan_capture_storage
@@ -96,11 +96,6 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
     if params.analysis.ablation:
         return None, "ablation skipped: no class-B dataset kept its own answers (prep.original_answers)"
     return None, "analysis.ablation is false: no original answers captured"
-
-
-def capture_length(params: Params) -> int:
-    """Tokens captured per sample: capture.max_seq_len, but never past training.max_length (training reads no more)."""
-    return min(params.capture.max_seq_len, params.training.max_length)
 
 
 def load_feature_source(params: Params, layout: TargetLayout, capture_layer_ids: list[int], max_seq_len: int,

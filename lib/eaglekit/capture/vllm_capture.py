@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
-import json
 import logging
 import os
 import shutil

@@ -36,7 +36,6 @@ Settings a server refuses with a draft (SGLang 0.5.23):
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -528,9 +527,3 @@ def raise_on_errors(findings: Sequence[Finding]) -> None:
     if errors:
         lines = [f"- [{finding.check}] {finding.message}\n  fix: {finding.fix}" for finding in errors]
         raise DoctorError(f"preflight found {len(errors)} error(s):\n" + "\n".join(lines))
-
-
-if __name__ == "__main__":  # python -m eaglekit.draft.doctor: an alias of `eaglekit doctor`
-    from eaglekit.cli import main
-
-    sys.exit(main(["doctor", *sys.argv[1:]]))
