@@ -94,8 +94,9 @@ def running_cell(output: Path) -> str:
         started = dt.datetime.fromisoformat(cell["metadata"]["papermill"]["start_time"].replace("Z", "+00:00"))
         seconds = int((dt.datetime.now(dt.timezone.utc) - started).total_seconds())
         since = f" for {seconds // 60}m{seconds % 60:02d}s"
-    number = cell.get("execution_count")
-    return f" in cell [{number if number is not None else '?'}] (`{first[:80]}`){since}"
+    # papermill numbers a cell when it ends: a running one is the next after those that ran
+    number = cell.get("execution_count") or 1 + max((other.get("execution_count") or 0 for other in cells), default=0)
+    return f" in cell [{number}] (`{first[:80]}`){since}"
 
 
 def mark_unfinished(output: Path, ename: str, evalue: str, unsaved: str | None = None) -> int | None:
