@@ -42,6 +42,9 @@ def test_failing_stage_stops_the_run_and_resume_continues(tmp_path):
     environment = json.loads((run_dir / "environment.json").read_text())
     assert environment["packages"]["torch"] == "2.13.0+cpu" or environment["packages"]["torch"].startswith("2.13.0")
     assert "git_commit" in environment and "device" in environment
+    assert environment["load"]["cpu_count"] >= 1 and environment["load"]["loadavg_5m"] >= 0  # every timing depends on it
+    assert state["stages"]["01_hello"]["load"]["loadavg_1m"] >= 0
+    assert "stage 01_hello: done in" in first.stderr and " cores)" in first.stderr
 
     (run_dir / "hello.txt").write_text("must stay")  # resume must not rerun finished stages
     (run_dir / "allow_second_stage").touch()

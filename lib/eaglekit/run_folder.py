@@ -90,6 +90,25 @@ def _git(*args: str) -> str | None:
     return result.stdout.strip() if result.returncode == 0 else None
 
 
+def machine_load() -> dict[str, Any]:
+    """The machine's load now: every timing in a run depends on what else ran beside it (a 2-core machine with a
+    second job runs a stage at half speed). Load averages over 1, 5 and 15 minutes against the cores, and free memory."""
+    load: dict[str, Any] = {"cpu_count": os.cpu_count()}
+    with contextlib.suppress(OSError):
+        load["loadavg_1m"], load["loadavg_5m"], load["loadavg_15m"] = (round(value, 2) for value in os.getloadavg())
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        load["memory_available_gib"] = round(int(meminfo["MemAvailable"].split()[0]) / 2**20, 1)
+    return load
+
+
+def describe_load(load: dict[str, Any]) -> str:
+    """`load 1.92 on 2 cores`: the 5-minute load average (about a short stage's length) against the cores."""
+    if "loadavg_5m" not in load:
+        return "load unknown"
+    return f"load {load['loadavg_5m']:.2f} on {load['cpu_count']} cores"
+
+
 def environment_record() -> dict[str, Any]:
     """Git commit, package versions, Python, platform and compute device, for the run's record."""
     versions = {}
@@ -120,6 +139,7 @@ def environment_record() -> dict[str, Any]:
         "machine": platform.machine(),
         "packages": versions,
         "device": device,
+        "load": machine_load(),  # at the run's start; state.json gives each stage's load at its end
     }
 
 

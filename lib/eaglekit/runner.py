@@ -37,6 +37,8 @@ from eaglekit.run_folder import (
     RunFolderLock,
     RunLockedError,
     clear_stage_outcome,
+    describe_load,
+    machine_load,
     new_run_id,
     read_stage_outcome,
     write_environment,
@@ -566,16 +568,17 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
     if control.signum is not None:  # the signal came as the last cell ended: stop before the next stage
         raise RunInterrupted(f"stopped by {signal.Signals(control.signum).name}", control.signum)
     seconds = round(time.monotonic() - started, 1)
+    load = machine_load()  # the stage's time depends on what ran beside it
     outcome = read_stage_outcome(run_dir, stage.name) or {}
     errors = int(outcome.get("errors", 0))
     if errors:
         status = f"done with {errors} errors"
-        _record(run_dir, state, stage.label, status, errors=errors, detail=outcome.get("detail", ""), seconds=seconds)
-        logger.warning("stage %s: %s in %.1fs%s; continue with: %s", stage.label, status, seconds,
+        _record(run_dir, state, stage.label, status, errors=errors, detail=outcome.get("detail", ""), seconds=seconds, load=load)
+        logger.warning("stage %s: %s in %.1fs (%s)%s; continue with: %s", stage.label, status, seconds, describe_load(load),
                        f" ({outcome['detail']})" if outcome.get("detail") else "", resume_command)
     else:
-        _record(run_dir, state, stage.label, "done", errors=0, seconds=seconds)
-        logger.info("stage %s: done in %.1fs", stage.label, seconds)
+        _record(run_dir, state, stage.label, "done", errors=0, seconds=seconds, load=load)
+        logger.info("stage %s: done in %.1fs (%s)", stage.label, seconds, describe_load(load))
 
 
 def _describe_exit(returncode: int | None) -> str:
