@@ -26,8 +26,8 @@ import math
 import numpy as np
 import pytest
 
-from eaglekit.analysis.forecast import (MAX_DOUBLINGS_BEYOND, TRAINING_NOISE_PRIOR, Forecast, fit_accelerating_rows,
-                                        fit_saturating_rows, forecast, paired_bootstrap_means, training_noise)
+from eaglekit.analysis.curves import fit_accelerating_rows, fit_saturating_rows
+from eaglekit.analysis.forecast import MAX_DOUBLINGS_BEYOND, TRAINING_NOISE_PRIOR, Forecast, forecast, paired_bootstrap_means, training_noise
 
 TRUTHS = {
     "log-linear": lambda n: 1.2 + 0.06 * np.log2(n / 60.0),

@@ -11,7 +11,8 @@ import pytest
 from eaglekit.analysis.acceptance import acceptance_tables, bootstrap_accept_length, chain_counts
 from eaglekit.analysis.break_even import break_even_from_throughput
 from eaglekit.analysis.plots import plot_accept_length_vs_data_size
-from eaglekit.analysis.scaling import data_needed, fit_scaling, saturating_accept_length, scaling_summary
+from eaglekit.analysis.curves import leave_one_size_out_error, saturating_accept_length
+from eaglekit.analysis.scaling import data_needed, fit_scaling, scaling_summary
 
 
 def _synthetic_sizes_and_counts(rng: np.random.Generator):
@@ -133,7 +134,7 @@ def test_tau_inf_respects_the_topology_ceiling():
 
 
 # ----------------------------------------------------------------------------- slope and identification
-from eaglekit.analysis.scaling import ceiling_identification, leave_one_size_out_error, local_slope, scaling_answer  # noqa: E402
+from eaglekit.analysis.scaling import ceiling_identification, local_slope, scaling_answer  # noqa: E402
 
 
 def _paired_replicates(truth: np.ndarray, rng: np.random.Generator, resamples: int = 300, shared: float = 0.01, own: float = 0.01) -> np.ndarray:

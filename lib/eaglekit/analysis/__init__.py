@@ -10,8 +10,10 @@ Modules, by job:
   (every checkpoint on prompts from outside the training data), `topology_sweep` (which chain or tree to serve);
 - serving: `live_serving` (tau and tokens/s against SGLang and vLLM endpoints), `vllm_counters` (vLLM's
   /metrics counters);
-- the answer: `break_even` (Leviathan speedup, break-even tau), `scaling` (tau against data size: slope,
-  ceiling), `answer` (scaling_summary.json, the headline metrics, the answer in words), `plots` (figures).
+- the answer: `break_even` (Leviathan speedup, break-even tau), `curves` (the curve families of tau against data
+  size, fitted on every bootstrap replicate: the one fitting path), `scaling` (the local slope, whether a ceiling
+  is identified), `forecast` (go / no-go at the planned sizes, analysis/answer.json), `answer`
+  (scaling_summary.json, the headline metrics, the answer in words), `plots` (figures).
 
 This package's `__init__` imports nothing: `eaglekit.training` imports `analysis.acceptance`, and the stage
 and evaluators import `eaglekit.training`.

@@ -47,18 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from eaglekit.analysis.scaling import (MAX_DOUBLINGS_BEYOND, LocalSlope, fit_log_linear_rows, fit_saturating_rows, leave_one_size_out_error,
-                                      local_slope)
+from eaglekit.analysis.curves import FAMILIES, MEASURED_SHAPE, FamilyFits, first_crossing, leave_one_size_out_error, union_interval
+from eaglekit.analysis.scaling import MAX_DOUBLINGS_BEYOND, LocalSlope, local_slope
 from eaglekit.io import write_json
 
-# The curve families the interval spans, and what each stands for.
-FAMILIES = {
-    "log-linear": "the same gain per doubling",
-    "saturating": "tau_inf - b N^-c: gains per doubling shrink",
-    "accelerating": "a quadratic in log N bending upward: the lower half of an S-curve",
-    "plateau": "no gain past the largest measured size: a knee just past the data",
-}
-MEASURED_SHAPE = ("log-linear", "saturating")  # the families the point forecast averages
 # Draft-to-draft training noise (sd of tau between drafts of one size, same held-out set) and its degrees of
 # freedom, used when no second seed was trained: docs/forecast.md, "Training noise".
 TRAINING_NOISE_PRIOR = (0.013, 4)
@@ -120,64 +112,6 @@ def with_training_noise(replicates: np.ndarray, noise: TrainingNoise, seed: int)
     rng = np.random.default_rng(seed)
     sd = noise.sd * np.sqrt(noise.degrees_of_freedom / rng.chisquare(noise.degrees_of_freedom, size=(len(replicates), 1)))
     return replicates + sd * rng.standard_normal(replicates.shape)
-
-
-# ----------------------------------------------------------------------------- the families, on every replicate
-
-def fit_accelerating_rows(sizes: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """tau = a + b x + q x^2, x = log2 N - mean, q >= 0, on every row: (R, n) -> (R, 3) (a, b, q). A row whose least
-    squares curvature is negative (a bending curve, which the saturating family covers) gets the line (q = 0)."""
-    centered = np.log2(sizes) - np.log2(sizes).mean()
-    design = np.column_stack([np.ones_like(centered), centered, centered**2])  # (n, 3)
-    quadratic = rows @ np.linalg.pinv(design).T  # (R, 3)
-    line = np.column_stack([rows.mean(axis=1), (rows - rows.mean(axis=1, keepdims=True)) @ centered / float(centered @ centered),
-                            np.zeros(len(rows))])
-    return np.where(quadratic[:, 2:3] > 0, quadratic, line)
-
-
-@dataclass(frozen=True)
-class FamilyFits:
-    """Every family fitted on every row of (R, n) replicates; `at` evaluates them beyond the largest measured size."""
-
-    sizes: np.ndarray  # (n,) measured, ascending
-    plateau: np.ndarray  # (R, 1) each row's tau at the largest measured size
-    log_linear: np.ndarray  # (R, 2)
-    saturating: np.ndarray  # (R, 3)
-    accelerating: np.ndarray  # (R, 3)
-    ceiling: float
-
-    @classmethod
-    def fit(cls, sizes: np.ndarray, rows: np.ndarray, ceiling: float) -> "FamilyFits":
-        return cls(sizes, rows[:, -1:], fit_log_linear_rows(sizes, rows), fit_saturating_rows(sizes, rows, ceiling),
-                   fit_accelerating_rows(sizes, rows), ceiling)
-
-    def at(self, data_sizes: Sequence[float]) -> dict[str, np.ndarray]:
-        """name -> (R, len(data_sizes)) tau. Each prediction is held between the row's tau at the largest measured
-        size (more data does not lower tau, and the plateau family is that level) and the chain's ceiling k + 1."""
-        at = np.asarray(data_sizes, dtype=np.float64)
-        x = np.log2(at)[None, :] - np.log2(self.sizes).mean()
-        line, saturating, accelerating = self.log_linear, self.saturating, self.accelerating
-        curves = {
-            "log-linear": line[:, :1] + line[:, 1:2] * np.log2(at)[None, :],
-            "saturating": saturating[:, :1] - saturating[:, 1:2] * (at[None, :] / self.sizes.min()) ** (-saturating[:, 2:3]),
-            "accelerating": accelerating[:, :1] + accelerating[:, 1:2] * x + accelerating[:, 2:3] * x**2,
-            "plateau": np.repeat(self.plateau, len(at), axis=1),
-        }
-        return {name: np.clip(curve, self.plateau, self.ceiling) for name, curve in curves.items()}
-
-
-def union_interval(curves: Mapping[str, np.ndarray], low_tail: float, high_tail: float) -> tuple[np.ndarray, np.ndarray]:
-    """The union of the families' percentile intervals: the lowest family's low_tail quantile to the highest family's
-    1 - high_tail quantile, per column. Each curve (R, k) -> two (k,) arrays."""
-    low = np.min([np.quantile(curve, low_tail, axis=0) for curve in curves.values()], axis=0)
-    high = np.max([np.quantile(curve, 1.0 - high_tail, axis=0) for curve in curves.values()], axis=0)
-    return low, high
-
-
-def first_crossing(grid: np.ndarray, curves: np.ndarray, target: float) -> np.ndarray:
-    """(R,) the first grid size at which each row's curve (R, G) reaches `target`; inf where it does not within the grid."""
-    reached = curves >= target
-    return np.where(reached.any(axis=1), grid[np.argmax(reached, axis=1)], np.inf)
 
 
 # ----------------------------------------------------------------------------- the forecast

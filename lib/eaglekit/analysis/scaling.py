@@ -35,16 +35,10 @@ from scipy.optimize import OptimizeWarning, curve_fit
 
 from eaglekit.analysis.acceptance import percentile_interval
 from eaglekit.analysis.break_even import BreakEven
+from eaglekit.analysis.curves import (MAX_EXPONENT, MEASURED_SHAPE, PARAMETERS, leave_one_size_out_error, saturating_accept_length,
+                                     slope_per_doubling)
 
 # ----------------------------------------------------------------------------- scaling fit
-
-def saturating_accept_length(data_size: float | np.ndarray, tau_inf: float, scale: float, exponent: float) -> np.ndarray:
-    """tau(N) = tau_inf - scale * N^(-exponent)."""
-    return tau_inf - scale * np.asarray(data_size, dtype=np.float64) ** (-exponent)
-
-
-MAX_EXPONENT = 5.0
-
 
 def _fit_normalized(relative_sizes: np.ndarray, accept_lengths: np.ndarray, ceiling: float) -> np.ndarray:
     """Fit tau = tau_inf - gap * (N / N_min)^(-c); returns (tau_inf, gap, c). Raises RuntimeError if it fails."""
@@ -285,12 +279,6 @@ def scaling_summary(fit: ScalingFit, needed: Sequence[DataNeeded], break_even: B
 
 # ----------------------------------------------------------------------------- local slope
 
-def _slope_per_doubling(log2_sizes: np.ndarray, accept_lengths: np.ndarray) -> np.ndarray:
-    """Least-squares slope of tau on log2 N; accept_lengths (..., n) -> (...,)."""
-    centered = log2_sizes - log2_sizes.mean()
-    return (accept_lengths - accept_lengths.mean(axis=-1, keepdims=True)) @ centered / float(centered @ centered)
-
-
 @dataclass(frozen=True)
 class LocalSlope:
     """Held-out tau gained per doubling of training data over the measured sizes, with a paired bootstrap.
@@ -404,13 +392,13 @@ def local_slope(
     order = np.argsort(sizes)
     sizes, taus, replicates = sizes[order], taus[order], replicates[:, order]
     log2_sizes = np.log2(sizes)
-    slopes = _slope_per_doubling(log2_sizes, replicates)
+    slopes = slope_per_doubling(log2_sizes, replicates)
     segment_doublings = log2_sizes[-1] - log2_sizes[-2]
     segments = (replicates[:, -1] - replicates[:, -2]) / segment_doublings
     low, high = percentile_interval(slopes, confidence)
     segment_low, segment_high = percentile_interval(segments, confidence)
     return LocalSlope(
-        slope=float(_slope_per_doubling(log2_sizes, taus)),
+        slope=float(slope_per_doubling(log2_sizes, taus)),
         slope_low=float(low), slope_high=float(high), positive_fraction=float((slopes > 0).mean()),
         last_segment=float((taus[-1] - taus[-2]) / segment_doublings),
         last_segment_low=float(segment_low), last_segment_high=float(segment_high),
@@ -425,81 +413,6 @@ def local_slope(
 # counts as identified only when at most PILE_UP_LIMIT of the refits do.
 BOUND_TOLERANCE = 1e-3
 PILE_UP_LIMIT = 0.05
-
-
-# Exponents of the saturating model's profile fit: log-spaced over the bounds (0, MAX_EXPONENT].
-EXPONENT_GRID = np.geomspace(1e-3, MAX_EXPONENT, 240)
-
-
-def fit_log_linear_rows(sizes: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Least squares tau = intercept + slope log2 N on every row: (R, n) -> (R, 2) (intercept, slope)."""
-    log2_sizes = np.log2(sizes)
-    centered = log2_sizes - log2_sizes.mean()
-    slope = (rows - rows.mean(axis=1, keepdims=True)) @ centered / float(centered @ centered)
-    return np.column_stack([rows.mean(axis=1) - slope * log2_sizes.mean(), slope])
-
-
-def fit_saturating_rows(sizes: np.ndarray, rows: np.ndarray, ceiling: float) -> np.ndarray:
-    """tau = tau_inf - gap (N / N_min)^-c on every row by profile least squares over EXPONENT_GRID:
-    (R, n) -> (R, 3) (tau_inf, gap, c), with 1 <= tau_inf <= ceiling and gap >= 0. No refit can fail."""
-    relative = sizes / sizes.min()
-    basis = relative[None, :] ** (-EXPONENT_GRID[:, None])  # (C, n): x = (N / N_min)^-c per exponent
-    basis_mean = basis.mean(axis=1)  # (C,)
-    basis_centered = basis - basis_mean[:, None]
-    rows_mean = rows.mean(axis=1)  # (R,)
-    # Unconstrained tau = a - g x: g = -cov(x, y) / var(x), a = mean(y) + g mean(x).  (R, C)
-    gap = -(rows - rows_mean[:, None]) @ basis_centered.T / (basis_centered ** 2).sum(axis=1)[None, :]
-    gap = np.maximum(gap, 0.0)  # a falling curve is fitted flat (gap 0)
-    tau_inf = rows_mean[:, None] + gap * basis_mean[None, :]
-    # Where the ceiling (or 1) binds, refit the gap with tau_inf fixed there: g = sum((a - y) x) / sum(x^2).
-    bound = np.clip(tau_inf, 1.0, ceiling)
-    refit = np.maximum((bound * basis.sum(axis=1)[None, :] - rows @ basis.T) / (basis ** 2).sum(axis=1)[None, :], 0.0)
-    clipped = bound != tau_inf
-    gap = np.where(clipped, refit, gap)
-    tau_inf = bound
-    # (R, C, n) residuals of every row under every exponent; the best exponent per row.
-    fitted = tau_inf[:, :, None] - gap[:, :, None] * basis[None, :, :]
-    errors = ((rows[:, None, :] - fitted) ** 2).sum(axis=2)
-    best = errors.argmin(axis=1)
-    pick = np.arange(len(rows))
-    return np.column_stack([tau_inf[pick, best], gap[pick, best], EXPONENT_GRID[best]])
-
-
-def _fit_log_linear(sizes: np.ndarray, taus: np.ndarray) -> np.ndarray:
-    """(intercept at log2 N = 0, slope per doubling)."""
-    slope = float(_slope_per_doubling(np.log2(sizes), taus))
-    return np.array([taus.mean() - slope * np.log2(sizes).mean(), slope])
-
-
-def _predict(model: str, params: np.ndarray, sizes: np.ndarray, reference: float) -> np.ndarray:
-    if model == "log-linear":
-        return params[0] + params[1] * np.log2(sizes)
-    return params[0] - params[1] * (sizes / reference) ** (-params[2])
-
-
-MODELS = {"log-linear": 2, "saturating": 3}  # name -> number of parameters
-
-
-def leave_one_size_out_error(data_sizes: Sequence[float], accept_lengths: Sequence[float], model: str, ceiling: float = math.inf) -> float | None:
-    """Root-mean-square error of predicting each size's tau from a fit to the other sizes.
-
-    None when leaving one out leaves no more points than the model has parameters (an exact fit
-    predicts nothing about the point it did not see).
-    """
-    sizes = np.asarray(data_sizes, dtype=np.float64)
-    taus = np.asarray(accept_lengths, dtype=np.float64)
-    if len(sizes) - 1 <= MODELS[model]:
-        return None
-    errors = []
-    for left_out in range(len(sizes)):
-        keep = np.arange(len(sizes)) != left_out
-        if model == "log-linear":
-            params, reference = _fit_log_linear(sizes[keep], taus[keep]), 1.0
-        else:  # the profile fit the forecast uses: it cannot fail, and it is fast enough to run per size left out
-            reference = float(sizes[keep].min())
-            params = fit_saturating_rows(sizes[keep], taus[keep][None, :], ceiling)[0]
-        errors.append(float(_predict(model, params, sizes[left_out : left_out + 1], reference)[0]) - taus[left_out])
-    return float(np.sqrt(np.mean(np.square(errors))))
 
 
 @dataclass(frozen=True)
@@ -556,12 +469,12 @@ def ceiling_identification(
     sizes, taus = sizes[order], taus[order]
     if replicate_accept_lengths is not None:
         replicate_accept_lengths = np.asarray(replicate_accept_lengths, dtype=np.float64)[:, order]
-    loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MODELS}
+    loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MEASURED_SHAPE}
     evaluable = {model: error for model, error in loo.items() if error is not None}
     chosen = min(evaluable, key=evaluable.get) if evaluable else "log-linear"
     reasons: list[str] = []
     n = len(np.unique(sizes))
-    if n <= MODELS["saturating"]:
+    if n <= PARAMETERS["saturating"]:
         reasons.append(f"{n} data sizes for a 3-parameter curve: it passes through every point, so no point tests it "
                        "(measure at least 5 sizes: 4 to fit, 1 to predict)")
     elif loo["saturating"] is None:
