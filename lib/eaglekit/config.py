@@ -198,7 +198,18 @@ class CaptureParams(Section):
 
 class TrainingParams(Section):
     data_sizes: list[int] = [16, 32, 64]  # nested training subsets, one draft each
-    heldout_size: int = Field(default=16, gt=0)  # the same held-out samples for every size
+    heldout_size: int = Field(default=16, gt=0)  # the same held-out samples for every size: selection + scored
+    # Share of the held-out samples that pick each draft's best checkpoint and stop it (the selection split);
+    # stage 6 scores only the rest, so a score is never taken on the samples that chose the checkpoint (that
+    # is optimistic). Dataset-stratified, conversations whole, fixed by the held-out keys and run.seed
+    # (training.split.split_selection); sweep.json lists both sides.
+    selection_share: float = Field(default=0.5, gt=0, lt=1)
+    # Training noise for the forecast: each size <= noise_seed_max_size also trains `noise_seeds` more drafts
+    # on the same samples and the same selection split, seed run.seed + 1, + 2, ... (init and data order);
+    # stage 6 scores them as measured draft-to-draft noise. noise_seed_max_size None: the two smallest sizes
+    # (the cheap ones; all sizes when there are fewer). noise_seeds 0: none (the forecast uses its prior).
+    noise_seeds: int = Field(default=1, ge=0)
+    noise_seed_max_size: int | None = Field(default=None, gt=0)
     draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
     # The draft's attention/MLP shape: "auto" derives heads, head_dim, KV heads and intermediate from the
     # target (head_dim = hidden / heads); a name picks a published draft's shape (eaglekit.draft.config.DRAFT_SHAPES:
@@ -282,6 +293,13 @@ class TrainingParams(Section):
             raise ValueError(f"num_epochs={self.num_epochs!r} with schedule={self.schedule!r}: num_epochs is set exactly "
                              "when schedule is 'equal_epochs'")
         return self
+
+    def noise_seed_sizes(self) -> list[int]:
+        """The data sizes that train `noise_seeds` extra drafts (the rule is noise_seed_max_size's comment)."""
+        if self.noise_seeds == 0:
+            return []
+        sizes = sorted(self.data_sizes)
+        return sizes[:2] if self.noise_seed_max_size is None else [size for size in sizes if size <= self.noise_seed_max_size]
 
     @model_validator(mode="after")
     def _processes_and_packs(self) -> "TrainingParams":

@@ -73,7 +73,7 @@ def _set(record: dict, where: str, value) -> None:
     ("export", ["sglang"], "expected dict"),
     ("export.sglang", 5, "expected str, got 5"),
     ("capture_layer_ids[1]", "15", "expected int, got '15'"),
-    ("version", 2, "this eaglekit reads version 1"),
+    ("version", 3, "this eaglekit reads version 2"),
 ])
 def test_a_malformed_file_names_the_file_and_the_field(tmp_path, where, value, message):
     written = record().to_dict()
@@ -135,3 +135,56 @@ def test_entry_from_a_sweep_row_makes_paths_relative(tmp_path):
                                                                                  checkpoint_sha256=digest.sha256)
     with pytest.raises(ValueError):
         DraftEntry.from_sweep_row(dict(row, best_checkpoint="/elsewhere/best.pt"), CHAIN, tmp_path)
+
+
+def test_a_record_from_before_the_selection_split_still_reads_and_says_its_checkpoints_were_picked_on_the_scored_samples(tmp_path):
+    """A version-1 sweep.json has no `selection` and no `noise_seeds`: it loads, with neither, flagged optimistic."""
+    written = {key: value for key, value in record().to_dict().items() if key not in ("selection", "noise_seeds")} | {"version": 1}
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(written))
+    loaded = SweepRecord.load(path)
+    assert loaded.runs == record().runs and loaded.heldout == record().heldout
+    assert loaded.selection == [] and loaded.picked_on_scored and loaded.seed_checkpoints(tmp_path) == {}
+
+
+def seeded_record(tmp_path):
+    """record() with a selection split and one extra-seed draft at size 20, its best.pt a real file on disk."""
+    best = tmp_path / "training/seed-1/size-0000020/best.pt"
+    best.parent.mkdir(parents=True)
+    torch.save({"progress": {"step": 8}}, best)
+    digest = file_digest(best)
+    extra = dataclasses.replace(entry(20), variant="20 samples, seed 1", best_checkpoint="training/seed-1/size-0000020/best.pt",
+                                metrics_path="training/seed-1/size-0000020/metrics.jsonl", noise_seed=1,
+                                checkpoint_bytes=digest.bytes, checkpoint_sha256=digest.sha256)
+    return dataclasses.replace(record(), selection=[("alpha", "a-7"), ("beta", "b-9")], noise_seeds=[extra]), best
+
+
+def test_the_extra_seed_drafts_and_the_selection_split_round_trip_and_their_checkpoints_are_verified(tmp_path):
+    sweep, best = seeded_record(tmp_path)
+    path = sweep.save(tmp_path / "training" / "sweep.json")
+    written = json.loads(path.read_text())
+    assert written["selection"] == [["alpha", "a-7"], ["beta", "b-9"]] and written["noise_seeds"][0]["noise_seed"] == 1
+    loaded = SweepRecord.load_run(tmp_path)
+    assert loaded == sweep and not loaded.picked_on_scored
+    assert loaded.seed_checkpoints(tmp_path) == {20: [best]}
+    assert list(loaded.table().index) == [20, 40]  # the extra seeds are not sizes of the curve
+    with open(best, "r+b") as handle:
+        handle.truncate(best.stat().st_size // 2)
+    with pytest.raises(ValueError, match=f"{best}: torn checkpoint"):
+        loaded.seed_checkpoints(tmp_path)
+
+
+@pytest.mark.parametrize(("where", "value", "message"), [
+    ("selection[0]", ["alpha", "a-1"], "both selection and scored held-out samples"),
+    ("noise_seeds[0].noise_seed", None, "needs its noise_seed"),
+    ("noise_seeds[0].size", 30, "a size of `runs` [20, 40]"),
+    ("selection", _DELETE, "missing"),
+])
+def test_a_selection_that_overlaps_the_scored_set_or_a_stray_seed_is_refused_naming_the_field(tmp_path, where, value, message):
+    written = seeded_record(tmp_path)[0].to_dict()
+    _set(written, where, value)
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(written))
+    with pytest.raises(InputError) as raised:
+        SweepRecord.load(path)
+    assert str(raised.value).startswith(f"{path}: field '{where.split('[')[0]}") and message in str(raised.value), str(raised.value)

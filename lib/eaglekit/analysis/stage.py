@@ -19,6 +19,7 @@ returns an `AnalysisResult` that the notebook displays and plots (figures/06_*.p
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -51,6 +52,7 @@ from eaglekit.topology import Topology
 from eaglekit.training.record import SweepRecord
 
 SUMMARY_FILE = "scaling_summary.json"
+logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -125,14 +127,11 @@ def run_looks(run_dir: str | os.PathLike, data_sizes) -> int:
 
 
 def _seed_accept_lengths(sweep: SweepRecord, run_dir: Path, head, heldout: list[dict], steps: int, max_length: int) -> dict[float, list[float]]:
-    """Held-out tau of the extra-seed drafts stage 5 trained (training noise), scored on the same held-out samples;
-    {} when it trained none (the forecast then uses its documented prior)."""
-    extra = getattr(sweep, "seed_checkpoints", None)  # {size: [checkpoint]}: stage 5's second seeds, when it trains them
-    if extra is None:
-        return {}
+    """Held-out tau of the extra-seed drafts stage 5 trained (training.noise_seeds: training noise), scored on the
+    same held-out samples as the sweep's drafts; {} when it trained none (the forecast then uses its documented prior)."""
     agreements = {size: [offline_agreements_by_size({size: path}, head.embed_tokens, head.lm_head, heldout, steps, max_length)[size]
                          for path in paths]
-                  for size, paths in extra(run_dir).items()}
+                  for size, paths in sweep.seed_checkpoints(run_dir).items()}  # each checked against sweep.json
     return seed_accept_lengths(agreements, steps)
 
 
@@ -144,6 +143,10 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
     steps = settings.chain_steps  # k: every tau is for a greedy chain of k steps (top-1, k + 1 draft tokens)
     topology = Topology.chain(steps)
     sweep = SweepRecord.load_run(out)  # training/sweep.json: fails here, naming the field, when it is malformed
+    if sweep.picked_on_scored:
+        logger.warning("%s is from before the selection split: its drafts' best checkpoints were picked on the held-out samples "
+                       "scored here, so every tau below is optimistic; rerun stage 5 for checkpoints picked on a selection split",
+                       out / "training" / "sweep.json")
     analysis_dir = stage_dir(out, "analysis")
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
     tokenizer = load_tokenizer(params.target)

@@ -4,7 +4,8 @@
 For each it waits until its slice is settled (`slices.settled_prefix`), tokenizes the slice's answers as
 stage 3 will (`slices.write_staged_data`), captures them into `staged/capture/` (resuming by sample, so each
 slice adds only its new samples), trains the size by the default rule into `staged/training/size-<N>/`
-(resumable from its last.pt), scores every staged size on the one held-out set, and rewrites
+(resumable from its last.pt), picking its checkpoint on the selection side of the held-out set and scoring every
+staged size on the other side (stage 5's and stage 6's cut, `split.split_selection`), and rewrites
 `analysis/answer.json` with the forecast (`forecast.forecast`), appending it to `staged/forecasts.jsonl`.
 
 What differs from the full stages 4-6, on purpose:
@@ -216,6 +217,7 @@ class StagedWorker:
         from eaglekit.capture.shards import ShardDataset
         from eaglekit.draft.vocab import count_generated_tokens, default_draft_vocab_size, select_draft_vocab
         from eaglekit.training.settings import TrainSettings
+        from eaglekit.training.split import read_conversation_keys, split_selection
         from eaglekit.training.sweep import train_size_sweep
         from eaglekit.draft.model import build_draft_from_target
 
@@ -230,7 +232,12 @@ class StagedWorker:
         self._capture(files, source, capture_layer_ids)
         captured = ShardDataset(self.staged_dir / "capture")
         position = {tuple(key): index for index, key in enumerate(captured.keys)}
-        heldout_indices = [position[key] for key in record.heldout]
+        # Stage 5's cut of the held-out set (split_selection depends on the keys, not their order): checkpoints are
+        # picked on the selection side and the forecast scores the other side, as stage 6 does.
+        selection, scored = split_selection(record.heldout, params.training.selection_share, params.run.seed,
+                                            read_conversation_keys(files, record.heldout))
+        selection_indices = [position[tuple(record.heldout[index])] for index in selection]
+        scored_indices = [position[tuple(record.heldout[index])] for index in scored]
         train_indices = [position[key] for key in entry.train]
 
         head = self._load_head(layout)
@@ -250,11 +257,11 @@ class StagedWorker:
                                                       shape=params.training.draft_shape)
         (row,) = train_size_sweep(build_model, head.lm_head, captured, [entry.size], params.training.heldout_size,
                                   self.staged_dir / "training", settings, datasets=[dataset for dataset, _ in captured.keys],
-                                  split=(heldout_indices, train_indices))
+                                  split=(selection_indices, train_indices))
         entry.status, entry.finished = "done", now()
         entry.result = dict(row)
         record.save(self.run_dir)
-        self._forecast(record, captured, heldout_indices, planned_prompts, time.perf_counter() - started)
+        self._forecast(record, captured, scored_indices, planned_prompts, time.perf_counter() - started)
 
     # ---- stage 6's part: score every staged size, rewrite the answer ------------------------------
     def _forecast(self, record: StagedRecord, captured, heldout_indices: list[int], planned_prompts: int, seconds: float) -> None:

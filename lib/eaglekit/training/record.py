@@ -5,13 +5,20 @@ Stage 5 (`training_stage.run_training_stage`) builds a `SweepRecord` and saves i
 that does not match the type fails on load with the file and the field named, never halfway through an
 analysis.
 
-    version            1 (RECORD_VERSION); an unversioned file from before is read as version 0
+    version            2 (RECORD_VERSION); an unversioned file from before is read as version 0
     runs               one DraftEntry per data size, ascending
+    noise_seeds        one DraftEntry per extra-seed draft (`noise_seed` set): the same samples as its size's run,
+                       another init and data order (training.noise_seeds); [] when none was trained
     ablation           one DraftEntry per ablation variant ("original answers", "regenerated answers"); [] when not trained
-    heldout            [[dataset, id], ...]: the samples every draft was scored on (in the capture)
+    selection          [[dataset, id], ...]: the held-out samples that picked every draft's best checkpoint and stopped it
+    heldout            [[dataset, id], ...]: the held-out samples stage 6 scores every draft on, disjoint from `selection`
+                       (training.split.split_selection cut the held-out set in two)
     topology           Topology.to_dict() of the chain every held-out tau here was measured for
     draft_vocab        size, coverage, counted_tokens, coverage_curve [[vocab size, share covered], ...]
     capture_dir, capture_mode, capture_layer_ids, split_seed, export {"sglang": folder, "vllm": folder}
+
+A version-1 file (before the selection split) reads with `selection` and `noise_seeds` empty: its checkpoints
+were picked on the samples it scores (`picked_on_scored` says so; stage 6 warns, naming the file).
 
 Paths are relative to the run folder (`SweepRecord.path`). Each entry records its best checkpoint's size
 and sha256 (`checkpoint_bytes`, `checkpoint_sha256`; absent in older files), taken after the checkpoint
@@ -36,7 +43,7 @@ from eaglekit.training.loop import TrainResult
 from eaglekit.training.metrics import recent_gain
 
 SWEEP_FILE = "sweep.json"
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 RERUN = "rerun stage 5 (notebook 05, or eaglekit train --params P --run-dir D; trained sizes resume from their checkpoints)"
 RETRAIN = ("rerun stage 5: the size resumes, finds its best.pt unreadable, and restores it or trains the size again "
            "(trained sizes resume from their checkpoints)")
@@ -65,18 +72,22 @@ class DraftEntry:
     recent_gain: float | None  # best tau gained over the last `recent_evaluations` evaluations
     recent_window_steps: list[int] | None
     recent_evaluations: int
-    heldout_size: int
+    heldout_size: int  # selection samples its best tau was measured on (a version-1 record: the scored held-out set)
     checkpoint_bytes: int | None = None  # best_checkpoint's size and sha256 when the record was written (None: an older record)
     checkpoint_sha256: str | None = None
+    noise_seed: int | None = None  # an extra-seed draft's init and data-order seed; None: the sweep's own draft (run.seed)
 
     @classmethod
-    def from_sweep_row(cls, row: dict[str, Any], topology: Topology, run_dir: str | os.PathLike) -> DraftEntry:
-        """From a `training.train_size_sweep` row; paths made relative to the run folder."""
-        known = {item.name for item in fields(cls)} - {"variant", "topology"}
+    def from_sweep_row(cls, row: dict[str, Any], topology: Topology, run_dir: str | os.PathLike,
+                       noise_seed: int | None = None) -> DraftEntry:
+        """From a `training.train_size_sweep` row; paths made relative to the run folder. `noise_seed`: the row is an
+        extra-seed draft trained with that seed."""
+        known = {item.name for item in fields(cls)} - {"variant", "topology", "noise_seed"}
         values = {key: value for key, value in row.items() if key in known}
         values.update(best_checkpoint=_relative(row["best_checkpoint"], run_dir), metrics_path=_relative(row["metrics_path"], run_dir),
                       **_verified_digest(row["best_checkpoint"], row["best_step"]))
-        return cls(variant=f"{row['size']} samples", topology=topology, **values)
+        variant = f"{row['size']} samples" + ("" if noise_seed is None else f", seed {noise_seed}")
+        return cls(variant=variant, topology=topology, noise_seed=noise_seed, **values)
 
     @classmethod
     def from_result(cls, variant: str, result: TrainResult, topology: Topology, samples_by_dataset: dict[str, int], heldout_size: int,
@@ -135,6 +146,8 @@ class SweepRecord:
     split_seed: int
     export: dict[str, str]
     ablation: list[DraftEntry] = field(default_factory=list)
+    selection: list[tuple[str, str]] = field(default_factory=list)  # [] only in a version-1 record (picked on `heldout`)
+    noise_seeds: list[DraftEntry] = field(default_factory=list)
     version: int = RECORD_VERSION
 
     # -- reading it -----------------------------------------------------------------------------------
@@ -156,6 +169,20 @@ class SweepRecord:
         unless `verify` is False (paths only)."""
         return {entry.size: entry.verified_checkpoint(run_dir) if verify else self.path(run_dir, entry.best_checkpoint)
                 for entry in self.runs}
+
+    def seed_checkpoints(self, run_dir: str | os.PathLike, verify: bool = True) -> dict[int, list[Path]]:
+        """{data size: [best checkpoint of each extra-seed draft]}, ascending, checked like `checkpoints`; {} when
+        stage 5 trained none."""
+        found: dict[int, list[Path]] = {}
+        for entry in sorted(self.noise_seeds, key=lambda item: (item.size, item.noise_seed)):
+            found.setdefault(entry.size, []).append(entry.verified_checkpoint(run_dir) if verify else self.path(run_dir, entry.best_checkpoint))
+        return found
+
+    @property
+    def picked_on_scored(self) -> bool:
+        """True for a record from before the selection split: its best checkpoints were picked on `heldout`, the
+        samples they are scored on, so their scores are optimistic."""
+        return not self.selection
 
     def still_improving(self) -> dict[float, float | None]:
         """{data size: recent gain} of the drafts stopped by the step cap: their tau is a lower bound."""
@@ -191,7 +218,8 @@ class SweepRecord:
     # -- the file -------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "sizes": self.sizes, "runs": [entry.to_dict() for entry in self.runs],
-                "ablation": [entry.to_dict() for entry in self.ablation], "heldout": [list(key) for key in self.heldout],
+                "noise_seeds": [entry.to_dict() for entry in self.noise_seeds], "ablation": [entry.to_dict() for entry in self.ablation],
+                "selection": [list(key) for key in self.selection], "heldout": [list(key) for key in self.heldout],
                 "topology": self.topology.to_dict(), "draft_vocab": asdict(self.draft_vocab), "capture_dir": self.capture_dir,
                 "capture_mode": self.capture_mode, "capture_layer_ids": list(self.capture_layer_ids), "split_seed": self.split_seed,
                 "export": dict(self.export)}
@@ -225,14 +253,26 @@ class SweepRecord:
         version = record.get("version", 0)
         if version == 0:
             record = _from_version_0(record, read)
+        if version in (0, 1):  # before the selection split and the extra seeds: picked on the scored samples, no seeds
+            record = {"selection": [], "noise_seeds": [], **record}
         elif version != RECORD_VERSION:
             raise InputError(path, None, "version", f"version {version!r}; this eaglekit reads version {RECORD_VERSION}: {RERUN}")
         topology = read.topology(record)
         vocab = read.field(record, "draft_vocab", dict)
+        entries = {name: [read.entry(entry, f"{name}[{index}]") for index, entry in enumerate(read.field(record, name, list))]
+                   for name in ("runs", "noise_seeds", "ablation")}
+        keys = {name: [tuple(read.strings(pair, f"{name}[{index}]", 2)) for index, pair in enumerate(read.field(record, name, list))]
+                for name in ("selection", "heldout")}
+        if shared := sorted(set(keys["selection"]) & set(keys["heldout"])):
+            raise read.fail("selection", f"{len(shared)} samples are both selection and scored held-out samples (first {list(shared[0])})")
+        sizes = {entry.size for entry in entries["runs"]}
+        for index, entry in enumerate(entries["noise_seeds"]):
+            if entry.noise_seed is None or entry.size not in sizes:
+                raise read.fail(f"noise_seeds[{index}]", f"an extra-seed draft needs its noise_seed and a size of `runs` {sorted(sizes)}, "
+                                                         f"got noise_seed {entry.noise_seed!r} at size {entry.size}")
         return cls(
-            runs=[read.entry(entry, f"runs[{index}]") for index, entry in enumerate(read.field(record, "runs", list))],
-            ablation=[read.entry(entry, f"ablation[{index}]") for index, entry in enumerate(read.field(record, "ablation", list))],
-            heldout=[tuple(read.strings(pair, f"heldout[{index}]", 2)) for index, pair in enumerate(read.field(record, "heldout", list))],
+            runs=entries["runs"], noise_seeds=entries["noise_seeds"], ablation=entries["ablation"],
+            selection=keys["selection"], heldout=keys["heldout"],
             topology=topology,
             draft_vocab=DraftVocabRecord(size=read.field(vocab, "size", int, "draft_vocab."),
                                          coverage=read.field(vocab, "coverage", float, "draft_vocab."),
@@ -265,7 +305,8 @@ _ENTRY_TYPES: dict[str, tuple[type, ...]] = {
     "samples_seen": (int,), "epochs": (float,), "converged": (bool,), "stopped": (str, type(None)), "improved_step": (int,),
     "recent_gain": (float, type(None)), "recent_window_steps": (list, type(None)), "recent_evaluations": (int,), "heldout_size": (int,),
 }
-_OPTIONAL_ENTRY_TYPES: dict[str, tuple[type, ...]] = {"checkpoint_bytes": (int, type(None)), "checkpoint_sha256": (str, type(None))}
+_OPTIONAL_ENTRY_TYPES: dict[str, tuple[type, ...]] = {"checkpoint_bytes": (int, type(None)), "checkpoint_sha256": (str, type(None)),
+                                                       "noise_seed": (int, type(None))}
 
 
 class _Reader:

@@ -100,6 +100,41 @@ def split_heldout(
     return sorted(heldout), train_order
 
 
+def split_selection(
+    heldout_keys: Sequence[tuple[str, str]], share: float, seed: int, conversations: Sequence[str] | None = None
+) -> tuple[list[int], list[int]]:
+    """(selection positions, scored positions) in `heldout_keys`: the held-out set cut in two, both sorted.
+
+    The selection side picks each draft's best checkpoint and stops its training; stage 6 scores on the
+    other side only, so no score is taken on the samples that chose what is scored (that is optimistic).
+    `split_heldout`'s rule over the held-out samples: dataset-stratified, each conversation (one key per
+    sample) wholly on one side, about round(share x n) samples selecting (at least 1, at most n - 1, more
+    by a last conversation's size - 1). The keys are sorted before splitting, so the split depends on
+    the held-out set and the seed, never on the order a caller lists them in: stage 5 (capture order) and
+    the staged worker (prep's planned order) get the same split.
+    """
+    keys = [tuple(key) for key in heldout_keys]
+    if conversations is not None and len(conversations) != len(keys):
+        raise ValueError(f"conversations names {len(conversations)} samples but there are {len(keys)} held-out samples")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the held-out keys repeat a sample ({len(keys) - len(set(keys))} repeats)")
+    order = sorted(range(len(keys)), key=lambda position: keys[position])
+    groups = {(keys[position][0], keys[position][1] if conversations is None else conversations[position]) for position in order}
+    if len(groups) < 2:
+        raise ValueError(f"the {len(keys)} held-out samples are {len(groups)} conversation(s): picking checkpoints on some and scoring "
+                         "on others needs at least 2; raise training.heldout_size")
+    datasets = [keys[position][0] for position in order]
+    sorted_conversations = None if conversations is None else [conversations[position] for position in order]
+    # A last conversation can take every sample left: then ask for fewer (1 always leaves a conversation to score).
+    for count in range(min(max(round(share * len(keys)), 1), len(keys) - 1), 0, -1):
+        try:
+            selection, scored = split_heldout(datasets, count, seed, sorted_conversations)
+        except ValueError:
+            continue
+        return sorted(order[index] for index in selection), sorted(order[index] for index in scored)
+    raise AssertionError("unreachable: a selection of one conversation leaves another to score")
+
+
 def nested_subsets(train_order: Sequence[int], sizes: Sequence[int]) -> dict[int, list[int]]:
     """Prefixes of a stratified training order: each larger subset contains every smaller one.
 

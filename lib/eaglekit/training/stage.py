@@ -2,15 +2,19 @@
 
 `run_training_stage(params, run_dir)` does what notebook 05 computes, without the plots: reads the
 capture (offline shards or online), picks the draft vocab from the largest training subset, trains
-one draft per data size (`train_size_sweep`), exports the largest size's best draft for SGLang and
-vLLM, trains the ablation pair when configured, and writes `training/sweep.json` (a
+one draft per data size (`train_size_sweep`), and `training.noise_seeds` more drafts at the small sizes
+(`TrainingParams.noise_seed_sizes`: the same samples, seeds run.seed + 1, ...; stage 6 measures training noise
+from them), exports the largest size's best draft for SGLang and vLLM, trains the ablation pair when
+configured, and writes `training/sweep.json` (a
 `sweep_record.SweepRecord`, what stage 6 loads) and the stage's metrics events. Every rank runs it; training is data parallel
 (`training.parallel`: ddp, or fsdp on GPUs); rank 0 alone writes exports, metrics and sweep.json.
 
     torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R           # the whole sweep
     torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R --sizes 5000   # one size
 
-Each size resumes from its `last.pt`, so rerunning the same command after a kill continues every
+Every draft picks its best checkpoint and stops on the selection side of the held-out set
+(`split.split_selection`, training.selection_share); sweep.json's `heldout` is the other side, the only
+samples stage 6 scores. Each size (and each extra seed's size) resumes from its `last.pt`, so rerunning the same command after a kill continues every
 loss curve where its last checkpoint left it (a torn last.pt: from last.prev.pt, or from step 0, with a
 warning naming the file; a torn best.pt: restored or that size retrained, eaglekit.training.checkpoint).
 sweep.json lists only best checkpoints that loaded back at their best step, with their size and sha256. `--sizes` trains those sizes only (the split and the
@@ -44,7 +48,7 @@ from eaglekit.training.loop import train_draft
 from eaglekit.training.record import SWEEP_FILE, DraftEntry, DraftVocabRecord, SweepRecord
 from eaglekit.training.settings import TrainSettings
 from eaglekit.training.order import sweep_split
-from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys
+from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys, split_selection
 from eaglekit.training.sweep import train_size_sweep
 from eaglekit.training.teacher import TargetArgmaxCache
 from eaglekit.topology import Topology
@@ -101,6 +105,11 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
     # prep's planned order (prep/order.json) when there is one: each sample keeps the place prep gave it.
     heldout_indices, train_order = sweep_split(out, keys, params.training.heldout_size, params.run.seed, conversations)
+    # Checkpoints are picked on one side of the held-out set and scored (stage 6) on the other only.
+    selection_positions, scored_positions = split_selection([keys[index] for index in heldout_indices], params.training.selection_share,
+                                                            params.run.seed, [conversations[index] for index in heldout_indices])
+    selection_indices = [heldout_indices[position] for position in selection_positions]
+    scored_indices = [heldout_indices[position] for position in scored_positions]
     # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
     largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
     vocab_size = layout.vocab_size
@@ -112,18 +121,29 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
 
     capture_layer_indices = tuple(capture_layer_ids)
     evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)  # the chain train_draft scores held-out tau with
-    build_model = lambda: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices, seed=params.run.seed,
-                                                  shape=params.training.draft_shape)
+    build_model = lambda seed=params.run.seed: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices,
+                                                                       seed=seed, shape=params.training.draft_shape)
     # One target argmax per sample for the sweep and the ablation: they share the held-out set, and the
     # regenerated-answers draft trains on samples of the sweep (keys are content digests, so the original
     # answers, which share ids with them, get their own).
     target_cache = TargetArgmaxCache(target_weights.lm_head)
     sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
                                   training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations,
-                                  target_cache=target_cache, split=(heldout_indices, train_order))
+                                  target_cache=target_cache, split=(selection_indices, train_order))
+    # Training noise: the small sizes again with other seeds (init and data order), same samples, same selection.
+    seed_rows: list[tuple[int, dict]] = []
+    for noise_seed in range(params.run.seed + 1, params.run.seed + 1 + params.training.noise_seeds):
+        seed_sizes = [size for size in params.training.noise_seed_sizes() if size in selected]
+        if seed_sizes:
+            rows = train_size_sweep(lambda seed=noise_seed: build_model(seed), target_weights.lm_head, samples, seed_sizes,
+                                    params.training.heldout_size, training_dir / f"seed-{noise_seed}", dataclasses.replace(settings, seed=noise_seed),
+                                    datasets=datasets, target_cache=target_cache, split=(selection_indices, train_order))
+            seed_rows += [(noise_seed, row) for row in rows]
     if metrics is not None:
         for row in sweep_rows:
             metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})
+        for noise_seed, row in seed_rows:
+            metrics.log(event="noise_seed", noise_seed=noise_seed, **{key: value for key, value in row.items() if key != "samples_by_dataset"})
     if sizes is not None:
         if metrics is not None:
             metrics.close()
@@ -141,9 +161,9 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
         variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
                     "regenerated answers": IndexedSubset(samples, [r for _, r in pairs])}
         for variant, train_samples in variants.items():
-            result = train_draft(build_model(), target_weights.lm_head, train_samples, IndexedSubset(samples, heldout_indices),
+            result = train_draft(build_model(), target_weights.lm_head, train_samples, IndexedSubset(samples, selection_indices),
                                  training_dir / "ablation" / variant.split()[0], settings, target_cache=target_cache)
-            ablation.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(heldout_indices),
+            ablation.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(selection_indices),
                                                    settings.schedule, settings.patience, out))
             if metrics is not None:
                 metrics.log(event="ablation", **ablation[-1].to_dict())
@@ -165,8 +185,10 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
         validate_export(folder, target_config)
     sweep = SweepRecord(
         runs=[DraftEntry.from_sweep_row(row, evaluated, out) for row in sweep_rows],
+        noise_seeds=[DraftEntry.from_sweep_row(row, evaluated, out, noise_seed=noise_seed) for noise_seed, row in seed_rows],
         ablation=ablation,
-        heldout=[keys[index] for index in heldout_indices],
+        selection=[keys[index] for index in selection_indices],
+        heldout=[keys[index] for index in scored_indices],
         topology=evaluated,
         draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens,
                                      coverage_curve=[[size, share] for size, share in coverage_curve(token_counts, coverage_grid).items()]),

@@ -41,7 +41,9 @@ def train_size_sweep(
     `conversations` (one key per sample, `read_conversation_keys`) keeps split conversations on one side.
     `target_cache`: a cache the caller shares with other drafts on the same samples (None: one for this sweep).
     `split`: (held-out indices, training order) already made (`order.sweep_split`: prep's planned order);
-    None splits here with `split_heldout`.
+    None splits here with `split_heldout`. The held-out indices are the samples that pick each size's best
+    checkpoint and stop it: stage 5 passes the selection side only (`split.split_selection`), so the side
+    stage 6 scores never chose what it scores.
     """
     output_dir = Path(output_dir)
     if datasets is None:
