@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglekit.target import COMPLETE_MARKER, ModelResolutionError, embedded_gguf_path, resolve_model
+from eaglekit.target import COMPLETE_MARKER, ModelResolutionError, resolve_model
 
 
 def test_embedded_gguf_is_found_without_importing_the_package():

@@ -223,9 +223,9 @@ class TargetLayout:
     @property
     def num_experts(self) -> int | None:
         """Routed experts of an MoE decoder (DeepSeek-V3: n_routed_experts, Qwen3-MoE: num_experts), else None."""
-        for field in MOE_EXPERT_FIELDS:
-            if isinstance(self.text_config.get(field), int) and self.text_config[field] > 0:
-                return int(self.text_config[field])
+        for key in MOE_EXPERT_FIELDS:
+            if isinstance(self.text_config.get(key), int) and self.text_config[key] > 0:
+                return int(self.text_config[key])
         return None
 
     @property

@@ -4,7 +4,6 @@ turn trains against what the server would have sent and the target generated."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 

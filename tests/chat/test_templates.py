@@ -14,7 +14,6 @@ import random
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from eaglekit.chat import (
     ChatTemplateError,

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eaglekit.draft.model import DraftConfig, Eagle3DraftModel, build_draft_from_target, load_target_head_weights
+from eaglekit.draft.model import DraftConfig, build_draft_from_target, load_target_head_weights
 from eaglekit.draft.export import (
     DraftTargetMismatch,
     cast_weights,
@@ -23,7 +23,7 @@ from eaglekit.draft.export import (
 from eaglekit.io import InputError
 from eaglekit.draft.vocab import select_draft_vocab
 from killed_writer import kill_mid_write
-from support import randomize_norms, samples_from_target, target_head, tiny_draft, tiny_target
+from support import randomize_norms, samples_from_target, tiny_draft, tiny_target
 
 # DESIGN "Draft checkpoint": the exact tensor set, written out by hand (not derived from the code under test).
 H, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB, DRAFT_VOCAB = 64, 4, 2, 16, 128, 300, 200

@@ -5,20 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
-from eaglekit.capture import default_capture_layer_ids
 from eaglekit.draft.model import (
     DraftConfig,
     DraftKVCache,
-    Eagle3DraftModel,
-    TargetHeadWeights,
-    build_draft_from_target,
     load_target_head_weights,
     shift_left,
 )
 from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
-from support import TINY_TARGET, tiny_target, samples_from_target, target_head, tiny_draft, randomize_norms, serve_chain  # noqa: E402  (shared test helpers, tests/support.py)
+from support import tiny_target, samples_from_target, tiny_draft, randomize_norms, serve_chain  # noqa: E402  (shared test helpers, tests/support.py)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -4,7 +4,6 @@ real model, and the staged worker beside stage 3."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import yaml
 
 from eaglekit.capture.shards import ShardDataset

@@ -110,7 +110,7 @@ def check_first_answers(dataset: str, records: Sequence[dict], conversations: di
             examples.append(f"{dataset}/{record['id']}: {words}")
     if checked and len(examples) / checked > max_usage_disagreement:
         raise UsageMismatchError(_usage_error(dataset, len(examples), checked, max_usage_disagreement, examples,
-                                              f"the first answers (checked while generating; generation stopped)"))
+                                              "the first answers (checked while generating; generation stopped)"))
     return checked
 
 
