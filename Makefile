@@ -50,6 +50,7 @@ smoke: install
 	$(BIN)/eaglekit run params/smoke.yaml
 
 test: install
+	$(BIN)/ruff check lib tests bench notebooks  # configured in pyproject.toml
 	$(BIN)/python -m pytest -q --timeout 900 --durations 15  # the slowest tests: the suite must stay under 15 minutes
 
 lab: install

@@ -18,7 +18,6 @@ NVMe that is 0.25-0.5 s per sample, the order of a training step.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
 import time

@@ -331,7 +331,6 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
     if len(train_times) > 1:
         row["seconds_per_step"] = (train_times[-1] - train_times[0]) / (len(train_times) - 1)  # this process's steps, evals included
     if args.loop_prompts:
-        from eaglekit.analysis.benchmark import tokenize_prompts
 
         prompts = [{"id": prompt["id"], "input_ids": prompt["prompt_ids"]} for prompt in outside_prompts_for_loop(out, args.loop_prompts)]
         torch.set_num_threads(1)

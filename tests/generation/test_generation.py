@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import random
 import signal
 import subprocess
@@ -499,7 +498,7 @@ def test_counters_after_two_kill9s_equal_an_uninterrupted_run_and_a_recount(tmp_
     prompts = write_prompts(tmp_path / "prompts.jsonl", mixed_texts(total, 0.05))
     source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 4, 16)]
     with FaultEndpoint(FaultOptions(reasoning_field="reasoning_content")) as endpoint:
-        reference = generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "reference", partitions, **FAST)
+        generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "reference", partitions, **FAST)
         output = tmp_path / "out"
         config = {"prompts": str(prompts), "base_url": endpoint.base_url, "output_dir": str(output), "concurrency": 4}
         for kill_after in (15, 50):  # two real kill -9s of a generation process
