@@ -147,15 +147,24 @@ class Kit:
         return build_draft_from_target(self.head, self.vocab.d2t, self.vocab.t2d, self.layers, seed=seed, shape=self.params.training.draft_shape)
 
 
-def sweep(out: Path, kit: Kit, sizes: list[int]) -> list[dict[str, Any]]:
+def sweep(out: Path, kit: Kit, sizes: list[int]) -> None:
+    """Train `sizes` of the sweep (the split and the draft vocab are the whole sweep's, so two processes can
+    train different sizes at once); each size's row goes to rows/size-<n>.json."""
     from eaglekit.training import train_size_sweep
 
     started = time.perf_counter()
     rows = train_size_sweep(lambda: kit.build(kit.params.run.seed), kit.head.lm_head, kit.samples, sizes, len(kit.selection),
                             out / "training", kit.settings, split=(kit.selection, kit.train_order), target_cache=kit.cache)
-    write_json(out / "sweep.json", rows)
-    print(f"sweep: {len(rows)} sizes in {time.perf_counter() - started:.0f}s", flush=True)
-    return rows
+    for row in rows:
+        write_json(out / "rows" / f"size-{row['size']:07d}.json", row)
+    print(f"sweep: sizes {sizes} in {time.perf_counter() - started:.0f}s", flush=True)
+
+
+def sweep_rows(out: Path, sizes: list[int]) -> list[dict[str, Any]]:
+    missing = [size for size in sizes if not (out / "rows" / f"size-{size:07d}.json").exists()]
+    if missing:
+        raise SystemExit(f"sizes {missing} are not trained yet in {out / 'training'}: run without --table (or with --train-sizes)")
+    return [json.loads((out / "rows" / f"size-{size:07d}.json").read_text()) for size in sizes]
 
 
 def extra_seed(out: Path, kit: Kit, size: int, seed: int) -> dict[str, Any]:
@@ -268,6 +277,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--params", default=None, help="params YAML whose training section is the recipe (default: kit defaults)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a training param (JSON value)")
     parser.add_argument("--sizes", default="10,20,40,80,160,320,640", type=lambda text: [int(part) for part in text.split(",")])
+    parser.add_argument("--train-sizes", default="", type=lambda text: [int(part) for part in text.split(",") if part],
+                        help="train only these of --sizes (another process may train the others at once); default all")
     parser.add_argument("--selection-size", type=int, default=40, help="held-out samples that stop training and pick the checkpoint")
     parser.add_argument("--max-length", type=int, default=384, help="samples longer than this (prompt + answer) are left out")
     parser.add_argument("--seeds-at", default="", type=lambda text: [int(part) for part in text.split(",") if part],
@@ -284,6 +295,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out-json", type=Path, default=None, help="write the measured curve and backtest rows here")
     args = parser.parse_args()
     args.sizes = sorted(args.sizes)
+    if set(args.train_sizes) - set(args.sizes):
+        parser.error(f"--train-sizes {sorted(set(args.train_sizes) - set(args.sizes))} are not in --sizes {args.sizes}")
     if args.looks is None:
         args.looks = len(args.sizes) + 1
     return args
@@ -305,15 +318,14 @@ def main() -> None:
     if args.stop_after == "capture":
         return
     kit = Kit(args.out, split, params, settings, model_dir, args.sizes)
-    if args.table:
-        rows = json.loads((args.out / "sweep.json").read_text())
-    else:
-        rows = sweep(args.out, kit, args.sizes)
+    if not args.table:
+        sweep(args.out, kit, args.train_sizes or args.sizes)
         for size in args.seeds_at:
             seed_row = extra_seed(args.out, kit, size, seed=1)
             print(json.dumps(seed_row), flush=True)
     if args.stop_after == "train":
         return
+    rows = sweep_rows(args.out, args.sizes)
     chain = params.analysis.chain_steps
     confidence = params.analysis.confidence
     by_size = {float(row["size"]): agreements(kit, Path(row["best_checkpoint"]), chain) for row in rows}
