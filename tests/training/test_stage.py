@@ -278,3 +278,56 @@ def test_stage5_on_moe_mla_targets(family, tmp_path):
     exported = json.loads((run_dir / sweep.export["sglang"] / "config.json").read_text())
     assert exported["hidden_size"] == layout.hidden_size and exported["vocab_size"] == layout.vocab_size
     assert exported["draft_vocab_size"] == 64
+
+
+def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage_6_as_measured_noise(captured_run, tmp_path):
+    """Stage 5 cuts the held-out set in two: every draft's best checkpoint is picked on the selection side (its best
+    tau is that side's), sweep.json's `heldout` is the other side alone; both are stable across a resume. The extra
+    seed at the small size trains on that size's samples, is listed with its checkpoint verified, and stage 6 scores
+    it on the scored side and hands it to the forecast as measured training noise, not the prior."""
+    from eaglekit.analysis.checkpoints import heldout_samples, load_draft_checkpoint
+    from eaglekit.analysis.forecast import training_noise
+    from eaglekit.analysis.stage import _seed_accept_lengths
+    from eaglekit.capture.shards import ShardDataset
+    from eaglekit.run_folder import tokenized_data_files
+    from eaglekit.training import per_position_agreement, simulated_accept_length
+    from eaglekit.training.order import sweep_split
+    from eaglekit.training.split import IndexedSubset, read_conversation_keys
+
+    _, target_dir = captured_run
+    run_dir = fresh_run(captured_run, "selection")
+    params = load_params(write_params(tmp_path / "p.yaml", target_dir, heldout_size=6, noise_seeds=1, noise_seed_max_size=4))
+    sweep = run_training_stage(params, run_dir)
+    captured = ShardDataset(run_dir / "capture")
+    keys = captured.keys
+    heldout_indices, _ = sweep_split(run_dir, keys, 6, params.run.seed, read_conversation_keys(tokenized_data_files(run_dir), keys))
+    assert sweep.selection and sweep.heldout and set(sweep.selection).isdisjoint(sweep.heldout)
+    assert sorted(sweep.selection + sweep.heldout) == sorted(keys[index] for index in heldout_indices)
+    assert not sweep.picked_on_scored and SweepRecord.load_run(run_dir) == sweep
+
+    head = load_target_head_weights(target_layout(target_dir))
+    position = {key: index for index, key in enumerate(keys)}
+
+    def tau_on(entry, side):
+        draft = load_draft_checkpoint(run_dir / entry.best_checkpoint, head.embed_tokens)
+        samples = IndexedSubset(captured, [position[key] for key in side])
+        return simulated_accept_length(per_position_agreement(draft, head.lm_head, samples, 2, 48), 2)["simulated_accept_length"]
+
+    for entry in sweep.runs + sweep.noise_seeds:  # each best tau is the selection side's, where it was picked
+        assert entry.heldout_size == len(sweep.selection)
+        assert tau_on(entry, sweep.selection) == pytest.approx(entry.best_accept_length, abs=1e-6), entry.variant
+
+    seeds = sweep.seed_checkpoints(run_dir)
+    assert seeds == {4: [run_dir / "training" / "seed-1" / "size-0000004" / "best.pt"]}
+    assert [(entry.size, entry.noise_seed, entry.samples_by_dataset) for entry in sweep.noise_seeds] == [(4, 1, sweep.runs[0].samples_by_dataset)]
+    scored = heldout_samples(sweep, captured)
+    assert [(sample["dataset"], sample["id"]) for sample in scored] == sweep.heldout
+    measured = _seed_accept_lengths(sweep, run_dir, head, scored, 2, 48)  # what stage 6 hands the forecast
+    assert measured == {4.0: [pytest.approx(tau_on(sweep.noise_seeds[0], sweep.heldout), abs=1e-6)]}
+    noise = training_noise({4.0: sweep.runs[0].best_accept_length, 8.0: sweep.runs[1].best_accept_length}, measured)
+    assert noise.seeds_by_size == {4.0: 1} and "pooled with 1 extra seeds" in noise.source
+
+    # A resume finds every draft trained: the same cut, the same drafts, the same record.
+    again = run_training_stage(params, run_dir)
+    assert (again.selection, again.heldout) == (sweep.selection, sweep.heldout)
+    assert again.runs == sweep.runs and again.noise_seeds == sweep.noise_seeds
