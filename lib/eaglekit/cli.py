@@ -230,10 +230,7 @@ def _capture(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-
+def _add_run(commands) -> None:
     run = commands.add_parser("run", help="run the stage notebooks with papermill into outputs/<run_id>/")
     run.add_argument("params", help="params/<scenario>.yaml")
     run.add_argument("--stages", action="append", help="stage names or numbers, comma-separated (default: all)")
@@ -245,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--notebooks", help=argparse.SUPPRESS)  # tests point the runner at fixture notebooks
     run.set_defaults(handler=_run)
 
+
+def _add_plan(commands) -> None:
     plan = commands.add_parser("plan", help="what a run needs (KV, concurrency, storage, training memory, GPU hours), "
                                "from params alone: no weights, no server, no data")
     plan.add_argument("params", help="params/<scenario>.yaml")
@@ -257,10 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(handler=_plan)
 
+
+def _add_resolve(commands) -> None:
     resolve = commands.add_parser("resolve", help="print the local folder a target model spec resolves to")
     resolve.add_argument("model", nargs="?", default="embedded:smollm2-135m-instruct")
     resolve.set_defaults(handler=_resolve)
 
+
+def _add_params(commands) -> None:
     notebook_params = commands.add_parser("params", help="the resolved params a notebook declares, as YAML for "
                                           "`papermill <notebook> out.ipynb -f FILE` (one notebook alone, no unknown "
                                           "parameters)")
@@ -269,14 +272,20 @@ def main(argv: list[str] | None = None) -> int:
     notebook_params.add_argument("-o", "--output", help="write to this file (default: print)")
     notebook_params.set_defaults(handler=_params)
 
+
+def _add_fetch_data(commands) -> None:
     fetch = commands.add_parser("fetch-data", help="convert the embedded model and fetch demo data (run by `make install`)")
     fetch.set_defaults(handler=_fetch_data)
 
+
+def _add_serve(commands) -> None:
     serve = commands.add_parser("serve", help="serve a target on 127.0.0.1 with transformers serve")
     serve.add_argument("model", nargs="?", default="embedded:smollm2-135m-instruct")
     serve.add_argument("--port", type=int)
     serve.set_defaults(handler=_serve)
 
+
+def _add_evaluate(commands) -> None:
     evaluate = commands.add_parser("evaluate", help="accept length and speed of an exported draft: real loop, offline estimate, plain greedy")
     evaluate.add_argument("--target", required=True, help="target model folder (or embedded:NAME)")
     evaluate.add_argument("--draft", required=True, help="exported draft folder (SGLang or vLLM format)")
@@ -296,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the target (only for models you trust)")
     evaluate.set_defaults(handler=_evaluate)
 
+
+def _add_train(commands) -> None:
     train = commands.add_parser("train", help="stage 5 alone on a run whose capture finished; torchrun --nproc-per-node N "
                                 "-m eaglekit.training ... for several processes")
     train.add_argument("--params", required=True, help="params YAML (the run's params.yaml, or a scenario)")
@@ -305,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--sizes", type=int, nargs="+", help="train only these data sizes (of training.data_sizes)")
     train.set_defaults(handler=_train)
 
+
+def _add_capture(commands) -> None:
+    from eaglekit.config import CaptureParams
+
     capture = commands.add_parser("capture", help="stage 4 alone: capture hidden states into shards (transformers hooks); "
                                   "torchrun --nproc-per-node K -m eaglekit.capture ... for data parallel")
     capture.add_argument("--model", required=True, help="target model folder (a multimodal wrapper's text model is used)")
@@ -312,8 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("--data", action="append", type=_data_argument, required=True, help="NAME=PATH, repeatable")
     capture.add_argument("--output-dir", required=True)
     capture.add_argument("--layers", default=None, help="comma-separated output_hidden_states indices (default [2, N//2, N-3])")
-    capture.add_argument("--max-seq-len", type=int, default=4096)
-    capture.add_argument("--max-tokens-per-batch", type=int, default=16384)
+    defaults = CaptureParams()  # the params schema is the one source of defaults
+    capture.add_argument("--max-seq-len", type=int, default=defaults.max_seq_len)
+    capture.add_argument("--max-tokens-per-batch", type=int, default=defaults.max_tokens_per_batch)
     capture.add_argument("--max-shard-mb", type=float, default=None, help="shard size bound (default: eaglekit.capture's, 256 MiB)")
     capture.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     capture.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -322,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     capture.add_argument("--no-progress", action="store_true")
     capture.set_defaults(handler=_capture)
 
+
+def _add_doctor(commands) -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="preflight an EAGLE-3 draft, a target and an SGLang endpoint before measuring")
     doctor.add_argument("--target-config", required=True,
                         help="the target's config.json, model folder, or a params YAML (its target.config or target.model)")
@@ -332,7 +350,22 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--sglang-args", help="the planned SGLang launch flags, checked for settings SGLang refuses with this draft")
     doctor.add_argument("--trust-remote-code", action="store_true", help="pass trust_remote_code when reading the target")
     doctor.set_defaults(handler=_doctor)
+    return doctor
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_run(commands)
+    _add_plan(commands)
+    _add_resolve(commands)
+    _add_params(commands)
+    _add_fetch_data(commands)
+    _add_serve(commands)
+    _add_evaluate(commands)
+    _add_train(commands)
+    _add_capture(commands)
+    doctor = _add_doctor(commands)
     args = parser.parse_args(argv)
     if args.command == "doctor" and all(value is None for value in (args.draft, args.endpoint, args.accept_length,
                                                                      args.sglang_args)):

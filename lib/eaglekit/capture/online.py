@@ -17,6 +17,9 @@ from eaglekit.capture.inputs import read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.plan import read_capture_plan
 from eaglekit.capture.shards import ShardDataset
+from eaglekit.config import CaptureParams
+
+DEFAULTS = CaptureParams()  # the params schema is the one source of defaults
 
 
 class OnlineCaptureDataset(torch.utils.data.IterableDataset):
@@ -33,8 +36,8 @@ class OnlineCaptureDataset(torch.utils.data.IterableDataset):
         data_files: Mapping[str, str | os.PathLike],
         *,
         capture_layer_ids: Sequence[int] | None = None,
-        max_seq_len: int = 4096,
-        max_tokens_per_batch: int = 16384,
+        max_seq_len: int = DEFAULTS.max_seq_len,
+        max_tokens_per_batch: int = DEFAULTS.max_tokens_per_batch,
         shuffle_seed: int | None = None,
         rank: int = 0,
         world_size: int = 1,
@@ -74,7 +77,8 @@ class OnlineCaptureSamples(Sequence):
     """
 
     def __init__(
-        self, model: nn.Module, data_files: Mapping[str, str | os.PathLike], *, capture_layer_ids: Sequence[int] | None = None, max_seq_len: int = 4096
+        self, model: nn.Module, data_files: Mapping[str, str | os.PathLike], *, capture_layer_ids: Sequence[int] | None = None,
+        max_seq_len: int = DEFAULTS.max_seq_len,
     ):
         num_hidden_layers = model.config.num_hidden_layers
         self.model = model
@@ -129,7 +133,7 @@ def open_captured_samples(
     model: nn.Module | Callable[[], nn.Module],
     *,
     capture_layer_ids: Sequence[int] | None = None,
-    max_seq_len: int = 4096,
+    max_seq_len: int = DEFAULTS.max_seq_len,
 ) -> CapturedSamples:
     """The samples of a finished stage 4, in the mode it planned (`capture/plan.json`).
 
