@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eaglekit.generation.logs import GenerationLog
@@ -43,19 +43,19 @@ EARLY_CHECK_ANSWERS = 32  # a dataset's first answers checked against the server
 class TokenizedDataSummary:
     """What build_tokenized_data wrote and dropped, per dataset, and how raw ids and the template compare."""
 
-    files: dict[str, Path]
-    written: dict[str, int]
-    dropped: dict[str, dict[str, int]]          # dataset -> reason -> count
-    missing: dict[str, int]                     # prompts with no answer (errors or not yet generated)
-    from_token_ids: int                         # samples built from the target's raw token ids
-    from_chat_template: int                     # samples built by re-tokenizing text
-    compared: int                               # samples with both raw ids and a re-tokenization
-    disagreements: int                          # ... where the two token sequences differ
-    disagreement_examples: list[str]            # first few ids that disagree
-    usage_checked: dict[str, int] = None        # records whose counts were checked against the server's usage
-    usage_disagreements: dict[str, int] = None  # ... where the prompt or completion token count differs
-    usage_examples: list[str] = None            # first few: "dataset/id: prompt 51 vs server 38"
-    rejected: dict[str, dict[str, int]] = None  # dataset -> reason -> count (rejects.jsonl)
+    files: dict[str, Path] = field(default_factory=dict)
+    written: dict[str, int] = field(default_factory=dict)
+    dropped: dict[str, dict[str, int]] = field(default_factory=dict)  # dataset -> reason -> count
+    missing: dict[str, int] = field(default_factory=dict)  # prompts with no answer (errors or not yet generated)
+    from_token_ids: int = 0  # samples built from the target's raw token ids
+    from_chat_template: int = 0  # samples built by re-tokenizing text
+    compared: int = 0  # samples with both raw ids and a re-tokenization
+    disagreements: int = 0  # ... where the two token sequences differ
+    disagreement_examples: list[str] = field(default_factory=list)  # first few ids that disagree
+    usage_checked: dict[str, int] = field(default_factory=dict)  # records whose counts were checked against usage
+    usage_disagreements: dict[str, int] = field(default_factory=dict)  # ... where a token count differs
+    usage_examples: list[str] = field(default_factory=list)  # first few: "dataset/id: prompt 51 vs server 38"
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # dataset -> reason -> count (rejects.jsonl)
 
     def usage_table(self) -> list[dict]:
         return [{"dataset": dataset, "checked": checked, "disagree": self.usage_disagreements.get(dataset, 0),
@@ -164,18 +164,10 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
     """
     from eaglekit.chat import ChatTemplateError
 
-    if bad_input not in ("skip", "fail"):
-        raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
-    if truncated_policy not in TRUNCATED_POLICIES:
-        raise ValueError(f"truncated_policy must be one of {TRUNCATED_POLICIES}, got {truncated_policy!r}")
-    drop_flags = set(drop_flags)
-    if unknown := drop_flags - set(QUALITY_FLAGS):
-        raise ValueError(f"unknown drop_flags {sorted(unknown)}; known: {QUALITY_FLAGS}")
+    drop_flags = _checked_options(bad_input, truncated_policy, drop_flags)
     records = GenerationLog(output_dir)  # byte offsets only: a multi-GB log is never held in memory
     tokenized_dir = Path(tokenized_dir)
-    summary = TokenizedDataSummary(files={}, written={}, dropped={}, missing={}, from_token_ids=0,
-                                   from_chat_template=0, compared=0, disagreements=0, disagreement_examples=[],
-                                   usage_checked={}, usage_disagreements={}, usage_examples=[], rejected={})
+    summary = TokenizedDataSummary()
     conversations: dict[str, list[tuple[dict, str, int]]] = defaultdict(list)
     for source in sources:
         for line, conversation in read_jsonl(source.path):
@@ -187,87 +179,116 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
         missing = checked = disagree = 0
         samples = []
         for conversation, path, line in dataset_conversations:
+            label = f"{dataset}/{conversation['id']}"
             record = records.get((dataset, conversation["id"]))
             if record is None:
                 missing += 1
                 continue
-            if record.get("truncated") and truncated_policy == "drop":
-                dropped["truncated"] += 1
-                continue
-            if flagged := drop_flags.intersection(record.get("flags", [])):
-                dropped[sorted(flagged)[0]] += 1
+            if skipped := _dropped_because(record, truncated_policy, drop_flags):
+                dropped[skipped] += 1
                 continue
             raw_ids = use_token_ids and record.get("token_ids") is not None and record.get("prompt_token_ids") is not None
             try:
                 retokenized = _retokenize(tokenizer, conversation, record, template_kwargs) \
                     if tokenizer is not None else None
             except ChatTemplateError as error:
-                if raw_ids:  # the server's own ids stand; only the comparison with the template is lost
-                    retokenized = None
-                else:
-                    where = InputError(path, line, "messages",
-                                       f"{dataset}/{conversation['id']}: chat template: {error}")
+                if not raw_ids:  # with raw ids the server's own ids stand; only the comparison is lost
+                    where = InputError(path, line, "messages", f"{label}: chat template: {error}")
                     if bad_input == "fail":
                         raise where from None
                     rejected["chat template"] += 1
                     rejects.append({"dataset": dataset, "id": conversation["id"], **where.as_record()})
                     continue
-            if raw_ids:
-                prompt_ids, completion_ids = list(record["prompt_token_ids"]), list(record["token_ids"])
-                input_ids = prompt_ids + completion_ids
-                loss_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
-                summary.from_token_ids += 1
-                if retokenized is not None and not record.get("truncated"):
-                    summary.compared += 1
-                    sample = retokenized[1]
-                    generated = [token for token, mask in zip(sample.input_ids, sample.loss_mask) if mask]
-                    if list(sample.input_ids[:len(prompt_ids)]) != prompt_ids or generated != completion_ids:
-                        summary.disagreements += 1
-                        if len(summary.disagreement_examples) < max_examples:
-                            summary.disagreement_examples.append(f"{dataset}/{conversation['id']}")
-                prompt_count, completion_count = len(prompt_ids), len(completion_ids)
-            elif retokenized is not None:
-                prompt_count, sample = retokenized
-                input_ids, loss_mask = list(sample.input_ids), list(sample.loss_mask)
-                completion_count = sum(loss_mask)
-                summary.from_chat_template += 1
-            else:
-                raise ValueError(f"{dataset}/{conversation['id']}: the server returned no token ids; pass the "
-                                 "target's tokenizer so the answer is re-tokenized with its chat template")
+                retokenized = None
+            input_ids, loss_mask, prompt_count, completion_count = _sample_tokens(
+                record, retokenized, raw_ids, summary, label, max_examples)
             if record.get("prompt_tokens") is not None and record.get("completion_tokens") is not None:
                 checked += 1
             if (words := usage_disagreement(record, prompt_count, completion_count, from_text=not raw_ids)) is not None:
                 disagree += 1
                 if len(summary.usage_examples) < max_examples:
-                    summary.usage_examples.append(f"{dataset}/{conversation['id']}: {words}")
+                    summary.usage_examples.append(f"{label}: {words}")
                 rejected["usage"] += 1
                 rejects.append({"dataset": dataset, "id": conversation["id"], "file": path, "line": line, "field": "usage",
                                 "reason": f"token counts differ from the server's usage: {words}"})
                 continue
-            if record.get("truncated") and not raw_ids:
-                loss_mask = _mask_cut(loss_mask)
-            samples.append({"id": conversation["id"], "input_ids": input_ids, "loss_mask": loss_mask,
-                            "source": conversation.get("source", dataset),
-                            "meta": {**(conversation.get("meta") or {}), "dataset": dataset,
-                                     "partition": record["partition"], "finish_reason": record["finish_reason"],
-                                     "truncated": bool(record.get("truncated")), "flags": record.get("flags", []),
-                                     "token_source": "target" if raw_ids else "chat_template"}})
-        path = tokenized_dir / dataset / "tokenized_data.jsonl"
+            samples.append(_training_sample(conversation, dataset, record, input_ids, loss_mask, raw_ids))
+        summary.files[dataset] = path = tokenized_dir / dataset / "tokenized_data.jsonl"
         summary.written[dataset] = write_jsonl(path, samples)
-        summary.files[dataset] = path
-        summary.dropped[dataset] = dict(dropped)
-        summary.missing[dataset] = missing
-        summary.rejected[dataset] = dict(rejected)
-        summary.usage_checked[dataset] = checked
-        summary.usage_disagreements[dataset] = disagree
+        summary.dropped[dataset], summary.missing[dataset], summary.rejected[dataset] = dict(dropped), missing, dict(rejected)
+        summary.usage_checked[dataset], summary.usage_disagreements[dataset] = checked, disagree
     records.close()
     write_jsonl(tokenized_dir / "rejects.jsonl", rejects)
+    _warn_on_usage(summary, tokenized_dir / "rejects.jsonl", max_usage_disagreement)
+    return summary
+
+
+def _training_sample(conversation: dict, dataset: str, record: dict, input_ids: list[int], loss_mask: list[int],
+                     raw_ids: bool) -> dict:
+    """One tokenized_data.jsonl line. A truncated answer re-tokenized from text has its cut's tokens masked."""
+    if record.get("truncated") and not raw_ids:
+        loss_mask = _mask_cut(loss_mask)
+    return {"id": conversation["id"], "input_ids": input_ids, "loss_mask": loss_mask,
+            "source": conversation.get("source", dataset),
+            "meta": {**(conversation.get("meta") or {}), "dataset": dataset,
+                     "partition": record["partition"], "finish_reason": record["finish_reason"],
+                     "truncated": bool(record.get("truncated")), "flags": record.get("flags", []),
+                     "token_source": "target" if raw_ids else "chat_template"}}
+
+
+def _checked_options(bad_input: str, truncated_policy: str, drop_flags: Iterable[str]) -> set[str]:
+    """The drop flags as a set, once every option is one build_tokenized_data knows."""
+    if bad_input not in ("skip", "fail"):
+        raise ValueError(f"bad_input must be 'skip' or 'fail', got {bad_input!r}")
+    if truncated_policy not in TRUNCATED_POLICIES:
+        raise ValueError(f"truncated_policy must be one of {TRUNCATED_POLICIES}, got {truncated_policy!r}")
+    drop_flags = set(drop_flags)
+    if unknown := drop_flags - set(QUALITY_FLAGS):
+        raise ValueError(f"unknown drop_flags {sorted(unknown)}; known: {QUALITY_FLAGS}")
+    return drop_flags
+
+
+def _dropped_because(record: dict, truncated_policy: str, drop_flags: set[str]) -> str | None:
+    """Why the answer stays out of the training data by the user's choice ("truncated", a flag), else None."""
+    if record.get("truncated") and truncated_policy == "drop":
+        return "truncated"
+    if flagged := drop_flags.intersection(record.get("flags", [])):
+        return sorted(flagged)[0]
+    return None
+
+
+def _sample_tokens(record: dict, retokenized, raw_ids: bool, summary: TokenizedDataSummary, label: str,
+                   max_examples: int) -> tuple[list[int], list[int], int, int]:
+    """(input_ids, loss_mask, prompt tokens, completion tokens) of one answer: the server's raw ids when there are
+    some (compared with the re-tokenized text where both exist and the answer is whole), else the chat template's."""
+    if raw_ids:
+        prompt_ids, completion_ids = list(record["prompt_token_ids"]), list(record["token_ids"])
+        summary.from_token_ids += 1
+        if retokenized is not None and not record.get("truncated"):
+            summary.compared += 1
+            sample = retokenized[1]
+            generated = [token for token, mask in zip(sample.input_ids, sample.loss_mask) if mask]
+            if list(sample.input_ids[:len(prompt_ids)]) != prompt_ids or generated != completion_ids:
+                summary.disagreements += 1
+                if len(summary.disagreement_examples) < max_examples:
+                    summary.disagreement_examples.append(label)
+        loss_mask = [0] * len(prompt_ids) + [1] * len(completion_ids)
+        return prompt_ids + completion_ids, loss_mask, len(prompt_ids), len(completion_ids)
+    if retokenized is not None:
+        prompt_count, sample = retokenized
+        summary.from_chat_template += 1
+        return list(sample.input_ids), list(sample.loss_mask), prompt_count, sum(sample.loss_mask)
+    raise ValueError(f"{label}: the server returned no token ids; pass the "
+                     "target's tokenizer so the answer is re-tokenized with its chat template")
+
+
+def _warn_on_usage(summary: TokenizedDataSummary, rejects_path: Path, max_usage_disagreement: float) -> None:
+    """A warning per dataset whose share of answers disagreeing with the server's usage passed the limit."""
     for dataset, checked in summary.usage_checked.items():
         disagree = summary.usage_disagreements[dataset]
         if checked and disagree / checked > max_usage_disagreement:
             examples = [example for example in summary.usage_examples if example.startswith(dataset + "/")]
             logger.warning("%s; those records are left out of the training data (%s)", _usage_error(
-                dataset, disagree, checked, max_usage_disagreement, examples, "records"), tokenized_dir / "rejects.jsonl")
+                dataset, disagree, checked, max_usage_disagreement, examples, "records"), rejects_path)
     if summary.compared:
         logger.info("raw token ids vs re-tokenized text: %d of %d disagree", summary.disagreements, summary.compared)
-    return summary
