@@ -139,11 +139,11 @@ def test_entry_from_a_sweep_row_makes_paths_relative(tmp_path):
 
 def test_a_record_from_before_the_selection_split_still_reads_and_says_its_checkpoints_were_picked_on_the_scored_samples(tmp_path):
     """A version-1 sweep.json has no `selection` and no `noise_seeds`: it loads, with neither, flagged optimistic."""
-    written = {key: value for key, value in record().to_dict().items() if key not in ("selection", "noise_seeds")} | {"version": 1}
+    written = {key: value for key, value in record().to_dict().items() if key not in ("selection", "scored", "noise_seeds")} | {"version": 1}
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(written))
     loaded = SweepRecord.load(path)
-    assert loaded.runs == record().runs and loaded.heldout == record().heldout
+    assert loaded.runs == record().runs and loaded.heldout == loaded.scored == record().heldout
     assert loaded.selection == [] and loaded.picked_on_scored and loaded.seed_checkpoints(tmp_path) == {}
 
 
@@ -156,18 +156,21 @@ def seeded_record(tmp_path):
     extra = dataclasses.replace(entry(20), variant="20 samples, seed 1", best_checkpoint="training/seed-1/size-0000020/best.pt",
                                 metrics_path="training/seed-1/size-0000020/metrics.jsonl", noise_seed=1,
                                 checkpoint_bytes=digest.bytes, checkpoint_sha256=digest.sha256)
-    return dataclasses.replace(record(), selection=[("alpha", "a-7"), ("beta", "b-9")], noise_seeds=[extra]), best
+    heldout = [("alpha", "a-1"), ("beta", "b-2"), ("alpha", "a-7"), ("beta", "b-9")]
+    return dataclasses.replace(record(), heldout=heldout, selection=[("alpha", "a-7"), ("beta", "b-2")], noise_seeds=[extra]), best
 
 
 def test_the_extra_seed_drafts_and_the_selection_split_round_trip_and_their_checkpoints_are_verified(tmp_path):
     sweep, best = seeded_record(tmp_path)
     path = sweep.save(tmp_path / "training" / "sweep.json")
     written = json.loads(path.read_text())
-    assert written["selection"] == [["alpha", "a-7"], ["beta", "b-9"]] and written["noise_seeds"][0]["noise_seed"] == 1
+    assert written["selection"] == [["alpha", "a-7"], ["beta", "b-2"]] and written["scored"] == [["alpha", "a-1"], ["beta", "b-9"]]
+    assert written["noise_seeds"][0]["noise_seed"] == 1
     loaded = SweepRecord.load_run(tmp_path)
     assert loaded == sweep and not loaded.picked_on_scored
     assert loaded.seed_checkpoints(tmp_path) == {20: [best]}
     assert list(loaded.table().index) == [20, 40]  # the extra seeds are not sizes of the curve
+    assert loaded.seed_table()[["data size", "seed", "difference"]].values.tolist() == [[20, 1, 0.0]]
     with open(best, "r+b") as handle:
         handle.truncate(best.stat().st_size // 2)
     with pytest.raises(ValueError, match=f"{best}: torn checkpoint"):
@@ -175,7 +178,8 @@ def test_the_extra_seed_drafts_and_the_selection_split_round_trip_and_their_chec
 
 
 @pytest.mark.parametrize(("where", "value", "message"), [
-    ("selection[0]", ["alpha", "a-1"], "both selection and scored held-out samples"),
+    ("selection[0]", ["alpha", "a-9"], "1 selection samples are not held out (first ['alpha', 'a-9'])"),
+    ("scored", [["alpha", "a-1"], ["beta", "b-2"]], "not the 2 held-out samples outside `selection`"),
     ("noise_seeds[0].noise_seed", None, "needs its noise_seed"),
     ("noise_seeds[0].size", 30, "a size of `runs` [20, 40]"),
     ("selection", _DELETE, "missing"),

@@ -285,7 +285,7 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     tau is that side's), sweep.json's `heldout` is the other side alone; both are stable across a resume. The extra
     seed at the small size trains on that size's samples, is listed with its checkpoint verified, and stage 6 scores
     it on the scored side and hands it to the forecast as measured training noise, not the prior."""
-    from eaglekit.analysis.checkpoints import heldout_samples, load_draft_checkpoint
+    from eaglekit.analysis.checkpoints import load_draft_checkpoint
     from eaglekit.analysis.forecast import training_noise
     from eaglekit.analysis.stage import _seed_accept_lengths
     from eaglekit.capture.shards import ShardDataset
@@ -301,8 +301,9 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     captured = ShardDataset(run_dir / "capture")
     keys = captured.keys
     heldout_indices, _ = sweep_split(run_dir, keys, 6, params.run.seed, read_conversation_keys(tokenized_data_files(run_dir), keys))
-    assert sweep.selection and sweep.heldout and set(sweep.selection).isdisjoint(sweep.heldout)
-    assert sorted(sweep.selection + sweep.heldout) == sorted(keys[index] for index in heldout_indices)
+    assert sweep.heldout == [keys[index] for index in heldout_indices]  # every sample no draft trained on
+    assert sweep.selection and sweep.scored and set(sweep.selection).isdisjoint(sweep.scored)
+    assert sorted(sweep.selection + sweep.scored) == sorted(sweep.heldout)
     assert not sweep.picked_on_scored and SweepRecord.load_run(run_dir) == sweep
 
     head = load_target_head_weights(target_layout(target_dir))
@@ -320,14 +321,13 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     seeds = sweep.seed_checkpoints(run_dir)
     assert seeds == {4: [run_dir / "training" / "seed-1" / "size-0000004" / "best.pt"]}
     assert [(entry.size, entry.noise_seed, entry.samples_by_dataset) for entry in sweep.noise_seeds] == [(4, 1, sweep.runs[0].samples_by_dataset)]
-    scored = heldout_samples(sweep, captured)
-    assert [(sample["dataset"], sample["id"]) for sample in scored] == sweep.heldout
+    scored = [captured[position[key]] for key in sweep.scored]
     measured = _seed_accept_lengths(sweep, run_dir, head, scored, 2, 48)  # what stage 6 hands the forecast
-    assert measured == {4.0: [pytest.approx(tau_on(sweep.noise_seeds[0], sweep.heldout), abs=1e-6)]}
+    assert measured == {4.0: [pytest.approx(tau_on(sweep.noise_seeds[0], sweep.scored), abs=1e-6)]}
     noise = training_noise({4.0: sweep.runs[0].best_accept_length, 8.0: sweep.runs[1].best_accept_length}, measured)
     assert noise.seeds_by_size == {4.0: 1} and "pooled with 1 extra seeds" in noise.source
 
     # A resume finds every draft trained: the same cut, the same drafts, the same record.
     again = run_training_stage(params, run_dir)
-    assert (again.selection, again.heldout) == (sweep.selection, sweep.heldout)
+    assert (again.heldout, again.selection, again.scored) == (sweep.heldout, sweep.selection, sweep.scored)
     assert again.runs == sweep.runs and again.noise_seeds == sweep.noise_seeds

@@ -75,7 +75,7 @@ class AnalysisResult:
     run_dir: Path
     topology: Topology
     sweep: SweepRecord
-    heldout: list[dict]  # the held-out samples every draft is scored on: id, dataset, input_ids, loss_mask, ...
+    heldout: list[dict]  # the held-out samples every draft is scored on (sweep.scored): id, dataset, input_ids, loss_mask, ...
     acceptance: SweepAcceptance  # offline acceptance per draft and dataset, with bootstrap intervals
     offline_seconds: float
     loop_prompts: list[dict]  # held-out prompts of the real loop (and the topology check and live serving)
@@ -126,6 +126,13 @@ def run_looks(run_dir: str | os.PathLike, data_sizes) -> int:
     return 1 + (len(sizes_to_stage(data_sizes)) if StagedRecord.path(run_dir).exists() else 0)
 
 
+def scored_samples(sweep: SweepRecord, captured) -> list[dict]:
+    """The held-out samples stage 6 scores every draft on (`sweep.scored`, in its order), read from the capture: the
+    selection side of the held-out set picked the checkpoints and is never scored (a version-1 sweep: all of it is)."""
+    scored = set(sweep.scored)
+    return [sample for key, sample in zip(sweep.heldout, heldout_samples(sweep, captured)) if key in scored]
+
+
 def _seed_accept_lengths(sweep: SweepRecord, run_dir: Path, head, heldout: list[dict], steps: int, max_length: int) -> dict[float, list[float]]:
     """Held-out tau of the extra-seed drafts stage 5 trained (training.noise_seeds: training noise), scored on the
     same held-out samples as the sweep's drafts; {} when it trained none (the forecast then uses its documented prior)."""
@@ -158,7 +165,7 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
     target_model = load_target(model_dir)
     captured = open_captured_samples(sweep.path(out, sweep.capture_dir), tokenized_data_files(out), target_model,
                                      capture_layer_ids=sweep.capture_layer_ids, max_seq_len=params.capture.max_seq_len)
-    heldout = heldout_samples(sweep, captured)
+    heldout = scored_samples(sweep, captured)
     checkpoints = sweep.checkpoints(out)  # {data size: best checkpoint}
     # {data size: recent gain} of drafts whose tau is a lower bound: capped, or still rising when patience stopped them.
     still_improving = lower_bound_sizes([entry.to_dict() for entry in sweep.runs], params.training)

@@ -10,15 +10,17 @@ analysis.
     noise_seeds        one DraftEntry per extra-seed draft (`noise_seed` set): the same samples as its size's run,
                        another init and data order (training.noise_seeds); [] when none was trained
     ablation           one DraftEntry per ablation variant ("original answers", "regenerated answers"); [] when not trained
+    heldout            [[dataset, id], ...]: the samples no draft trained on (in the capture, capture order), cut in two
+                       by training.split.split_selection:
     selection          [[dataset, id], ...]: the held-out samples that picked every draft's best checkpoint and stopped it
-    heldout            [[dataset, id], ...]: the held-out samples stage 6 scores every draft on, disjoint from `selection`
-                       (training.split.split_selection cut the held-out set in two)
+    scored             [[dataset, id], ...]: the rest of `heldout`, in its order: the only samples stage 6 scores on
     topology           Topology.to_dict() of the chain every held-out tau here was measured for
     draft_vocab        size, coverage, counted_tokens, coverage_curve [[vocab size, share covered], ...]
     capture_dir, capture_mode, capture_layer_ids, split_seed, export {"sglang": folder, "vllm": folder}
 
-A version-1 file (before the selection split) reads with `selection` and `noise_seeds` empty: its checkpoints
-were picked on the samples it scores (`picked_on_scored` says so; stage 6 warns, naming the file).
+A version-1 file (before the selection split) reads with `selection` and `noise_seeds` empty and `scored` all of
+`heldout`: its checkpoints were picked on the samples it scores (`picked_on_scored` says so; stage 6 warns,
+naming the file).
 
 Paths are relative to the run folder (`SweepRecord.path`). Each entry records its best checkpoint's size
 and sha256 (`checkpoint_bytes`, `checkpoint_sha256`; absent in older files), taken after the checkpoint
@@ -179,6 +181,12 @@ class SweepRecord:
         return found
 
     @property
+    def scored(self) -> list[tuple[str, str]]:
+        """The held-out samples stage 6 scores: `heldout` less `selection`, in `heldout`'s order."""
+        selection = set(self.selection)
+        return [key for key in self.heldout if key not in selection]
+
+    @property
     def picked_on_scored(self) -> bool:
         """True for a record from before the selection split: its best checkpoints were picked on `heldout`, the
         samples they are scored on, so their scores are optimistic."""
@@ -201,6 +209,17 @@ class SweepRecord:
             **{f"train {name}": count for name, count in entry.samples_by_dataset.items()},
         } for entry in entries], columns=None if entries else ["variant", "data size"]).set_index(index)
 
+    def seed_table(self) -> pd.DataFrame:
+        """One row per extra-seed draft: its selection tau beside the sweep's own draft of that size (same samples,
+        same selection split, another init and data order), and the difference: training noise, as measured here."""
+        own = {entry.size: entry for entry in self.runs}
+        return pd.DataFrame([{
+            "data size": entry.size, "seed": entry.noise_seed, "steps": entry.steps, "best step": entry.best_step,
+            "selection tau": round(entry.best_accept_length, 4), "sweep draft's tau": round(own[entry.size].best_accept_length, 4),
+            "difference": round(entry.best_accept_length - own[entry.size].best_accept_length, 4), "checkpoint": entry.best_checkpoint,
+        } for entry in sorted(self.noise_seeds, key=lambda item: (item.size, item.noise_seed))],
+            columns=["data size", "seed", "steps", "best step", "selection tau", "sweep draft's tau", "difference", "checkpoint"])
+
     def convergence_lines(self) -> list[str]:
         """Per size, in words: converged, or still improving when the step cap stopped it (its tau a lower bound)."""
         lines = []
@@ -219,7 +238,8 @@ class SweepRecord:
     def to_dict(self) -> dict[str, Any]:
         return {"version": self.version, "sizes": self.sizes, "runs": [entry.to_dict() for entry in self.runs],
                 "noise_seeds": [entry.to_dict() for entry in self.noise_seeds], "ablation": [entry.to_dict() for entry in self.ablation],
-                "selection": [list(key) for key in self.selection], "heldout": [list(key) for key in self.heldout],
+                "heldout": [list(key) for key in self.heldout], "selection": [list(key) for key in self.selection],
+                "scored": [list(key) for key in self.scored],
                 "topology": self.topology.to_dict(), "draft_vocab": asdict(self.draft_vocab), "capture_dir": self.capture_dir,
                 "capture_mode": self.capture_mode, "capture_layer_ids": list(self.capture_layer_ids), "split_seed": self.split_seed,
                 "export": dict(self.export)}
@@ -254,7 +274,7 @@ class SweepRecord:
         if version == 0:
             record = _from_version_0(record, read)
         if version in (0, 1):  # before the selection split and the extra seeds: picked on the scored samples, no seeds
-            record = {"selection": [], "noise_seeds": [], **record}
+            record = {"selection": [], "scored": record.get("heldout"), "noise_seeds": [], **record}
         elif version != RECORD_VERSION:
             raise InputError(path, None, "version", f"version {version!r}; this eaglekit reads version {RECORD_VERSION}: {RERUN}")
         topology = read.topology(record)
@@ -262,9 +282,13 @@ class SweepRecord:
         entries = {name: [read.entry(entry, f"{name}[{index}]") for index, entry in enumerate(read.field(record, name, list))]
                    for name in ("runs", "noise_seeds", "ablation")}
         keys = {name: [tuple(read.strings(pair, f"{name}[{index}]", 2)) for index, pair in enumerate(read.field(record, name, list))]
-                for name in ("selection", "heldout")}
-        if shared := sorted(set(keys["selection"]) & set(keys["heldout"])):
-            raise read.fail("selection", f"{len(shared)} samples are both selection and scored held-out samples (first {list(shared[0])})")
+                for name in ("heldout", "selection", "scored")}
+        if stray := [key for key in keys["selection"] if key not in set(keys["heldout"])]:
+            raise read.fail("selection", f"{len(stray)} selection samples are not held out (first {list(stray[0])})")
+        selection = set(keys["selection"])
+        if keys["scored"] != [key for key in keys["heldout"] if key not in selection]:
+            raise read.fail("scored", f"{len(keys['scored'])} samples, not the {len(keys['heldout']) - len(selection)} held-out samples "
+                                      "outside `selection` in `heldout`'s order")
         sizes = {entry.size for entry in entries["runs"]}
         for index, entry in enumerate(entries["noise_seeds"]):
             if entry.noise_seed is None or entry.size not in sizes:
@@ -272,7 +296,7 @@ class SweepRecord:
                                                          f"got noise_seed {entry.noise_seed!r} at size {entry.size}")
         return cls(
             runs=entries["runs"], noise_seeds=entries["noise_seeds"], ablation=entries["ablation"],
-            selection=keys["selection"], heldout=keys["heldout"],
+            selection=keys["selection"], heldout=keys["heldout"],  # `scored` is derived, and was checked to agree
             topology=topology,
             draft_vocab=DraftVocabRecord(size=read.field(vocab, "size", int, "draft_vocab."),
                                          coverage=read.field(vocab, "coverage", float, "draft_vocab."),

@@ -13,9 +13,9 @@ configured, and writes `training/sweep.json` (a
     torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R --sizes 5000   # one size
 
 Every draft picks its best checkpoint and stops on the selection side of the held-out set
-(`split.split_selection`, training.selection_share); sweep.json's `heldout` is the other side, the only
-samples stage 6 scores. Each size (and each extra seed's size) resumes from its `last.pt`, so rerunning the same command after a kill continues every
-loss curve where its last checkpoint left it (a torn last.pt: from last.prev.pt, or from step 0, with a
+(`split.split_selection`, training.selection_share); sweep.json's `scored` is the other side, the only
+samples stage 6 scores. Each size (and each extra seed's size) resumes from its `last.pt`, so rerunning
+the same command after a kill continues every loss curve where its last checkpoint left it (a torn last.pt: from last.prev.pt, or from step 0, with a
 warning naming the file; a torn best.pt: restored or that size retrained, eaglekit.training.checkpoint).
 sweep.json lists only best checkpoints that loaded back at their best step, with their size and sha256. `--sizes` trains those sizes only (the split and the
 draft vocab are those of the whole sweep) and writes no sweep.json; a later run without `--sizes`
@@ -106,10 +106,9 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     # prep's planned order (prep/order.json) when there is one: each sample keeps the place prep gave it.
     heldout_indices, train_order = sweep_split(out, keys, params.training.heldout_size, params.run.seed, conversations)
     # Checkpoints are picked on one side of the held-out set and scored (stage 6) on the other only.
-    selection_positions, scored_positions = split_selection([keys[index] for index in heldout_indices], params.training.selection_share,
-                                                            params.run.seed, [conversations[index] for index in heldout_indices])
+    selection_positions, _ = split_selection([keys[index] for index in heldout_indices], params.training.selection_share,
+                                             params.run.seed, [conversations[index] for index in heldout_indices])
     selection_indices = [heldout_indices[position] for position in selection_positions]
-    scored_indices = [heldout_indices[position] for position in scored_positions]
     # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
     largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
     vocab_size = layout.vocab_size
@@ -187,8 +186,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
         runs=[DraftEntry.from_sweep_row(row, evaluated, out) for row in sweep_rows],
         noise_seeds=[DraftEntry.from_sweep_row(row, evaluated, out, noise_seed=noise_seed) for noise_seed, row in seed_rows],
         ablation=ablation,
+        heldout=[keys[index] for index in heldout_indices],
         selection=[keys[index] for index in selection_indices],
-        heldout=[keys[index] for index in scored_indices],
         topology=evaluated,
         draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens,
                                      coverage_curve=[[size, share] for size, share in coverage_curve(token_counts, coverage_grid).items()]),
