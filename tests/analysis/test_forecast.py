@@ -26,7 +26,6 @@ import math
 import numpy as np
 import pytest
 
-from eaglekit.analysis.curves import fit_accelerating_rows, fit_saturating_rows
 from eaglekit.analysis.forecast import MAX_DOUBLINGS_BEYOND, TRAINING_NOISE_PRIOR, Forecast, forecast, paired_bootstrap_means, training_noise
 
 TRUTHS = {
@@ -111,21 +110,6 @@ def test_two_sizes_slope_interval_covers_the_true_slope():
         slope = forecast(THREE[:2], taus, replicates, break_even=2.0, seed=seed).slope
         hits += slope["slope_low"] <= 0.06 <= slope["slope_high"]
     assert hits / EXPERIMENTS >= COVERAGE_LOW
-
-
-def test_saturating_profile_fit_recovers_an_exact_curve():
-    sizes = np.array(FIVE)
-    params = fit_saturating_rows(sizes, TRUTHS["saturating"](sizes)[None, :], ceiling=4.0)[0]
-    # tau_inf, gap at N_min = 60, exponent
-    assert params == pytest.approx([1.8, 0.45, 0.3], rel=0.02)
-
-
-def test_the_accelerating_family_bends_only_upward():
-    sizes = np.array(FIVE)
-    x = np.log2(sizes) - np.log2(sizes).mean()
-    convex, concave = 1.3 + 0.05 * x + 0.01 * x**2, 1.3 + 0.05 * x - 0.01 * x**2
-    assert fit_accelerating_rows(sizes, convex[None, :])[0] == pytest.approx([1.3, 0.05, 0.01])
-    assert fit_accelerating_rows(sizes, concave[None, :])[0, 2] == 0.0  # a bending curve gets the line
 
 
 def test_training_noise_pools_the_prior_with_the_seeds():

@@ -37,9 +37,10 @@ MAX_EXPONENT = 5.0
 EXPONENT_GRID = np.geomspace(1e-3, MAX_EXPONENT, 240)
 
 
-def saturating_accept_length(data_size: float | np.ndarray, tau_inf: float, scale: float, exponent: float) -> np.ndarray:
-    """tau(N) = tau_inf - scale * N^(-exponent)."""
-    return tau_inf - scale * np.asarray(data_size, dtype=np.float64) ** (-exponent)
+def saturating_curve(params: np.ndarray, relative_sizes: np.ndarray | Sequence[float]) -> np.ndarray:
+    """tau = tau_inf - gap (N / N_min)^-c: (R, 3) (tau_inf, gap, c) rows at (k,) sizes N / N_min -> (R, k)."""
+    relative = np.asarray(relative_sizes, dtype=np.float64)
+    return params[:, :1] - params[:, 1:2] * relative[None, :] ** (-params[:, 2:3])
 
 
 def slope_per_doubling(log2_sizes: np.ndarray, accept_lengths: np.ndarray) -> np.ndarray:
@@ -114,7 +115,7 @@ class FamilyFits:
         line, saturating, accelerating = self.log_linear, self.saturating, self.accelerating
         return {
             "log-linear": line[:, :1] + line[:, 1:2] * np.log2(at)[None, :],
-            "saturating": saturating[:, :1] - saturating[:, 1:2] * (at[None, :] / self.sizes.min()) ** (-saturating[:, 2:3]),
+            "saturating": saturating_curve(saturating, at / self.sizes.min()),
             "accelerating": accelerating[:, :1] + accelerating[:, 1:2] * x + accelerating[:, 2:3] * x**2,
             "plateau": np.repeat(self.plateau, len(at), axis=1),
         }

@@ -1,96 +1,97 @@
-"""The data-scaling fit: accept length (DESIGN.md's tau) against training-data size, its local slope and whether a
-ceiling is identified. Break-even, one of the targets the answer sizes data for, is `break_even`'s.
+"""The scaling answer: accept length (DESIGN.md's tau) against training-data size, its local slope and whether a
+ceiling is identified. The curves are `curves`'s, the one fitting path the forecast reads too.
 
-Scaling, in the order a careful reader should trust it:
+In the order a careful reader should trust it:
 1. The local slope (`local_slope`): tau gained per doubling of training data over the measured range
-   (least squares of tau on log2 N), with a paired-bootstrap interval. It needs no model of what happens
-   beyond the data. "Data needed" is given from it only as "k more doublings at the measured slope".
-2. A model of the curve (`leave_one_size_out_error`), chosen by leave-one-size-out prediction error, not by
-   taste: the log-linear line (2 parameters, no ceiling) or the saturating power law below (3). The
-   ceiling tau_inf is reported only when it is identified (`ceiling_identification`): more sizes than
-   parameters, bootstrap refits that do not pile up at a bound, and the saturating model predicting
-   held-out sizes better than the line. Otherwise the summary says, in plain words, that the measured
-   range cannot pin the ceiling.
+   (the log-linear family: least squares of tau on log2 N), with a paired-bootstrap interval. It needs no model
+   of what happens beyond the data. "Data needed" is given from it only as "k more doublings at the measured slope".
+2. A model of the curve, chosen by leave-one-size-out prediction error (`curves.leave_one_size_out_error`), not
+   by taste: the log-linear line (2 parameters, no ceiling) or the saturating tau_inf - gap (N / N_min)^-c (3).
+   The ceiling tau_inf is reported only when it is identified (`ceiling_identification`): more sizes than
+   parameters, bootstrap refits that do not pile up at a bound, and the saturating model predicting held-out
+   sizes better than the line. Otherwise the summary says, in plain words, that the measured range cannot pin it.
 
-The saturating model: tau(N) = tau_inf - b * N^(-c) fitted with scipy's curve_fit under bounds (1 <= tau_inf <=
-the topology's ceiling, b >= 0, 0 < c <= 5), internally on N / N_min so b is on the scale of the gap
-at the smallest size. Uncertainty is a bootstrap, one of two kinds, recorded in the result:
-- "per-sample" (preferred): the caller passes, per data size, bootstrap replicates of tau obtained
-  by resampling held-out samples (eaglekit.analysis.acceptance.bootstrap_accept_length with the same seed for
-  every size, so the resamples are paired when every draft is scored on the same held-out set); each
-  replicate row is refitted.
-- "residual": with only (N, tau) points, residuals of the point fit (rescaled by sqrt(n / (n - 3)))
-  are resampled onto the fitted curve and refitted. Crude with a handful of sizes; needs > 3 sizes.
+The saturating fit's uncertainty (`fit_scaling`) is a bootstrap, one of two kinds, recorded in the result:
+- "per-sample" (preferred): the caller passes, per data size, bootstrap replicates of tau obtained by resampling
+  held-out samples (`acceptance.bootstrap_accept_length` with the same seed for every size, so the resamples are
+  paired when every draft is scored on the same held-out set); each replicate row is refitted.
+- "residual": with only (N, tau) points, residuals of the point fit (rescaled by sqrt(n / (n - 3))) are
+  resampled onto the fitted curve and refitted. Crude with a handful of sizes; needs > 3 sizes.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import OptimizeWarning, curve_fit
 
 from eaglekit.analysis.acceptance import percentile_interval
-from eaglekit.analysis.break_even import BreakEven
-from eaglekit.analysis.curves import (MAX_EXPONENT, MEASURED_SHAPE, PARAMETERS, leave_one_size_out_error, saturating_accept_length,
-                                     slope_per_doubling)
+from eaglekit.analysis.curves import (EXPONENT_GRID, MEASURED_SHAPE, PARAMETERS, fit_saturating_rows, leave_one_size_out_error,
+                                     saturating_curve, slope_per_doubling)
 
-# ----------------------------------------------------------------------------- scaling fit
+# No count of doublings is stated further than this past the largest measured size: there the curves the sizes
+# cannot tell apart diverge (docs/forecast.md backtests knees and S-curves). The forecast's reach too.
+MAX_DOUBLINGS_BEYOND = 3.0
 
-def _fit_normalized(relative_sizes: np.ndarray, accept_lengths: np.ndarray, ceiling: float) -> np.ndarray:
-    """Fit tau = tau_inf - gap * (N / N_min)^(-c); returns (tau_inf, gap, c). Raises RuntimeError if it fails."""
-    spread = float(accept_lengths.max() - accept_lengths.min())
-    tau_inf0 = min(float(accept_lengths.max()) + 0.5 * spread + 0.05, ceiling - 1e-6) if math.isfinite(ceiling) else float(accept_lengths.max()) + 0.5 * spread + 0.05
-    smallest = accept_lengths[np.argmin(relative_sizes)]
-    gap0 = max(tau_inf0 - float(smallest), 1e-3)
-    lower = [1.0, 0.0, 1e-3]
-    upper = [ceiling, np.inf, MAX_EXPONENT]
-    with warnings.catch_warnings():
-        # The covariance is unused (uncertainty comes from the bootstrap); its warning is noise.
-        warnings.simplefilter("ignore", OptimizeWarning)
-        params, _ = curve_fit(
-            lambda n, tau_inf, gap, c: tau_inf - gap * n ** (-c),
-            relative_sizes,
-            accept_lengths,
-            p0=[max(tau_inf0, 1.0 + 1e-6), gap0, 0.5],
-            bounds=(lower, upper),
-            method="trf",
-            maxfev=5000,
-        )
-    return params
 
+def _sorted_points(data_sizes: Sequence[float], accept_lengths: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sizes, taus, order) ascending in size, checked: equal lengths, positive distinct sizes."""
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    if sizes.ndim != 1 or sizes.shape != taus.shape:
+        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
+    if (sizes <= 0).any():
+        raise ValueError(f"data sizes must be positive numbers of training samples, got {sizes.tolist()}")
+    order = np.argsort(sizes)
+    return sizes[order], taus[order], order
+
+
+def _sorted_replicates(replicates: np.ndarray, order: np.ndarray) -> np.ndarray:
+    rows = np.asarray(replicates, dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != len(order):
+        raise ValueError(f"replicate_accept_lengths must be (R, {len(order)}), got {rows.shape}")
+    return rows[:, order]
+
+
+# ----------------------------------------------------------------------------- the saturating fit
 
 @dataclass(frozen=True)
 class ScalingFit:
-    """tau(N) = tau_inf - scale * N^(-exponent) with bootstrap replicates of (tau_inf, scale, exponent)."""
+    """tau(N) = tau_inf - gap (N / N_min)^-c with the refits of its bootstrap replicates (`curves.fit_saturating_rows`)."""
 
-    tau_inf: float
-    scale: float
-    exponent: float
-    data_sizes: np.ndarray  # (n,)
+    params: np.ndarray  # (3,) tau_inf, gap, exponent, on N / N_min
+    replicates: np.ndarray  # (R, 3) the same, refitted on every replicate row
+    data_sizes: np.ndarray  # (n,) ascending; N_min = data_sizes[0]
     accept_lengths: np.ndarray  # (n,)
     ceiling: float  # bound on tau_inf: steps + 1 for a chain of `steps`
-    replicates: np.ndarray  # (R_ok, 3) refitted (tau_inf, scale, exponent)
     bootstrap_method: str  # "per-sample" or "residual"
-    failed_replicates: int
     confidence: float
+
+    @property
+    def tau_inf(self) -> float:
+        return float(self.params[0])
+
+    @property
+    def exponent(self) -> float:
+        return float(self.params[2])
+
+    @property
+    def scale(self) -> float:
+        """b of tau_inf - b N^-c in samples: gap (N / N_min)^-c = (gap N_min^c) N^-c."""
+        return float(self.params[1] * self.data_sizes[0] ** self.params[2])
 
     @property
     def residuals(self) -> np.ndarray:
         return self.accept_lengths - self.predict(self.data_sizes)
 
     def predict(self, data_sizes: float | np.ndarray) -> np.ndarray:
-        return saturating_accept_length(data_sizes, self.tau_inf, self.scale, self.exponent)
+        return saturating_curve(self.params[None, :], np.atleast_1d(data_sizes) / self.data_sizes[0])[0]
 
     def predict_band(self, data_sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Percentile band of the replicate curves at `data_sizes`; (len,) low and high."""
-        sizes = np.asarray(data_sizes, dtype=np.float64)
-        # (R, 1) against (1, n) -> (R, n)
-        curves = self.replicates[:, :1] - self.replicates[:, 1:2] * sizes[None, :] ** (-self.replicates[:, 2:3])
-        return percentile_interval(curves, self.confidence)
+        return percentile_interval(saturating_curve(self.replicates, np.asarray(data_sizes) / self.data_sizes[0]), self.confidence)
 
     def ceiling_interval(self) -> tuple[float, float]:
         low, high = percentile_interval(self.replicates[:, 0], self.confidence)
@@ -99,20 +100,10 @@ class ScalingFit:
     def to_dict(self) -> dict:
         low, high = self.ceiling_interval()
         return {
-            "model": "tau(N) = tau_inf - scale * N^(-exponent)",
-            "tau_inf": self.tau_inf,
-            "tau_inf_low": low,
-            "tau_inf_high": high,
-            "scale": self.scale,
-            "exponent": self.exponent,
-            "ceiling_bound": self.ceiling,
-            "data_sizes": self.data_sizes.tolist(),
-            "accept_lengths": self.accept_lengths.tolist(),
-            "residuals": self.residuals.tolist(),
-            "bootstrap_method": self.bootstrap_method,
-            "bootstrap_replicates": int(len(self.replicates)),
-            "failed_replicates": self.failed_replicates,
-            "confidence": self.confidence,
+            "model": "tau(N) = tau_inf - scale * N^(-exponent)", "tau_inf": self.tau_inf, "tau_inf_low": low, "tau_inf_high": high,
+            "scale": self.scale, "exponent": self.exponent, "ceiling_bound": self.ceiling, "data_sizes": self.data_sizes.tolist(),
+            "accept_lengths": self.accept_lengths.tolist(), "residuals": self.residuals.tolist(),
+            "bootstrap_method": self.bootstrap_method, "bootstrap_replicates": int(len(self.replicates)), "confidence": self.confidence,
         }
 
 
@@ -125,7 +116,7 @@ def fit_scaling(
     confidence: float = 0.95,
     seed: int = 0,
 ) -> ScalingFit:
-    """Fit tau(N) with bootstrap uncertainty.
+    """The saturating curve with bootstrap uncertainty.
 
     data_sizes, accept_lengths: (n,) one point per trained draft (n >= 3 distinct sizes).
     replicate_accept_lengths: (R, n) bootstrap replicates of each point from resampling held-out
@@ -133,148 +124,22 @@ def fit_scaling(
       Without it, a residual bootstrap with num_resamples and seed (needs n > 3).
     max_accept_length: the topology's ceiling (steps + 1 for a chain), bounds tau_inf.
     """
-    sizes = np.asarray(data_sizes, dtype=np.float64)
-    taus = np.asarray(accept_lengths, dtype=np.float64)
-    if sizes.shape != taus.shape or sizes.ndim != 1:
-        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
-    if (sizes <= 0).any():
-        raise ValueError("data sizes must be positive numbers of training samples")
+    sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
     if len(np.unique(sizes)) < 3:
         raise ValueError(f"the fit has 3 parameters and needs at least 3 distinct data sizes; got {sorted(set(sizes.tolist()))}")
-    order = np.argsort(sizes)
-    sizes, taus = sizes[order], taus[order]
-    reference = sizes[0]
-    relative = sizes / reference
-    point = _fit_normalized(relative, taus, max_accept_length)
-
+    point = fit_saturating_rows(sizes, taus[None, :], max_accept_length)  # (1, 3)
     if replicate_accept_lengths is not None:
-        replicate_rows = np.asarray(replicate_accept_lengths, dtype=np.float64)
-        if replicate_rows.ndim != 2 or replicate_rows.shape[1] != len(sizes):
-            raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicate_rows.shape}")
-        replicate_rows = replicate_rows[:, order]
-        method = "per-sample"
+        rows, method = _sorted_replicates(replicate_accept_lengths, order), "per-sample"
     else:
         if len(sizes) <= 3:
-            raise ValueError(
-                "a residual bootstrap needs more than 3 data sizes (3 points fit exactly, leaving no residuals); "
-                "pass replicate_accept_lengths from acceptance.bootstrap_accept_length, or measure more sizes"
-            )
-        fitted = point[0] - point[1] * relative ** (-point[2])
+            raise ValueError("a residual bootstrap needs more than 3 data sizes (3 points fit exactly, leaving no residuals); "
+                             "pass replicate_accept_lengths from acceptance.bootstrap_accept_length, or measure more sizes")
+        fitted = saturating_curve(point, sizes / sizes[0])[0]
         residuals = (taus - fitted) * math.sqrt(len(sizes) / (len(sizes) - 3))
-        rng = np.random.default_rng(seed)
-        replicate_rows = fitted[None, :] + rng.choice(residuals, size=(num_resamples, len(sizes)), replace=True)
+        rows = fitted[None, :] + np.random.default_rng(seed).choice(residuals, size=(num_resamples, len(sizes)), replace=True)
         method = "residual"
-
-    refits, failed = [], 0
-    for row in replicate_rows:
-        try:
-            refits.append(_fit_normalized(relative, row, max_accept_length))
-        except (RuntimeError, ValueError):
-            failed += 1  # counted and reported, never silently replaced
-    if not refits:
-        raise RuntimeError("every bootstrap refit failed; check the points (are they increasing with data size?)")
-    normalized = np.array(refits)  # (R_ok, 3) in N / N_min units
-    # gap * (N / N_min)^(-c) = (gap * N_min^c) * N^(-c)
-    replicates = np.column_stack([normalized[:, 0], normalized[:, 1] * reference ** normalized[:, 2], normalized[:, 2]])
-    return ScalingFit(
-        tau_inf=float(point[0]),
-        scale=float(point[1] * reference ** point[2]),
-        exponent=float(point[2]),
-        data_sizes=sizes,
-        accept_lengths=taus,
-        ceiling=float(max_accept_length),
-        replicates=replicates,
-        bootstrap_method=method,
-        failed_replicates=failed,
-        confidence=confidence,
-    )
-
-
-def _size_for(tau_inf: np.ndarray, scale: np.ndarray, exponent: np.ndarray, target: float) -> np.ndarray:
-    """Invert tau(N) = target: N = (scale / (tau_inf - target))^(1/exponent); inf where unreachable."""
-    gap = tau_inf - target
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        size = np.where(gap > 0, (np.where(scale > 0, scale, 0.0) / np.where(gap > 0, gap, 1.0)) ** (1.0 / exponent), np.inf)
-    return size
-
-
-@dataclass(frozen=True)
-class DataNeeded:
-    """Training-data size needed to reach a target accept length, or why it will not be reached."""
-
-    target_accept_length: float
-    reachable: bool  # by the point fit: tau_inf > target
-    data_size: float | None  # point estimate; None when the fitted ceiling stays below the target
-    data_size_low: float  # percentile interval over bootstrap fits (inf = not reached)
-    data_size_high: float
-    reachable_fraction: float  # share of bootstrap fits whose ceiling exceeds the target
-    tau_inf: float
-    tau_inf_low: float
-    tau_inf_high: float
-    largest_measured_size: float
-    statement: str
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# No data size or tau is stated further than this many doublings past the largest measured size: there the
-# curves the sizes cannot tell apart diverge (docs/forecast.md backtests knees and S-curves).
-MAX_DOUBLINGS_BEYOND = 3.0
-
-
-def data_needed(fit: ScalingFit, target_accept_length: float, label: str = "target") -> DataNeeded:
-    """How much training data the fit says reaches `target_accept_length` (break-even or a goal)."""
-    point = float(_size_for(np.array(fit.tau_inf), np.array(fit.scale), np.array(fit.exponent), target_accept_length))
-    sizes = _size_for(fit.replicates[:, 0], fit.replicates[:, 1], fit.replicates[:, 2], target_accept_length)
-    # "nearest" never interpolates between a finite size and inf (which would give NaN).
-    tail = (1.0 - fit.confidence) / 2.0 * 100.0
-    low, high = np.percentile(sizes, [tail, 100.0 - tail], method="nearest")
-    ceiling_low, ceiling_high = fit.ceiling_interval()
-    reachable_fraction = float(np.isfinite(sizes).mean())
-    largest = float(fit.data_sizes.max())
-    percent = f"{fit.confidence:.0%}"
-    reach = largest * 2.0**MAX_DOUBLINGS_BEYOND
-    if math.isfinite(point) and point > reach:
-        statement = (f"Reaching {label} accept length {target_accept_length:.3g} is not predicted within {MAX_DOUBLINGS_BEYOND:g} doublings "
-                     f"of the largest size measured ({largest:.3g}, so beyond {reach:.3g} samples): past what the sizes speak for, so "
-                     "no size is given.")
-    elif math.isfinite(point):
-        where = (f"{point / largest:.3g}x beyond the largest size measured ({largest:.3g}), an extrapolation" if point > largest
-                 else f"within the measured range (largest {largest:.3g})")
-        upper = "not reached" if not math.isfinite(high) else f"beyond {reach:.3g}" if high > reach else f"{high:.3g}"
-        statement = (
-            f"Reaching {label} accept length {target_accept_length:.3g} needs about {point:.3g} training samples "
-            f"({percent} interval {low:.3g} to {upper}; reached in {reachable_fraction:.0%} of bootstrap fits), {where}."
-        )
-    else:
-        statement = (
-            f"The fitted ceiling tau_inf = {fit.tau_inf:.3g} ({percent} interval {ceiling_low:.3g} to {ceiling_high:.3g}) "
-            f"stays below the {label} accept length {target_accept_length:.3g}: more data of this kind is not predicted "
-            f"to reach it (reached in {reachable_fraction:.0%} of bootstrap fits)."
-        )
-    return DataNeeded(
-        target_accept_length=target_accept_length,
-        reachable=math.isfinite(point),
-        data_size=point if math.isfinite(point) else None,
-        data_size_low=float(low),
-        data_size_high=float(high),
-        reachable_fraction=reachable_fraction,
-        tau_inf=fit.tau_inf,
-        tau_inf_low=ceiling_low,
-        tau_inf_high=ceiling_high,
-        largest_measured_size=largest,
-        statement=statement,
-    )
-
-
-def scaling_summary(fit: ScalingFit, needed: Sequence[DataNeeded], break_even: BreakEven | None = None) -> dict:
-    """One JSON-ready record of the scaling answer (fit, data needed per target, break-even)."""
-    return {
-        "fit": fit.to_dict(),
-        "data_needed": [item.to_dict() for item in needed],
-        "break_even": None if break_even is None else break_even.to_dict(),
-    }
+    return ScalingFit(params=point[0], replicates=fit_saturating_rows(sizes, rows, max_accept_length), data_sizes=sizes,
+                      accept_lengths=taus, ceiling=float(max_accept_length), bootstrap_method=method, confidence=confidence)
 
 
 # ----------------------------------------------------------------------------- local slope
@@ -380,17 +245,10 @@ def local_slope(
     replicates of each point, paired across sizes (acceptance.sweep_acceptance's pooled_replicates).
     lower_bound_sizes: sizes whose draft had not converged (their tau is a lower bound), named in the statement.
     """
-    sizes = np.asarray(data_sizes, dtype=np.float64)
-    taus = np.asarray(accept_lengths, dtype=np.float64)
-    replicates = np.asarray(replicate_accept_lengths, dtype=np.float64)
-    if sizes.ndim != 1 or sizes.shape != taus.shape:
-        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
-    if len(np.unique(sizes)) != len(sizes) or len(sizes) < 2 or (sizes <= 0).any():
+    sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
+    if len(np.unique(sizes)) != len(sizes) or len(sizes) < 2:
         raise ValueError(f"a slope needs at least 2 distinct positive data sizes, got {sizes.tolist()}")
-    if replicates.ndim != 2 or replicates.shape[1] != len(sizes):
-        raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicates.shape}")
-    order = np.argsort(sizes)
-    sizes, taus, replicates = sizes[order], taus[order], replicates[:, order]
+    replicates = _sorted_replicates(replicate_accept_lengths, order)
     log2_sizes = np.log2(sizes)
     slopes = slope_per_doubling(log2_sizes, replicates)
     segment_doublings = log2_sizes[-1] - log2_sizes[-2]
@@ -463,12 +321,9 @@ def ceiling_identification(
     saturating model does not predict left-out sizes better than the log-linear line (the curvature
     that would pin a ceiling is not measurable).
     """
-    sizes = np.asarray(data_sizes, dtype=np.float64)
-    taus = np.asarray(accept_lengths, dtype=np.float64)
-    order = np.argsort(sizes)
-    sizes, taus = sizes[order], taus[order]
+    sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
     if replicate_accept_lengths is not None:
-        replicate_accept_lengths = np.asarray(replicate_accept_lengths, dtype=np.float64)[:, order]
+        replicate_accept_lengths = _sorted_replicates(replicate_accept_lengths, order)
     loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MEASURED_SHAPE}
     evaluable = {model: error for model, error in loo.items() if error is not None}
     chosen = min(evaluable, key=evaluable.get) if evaluable else "log-linear"
@@ -482,23 +337,18 @@ def ceiling_identification(
                        "(measure at least 5 sizes: 4 to fit, 1 to predict)")
     fit, at_bound = None, None
     if n >= 3 and (replicate_accept_lengths is not None or n > 3):
-        try:
-            fit = fit_scaling(sizes, taus, replicate_accept_lengths, max_accept_length=max_accept_length, confidence=confidence)
-        except (RuntimeError, ValueError) as error:
-            reasons.append(f"the saturating fit failed ({error})")
+        fit = fit_scaling(sizes, taus, replicate_accept_lengths, max_accept_length=max_accept_length, confidence=confidence)
     if fit is not None:
         tau_inf, exponent = fit.replicates[:, 0], fit.replicates[:, 2]
         tolerance = BOUND_TOLERANCE * max(1.0, abs(max_accept_length) if math.isfinite(max_accept_length) else 1.0)
         at_ceiling = (tau_inf >= max_accept_length - tolerance) if math.isfinite(max_accept_length) else np.zeros(len(tau_inf), bool)
-        at_exponent_bound = (exponent >= MAX_EXPONENT * (1 - BOUND_TOLERANCE)) | (exponent <= 1e-3 * (1 + BOUND_TOLERANCE))
+        at_exponent_bound = (exponent >= EXPONENT_GRID[-1] * (1 - BOUND_TOLERANCE)) | (exponent <= EXPONENT_GRID[0] * (1 + BOUND_TOLERANCE))
         at_bound = float((at_ceiling | at_exponent_bound).mean())
         if at_ceiling.mean() > PILE_UP_LIMIT:
             reasons.append(f"{at_ceiling.mean():.0%} of bootstrap refits put tau_inf at the bound {max_accept_length:g} (the chain's "
                            "ceiling), so the data do not bound it from above")
         if at_exponent_bound.mean() > PILE_UP_LIMIT:
             reasons.append(f"{at_exponent_bound.mean():.0%} of bootstrap refits put the exponent at a bound")
-        if fit.failed_replicates > PILE_UP_LIMIT * (len(fit.replicates) + fit.failed_replicates):
-            reasons.append(f"{fit.failed_replicates} bootstrap refits failed")
     if loo["saturating"] is not None and loo["log-linear"] is not None and loo["saturating"] >= loo["log-linear"]:
         reasons.append(f"the saturating model predicts left-out sizes no better than a straight line in log N "
                        f"(RMSE {loo['saturating']:.4f} vs {loo['log-linear']:.4f}): the curvature that would pin a ceiling is not measured")
