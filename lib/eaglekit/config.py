@@ -206,8 +206,9 @@ class TrainingParams(Section):
     selection_share: float = Field(default=0.5, gt=0, lt=1)
     # Training noise for the forecast: each size <= noise_seed_max_size also trains `noise_seeds` more drafts
     # on the same samples and the same selection split, seed run.seed + 1, + 2, ... (init and data order);
-    # stage 6 scores them as measured draft-to-draft noise. noise_seed_max_size None: the two smallest sizes
-    # (the cheap ones; all sizes when there are fewer). noise_seeds 0: none (the forecast uses its prior).
+    # stage 6 scores them as measured draft-to-draft noise. noise_seed_max_size None: the smallest size only
+    # (the cheapest draft: on the demo one more draft of the sweep's three; a big run's small sizes cost little
+    # beside its large ones, so set it there to cover more sizes). noise_seeds 0: none (the forecast uses its prior).
     noise_seeds: int = Field(default=1, ge=0)
     noise_seed_max_size: int | None = Field(default=None, gt=0)
     draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
@@ -299,7 +300,7 @@ class TrainingParams(Section):
         if self.noise_seeds == 0:
             return []
         sizes = sorted(self.data_sizes)
-        return sizes[:2] if self.noise_seed_max_size is None else [size for size in sizes if size <= self.noise_seed_max_size]
+        return sizes[:1] if self.noise_seed_max_size is None else [size for size in sizes if size <= self.noise_seed_max_size]
 
     @model_validator(mode="after")
     def _processes_and_packs(self) -> "TrainingParams":
