@@ -16,7 +16,7 @@ from eaglekit.generation import PartitionSettings, PromptSource, generate
 from eaglekit.generation.client import EndpointSpec
 from eaglekit.io import InputError
 from eaglekit.run_folder import tokenized_data_files
-from eaglekit.training.order import (TrainingOrder, plan_training_order, read_training_order, requests_before_each_size, sweep_split,
+from eaglekit.training.order import (plan_training_order, read_training_order, requests_before_each_size, sweep_split,
                                      write_training_order)
 from eaglekit.training.split import nested_subsets, read_conversation_keys, split_heldout
 

@@ -15,10 +15,8 @@ from eaglekit.training.checkpoint import file_digest
 from eaglekit.training.record import (
     RECORD_VERSION,
     DraftEntry,
-    DraftVocabRecord,
     SweepRecord,
 )
-from eaglekit.topology import Topology
 from support import CHAIN, entry, record  # noqa: E402  (shared test helpers, tests/support.py)
 
 

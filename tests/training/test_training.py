@@ -30,7 +30,7 @@ from eaglekit.training import (
     train_size_sweep,
     ttt_loss,
 )
-from support import samples_from_target, target_head, tiny_draft, tiny_target
+from support import samples_from_target, tiny_draft, tiny_target
 
 # decay_steps 0: its until_converged variants stop at convergence (the stop-rule tests); the anneal tests set one.
 FAST = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=2, schedule="equal_steps", max_steps=6,
@@ -676,7 +676,6 @@ def test_ablation_samples_avoid_the_heldout_prompts():
 def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behaviour(tmp_path):
     """A checkpoint written before feature_noise/distill existed has no such keys: it resumes under the
     values it trained with (no noise, soft teacher) and refuses any other, naming the setting."""
-    import dataclasses
 
     from eaglekit.training.checkpoint import check_resumable as _check_resumable
 

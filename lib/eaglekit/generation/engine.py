@@ -29,23 +29,9 @@ from eaglekit.generation.capacity import SharedPool
 from eaglekit.generation.client import ChatAnswer, Endpoint, EndpointSpec
 from eaglekit.generation.errors import EndpointFatalError, RequestRejected, TransientError
 from eaglekit.generation.logs import (
-    ERRORS_FILE,
-    ETA_MIN_SECONDS,
-    ETA_WINDOW_S,
-    GENERATIONS_FILE,
-    METRICS_FILE,
-    SESSIONS_FILE,
-    GenerationSummary,
-    PartitionWork,
-    compact_errors,
-    count_answers,
-    count_lines,
-    failure_record,
-    finished_keys,
-    progress_line,
-    run_etas,
-    summarize_generations,
-)
+    ERRORS_FILE, ETA_MIN_SECONDS, ETA_WINDOW_S, GENERATIONS_FILE, METRICS_FILE, SESSIONS_FILE, GenerationSummary,
+    PartitionWork, compact_errors, count_answers, count_lines, failure_record, finished_keys, progress_line, run_etas,
+    summarize_generations)
 from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS, quality_flags
 from eaglekit.generation.settings import (  # noqa: F401  (GenerationSettingsChanged: the engine's refusal, importable here)
@@ -201,6 +187,46 @@ class GenerationEngine:
             logger.warning("%d duplicate prompt ids skipped (first occurrence kept)", duplicates)
         if self.priority:  # each partition's prompts go out held-out set first, then in training order
             items.sort(key=lambda item: self.priority.get((item.dataset, item.id), len(self.priority)))
+        answered = self._open_logs(items)
+        todo_by_partition = self._start_session(items, answered)
+        todo = sum(len(partition_items) for partition_items in todo_by_partition.values())
+        self.progress = {name: _PartitionProgress(total=len(todo_by_partition[name])) for name in todo_by_partition}
+        self.requests_this_session = 0
+        self.completion_tokens_this_session = 0
+        self.finished_this_session = 0
+        self.session_started = session_started
+        self.dispatch_started: float | None = None
+        self._window = (time.monotonic(), 0, 0)  # (time, finished, completion tokens) at the last tick
+        self._attempt_ids = itertools.count()
+        self.current_partition: str | None = None
+        max_concurrency = max(partition.concurrency for partition in self.partitions)
+        self.pool = SharedPool(
+            [Endpoint(spec, max_connections=max_concurrency, request_timeout_s=self.request_timeout_s)
+             for spec in self.endpoint_specs],
+            unhealthy_after=self.unhealthy_after, health_interval_s=self.health_interval_s)
+        self.bar = tqdm(total=todo, desc="generation", unit="req", disable=not self.progress_bar, dynamic_ncols=True)
+        background: list[asyncio.Task] = []
+        try:
+            if todo and not self._stop.is_set():
+                await self._dispatch(todo_by_partition, bool(answered), background)
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            self._tick(final=True)
+            self.bar.close()
+            for log in (self.generations, self.errors, self.metrics):
+                log.close()
+            await self.pool.aclose()
+        summary = self._summary(items, duplicates, session_started)
+        if self._fatal is not None:
+            raise self._fatal
+        return summary
+
+    def _open_logs(self, items: list[PromptItem]) -> set:
+        """Open the append-only logs (cutting a torn last line a crash left) and count what earlier sessions
+        answered: counters start from the files, so they stay cumulative and equal to a recount at every moment.
+        Returns the keys answered already."""
         self.generations = AppendLog(self.output_dir / GENERATIONS_FILE)
         self.metrics = AppendLog(self.output_dir / METRICS_FILE, sync_every=1)
         errors_repaired = repair_torn_tail(self.output_dir / ERRORS_FILE)
@@ -208,8 +234,6 @@ class GenerationEngine:
                                (self.output_dir / ERRORS_FILE, errors_repaired)):
             if repaired:
                 logger.warning("%s: cut a torn last line (%d bytes) left by a crash", path, repaired)
-        # Counters start from the files (every earlier session), so they stay cumulative and equal
-        # to a recount at every moment: done, truncated, flags and completion lengths.
         self.datasets, answered, duplicate_records = count_answers(self.output_dir, items)
         if duplicate_records:
             logger.warning("%s: %d prompts recorded more than once (counted once)", self.generations.path,
@@ -217,6 +241,10 @@ class GenerationEngine:
         self.previous_errors = compact_errors(self.output_dir, answered)
         self.errors = AppendLog(self.output_dir / ERRORS_FILE)
         self.errored_keys = set(self.previous_errors)
+        return answered
+
+    def _start_session(self, items: list[PromptItem], answered: set) -> dict[str, list[PromptItem]]:
+        """This session's prompts by partition (errored ones only with retry_errors), recorded in sessions.jsonl."""
         sessions_path = self.output_dir / SESSIONS_FILE
         self.session = 1 + count_lines(sessions_path)
         todo_by_partition: dict[str, list[PromptItem]] = {partition.name: [] for partition in self.partitions}
@@ -239,51 +267,33 @@ class GenerationEngine:
         logger.info("session %d: %d prompts, %d already done, %d errored before (%s), %d to request",
                     self.session, len(items), len(answered), errored_here,
                     "retrying them" if self.retry_errors else "skipped", todo)
-        self.progress = {name: _PartitionProgress(total=len(todo_by_partition[name])) for name in todo_by_partition}
-        self.requests_this_session = 0
-        self.completion_tokens_this_session = 0
-        self.finished_this_session = 0
-        self.session_started = session_started
-        self.dispatch_started: float | None = None
-        self._window = (time.monotonic(), 0, 0)  # (time, finished, completion tokens) at the last tick
-        self._attempt_ids = itertools.count()
-        self.current_partition: str | None = None
-        max_concurrency = max(partition.concurrency for partition in self.partitions)
-        self.pool = SharedPool(
-            [Endpoint(spec, max_connections=max_concurrency, request_timeout_s=self.request_timeout_s)
-             for spec in self.endpoint_specs],
-            unhealthy_after=self.unhealthy_after, health_interval_s=self.health_interval_s)
-        self.bar = tqdm(total=todo, desc="generation", unit="req", disable=not self.progress_bar, dynamic_ncols=True)
-        background: list[asyncio.Task] = []
-        try:
-            if todo and not self._stop.is_set():
-                await self.pool.probe_all(self.probe_wait_s)
-                check_generation_settings(self.output_dir / SETTINGS_FILE, self._settings(), bool(answered))
-                write_json(self.output_dir / "endpoints.json",
-                           [{"name": endpoint.name, "base_url": endpoint.base_url,
-                             "capabilities": asdict(endpoint.capabilities) if endpoint.capabilities else None}
-                            for endpoint in self.pool.endpoints])
-                health = asyncio.create_task(self.pool.health_loop())
-                health.add_done_callback(self._background_ended)
-                background = [health, asyncio.create_task(self._tick_loop())]
-                self.dispatch_started = time.monotonic()
-                tasks: set[asyncio.Task] = set()
-                for partition in self.partitions:
-                    if self._stop.is_set():
-                        break
-                    await self._send_partition(partition, todo_by_partition[partition.name], tasks)
-                    if not self.overlap_partitions:
-                        await self._drain(tasks)
+        return todo_by_partition
+
+    async def _dispatch(self, todo_by_partition: dict[str, list[PromptItem]], resumed: bool,
+                        background: list[asyncio.Task]) -> None:
+        """Probe, check the settings against the run's, then send every partition (the long one in the room the
+        short one's drain frees) and drain. The health and tick tasks go into `background`, for the caller to end."""
+        await self.pool.probe_all(self.probe_wait_s)
+        check_generation_settings(self.output_dir / SETTINGS_FILE, self._settings(), resumed)
+        write_json(self.output_dir / "endpoints.json",
+                   [{"name": endpoint.name, "base_url": endpoint.base_url,
+                     "capabilities": asdict(endpoint.capabilities) if endpoint.capabilities else None}
+                    for endpoint in self.pool.endpoints])
+        health = asyncio.create_task(self.pool.health_loop())
+        health.add_done_callback(self._background_ended)
+        background += [health, asyncio.create_task(self._tick_loop())]
+        self.dispatch_started = time.monotonic()
+        tasks: set[asyncio.Task] = set()
+        for partition in self.partitions:
+            if self._stop.is_set():
+                break
+            await self._send_partition(partition, todo_by_partition[partition.name], tasks)
+            if not self.overlap_partitions:
                 await self._drain(tasks)
-        finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            self._tick(final=True)
-            self.bar.close()
-            for log in (self.generations, self.errors, self.metrics):
-                log.close()
-            await self.pool.aclose()
+        await self._drain(tasks)
+
+    def _summary(self, items: list[PromptItem], duplicates: int, session_started: float) -> GenerationSummary:
+        """The recount of the files after this session, written to summary.json."""
         summary = summarize_generations(self.output_dir, self.sources, items=items)
         compact_errors(self.output_dir, {key for key in finished_keys(self.output_dir / GENERATIONS_FILE)})
         summary.duplicate_prompt_ids = duplicates
@@ -296,8 +306,6 @@ class GenerationEngine:
                              for endpoint in self.pool.endpoints]
         write_json(self.output_dir / "summary.json", {**asdict(summary), "output_dir": str(self.output_dir),
                                                       "errors": summary.errors})
-        if self._fatal is not None:
-            raise self._fatal
         return summary
 
     def _settings(self) -> dict[str, Any]:
