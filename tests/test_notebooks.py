@@ -2,6 +2,7 @@
 lib/eaglekit, a cell is a library call and a display)."""
 
 import ast
+import json
 from pathlib import Path
 
 import nbformat
@@ -9,7 +10,8 @@ import pytest
 
 from eaglekit.paths import REPO_ROOT
 
-NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb")) + sorted((REPO_ROOT / "tests" / "fixtures" / "notebooks").glob("*.ipynb"))
+STAGE_NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = STAGE_NOTEBOOKS + sorted((REPO_ROOT / "tests" / "fixtures" / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.name for path in NOTEBOOKS])
@@ -66,3 +68,32 @@ def test_papermill_sees_every_parameter(path: Path):
     cell = next(cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", []))
     assigned = {target.id for node in ast.parse(cell.source).body for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}
     assert set(papermill.inspect_notebook(str(path))) == assigned
+
+
+@pytest.mark.parametrize("path", STAGE_NOTEBOOKS, ids=[path.name for path in STAGE_NOTEBOOKS])
+def test_each_notebook_names_its_stage_to_the_run_folder(path: Path):
+    """run_dir_for(..., stage=<its stage>) is what stops a notebook run by hand from leaving an empty folder or running
+    into a finished stage's folder; a notebook that calls it without its stage has neither guard."""
+    from eaglekit.runner import STAGE_FILE
+
+    source = "\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code")
+    stage = STAGE_FILE.match(path.name).group(2)
+    assert f'run_dir_for(params, run_dir, stage="{stage}")' in source, path.name
+
+
+@pytest.mark.slow
+def test_analysis_run_by_hand_with_no_run_folder_says_how_to_name_one_and_leaves_none(tmp_path):
+    """`jupyter nbconvert --execute notebooks/06_analysis.ipynb` on a machine with no run: a located error naming
+    EAGLEKIT_RUN_DIR, and no outputs/<name>-interactive/ left behind."""
+    import os
+    import subprocess
+    import sys
+
+    env = {key: value for key, value in os.environ.items() if not key.startswith("EAGLEKIT_")}
+    notebook = tmp_path / "06_analysis.ipynb"
+    result = subprocess.run([sys.executable, "-m", "papermill", str(REPO_ROOT / "notebooks" / "06_analysis.ipynb"), str(notebook), "-y",
+                             json.dumps({"run": {"name": "byhand", "outputs_dir": str(tmp_path / "outputs")}})],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert result.returncode != 0
+    assert "RunFolderError" in result.stderr and "EAGLEKIT_RUN_DIR=outputs/<run id> jupyter nbconvert" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "outputs").exists()

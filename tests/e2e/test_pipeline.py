@@ -46,6 +46,22 @@ def test_run_log_is_never_silent_for_more_than_30_s(smoke_run):
     assert not stretches, "\n".join(f"{gap:.0f} s silent after: {before}" for before, _, gap in stretches)
 
 
+def test_run_log_says_which_draft_stage_5_trains_and_which_part_stage_6_is_in(smoke_run):
+    """Stage 5 names every draft, i of n, with the sweep's time left; stage 6 names each of its nine parts."""
+    import re
+
+    log = (smoke_run / "run.log").read_text()
+    starts = re.findall(r"\[05_training\] eaglekit\.training\.sweep: stage 5: draft (\d+) of (\d+), ([^;]+); the sweep's time left (.*)", log)
+    total = int(starts[0][1])
+    # smoke.yaml: sizes 4, 8, 12, one extra seed at the smallest size, the ablation pair
+    assert [(int(index), int(of)) for index, of, _, _ in starts] == [(index, total) for index in range(1, total + 1)] and total == 6
+    assert [label for _, _, label, _ in starts] == ["size 4", "size 8", "size 12", "size 4, seed 1", "ablation: original answers",
+                                                    "ablation: regenerated answers"]
+    assert starts[0][3].startswith("not yet known") and all(left.startswith("at most") for *_, left in starts[1:])
+    parts = re.findall(r"\[06_analysis\] eaglekit\.analysis\.stage: stage 6, part (\d) of 9 done in", log)
+    assert parts == [str(index) for index in range(1, 10)]
+
+
 def test_executed_notebooks_hold_no_progress_bar_frozen_at_its_first_frame(smoke_run):
     import nbformat
 

@@ -280,7 +280,11 @@ def test_stage5_on_moe_mla_targets(family, tmp_path):
     assert exported["draft_vocab_size"] == 64
 
 
-def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage_6_as_measured_noise(captured_run, tmp_path):
+def _draft_lines(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.getMessage().startswith("stage 5: draft")]
+
+
+def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage_6_as_measured_noise(captured_run, tmp_path, caplog):
     """Stage 5 cuts the held-out set in two: every draft's best checkpoint is picked on the selection side (its best
     tau is that side's), sweep.json's `heldout` is the other side alone; both are stable across a resume. The extra
     seed at the small size trains on that size's samples, is listed with its checkpoint verified, and stage 6 scores
@@ -297,7 +301,17 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     _, target_dir = captured_run
     run_dir = fresh_run(captured_run, "selection")
     params = load_params(write_params(tmp_path / "p.yaml", target_dir, heldout_size=6, noise_seeds=1, noise_seed_max_size=4))
+    caplog.set_level("INFO", logger="eaglekit.training.sweep")
     sweep = run_training_stage(params, run_dir)
+    # The log counts every draft of the stage (two sizes, then the extra seed) and prices the rest from timed steps.
+    lines = _draft_lines(caplog)
+    assert [line.split(";")[0].split(", done")[0] for line in lines] == [
+        "stage 5: draft 1 of 3, size 4", "stage 5: draft 1 of 3, size 4", "stage 5: draft 2 of 3, size 8",
+        "stage 5: draft 2 of 3, size 8", "stage 5: draft 3 of 3, size 4, seed 1", "stage 5: draft 3 of 3, size 4, seed 1"]
+    assert "time left not yet known (12 steps at the step caps" in lines[0]
+    assert "time left about " in lines[2] and "(8 steps at " in lines[2] and "time left about " in lines[4]
+    assert "done: 4 steps in" in lines[1] and "(step_cap)" in lines[1]
+    caplog.clear()
     captured = ShardDataset(run_dir / "capture")
     keys = captured.keys
     heldout_indices, _ = sweep_split(run_dir, keys, 6, params.run.seed, read_conversation_keys(tokenized_data_files(run_dir), keys))
@@ -327,7 +341,8 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     noise = training_noise({4.0: sweep.runs[0].best_accept_length, 8.0: sweep.runs[1].best_accept_length}, measured)
     assert noise.seeds_by_size == {4.0: 1} and "pooled with 1 extra seeds" in noise.source
 
-    # A resume finds every draft trained: the same cut, the same drafts, the same record.
+    # A resume finds every draft trained: the same cut, the same drafts, the same record; the log says each resumed at its end.
     again = run_training_stage(params, run_dir)
+    assert all("resumed at step 4" in line for line in _draft_lines(caplog)[1::2])
     assert (again.heldout, again.selection, again.scored) == (sweep.heldout, sweep.selection, sweep.scored)
     assert again.runs == sweep.runs and again.noise_seeds == sweep.noise_seeds

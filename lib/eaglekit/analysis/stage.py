@@ -43,9 +43,11 @@ from eaglekit.analysis.live_serving import LiveServing, measure_live_serving
 from eaglekit.analysis.topology_sweep import (StepCosts, check_recommendation, default_topology_grid, measure_step_costs, pool_datasets,
                                               recommend, sweep_event, sweep_table, tree_depths_by_dataset)
 from eaglekit.capture import load_target, open_captured_samples
+from eaglekit.capture.inputs import capture_length
 from eaglekit.config import Params
 from eaglekit.draft.doctor import findings_frame, preflight_table, run_doctor
 from eaglekit.draft.model import load_target_head_weights
+from eaglekit.io import format_duration
 from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
 from eaglekit.target import load_tokenizer, resolve_model
 from eaglekit.topology import Topology
@@ -142,6 +144,52 @@ def _seed_accept_lengths(sweep: SweepRecord, run_dir: Path, head, heldout: list[
     return seed_accept_lengths(agreements, steps)
 
 
+class StageParts:
+    """Stage 6's parts in the log, as each starts ("stage 6, part 3 of 9: the real loop ...") and ends (its time): on a
+    large run a part takes minutes, and the runner's heartbeat says only that the stage still runs."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    @contextlib.contextmanager
+    def part(self, what: str) -> Iterator[None]:
+        self.done += 1
+        index, started = self.done, time.perf_counter()
+        logger.info("stage 6, part %d of %d: %s", index, self.total, what)
+        yield
+        logger.info("stage 6, part %d of %d done in %s", index, self.total, format_duration(time.perf_counter() - started))
+
+
+@dataclass
+class StageInputs:
+    """What stage 6 reads from the run folder and the target."""
+
+    sweep: SweepRecord
+    model_dir: Path
+    tokenizer: Any
+    target_model: Any
+    heldout: list[dict]  # the scored side of the held-out set (sweep.scored)
+    checkpoints: dict[int, Path]  # {data size: best checkpoint}
+    still_improving: dict  # {data size: recent gain} of drafts whose tau is a lower bound
+    head: Any
+
+
+def _stage_inputs(params: Params, out: Path) -> StageInputs:
+    sweep = SweepRecord.load_run(out)  # training/sweep.json: fails here, naming the field, when it is malformed
+    if sweep.picked_on_scored:
+        logger.warning("%s is from before the selection split: its drafts' best checkpoints were picked on the held-out samples "
+                       "scored here, so every tau below is optimistic; rerun stage 5 for checkpoints picked on a selection split",
+                       out / "training" / "sweep.json")
+    model_dir = resolve_model(params.target.model, revision=params.target.revision)
+    target_model = load_target(model_dir, dtype=getattr(torch, params.target.dtype), trust_remote_code=params.target.trust_remote_code)
+    captured = open_captured_samples(sweep.path(out, sweep.capture_dir), tokenized_data_files(out), target_model,
+                                     capture_layer_ids=sweep.capture_layer_ids, max_seq_len=capture_length(params))
+    # Drafts whose tau is a lower bound: capped, or still rising when patience stopped them.
+    still_improving = lower_bound_sizes([entry.to_dict() for entry in sweep.runs], params.training)
+    return StageInputs(sweep, model_dir, load_tokenizer(params.target), target_model, scored_samples(sweep, captured),
+                       sweep.checkpoints(out), still_improving, load_target_head_weights(model_dir))
+
+
 def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisResult:
     """Stage 6 without plots over the run folder stage 5 filled (training/sweep.json); see the module docstring."""
     started = time.perf_counter()
@@ -149,37 +197,25 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
     settings = params.analysis
     steps = settings.chain_steps  # k: every tau is for a greedy chain of k steps (top-1, k + 1 draft tokens)
     topology = Topology.chain(steps)
-    sweep = SweepRecord.load_run(out)  # training/sweep.json: fails here, naming the field, when it is malformed
-    if sweep.picked_on_scored:
-        logger.warning("%s is from before the selection split: its drafts' best checkpoints were picked on the held-out samples "
-                       "scored here, so every tau below is optimistic; rerun stage 5 for checkpoints picked on a selection split",
-                       out / "training" / "sweep.json")
     analysis_dir = stage_dir(out, "analysis")
-    model_dir = resolve_model(params.target.model, revision=params.target.revision)
-    tokenizer = load_tokenizer(params.target)
     metrics = Metrics(out, "analysis")
     torch.manual_seed(params.run.seed)
     max_length = params.training.max_length
+    log = StageParts(9)
 
-    # Inputs from stage 5: the drafts, and the held-out samples from the shards or the target recomputing them.
-    target_model = load_target(model_dir)
-    captured = open_captured_samples(sweep.path(out, sweep.capture_dir), tokenized_data_files(out), target_model,
-                                     capture_layer_ids=sweep.capture_layer_ids, max_seq_len=params.capture.max_seq_len)
-    heldout = scored_samples(sweep, captured)
-    checkpoints = sweep.checkpoints(out)  # {data size: best checkpoint}
-    # {data size: recent gain} of drafts whose tau is a lower bound: capped, or still rising when patience stopped them.
-    still_improving = lower_bound_sizes([entry.to_dict() for entry in sweep.runs], params.training)
-    head = load_target_head_weights(model_dir)
+    with log.part("the sweep's drafts, the target and the scored held-out samples"):
+        inputs = _stage_inputs(params, out)
+    sweep, target_model, heldout, checkpoints, head = inputs.sweep, inputs.target_model, inputs.heldout, inputs.checkpoints, inputs.head
+    with log.part(f"offline acceptance of {len(checkpoints)} drafts on {len(heldout)} held-out samples"):
+        offline_started = time.perf_counter()
+        agreements_by_size = offline_agreements_by_size(checkpoints, head.embed_tokens, head.lm_head, heldout, steps, max_length)
+        offline_seconds = time.perf_counter() - offline_started
+        acceptance = sweep_acceptance(agreements_by_size, steps, settings.bootstrap_resamples, settings.confidence, params.run.seed)
+        acceptance.summary.to_csv(analysis_dir / "acceptance.csv", index=False)
+        acceptance.per_position.to_csv(analysis_dir / "acceptance_per_position.csv", index=False)
 
-    offline_started = time.perf_counter()
-    agreements_by_size = offline_agreements_by_size(checkpoints, head.embed_tokens, head.lm_head, heldout, steps, max_length)
-    offline_seconds = time.perf_counter() - offline_started
-    acceptance = sweep_acceptance(agreements_by_size, steps, settings.bootstrap_resamples, settings.confidence, params.run.seed)
-    acceptance.summary.to_csv(analysis_dir / "acceptance.csv", index=False)
-    acceptance.per_position.to_csv(analysis_dir / "acceptance_per_position.csv", index=False)
-
-    eos_token_ids = [int(tokenizer.eos_token_id)]
-    with one_torch_thread():
+    eos_token_ids = [int(inputs.tokenizer.eos_token_id)]
+    with log.part(f"the real loop with the largest draft ({sweep.largest.size} samples) against greedy decoding"), one_torch_thread():
         largest_draft = load_draft_checkpoint(checkpoints[sweep.largest.size], head.embed_tokens)
         loop_prompts = heldout_prompts(heldout, settings.specdec_prompts, max_prompt_tokens=max_length)
         loop_started = time.perf_counter()
@@ -189,77 +225,97 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
     loop.require_lossless()
 
     sglang_dir = sweep.path(out, sweep.export["sglang"])
-    doctor = preflight_table(model_dir / "config.json", sglang_dir, sweep.export["sglang"], list(largest_draft.config.capture_layer_indices),
-                             loop.summary["tau_loop_pooled"])
-    doctor.to_csv(analysis_dir / "doctor.csv", index=False)
-
-    seed_case = serving_case(settings)
-    embedded_case = break_even_from_throughput(loop.summary["greedy_tokens_per_second"], loop.summary["speculative_tokens_per_second"],
-                                               loop.summary["tau_loop_pooled"], draft_length=steps)
-
-    benchmark = benchmark_drafts(settings, target_model, tokenizer, checkpoints, head.embed_tokens, steps, max_length, eos_token_ids,
-                                 template_kwargs=params.prep.chat_template_kwargs, seed=params.run.seed)
-    benchmark.write(analysis_dir)
-
-    scaling = sweep_scaling(acceptance, embedded_case.break_even_accept_length, max_accept_length=steps + 1.0,
-                            confidence=settings.confidence, target_accept_length=settings.target_accept_length,
-                            lower_bound_sizes=still_improving)
-    summary = analysis_summary_record(topology, len(heldout), scaling, embedded_case, seed_case, loop.summary,
-                                      settings.benchmark_prompts, benchmark.summary)
-    # The go / no-go forecast: against the user's serving timings when given, else the embedded loop's (this target's);
-    # analysis.full_data_size is the horizon; unset, the largest planned size is.
-    forecast = forecast_answer(acceptance, scaling, params.training.data_sizes, break_even_cases(seed_case, embedded_case),
-                               max_accept_length=steps + 1.0, confidence=settings.confidence,
-                               full_size=settings.full_data_size, lower_bound_sizes=still_improving,
-                               seed_accept_lengths=_seed_accept_lengths(sweep, out, head, heldout, steps, max_length),
-                               looks=run_looks(out, params.training.data_sizes), seed=params.run.seed)
-    forecast.save(analysis_dir / ANSWER_FILE)
-    summary["forecast"] = {"verdict": forecast.verdict, "line": forecast.line, "sizes": forecast.sizes}
-
-    # Which topology to serve; the grid is sized for a 2-core CPU (on a GPU: default_topology_grid() and every sample).
-    grid = default_topology_grid(max_steps=4, top_ks=(2, 4), draft_tokens=(4, 8, 16))
-    topology_samples = heldout[: settings.specdec_prompts]
-    with one_torch_thread():
-        step_costs = measure_step_costs(target_model, largest_draft, context_length=min(256, max_length))
-        depths = tree_depths_by_dataset(largest_draft, head.lm_head, topology_samples, grid, max_length)
-    topology_table = sweep_table({served: pool_datasets(by_dataset) for served, by_dataset in depths.items()}, step_costs,
-                                 draft_dir=str(sglang_dir), num_resamples=settings.bootstrap_resamples, confidence=settings.confidence,
-                                 seed=params.run.seed)
-    topology_table.to_csv(analysis_dir / "topology_sweep.csv", index=False)
-    serve = check_recommendation(recommend(topology_table, step_costs), target_model, largest_draft, loop_prompts, steps,
-                                 settings.specdec_max_new_tokens, eos_token_ids, num_resamples=settings.bootstrap_resamples,
-                                 confidence=settings.confidence, seed=params.run.seed)
-    summary["topology_sweep"] = serve
-    metrics.log(**sweep_event(serve))
-
-    ablation = score_ablation(sweep, out, head.embed_tokens, head.lm_head, heldout, steps, max_length,
-                              settings.bootstrap_resamples, settings.confidence, params.run.seed)
-    if ablation is not None:
-        ablation.to_csv(analysis_dir / "ablation.csv", index=False)
-        summary["ablation"] = ablation.to_dict(orient="records")
-
-    live_doctor = None
-    if settings.sglang_endpoint:  # the doctor against the running server's info, before measuring it
-        live_doctor = findings_frame(run_doctor(model_dir / "config.json", draft_dir=sglang_dir, endpoint=settings.sglang_endpoint))
-    live = measure_live_serving(loop_prompts, settings.specdec_max_new_tokens, sglang_endpoint=settings.sglang_endpoint,
-                                baseline_endpoint=settings.baseline_endpoint, vllm_endpoint=settings.vllm_endpoint)
-    if live.measured:
-        live.summary.to_csv(analysis_dir / "serving.csv", index=False)
-        summary["serving"] = live.records()
+    with log.part("the doctor on the SGLang export, and break-even"):
+        doctor = preflight_table(inputs.model_dir / "config.json", sglang_dir, sweep.export["sglang"],
+                                 list(largest_draft.config.capture_layer_indices), loop.summary["tau_loop_pooled"])
+        doctor.to_csv(analysis_dir / "doctor.csv", index=False)
+        seed_case = serving_case(settings)
+        embedded_case = break_even_from_throughput(loop.summary["greedy_tokens_per_second"], loop.summary["speculative_tokens_per_second"],
+                                                   loop.summary["tau_loop_pooled"], draft_length=steps)
+    with log.part("the benchmark prompts through the real loop with every draft"):
+        benchmark = benchmark_drafts(settings, target_model, inputs.tokenizer, checkpoints, head.embed_tokens, steps, max_length,
+                                     eos_token_ids, template_kwargs=params.prep.chat_template_kwargs, seed=params.run.seed)
+        benchmark.write(analysis_dir)
+    with log.part("the scaling answer and the go / no-go forecast"):
+        scaling, forecast, summary = _answer(params, out, inputs, acceptance, embedded_case, seed_case, loop, benchmark)
+        forecast.save(analysis_dir / ANSWER_FILE)
+    with log.part("which topology to serve, checked through the real tree loop"):
+        topology_run = _topology(params, largest_draft, inputs, loop_prompts, str(sglang_dir), eos_token_ids)
+        topology_run["table"].to_csv(analysis_dir / "topology_sweep.csv", index=False)
+        summary["topology_sweep"] = topology_run["serve"]
+        metrics.log(**sweep_event(topology_run["serve"]))
+    with log.part("the ablation: original against regenerated answers"):
+        ablation = score_ablation(sweep, out, head.embed_tokens, head.lm_head, heldout, steps, max_length,
+                                  settings.bootstrap_resamples, settings.confidence, params.run.seed)
+        if ablation is not None:
+            ablation.to_csv(analysis_dir / "ablation.csv", index=False)
+            summary["ablation"] = ablation.to_dict(orient="records")
+    with log.part("live serving, where endpoints are set"):
+        live_doctor, live = _live_serving(settings, inputs.model_dir, sglang_dir, loop_prompts)
+        if live.measured:
+            live.summary.to_csv(analysis_dir / "serving.csv", index=False)
+            summary["serving"] = live.records()
 
     stage_seconds = time.perf_counter() - started
     summary["stage_seconds"] = stage_seconds
     write_summary_record(analysis_dir / SUMMARY_FILE, summary)
     metrics.log(event="headline", **headline_metrics(topology, scaling, loop.summary, embedded_case, seed_case,
-                                                     lower_bound_sizes=still_improving, stage_seconds=stage_seconds))
+                                                     lower_bound_sizes=inputs.still_improving, stage_seconds=stage_seconds))
     metrics.close()
     answer = answer_in_words(acceptance, scaling.pooled_dataset, topology, len(heldout), settings.confidence, embedded_case,
                              loop.summary, scaling.statements, seed_case, benchmark.summary, Path(settings.benchmark_prompts or "").name)
     return AnalysisResult(
         run_dir=out, topology=topology, sweep=sweep, heldout=heldout, acceptance=acceptance, offline_seconds=offline_seconds,
         loop_prompts=loop_prompts, loop=loop, loop_seconds=loop_seconds, doctor=doctor, seed_case=seed_case,
-        embedded_case=embedded_case, benchmark=benchmark, scaling=scaling, step_costs=step_costs, topology_grid_size=len(grid),
-        topology_samples=len(topology_samples), topology_table=topology_table, serve=serve, ablation=ablation,
-        live_doctor=live_doctor, live=live, summary=summary, stage_seconds=stage_seconds, answer=[forecast.line, *answer],
-        forecast=forecast,
+        embedded_case=embedded_case, benchmark=benchmark, scaling=scaling, step_costs=topology_run["step_costs"],
+        topology_grid_size=topology_run["grid_size"], topology_samples=topology_run["samples"], topology_table=topology_run["table"],
+        serve=topology_run["serve"], ablation=ablation, live_doctor=live_doctor, live=live, summary=summary,
+        stage_seconds=stage_seconds, answer=[forecast.line, *answer], forecast=forecast,
     )
+
+
+def _answer(params: Params, out: Path, inputs: StageInputs, acceptance: SweepAcceptance, embedded_case: BreakEven,
+            seed_case: BreakEven | None, loop: LoopReport, benchmark: BenchmarkRun) -> tuple[SweepScaling, AnswerFile, dict]:
+    """The scaling answer on the pooled held-out curve, the summary record, and the go / no-go forecast: against the
+    user's serving timings when given, else the embedded loop's (this target's); analysis.full_data_size is the
+    horizon (unset: the largest planned size)."""
+    settings, steps = params.analysis, params.analysis.chain_steps
+    scaling = sweep_scaling(acceptance, embedded_case.break_even_accept_length, max_accept_length=steps + 1.0,
+                            confidence=settings.confidence, target_accept_length=settings.target_accept_length,
+                            lower_bound_sizes=inputs.still_improving)
+    summary = analysis_summary_record(Topology.chain(steps), len(inputs.heldout), scaling, embedded_case, seed_case, loop.summary,
+                                      settings.benchmark_prompts, benchmark.summary)
+    seeds = _seed_accept_lengths(inputs.sweep, out, inputs.head, inputs.heldout, steps, params.training.max_length)
+    forecast = forecast_answer(acceptance, scaling, params.training.data_sizes, break_even_cases(seed_case, embedded_case),
+                               max_accept_length=steps + 1.0, confidence=settings.confidence, full_size=settings.full_data_size,
+                               lower_bound_sizes=inputs.still_improving, seed_accept_lengths=seeds,
+                               looks=run_looks(out, params.training.data_sizes), seed=params.run.seed)
+    summary["forecast"] = {"verdict": forecast.verdict, "line": forecast.line, "sizes": forecast.sizes}
+    return scaling, forecast, summary
+
+
+def _topology(params: Params, largest_draft, inputs: StageInputs, loop_prompts: list[dict], draft_dir: str,
+              eos_token_ids: list[int]) -> dict[str, Any]:
+    """Which topology to serve; the grid is sized for a 2-core CPU (on a GPU: default_topology_grid() and every sample)."""
+    settings, max_length = params.analysis, params.training.max_length
+    grid = default_topology_grid(max_steps=4, top_ks=(2, 4), draft_tokens=(4, 8, 16))
+    topology_samples = inputs.heldout[: settings.specdec_prompts]
+    with one_torch_thread():
+        step_costs = measure_step_costs(inputs.target_model, largest_draft, context_length=min(256, max_length))
+        depths = tree_depths_by_dataset(largest_draft, inputs.head.lm_head, topology_samples, grid, max_length)
+    table = sweep_table({served: pool_datasets(by_dataset) for served, by_dataset in depths.items()}, step_costs, draft_dir=draft_dir,
+                        num_resamples=settings.bootstrap_resamples, confidence=settings.confidence, seed=params.run.seed)
+    serve = check_recommendation(recommend(table, step_costs), inputs.target_model, largest_draft, loop_prompts, settings.chain_steps,
+                                 settings.specdec_max_new_tokens, eos_token_ids, num_resamples=settings.bootstrap_resamples,
+                                 confidence=settings.confidence, seed=params.run.seed)
+    return {"grid_size": len(grid), "samples": len(topology_samples), "step_costs": step_costs, "table": table, "serve": serve}
+
+
+def _live_serving(settings, model_dir: Path, sglang_dir: Path, loop_prompts: list[dict]) -> tuple[pd.DataFrame | None, LiveServing]:
+    """The doctor against the running SGLang server's info (before measuring it), and the live measurements."""
+    live_doctor = None
+    if settings.sglang_endpoint:
+        live_doctor = findings_frame(run_doctor(model_dir / "config.json", draft_dir=sglang_dir, endpoint=settings.sglang_endpoint))
+    live = measure_live_serving(loop_prompts, settings.specdec_max_new_tokens, sglang_endpoint=settings.sglang_endpoint,
+                                baseline_endpoint=settings.baseline_endpoint, vllm_endpoint=settings.vllm_endpoint)
+    return live_doctor, live

@@ -30,6 +30,11 @@ class Distributed:
         return self.rank == 0
 
 
+def launched_world() -> tuple[int, int]:
+    """(rank, world size) torchrun gave this process; (0, 1) outside torchrun."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup_distributed(parallel: str, device: torch.device) -> Distributed:
     """Join the torchrun process group for "ddp"/"fsdp" (gloo on CPU, nccl on GPU); "none" is one process."""
     if parallel == "none":

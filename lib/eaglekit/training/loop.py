@@ -61,6 +61,7 @@ class TrainResult:
     step_cap: int = 0  # total steps (equal_*) or the cap (until_converged)
     stopped: str | None = None  # "converged" (patience ran out), "step_cap", or None (stop_at_step: resumable)
     improved_step: int = 0  # the last evaluation whose smoothed tau beat the previous reference by min_improvement
+    resumed_step: int = 0  # the step this call resumed from (0: trained from the start): steps - resumed_step ran here
 
     @property
     def converged(self) -> bool:
@@ -262,6 +263,7 @@ def train_draft(
     resumed = point.path is not None
     progress = (resume_from(point.path, model, optimizer, settings, metrics_path if distributed.is_main else None, point.checkpoint)
                 if resumed else TrainProgress())
+    resumed_step = progress.step
     point.checkpoint = None  # a whole checkpoint (GBs for a large target's draft) is not held while training
     run = Run(model, wrapped, optimizer, teacher, settings, device, distributed, settings.resolved_max_steps(len(train_samples), distributed.world_size),
               output_dir, AppendLog(metrics_path) if distributed.is_main else None, train_samples)
@@ -281,7 +283,7 @@ def train_draft(
         run.log.close()
     return TrainResult(output_dir, progress.step, progress.best_step, progress.best_accept_length, output_dir / BEST_CHECKPOINT, last_path,
                        metrics_path, samples_seen=progress.samples_seen, step_cap=run.total_steps, stopped=progress.stopped,
-                       improved_step=progress.improved_step)
+                       improved_step=progress.improved_step, resumed_step=resumed_step)
 
 
 def _train_steps(run: Run, progress: TrainProgress, upcoming: Prefetcher, trainable: list[torch.nn.Parameter], resumed: bool,

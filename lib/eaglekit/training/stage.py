@@ -40,16 +40,18 @@ from pathlib import Path
 
 import torch
 
-from eaglekit.capture import load_target, open_captured_samples, read_capture_plan
+from eaglekit.capture import CapturedSamples, load_target, open_captured_samples, read_capture_plan
+from eaglekit.capture.inputs import capture_length
 from eaglekit.config import Params, dump_params
 from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
 from eaglekit.training.checkpoint import load_checkpoint, load_draft_weights
+from eaglekit.training.distributed import launched_world
 from eaglekit.training.loop import train_draft
 from eaglekit.training.record import SWEEP_FILE, DraftEntry, DraftVocabRecord, SweepRecord
 from eaglekit.training.settings import TrainSettings
 from eaglekit.training.order import sweep_split
 from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys, split_selection
-from eaglekit.training.sweep import train_size_sweep
+from eaglekit.training.sweep import SweepProgress, train_size_sweep
 from eaglekit.training.teacher import TargetArgmaxCache
 from eaglekit.topology import Topology
 
@@ -57,7 +59,7 @@ LAUNCH_PARAMS_FILE = "launch_params.yaml"
 
 
 def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    return launched_world()[0]
 
 
 def _training_device(params: Params) -> str:
@@ -76,7 +78,6 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     """
     from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
     from eaglekit.target import resolve_model, target_layout
-    from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
 
     out = Path(run_dir)
     capture_dir, training_dir = stage_dir(out, "capture"), stage_dir(out, "training")
@@ -92,52 +93,31 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     settings = dataclasses.replace(TrainSettings.from_params(params), device=_training_device(params))
     is_main = _rank() == 0
     metrics = Metrics(out, "training") if is_main else None
-
-    # Shards or the target recomputing features online, as stage 4 planned: one interface (capture.CapturedSamples).
-    data_files = tokenized_data_files(out)
-    samples = open_captured_samples(capture_dir, data_files,
-                                    lambda: load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype)),
-                                    capture_layer_ids=params.target.capture_layers, max_seq_len=params.capture.max_seq_len)
-    keys = samples.keys
-    capture_layer_ids = samples.capture_layer_ids
-    datasets = [dataset for dataset, _ in keys]
-
-    conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
-    # prep's planned order (prep/order.json) when there is one: each sample keeps the place prep gave it.
-    heldout_indices, train_order = sweep_split(out, keys, params.training.heldout_size, params.run.seed, conversations)
-    # Checkpoints are picked on one side of the held-out set and scored (stage 6) on the other only.
-    selection_positions, _ = split_selection([keys[index] for index in heldout_indices], params.training.selection_share,
-                                             params.run.seed, [conversations[index] for index in heldout_indices])
-    selection_indices = [heldout_indices[position] for position in selection_positions]
-    # The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep.
-    largest_subset = nested_subsets(train_order, params.training.data_sizes)[max(params.training.data_sizes)]
-    vocab_size = layout.vocab_size
-    token_counts = count_generated_tokens((samples.tokens(index) for index in largest_subset), vocab_size)
-    vocab = select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
-    coverage_grid = sorted({2**power for power in range(6, 17) if 2**power < vocab_size} | {vocab.size, vocab_size})
+    inputs = _sweep_inputs(params, out, capture_dir, model_dir, settings)
+    vocab, coverage = _draft_vocab(params, inputs, layout.vocab_size)
     if metrics is not None:
         metrics.log(event="draft_vocab", size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens)
 
-    capture_layer_indices = tuple(capture_layer_ids)
     evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)  # the chain train_draft scores held-out tau with
-    build_model = lambda seed=params.run.seed: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, capture_layer_indices,
+    build_model = lambda seed=params.run.seed: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, tuple(inputs.capture_layer_ids),
                                                                        seed=seed, shape=params.training.draft_shape)
+    ablation_pairs = _ablation_pairs(params, capture_dir, inputs.keys) if sizes is None else None
+    progress = _sweep_progress(params, settings, selected, ablation_pairs)
     # One target argmax per sample for the sweep and the ablation: they share the held-out set, and the
     # regenerated-answers draft trains on samples of the sweep (keys are content digests, so the original
     # answers, which share ids with them, get their own).
     target_cache = TargetArgmaxCache(target_weights.lm_head)
-    sweep_rows = train_size_sweep(build_model, target_weights.lm_head, samples, selected, params.training.heldout_size,
-                                  training_dir, settings, split_seed=params.run.seed, datasets=datasets, conversations=conversations,
-                                  target_cache=target_cache, split=(selection_indices, train_order))
+    sweep_options = dict(datasets=inputs.datasets, target_cache=target_cache, split=(inputs.selection, inputs.train_order),
+                         progress=progress)
+    sweep_rows = train_size_sweep(build_model, target_weights.lm_head, inputs.samples, selected, params.training.heldout_size,
+                                  training_dir, settings, **sweep_options)
     # Training noise: the small sizes again with other seeds (init and data order), same samples, same selection.
     seed_rows: list[tuple[int, dict]] = []
-    for noise_seed in range(params.run.seed + 1, params.run.seed + 1 + params.training.noise_seeds):
-        seed_sizes = [size for size in params.training.noise_seed_sizes() if size in selected]
-        if seed_sizes:
-            rows = train_size_sweep(lambda seed=noise_seed: build_model(seed), target_weights.lm_head, samples, seed_sizes,
-                                    params.training.heldout_size, training_dir / f"seed-{noise_seed}", dataclasses.replace(settings, seed=noise_seed),
-                                    datasets=datasets, target_cache=target_cache, split=(selection_indices, train_order))
-            seed_rows += [(noise_seed, row) for row in rows]
+    for noise_seed, seed_sizes in _noise_seed_sizes(params, selected):
+        rows = train_size_sweep(lambda seed=noise_seed: build_model(seed), target_weights.lm_head, inputs.samples, seed_sizes,
+                                params.training.heldout_size, training_dir / f"seed-{noise_seed}",
+                                dataclasses.replace(settings, seed=noise_seed), label=f", seed {noise_seed}", **sweep_options)
+        seed_rows += [(noise_seed, row) for row in rows]
     if metrics is not None:
         for row in sweep_rows:
             metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})
@@ -148,56 +128,142 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
             metrics.close()
         return None
 
-    ablation: list[DraftEntry] = []
-    original_dir = capture_dir / "original"
-    if params.analysis.ablation and (original_dir / "index.json").exists():
-        from eaglekit.capture.shards import ShardDataset
-
-        original = ShardDataset(original_dir)
-        position_of_key = {key: index for index, key in enumerate(keys)}
-        pairs = [(index, position_of_key[key]) for index, key in enumerate(original.keys) if key in position_of_key]
-        samples_by_dataset = dict(Counter(keys[position][0] for _, position in pairs))
-        variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
-                    "regenerated answers": IndexedSubset(samples, [r for _, r in pairs])}
-        for variant, train_samples in variants.items():
-            result = train_draft(build_model(), target_weights.lm_head, train_samples, IndexedSubset(samples, selection_indices),
-                                 training_dir / "ablation" / variant.split()[0], settings, target_cache=target_cache)
-            ablation.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(selection_indices),
-                                                   settings.schedule, settings.patience, out))
-            if metrics is not None:
-                metrics.log(event="ablation", **ablation[-1].to_dict())
+    ablation = [] if ablation_pairs is None else _train_ablation(ablation_pairs, inputs, capture_dir, build_model, target_weights.lm_head, settings,
+                                                                 training_dir, target_cache, evaluated, progress, out, metrics)
     if not is_main:
         return None
-
-    from eaglekit.draft.export import export_sglang, export_vllm, validate_export
-
     largest = max(sweep_rows, key=lambda row: row["size"])
-    draft = build_model()
-    load_draft_weights(draft, load_checkpoint(largest["best_checkpoint"]))
-    target_config = layout  # export reads the decoder's text config from it, also inside a multimodal wrapper
-    export_dirs = {
-        "sglang": export_sglang(draft, target_config, training_dir / "export" / "sglang"),
-        "vllm": export_vllm(draft, target_config, training_dir / "export" / "vllm", verifier_name_or_path=str(model_dir),
-                            speculative_tokens=params.training.speculative_tokens),
-    }
-    for folder in export_dirs.values():
-        validate_export(folder, target_config)
+    export = _export_largest(build_model, largest, layout, model_dir, training_dir, params.training.speculative_tokens)
     sweep = SweepRecord(
         runs=[DraftEntry.from_sweep_row(row, evaluated, out) for row in sweep_rows],
         noise_seeds=[DraftEntry.from_sweep_row(row, evaluated, out, noise_seed=noise_seed) for noise_seed, row in seed_rows],
         ablation=ablation,
-        heldout=[keys[index] for index in heldout_indices],
-        selection=[keys[index] for index in selection_indices],
+        heldout=[inputs.keys[index] for index in inputs.heldout],
+        selection=[inputs.keys[index] for index in inputs.selection],
         topology=evaluated,
-        draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens,
-                                     coverage_curve=[[size, share] for size, share in coverage_curve(token_counts, coverage_grid).items()]),
-        capture_dir=str(capture_dir.relative_to(out)), capture_mode=capture_plan.mode, capture_layer_ids=list(capture_layer_ids),
+        draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens, coverage_curve=coverage),
+        capture_dir=str(capture_dir.relative_to(out)), capture_mode=capture_plan.mode, capture_layer_ids=list(inputs.capture_layer_ids),
         split_seed=params.run.seed,
-        export={name: str(Path(folder).relative_to(out)) for name, folder in export_dirs.items()},
+        export={name: str(Path(folder).relative_to(out)) for name, folder in export.items()},
     )
     sweep.save(training_dir / SWEEP_FILE)
     metrics.close()
     return sweep
+
+
+@dataclasses.dataclass
+class SweepInputs:
+    """What every draft of the sweep reads: the captured samples and their place in prep's planned order."""
+
+    samples: CapturedSamples
+    keys: list
+    datasets: list[str]
+    capture_layer_ids: list[int]
+    heldout: list[int]  # every sample no draft trains on
+    selection: list[int]  # the side of it that picks and stops each draft (stage 6 scores the other side)
+    train_order: list[int]
+
+
+def _sweep_inputs(params: Params, out: Path, capture_dir: Path, model_dir: Path, settings: TrainSettings) -> SweepInputs:
+    # Shards or the target recomputing features online, as stage 4 planned: one interface (capture.CapturedSamples).
+    data_files = tokenized_data_files(out)
+    samples = open_captured_samples(capture_dir, data_files,
+                                    lambda: load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype)),
+                                    capture_layer_ids=params.target.capture_layers, max_seq_len=capture_length(params))
+    keys = samples.keys
+    conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
+    # prep's planned order (prep/order.json) when there is one: each sample keeps the place prep gave it.
+    heldout, train_order = sweep_split(out, keys, params.training.heldout_size, params.run.seed, conversations)
+    # Checkpoints are picked on one side of the held-out set and scored (stage 6) on the other only.
+    selection_positions, _ = split_selection([keys[index] for index in heldout], params.training.selection_share,
+                                             params.run.seed, [conversations[index] for index in heldout])
+    return SweepInputs(samples, keys, [dataset for dataset, _ in keys], list(samples.capture_layer_ids), list(heldout),
+                       [heldout[position] for position in selection_positions], list(train_order))
+
+
+def _draft_vocab(params: Params, inputs: SweepInputs, vocab_size: int):
+    """The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep; and its
+    coverage curve ([[vocab size, share of generated tokens]])."""
+    from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
+
+    largest_subset = nested_subsets(inputs.train_order, params.training.data_sizes)[max(params.training.data_sizes)]
+    token_counts = count_generated_tokens((inputs.samples.tokens(index) for index in largest_subset), vocab_size)
+    vocab = select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
+    grid = sorted({2**power for power in range(6, 17) if 2**power < vocab_size} | {vocab.size, vocab_size})
+    return vocab, [[size, share] for size, share in coverage_curve(token_counts, grid).items()]
+
+
+def _noise_seed_sizes(params: Params, selected: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """(seed, sizes) of the extra-seed drafts: seeds run.seed + 1, ..., each at the selected small sizes."""
+    seed_sizes = [size for size in params.training.noise_seed_sizes() if size in selected]
+    seeds = range(params.run.seed + 1, params.run.seed + 1 + params.training.noise_seeds)
+    return [(seed, seed_sizes) for seed in seeds] if seed_sizes else []
+
+
+def _ablation_pairs(params: Params, capture_dir: Path, keys: list) -> list[tuple[int, int]] | None:
+    """(original answer's index, regenerated sample's index) of every prompt captured both ways; None: no ablation."""
+    original_dir = capture_dir / "original"
+    if not params.analysis.ablation or not (original_dir / "index.json").exists():
+        return None
+    from eaglekit.capture.shards import ShardDataset
+
+    position_of_key = {key: index for index, key in enumerate(keys)}
+    return [(index, position_of_key[key]) for index, key in enumerate(ShardDataset(original_dir).keys) if key in position_of_key]
+
+
+def _sweep_progress(params: Params, settings: TrainSettings, selected: Sequence[int],
+                    ablation_pairs: list | None) -> SweepProgress:
+    """Every draft stage 5 trains, in order, with its step cap: the log's 'draft i of n' and the sweep's time left."""
+    world = launched_world()[1]
+    drafts = [(f"size {size}", settings.resolved_max_steps(size, world)) for size in selected]
+    drafts += [(f"size {size}, seed {seed}", settings.resolved_max_steps(size, world))
+               for seed, sizes in _noise_seed_sizes(params, selected) for size in sizes]
+    if ablation_pairs is not None:
+        drafts += [(f"ablation: {variant}", settings.resolved_max_steps(len(ablation_pairs), world)) for variant in ABLATION_VARIANTS]
+    return SweepProgress(drafts, params.training.schedule == "until_converged")
+
+
+ABLATION_VARIANTS = ("original answers", "regenerated answers")
+
+
+def _train_ablation(pairs, inputs: SweepInputs, capture_dir: Path, build_model, lm_head, settings: TrainSettings, training_dir: Path,
+                    target_cache,
+                    evaluated: Topology, progress: SweepProgress, out: Path, metrics: Metrics | None) -> list[DraftEntry]:
+    """The ablation pair: one draft on the datasets' own answers, one on the target's, over the same prompts."""
+    from eaglekit.capture.shards import ShardDataset
+
+    original = ShardDataset(capture_dir / "original")
+    samples_by_dataset = dict(Counter(inputs.keys[position][0] for _, position in pairs))
+    variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
+                "regenerated answers": IndexedSubset(inputs.samples, [r for _, r in pairs])}
+    entries = []
+    for variant in ABLATION_VARIANTS:
+        progress.start(f"ablation: {variant}")
+        result = train_draft(build_model(), lm_head, variants[variant], IndexedSubset(inputs.samples, inputs.selection),
+                             training_dir / "ablation" / variant.split()[0], settings, target_cache=target_cache)
+        progress.finish(f"ablation: {variant}", result)
+        entries.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(inputs.selection),
+                                              settings.schedule, settings.patience, out))
+        if metrics is not None:
+            metrics.log(event="ablation", **entries[-1].to_dict())
+    return entries
+
+
+def _export_largest(build_model, largest: dict, layout, model_dir: Path, training_dir: Path, speculative_tokens: int) -> dict[str, Path]:
+    """The largest size's best draft exported for SGLang and vLLM, each export validated: {engine: folder}."""
+    from eaglekit.draft.export import export_sglang, export_vllm, validate_export
+
+    draft = build_model()
+    load_draft_weights(draft, load_checkpoint(largest["best_checkpoint"]))
+    # export reads the decoder's text config from the layout, also inside a multimodal wrapper
+    export_dirs = {
+        "sglang": export_sglang(draft, layout, training_dir / "export" / "sglang"),
+        "vllm": export_vllm(draft, layout, training_dir / "export" / "vllm", verifier_name_or_path=str(model_dir),
+                            speculative_tokens=speculative_tokens),
+    }
+    for folder in export_dirs.values():
+        validate_export(folder, layout)
+    return export_dirs
 
 
 # ---------------------------------------------------------------------------------------------------

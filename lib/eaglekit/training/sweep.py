@@ -1,7 +1,10 @@
-"""The data-size sweep: one draft per size on nested, dataset-stratified subsets, one held-out set for all."""
+"""The data-size sweep: one draft per size on nested, dataset-stratified subsets, one held-out set for all,
+and its progress in the log (`SweepProgress`: draft i of n, the sweep's time left)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -9,11 +12,61 @@ from typing import Any
 import torch
 
 from eaglekit.draft.model import Eagle3DraftModel
-from eaglekit.training.loop import train_draft
+from eaglekit.io import format_duration
+from eaglekit.training.distributed import launched_world
+from eaglekit.training.loop import TrainResult, train_draft
 from eaglekit.training.metrics import recent_gain
 from eaglekit.training.settings import TrainSettings
 from eaglekit.training.split import IndexedSubset, nested_subsets, split_heldout
 from eaglekit.training.teacher import TargetArgmaxCache
+
+logger = logging.getLogger(__name__)
+
+
+class SweepProgress:
+    """'draft i of n' before each draft of a sweep trains, with the sweep's time left, and a line when it ends.
+
+    drafts: (label, step cap) of every draft the sweep will train, in order (stage 5: the sizes, the extra seeds,
+    the ablation). The time left is the remaining drafts' step caps at the seconds a step took so far (training
+    and held-out evaluations, over the steps this process ran, so a resumed draft counts only what it ran): under
+    until_converged a draft stops at its cap at the latest, so it is an upper bound ("at most"); before any step
+    was timed it is "not yet known"."""
+
+    def __init__(self, drafts: Sequence[tuple[str, int]], until_converged: bool, log: Callable[..., None] | None = None):
+        self.drafts = list(drafts)
+        self.until_converged = until_converged
+        self.log = log or (logger.info if launched_world()[0] == 0 else (lambda *args: None))  # one rank says it
+        self.started_drafts = 0
+        self.timed_steps = 0
+        self.timed_seconds = 0.0
+        self._draft_started: float | None = None
+
+    def time_left(self) -> str:
+        """The remaining drafts' time, from the next one to start on, as the log says it."""
+        steps = sum(cap for _, cap in self.drafts[self.started_drafts:])
+        if not self.timed_steps:
+            return f"not yet known ({steps} steps at the step caps, none timed yet)"
+        seconds = steps * self.timed_seconds / self.timed_steps
+        bound = "at most " if self.until_converged else "about "
+        return f"{bound}{format_duration(seconds)} ({steps} steps at {self.timed_seconds / self.timed_steps:.3g} s a step)"
+
+    def start(self, label: str) -> None:
+        total = max(len(self.drafts), self.started_drafts + 1)
+        self.log("stage 5: draft %d of %d, %s; the sweep's time left %s", self.started_drafts + 1, total, label, self.time_left())
+        self.started_drafts += 1
+        self._draft_started = time.perf_counter()
+
+    def finish(self, label: str, result: TrainResult) -> None:
+        seconds = time.perf_counter() - (self._draft_started or time.perf_counter())
+        ran = result.steps - result.resumed_step
+        if ran > 0:
+            self.timed_steps += ran
+            self.timed_seconds += seconds
+        how = result.stopped or "stopped by stop_at_step"
+        resumed = f", resumed at step {result.resumed_step}" if result.resumed_step else ""
+        self.log("stage 5: draft %d of %d, %s, done: %d steps in %s%s, best held-out tau %.4f at step %d (%s)", self.started_drafts,
+                 max(len(self.drafts), self.started_drafts), label, result.steps, format_duration(seconds), resumed,
+                 result.best_accept_length, result.best_step, how)
 
 
 def train_size_sweep(
@@ -29,6 +82,8 @@ def train_size_sweep(
     conversations: Sequence[str] | None = None,
     target_cache: TargetArgmaxCache | None = None,
     split: tuple[Sequence[int], Sequence[int]] | None = None,
+    progress: SweepProgress | None = None,
+    label: str = "",
 ) -> list[dict[str, Any]]:
     """One draft per data size on nested, dataset-stratified subsets, all scored on one held-out set.
 
@@ -44,6 +99,8 @@ def train_size_sweep(
     None splits here with `split_heldout`. The held-out indices are the samples that pick each size's best
     checkpoint and stop it: stage 5 passes the selection side only (`split.split_selection`), so the side
     stage 6 scores never chose what it scores.
+    `progress`: the log's 'draft i of n' over a longer plan (stage 5's sizes, seeds and ablation); None, over these
+    sizes. `label` follows each size's name in it (", seed 1").
     """
     output_dir = Path(output_dir)
     if datasets is None:
@@ -56,10 +113,15 @@ def train_size_sweep(
     heldout = IndexedSubset(samples, heldout_indices)
     # One target argmax per sample for the whole sweep: the held-out set and the nested subsets recur in every size.
     target_cache = target_cache or TargetArgmaxCache(target_lm_head)
+    if progress is None:
+        progress = SweepProgress([(f"size {size}{label}", settings.resolved_max_steps(size, launched_world()[1]))
+                                  for size in subsets], settings.training.schedule == "until_converged")
     rows = []
     for size, indices in subsets.items():
+        progress.start(f"size {size}{label}")
         result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings,
                              target_cache=target_cache)
+        progress.finish(f"size {size}{label}", result)
         per_dataset: dict[str, int] = {}
         for index in indices:
             per_dataset[datasets[index]] = per_dataset.get(datasets[index], 0) + 1
