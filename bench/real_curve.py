@@ -63,32 +63,52 @@ def build_split(out: Path, run: Path, args: argparse.Namespace) -> dict[str, Any
     path = out / "split.json"
     if path.exists():
         split = json.loads(path.read_text())
+        if split.get("answers", "regenerated") != args.answers or split.get("truncate", False) != args.truncate:
+            raise SystemExit(f"{path}: made from {split.get('answers', 'regenerated')} answers (truncate {split.get('truncate', False)}); "
+                             f"this run asks {args.answers} (truncate {args.truncate}): use another folder")
         if split["max_length"] != args.max_length or split["selection_size"] != args.selection_size or split["pool"] != max(args.sizes):
             raise SystemExit(f"{path}: made with max_length {split['max_length']}, selection {split['selection_size']}, pool "
                              f"{split['pool']}; this run asks {args.max_length}, {args.selection_size}, {max(args.sizes)}: use another folder")
         return split
     order = json.loads((run / "prep" / "order.json").read_text())
-    tokenized = run / "generation" / "tokenized" / DATASET / "tokenized_data.jsonl"
-    lines = {record["id"]: record for _, record in read_jsonl(tokenized)}
+    tokenized = answers_file(run, args.answers)
+    lines = {record["id"]: fitted(record, args) for _, record in read_jsonl(tokenized)}
     planned = [sample_id for dataset, sample_id in order["heldout"] + order["train"] if dataset == DATASET]
-    kept = [sample_id for sample_id in planned if sample_id in lines and len(lines[sample_id]["input_ids"]) <= args.max_length]
+    kept = [sample_id for sample_id in planned if lines.get(sample_id) is not None]
     pool = max(args.sizes)
     if len(kept) < args.selection_size + pool + 20:
         raise SystemExit(f"only {len(kept)} samples of at most {args.max_length} tokens: not enough for selection "
                          f"{args.selection_size} + pool {pool} + a scoring set")
-    split = {"run": str(run), "max_length": args.max_length, "selection_size": args.selection_size, "pool": pool,
+    split = {"run": str(run), "answers": args.answers, "truncate": args.truncate, "max_length": args.max_length, "selection_size": args.selection_size, "pool": pool,
              "planned": len(planned), "answered": sum(sample_id in lines for sample_id in planned), "kept": len(kept),
              "selection": kept[: args.selection_size], "train": kept[args.selection_size : args.selection_size + pool],
              "scoring": kept[args.selection_size + pool :]}
     out.mkdir(parents=True, exist_ok=True)
     staging = out / "tokenized.jsonl.tmp"
-    staging.write_text("".join(json.dumps({key: lines[sample_id][key] for key in ("id", "input_ids", "loss_mask")}) + "\n"
-                               for sample_id in kept))
+    staging.write_text("".join(json.dumps(lines[sample_id]) + "\n" for sample_id in kept))
     staging.rename(out / "tokenized.jsonl")
     write_json(path, split)
     print(f"split: {len(planned)} planned, {split['answered']} answered, {len(kept)} of at most {args.max_length} tokens: "
           f"selection {len(split['selection'])}, training pool {pool}, scoring {len(split['scoring'])}", flush=True)
     return split
+
+
+def answers_file(run: Path, answers: str) -> Path:
+    """The tokenized samples: the target's regenerated answers (stage 3) or the dataset's own (prep, original_answers)."""
+    if answers == "regenerated":
+        return run / "generation" / "tokenized" / DATASET / "tokenized_data.jsonl"
+    return run / "prep" / DATASET / "original_tokenized_data.jsonl"
+
+
+def fitted(record: dict[str, Any], args: argparse.Namespace) -> dict[str, Any] | None:
+    """The sample as the bench trains it: whole when at most --max-length tokens; with --truncate, cut to it when at
+    least --min-answer-tokens answer tokens remain (the kit would truncate to max_length too); else None (left out)."""
+    sample = {key: record[key] for key in ("id", "input_ids", "loss_mask")}
+    if len(sample["input_ids"]) <= args.max_length:
+        return sample
+    if not args.truncate or sum(sample["loss_mask"][: args.max_length]) < args.min_answer_tokens:
+        return None
+    return {**sample, "input_ids": sample["input_ids"][: args.max_length], "loss_mask": sample["loss_mask"][: args.max_length]}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -281,6 +301,10 @@ def parse_args() -> argparse.Namespace:
                         help="train only these of --sizes (another process may train the others at once); default all")
     parser.add_argument("--selection-size", type=int, default=40, help="held-out samples that stop training and pick the checkpoint")
     parser.add_argument("--max-length", type=int, default=384, help="samples longer than this (prompt + answer) are left out")
+    parser.add_argument("--answers", choices=["regenerated", "original"], default="regenerated",
+                        help="the target's answers from stage 3, or the dataset's own from prep (original_answers)")
+    parser.add_argument("--truncate", action="store_true", help="cut longer samples to --max-length instead of leaving them out")
+    parser.add_argument("--min-answer-tokens", type=int, default=32, help="with --truncate: answer tokens a cut sample keeps at least")
     parser.add_argument("--seeds-at", default="", type=lambda text: [int(part) for part in text.split(",") if part],
                         help="sizes at which a second seed is trained (training noise)")
     parser.add_argument("--break-even", default="1.91,1.45", type=lambda text: [float(part) for part in text.split(",")],

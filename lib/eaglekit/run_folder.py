@@ -300,17 +300,48 @@ def clear_stage_outcome(run_dir: str | os.PathLike, stage: str) -> None:
         _outcome_path(Path(run_dir), stage).unlink()
 
 
-def stage_dir(run_dir: Path, stage: str) -> Path:
-    path = Path(run_dir) / STAGE_FOLDERS[stage]
+# ---- the run folder's layout: where each stage's hand-over lies (the one place that knows the folder names) ----
+ORDER_FILE = "order.json"  # prep/: the planned held-out set and training order (training.order.TrainingOrder)
+SWEEP_FILE = "sweep.json"  # training/: the drafts stage 5 hands stage 6 (training.record.SweepRecord)
+TOKENIZED_FILE = "tokenized_data.jsonl"  # prep/<source>/ (class A), generation/tokenized/<source>/ (class B regenerated)
+ORIGINAL_TOKENIZED_FILE = "original_tokenized_data.jsonl"  # prep/<source>/: class B's own answers (the ablation)
+
+
+def stage_path(run_dir: str | os.PathLike, stage: str) -> Path:
+    """A stage's folder in the run folder (made or not; `stage_dir` makes it)."""
+    return Path(run_dir) / STAGE_FOLDERS[stage]
+
+
+def stage_dir(run_dir: str | os.PathLike, stage: str) -> Path:
+    path = stage_path(run_dir, stage)
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def tokenized_data_files(run_dir: Path) -> dict[str, Path]:
+def order_path(run_dir: str | os.PathLike) -> Path:
+    """prep's planned order: prep/order.json."""
+    return stage_path(run_dir, "prep") / ORDER_FILE
+
+
+def sweep_path(run_dir: str | os.PathLike) -> Path:
+    """What stage 5 hands stage 6: training/sweep.json."""
+    return stage_path(run_dir, "training") / SWEEP_FILE
+
+
+def class_a_files(run_dir: str | os.PathLike) -> dict[str, Path]:
+    """prep's class-A samples, tokenized as they are: {dataset: prep/<dataset>/tokenized_data.jsonl}."""
+    return {path.parent.name: path for path in sorted(stage_path(run_dir, "prep").glob(f"*/{TOKENIZED_FILE}"))}
+
+
+def original_answer_files(run_dir: str | os.PathLike) -> dict[str, Path]:
+    """Class-B datasets' own answers that prep tokenized (prep.original_answers): {dataset: path}."""
+    return {path.parent.name: path for path in sorted(stage_path(run_dir, "prep").glob(f"*/{ORIGINAL_TOKENIZED_FILE}"))}
+
+
+def tokenized_data_files(run_dir: str | os.PathLike) -> dict[str, Path]:
     """Training data for capture: class A from prep, regenerated class B from generation, by dataset."""
-    run_dir = Path(run_dir)
-    files = {path.parent.name: path for path in sorted((run_dir / "prep").glob("*/tokenized_data.jsonl"))}
-    for path in sorted((run_dir / "generation" / "tokenized").glob("*/tokenized_data.jsonl")):
+    files = class_a_files(run_dir)
+    for path in sorted((stage_path(run_dir, "generation") / "tokenized").glob(f"*/{TOKENIZED_FILE}")):
         if path.parent.name in files:
             raise ValueError(f"dataset {path.parent.name!r} has tokenized data from both prep and generation")
         files[path.parent.name] = path
@@ -320,7 +351,7 @@ def tokenized_data_files(run_dir: Path) -> dict[str, Path]:
 def prompt_files(run_dir: Path) -> list[tuple[str, str, Path]]:
     """Class-B prompts written by prep: (dataset, partition, path) for every prompts.<partition>.jsonl."""
     found = []
-    for path in sorted((Path(run_dir) / "prep").glob("*/prompts.*.jsonl")):
+    for path in sorted(stage_path(run_dir, "prep").glob("*/prompts.*.jsonl")):
         partition = path.name.split(".")[1]
         found.append((path.parent.name, partition, path))
     return found

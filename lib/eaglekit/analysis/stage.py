@@ -48,7 +48,7 @@ from eaglekit.config import Params
 from eaglekit.draft.doctor import findings_frame, preflight_table, run_doctor
 from eaglekit.draft.model import load_target_head_weights
 from eaglekit.io import format_duration
-from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
+from eaglekit.run_folder import Metrics, stage_dir, sweep_path, tokenized_data_files
 from eaglekit.target import load_tokenizer, resolve_model
 from eaglekit.topology import Topology
 from eaglekit.training.record import SweepRecord
@@ -179,7 +179,7 @@ def _stage_inputs(params: Params, out: Path) -> StageInputs:
     if sweep.picked_on_scored:
         logger.warning("%s is from before the selection split: its drafts' best checkpoints were picked on the held-out samples "
                        "scored here, so every tau below is optimistic; rerun stage 5 for checkpoints picked on a selection split",
-                       out / "training" / "sweep.json")
+                       sweep_path(out))
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
     target_model = load_target(model_dir, dtype=getattr(torch, params.target.dtype), trust_remote_code=params.target.trust_remote_code)
     captured = open_captured_samples(sweep.path(out, sweep.capture_dir), tokenized_data_files(out), target_model,

@@ -27,7 +27,7 @@ from eaglekit.capture.plan import PLAN_FILE, InsufficientDiskError, StoragePlan,
 from eaglekit.capture.run import CaptureReport, capture_to_shards
 from eaglekit.config import Params
 from eaglekit.io import read_jsonl, write_json
-from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
+from eaglekit.run_folder import Metrics, original_answer_files, stage_dir, tokenized_data_files
 from eaglekit.capture.sglang_capture import SGLANG_COMMAND
 from eaglekit.target import TargetLayout, resolve_model, target_layout
 from eaglekit.training import ablation_sample_keys, read_conversation_keys
@@ -71,7 +71,7 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
                               captured: CapturedSamples, capture_layer_ids: list[int], mode: str, metrics: Metrics,
                               max_seq_len: int) -> tuple[CaptureReport | None, str]:
     """The ablation's input: the class-B datasets' own answers that the ablation draft trains on, into capture/original/."""
-    original_files = {path.parent.name: path for path in sorted((out / "prep").glob("*/original_tokenized_data.jsonl"))}
+    original_files = original_answer_files(out)
     if params.analysis.ablation and original_files and mode == "offline" and model is None:
         return None, f"ablation skipped: capture.engine {params.capture.engine} captured the sweep; capture the original answers with it separately"
     if params.analysis.ablation and original_files and mode == "offline":

@@ -31,6 +31,7 @@ from pathlib import Path
 from eaglekit.generation.logs import ERRORS_FILE, GENERATIONS_FILE, SESSIONS_FILE, count_lines, finished_keys, iter_record_heads
 from eaglekit.generation.prompts import PromptSource
 from eaglekit.io import InputError, read_jsonl, write_json, write_jsonl
+from eaglekit.run_folder import class_a_files, stage_path
 from eaglekit.training.order import Key, TrainingOrder
 
 STAGED_DIR = "staged"
@@ -61,14 +62,13 @@ class Settled:
 
 def class_a_keys(run_dir: str | os.PathLike) -> frozenset[Key]:
     """(dataset, id) of prep's class-A samples: they train as prep tokenized them, without an answer."""
-    return frozenset((path.parent.name, str(record.get("id")))
-                     for path in sorted((Path(run_dir) / "prep").glob("*/tokenized_data.jsonl")) for _, record in read_jsonl(path))
+    return frozenset((dataset, str(record.get("id"))) for dataset, path in class_a_files(run_dir).items() for _, record in read_jsonl(path))
 
 
 def next_session(run_dir: str | os.PathLike) -> int:
     """The number stage 3 gives its next session (1 + the sessions recorded): read before stage 3 starts, it is
     the session this run's generation writes."""
-    return 1 + count_lines(Path(run_dir) / "generation" / SESSIONS_FILE)
+    return 1 + count_lines(stage_path(run_dir, "generation") / SESSIONS_FILE)
 
 
 def read_settled(run_dir: str | os.PathLike, class_a: frozenset[Key], first_session: int | None = None) -> Settled:
@@ -78,7 +78,7 @@ def read_settled(run_dir: str | os.PathLike, class_a: frozenset[Key], first_sess
     first_session: the first session of the generation running now (`next_session` before it started); an error
     whose latest record is older is retried in this session, so it is not settled yet. None: every error is final
     (generation.retry_errors false, or a generation that has ended)."""
-    generation_dir = Path(run_dir) / "generation"
+    generation_dir = stage_path(run_dir, "generation")
     answered = frozenset(finished_keys(generation_dir / GENERATIONS_FILE))
     latest_session: dict[Key, int] = {}
     for _, _, head in iter_record_heads(generation_dir / ERRORS_FILE):
@@ -125,8 +125,7 @@ def write_staged_data(run_dir: str | os.PathLike, keys: Collection[Key], params,
     wanted = set(keys)
     tokenized_dir = run_dir / STAGED_DIR / "tokenized"
     files: dict[str, Path] = {}
-    for path in sorted((run_dir / "prep").glob("*/tokenized_data.jsonl")):
-        dataset = path.parent.name
+    for dataset, path in class_a_files(run_dir).items():
         records = [record for _, record in read_jsonl(path) if (dataset, str(record.get("id"))) in wanted]
         if records:
             files[dataset] = tokenized_dir / dataset / "tokenized_data.jsonl"
@@ -140,7 +139,7 @@ def write_staged_data(run_dir: str | os.PathLike, keys: Collection[Key], params,
             sources.append(PromptSource(dataset, partition, subset))
     if sources:
         settings = params.generation
-        summary = build_tokenized_data(run_dir / "generation", sources, tokenized_dir, tokenizer=tokenizer,
+        summary = build_tokenized_data(stage_path(run_dir, "generation"), sources, tokenized_dir, tokenizer=tokenizer,
                                        truncated_policy=settings.truncated_policy, drop_flags=settings.drop_flags,
                                        use_token_ids=settings.use_token_ids, bad_input=settings.bad_answer,
                                        max_usage_disagreement=settings.max_usage_disagreement,

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglekit.io import InputError, read_jsonl, write_json
+from eaglekit.run_folder import ORDER_FILE, order_path
 from eaglekit.training.split import conversation_key, split_heldout
 
-ORDER_FILE = "order.json"
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (dataset, sample id)
@@ -135,7 +135,7 @@ def write_training_order(prep_dir: str | os.PathLike, heldout_size: int, seed: i
 def read_training_order(run_dir: str | os.PathLike, heldout_size: int, seed: int) -> TrainingOrder | None:
     """`prep/order.json` when it was planned for this seed and held-out size; None when absent (a run folder
     from before the plan existed) or planned for other values (a warning says so; the captured samples are split)."""
-    path = Path(run_dir) / "prep" / ORDER_FILE
+    path = order_path(run_dir)
     if not path.exists():
         return None
     order = TrainingOrder.load(path)
@@ -153,7 +153,7 @@ def sweep_split(run_dir: str | os.PathLike, keys: Sequence[Key], heldout_size: i
     order = read_training_order(run_dir, heldout_size, seed)
     if order is None:
         return split_heldout([dataset for dataset, _ in keys], heldout_size, seed, conversations)
-    return order.split(keys, str(Path(run_dir) / "prep" / ORDER_FILE))
+    return order.split(keys, str(order_path(run_dir)))
 
 
 def requests_before_each_size(order: TrainingOrder, partition_of: dict[Key, str], sizes: Sequence[int]) -> list[dict]:

@@ -39,12 +39,12 @@ from typing import Any
 import pandas as pd
 
 from eaglekit.io import InputError, write_json
+from eaglekit.run_folder import SWEEP_FILE, sweep_path
 from eaglekit.topology import Topology
 from eaglekit.training.checkpoint import CheckpointDigest, check_digest, verify_checkpoint
 from eaglekit.training.loop import TrainResult
 from eaglekit.training.metrics import recent_gain
 
-SWEEP_FILE = "sweep.json"
 RECORD_VERSION = 2
 RERUN = "rerun stage 5 (notebook 05, or eaglekit train --params P --run-dir D; trained sizes resume from their checkpoints)"
 RETRAIN = ("rerun stage 5: the size resumes, finds its best.pt unreadable, and restores it or trains the size again "
@@ -263,7 +263,7 @@ class SweepRecord:
     @classmethod
     def load_run(cls, run_dir: str | os.PathLike) -> SweepRecord:
         """The record of a run folder: <run_dir>/training/sweep.json."""
-        return cls.load(Path(run_dir) / "training" / SWEEP_FILE)
+        return cls.load(sweep_path(run_dir))
 
     @classmethod
     def from_dict(cls, record: Any, path: str | os.PathLike = SWEEP_FILE) -> SweepRecord:
