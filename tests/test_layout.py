@@ -114,3 +114,14 @@ def test_no_module_is_over_the_line_budget():
     long = {str(path.relative_to(LIBRARY)): count for path in sorted(LIBRARY.rglob("*.py"))
             if (count := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines (split them along their concerns): {long}"
+
+
+def test_the_readme_layout_names_every_package_and_module_of_the_library():
+    """README's Layout section lists `lib/eaglekit/`'s packages (`name/`) and top-level modules (`name`): a new one
+    is described there, a removed one leaves no stale entry."""
+    readme = (TESTS.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):readme.index("## Tests and benchmarks")]
+    listed = {line.split("`")[1] for line in layout.splitlines() if line.startswith("- `")}
+    tree = {f"{path.name}/" for path in LIBRARY.iterdir() if (path / "__init__.py").is_file()}
+    tree |= {path.stem for path in LIBRARY.glob("*.py") if not path.name.startswith("__")}
+    assert listed == tree, f"in the tree, not the README: {sorted(tree - listed)}; in the README, not the tree: {sorted(listed - tree)}"

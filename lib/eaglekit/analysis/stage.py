@@ -274,22 +274,31 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
     )
 
 
+def scaling_and_forecast(params: Params, run_dir: str | os.PathLike, acceptance: SweepAcceptance, cases: dict[str, float],
+                         scaling_break_even: float, lower_bounds: dict, seed_accept_lengths: dict | None = None
+                         ) -> tuple[SweepScaling, AnswerFile]:
+    """The scaling answer on the pooled held-out curve (sized for `scaling_break_even`) and the go / no-go forecast
+    against `cases` (`break_even_cases`: the user's serving timings when given, else this target's own loop), the
+    horizon analysis.full_data_size (unset: the largest planned size): stage 6's, and the staged run's after each size."""
+    settings, steps = params.analysis, params.analysis.chain_steps
+    scaling = sweep_scaling(acceptance, scaling_break_even, max_accept_length=steps + 1.0, confidence=settings.confidence,
+                            target_accept_length=settings.target_accept_length, lower_bound_sizes=lower_bounds)
+    forecast = forecast_answer(acceptance, scaling, params.training.data_sizes, cases, max_accept_length=steps + 1.0,
+                               confidence=settings.confidence, full_size=settings.full_data_size, lower_bound_sizes=lower_bounds,
+                               seed_accept_lengths=seed_accept_lengths, looks=run_looks(run_dir, params.training.data_sizes),
+                               seed=params.run.seed)
+    return scaling, forecast
+
+
 def _answer(params: Params, out: Path, inputs: StageInputs, acceptance: SweepAcceptance, embedded_case: BreakEven,
             seed_case: BreakEven | None, loop: LoopReport, benchmark: BenchmarkRun) -> tuple[SweepScaling, AnswerFile, dict]:
-    """The scaling answer on the pooled held-out curve, the summary record, and the go / no-go forecast: against the
-    user's serving timings when given, else the embedded loop's (this target's); analysis.full_data_size is the
-    horizon (unset: the largest planned size)."""
-    settings, steps = params.analysis, params.analysis.chain_steps
-    scaling = sweep_scaling(acceptance, embedded_case.break_even_accept_length, max_accept_length=steps + 1.0,
-                            confidence=settings.confidence, target_accept_length=settings.target_accept_length,
-                            lower_bound_sizes=inputs.still_improving)
-    summary = analysis_summary_record(Topology.chain(steps), len(inputs.heldout), scaling, embedded_case, seed_case, loop.summary,
-                                      settings.benchmark_prompts, benchmark.summary)
+    """Stage 6's scaling answer (sized for the embedded loop's break-even), forecast and summary record."""
+    steps = params.analysis.chain_steps
     seeds = _seed_accept_lengths(inputs.sweep, out, inputs.head, inputs.heldout, steps, params.training.max_length)
-    forecast = forecast_answer(acceptance, scaling, params.training.data_sizes, break_even_cases(seed_case, embedded_case),
-                               max_accept_length=steps + 1.0, confidence=settings.confidence, full_size=settings.full_data_size,
-                               lower_bound_sizes=inputs.still_improving, seed_accept_lengths=seeds,
-                               looks=run_looks(out, params.training.data_sizes), seed=params.run.seed)
+    scaling, forecast = scaling_and_forecast(params, out, acceptance, break_even_cases(seed_case, embedded_case),
+                                             embedded_case.break_even_accept_length, inputs.still_improving, seeds)
+    summary = analysis_summary_record(Topology.chain(steps), len(inputs.heldout), scaling, embedded_case, seed_case, loop.summary,
+                                      params.analysis.benchmark_prompts, benchmark.summary)
     summary["forecast"] = {"verdict": forecast.verdict, "line": forecast.line, "sizes": forecast.sizes}
     return scaling, forecast, summary
 

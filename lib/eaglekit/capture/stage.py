@@ -68,8 +68,8 @@ class CaptureResult:
 
 
 def _capture_original_answers(params: Params, model: torch.nn.Module, capture_dir: Path, out: Path, data_files: dict[str, Path],
-                              captured: CapturedSamples, capture_layer_ids: list[int], mode: str, metrics: Metrics,
-                              max_seq_len: int) -> tuple[CaptureReport | None, str]:
+                              captured: CapturedSamples, capture_layer_ids: list[int], mode: str,
+                              metrics: Metrics) -> tuple[CaptureReport | None, str]:
     """The ablation's input: the class-B datasets' own answers that the ablation draft trains on, into capture/original/."""
     original_files = original_answer_files(out)
     if params.analysis.ablation and original_files and mode == "offline" and model is None:
@@ -83,10 +83,7 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
                                       heldout_indices=heldout)
         original_dir = capture_dir / "original"
         subset_files = write_sample_subset(original_files, set(chosen), original_dir / "inputs")
-        report = capture_to_shards(model, subset_files, original_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
-                                   max_seq_len=max_seq_len, max_tokens_per_batch=params.capture.max_tokens_per_batch,
-                                   max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=False,
-                                   log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype)
+        report = capture_samples(params, model, subset_files, original_dir, capture_layer_ids, progress=False)
         metrics.log(event="capture_original", samples=report.samples, tokens=report.tokens, seconds=report.seconds,
                     truncated_samples=report.truncated_samples)
         return report, (f"ablation input: {report.samples} original answers ({report.tokens:,} tokens, "
@@ -96,6 +93,17 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
     if params.analysis.ablation:
         return None, "ablation skipped: no class-B dataset kept its own answers (prep.original_answers)"
     return None, "analysis.ablation is false: no original answers captured"
+
+
+def capture_samples(params: Params, source, files: dict[str, Path], out_dir: Path, capture_layer_ids: list[int], *,
+                    progress: bool = True, slices: list | None = None) -> CaptureReport:
+    """`files` captured into shards in `out_dir` under the params' capture settings (capture_length, batch tokens,
+    shard size, feature dtype, log interval): the one call stage 4, its ablation input and the staged run make.
+    Resumes past the samples `out_dir` holds."""
+    return capture_to_shards(source, files, out_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
+                             max_seq_len=capture_length(params), max_tokens_per_batch=params.capture.max_tokens_per_batch,
+                             max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=progress,
+                             log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype, slices=slices)
 
 
 def load_feature_source(params: Params, layout: TargetLayout, capture_layer_ids: list[int], max_seq_len: int,
@@ -161,12 +169,8 @@ def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResu
 
         report = None
         if plan.mode == "offline":
-            report = capture_to_shards(engine or model, data_files, capture_dir, model_name=params.target.model,
-                                       capture_layer_ids=capture_layer_ids, max_seq_len=max_seq_len,
-                                       max_tokens_per_batch=params.capture.max_tokens_per_batch,
-                                       max_shard_bytes=params.capture.max_shard_mb * 2**20,
-                                       log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype,
-                                       slices=[part["keys"] for part in plan.slices] if plan.slices else None)
+            report = capture_samples(params, engine or model, data_files, capture_dir, capture_layer_ids,
+                                     slices=[part["keys"] for part in plan.slices] if plan.slices else None)
             metrics.log(event="capture", **{key: value for key, value in report.as_dict().items() if key != "datasets"})
             datasets = report.datasets
         else:
@@ -189,7 +193,7 @@ def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResu
         metrics.log(event="feature_norms", **{name: float(values.median()) for name, values in norms.items()})
 
         ablation_report, ablation_note = _capture_original_answers(params, model, capture_dir, out, data_files, captured,
-                                                                   capture_layer_ids, plan.mode, metrics, max_seq_len)
+                                                                   capture_layer_ids, plan.mode, metrics)
     finally:
         if engine is not None:
             engine.close()

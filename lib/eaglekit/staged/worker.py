@@ -266,10 +266,10 @@ class StagedWorker:
     # ---- stage 6's part: score every staged size, rewrite the answer ------------------------------
     def _forecast(self, record: StagedRecord, captured, heldout_indices: list[int], planned_prompts: int, seconds: float) -> None:
         from eaglekit.analysis.acceptance import sweep_acceptance
-        from eaglekit.analysis.answer import break_even_cases, forecast_answer, lower_bound_sizes, serving_case, sweep_scaling
+        from eaglekit.analysis.answer import break_even_cases, lower_bound_sizes, serving_case
         from eaglekit.analysis.checkpoints import offline_agreements_by_size
         from eaglekit.analysis.forecast import ANSWER_FILE
-        from eaglekit.analysis.stage import run_looks
+        from eaglekit.analysis.stage import scaling_and_forecast
         from eaglekit.run_folder import stage_dir
 
         params, settings, training = self.params, self.params.analysis, self.params.training
@@ -288,11 +288,7 @@ class StagedWorker:
                            "to time the loop on); stage 6 measures it", done)
             return
         lower_bounds = lower_bound_sizes([record.slices[size].result for size in done], training)
-        scaling = sweep_scaling(acceptance, next(iter(cases.values())), max_accept_length=steps + 1.0, confidence=settings.confidence,
-                                target_accept_length=settings.target_accept_length, lower_bound_sizes=lower_bounds)
-        answer = forecast_answer(acceptance, scaling, training.data_sizes, cases, max_accept_length=steps + 1.0,
-                                 confidence=settings.confidence, full_size=settings.full_data_size, lower_bound_sizes=lower_bounds,
-                                 looks=run_looks(self.run_dir, training.data_sizes), seed=params.run.seed)
+        scaling, answer = scaling_and_forecast(params, self.run_dir, acceptance, cases, next(iter(cases.values())), lower_bounds)
         answer.save(stage_dir(self.run_dir, "analysis") / ANSWER_FILE)
         answered = len(read_settled(self.run_dir, frozenset()).answered)
         running = self.generation.running()
@@ -369,15 +365,9 @@ class StagedWorker:
         return self._head
 
     def _capture(self, files: dict[str, Path], source, capture_layer_ids) -> None:
-        from eaglekit.capture.run import capture_to_shards
-        from eaglekit.capture.stage import capture_length
+        from eaglekit.capture.stage import capture_samples
 
-        params = self.params
-        report = capture_to_shards(source, files, self.staged_dir / "capture", model_name=params.target.model,
-                                   capture_layer_ids=capture_layer_ids, max_seq_len=capture_length(params),
-                                   max_tokens_per_batch=params.capture.max_tokens_per_batch,
-                                   max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=False,
-                                   log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype)
+        report = capture_samples(self.params, source, files, self.staged_dir / "capture", capture_layer_ids, progress=False)
         logger.info("staged capture: %d samples in staged/capture (%d new, %d tokens) in %.1fs", report.samples,
                     report.captured_samples, report.captured_tokens, report.seconds)
 
