@@ -263,25 +263,8 @@ def plot_accept_length_vs_data_size(
         raise ValueError(f"points is missing columns {missing}; it has {list(points.columns)}")
     colors = dict(colors) if colors is not None else dataset_colors(points[dataset_column], overall_dataset)
     figure, axes = plt.subplots(figsize=(10.5, 4.8))
-    for name, group in points.groupby(dataset_column, sort=True):
-        group = group.sort_values(size_column)
-        overall = name == overall_dataset
-        style = {"linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
-        line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), color=colors[str(name)], **style)[0]
-        axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
-        if overall and lower_bound_column in group.columns:
-            still_improving = group[lower_bound_column].fillna(False).astype(bool)
-            converged = group[~still_improving]
-            if len(converged):  # said in the legend too, so a reader knows no point is a lower bound
-                axes.plot(converged[size_column], converged[value_column], linestyle="none", marker="o", markersize=9, color="black",
-                          zorder=4, label=f"converged, stopped by patience ({len(converged)} of {len(group)} sizes)")
-        if overall and lower_bound_column in group.columns and group[lower_bound_column].fillna(False).astype(bool).any():
-            bounded = group[group[lower_bound_column].fillna(False).astype(bool)]
-            axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
-                      markeredgecolor="black", zorder=4, label="still improving: tau is a lower bound")
-            for size, value in zip(bounded[size_column], bounded[value_column]):
-                axes.annotate("", xy=(size, value + 0.06), xytext=(size, value + 0.01), zorder=4,
-                              arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.4})
+    _draw_datasets(axes, points, colors, overall_dataset, size_column, dataset_column, value_column, low_column, high_column,
+                   lower_bound_column)
     if benchmark is not None and len(benchmark):
         bench = benchmark.sort_values(size_column)
         prompts = f" ({int(bench['prompts'].max())} prompts)" if "prompts" in bench.columns else ""
@@ -315,3 +298,27 @@ def plot_accept_length_vs_data_size(
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the plot, never over a curve
     figure.tight_layout()
     return figure
+
+
+def _draw_datasets(axes, points: pd.DataFrame, colors: Mapping[str, str], overall_dataset: str, size_column: str, dataset_column: str,
+                   value_column: str, low_column: str, high_column: str, lower_bound_column: str) -> None:
+    """One line and band per dataset; on the overall line, converged points filled and lower bounds open with an arrow."""
+    for name, group in points.groupby(dataset_column, sort=True):
+        group = group.sort_values(size_column)
+        overall = name == overall_dataset
+        style = {"linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
+        line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), color=colors[str(name)], **style)[0]
+        axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
+        if overall and lower_bound_column in group.columns:
+            still_improving = group[lower_bound_column].fillna(False).astype(bool)
+            converged = group[~still_improving]
+            if len(converged):  # said in the legend too, so a reader knows no point is a lower bound
+                axes.plot(converged[size_column], converged[value_column], linestyle="none", marker="o", markersize=9, color="black",
+                          zorder=4, label=f"converged, stopped by patience ({len(converged)} of {len(group)} sizes)")
+        if overall and lower_bound_column in group.columns and group[lower_bound_column].fillna(False).astype(bool).any():
+            bounded = group[group[lower_bound_column].fillna(False).astype(bool)]
+            axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
+                      markeredgecolor="black", zorder=4, label="still improving: tau is a lower bound")
+            for size, value in zip(bounded[size_column], bounded[value_column]):
+                axes.annotate("", xy=(size, value + 0.06), xytext=(size, value + 0.01), zorder=4,
+                              arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.4})

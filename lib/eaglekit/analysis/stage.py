@@ -251,10 +251,7 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
             ablation.to_csv(analysis_dir / "ablation.csv", index=False)
             summary["ablation"] = ablation.to_dict(orient="records")
     with log.part("live serving, where endpoints are set"):
-        live_doctor, live = _live_serving(settings, inputs.model_dir, sglang_dir, loop_prompts)
-        if live.measured:
-            live.summary.to_csv(analysis_dir / "serving.csv", index=False)
-            summary["serving"] = live.records()
+        live_doctor, live = _live_serving(settings, inputs.model_dir, sglang_dir, loop_prompts, analysis_dir, summary)
 
     stage_seconds = time.perf_counter() - started
     summary["stage_seconds"] = stage_seconds
@@ -320,11 +317,16 @@ def _topology(params: Params, largest_draft, inputs: StageInputs, loop_prompts: 
     return {"grid_size": len(grid), "samples": len(topology_samples), "step_costs": step_costs, "table": table, "serve": serve}
 
 
-def _live_serving(settings, model_dir: Path, sglang_dir: Path, loop_prompts: list[dict]) -> tuple[pd.DataFrame | None, LiveServing]:
-    """The doctor against the running SGLang server's info (before measuring it), and the live measurements."""
+def _live_serving(settings, model_dir: Path, sglang_dir: Path, loop_prompts: list[dict], analysis_dir: Path,
+                  summary: dict) -> tuple[pd.DataFrame | None, LiveServing]:
+    """The doctor against the running SGLang server's info (before measuring it), and the live measurements
+    (analysis/serving.csv and the summary's `serving`, when measured)."""
     live_doctor = None
     if settings.sglang_endpoint:
         live_doctor = findings_frame(run_doctor(model_dir / "config.json", draft_dir=sglang_dir, endpoint=settings.sglang_endpoint))
     live = measure_live_serving(loop_prompts, settings.specdec_max_new_tokens, sglang_endpoint=settings.sglang_endpoint,
                                 baseline_endpoint=settings.baseline_endpoint, vllm_endpoint=settings.vllm_endpoint)
+    if live.measured:
+        live.summary.to_csv(analysis_dir / "serving.csv", index=False)
+        summary["serving"] = live.records()
     return live_doctor, live
