@@ -255,10 +255,8 @@ def prepare_sources(
 
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
                     outputs: _Outputs, reject, settings: PrepParams, reject_answer) -> None:
-    context_length, long_prompt_threshold = settings.context_length, settings.long_prompt_threshold
-    history, template_kwargs = settings.history, settings.chat_template_kwargs
     location = item.location
-    tools = item.meta.get("tools")
+    original_answer = None
     if spec.data_class == "A":
         if not any(m["role"] == "assistant" for m in item.messages):
             reject(InputError(location.path, location.line, "messages", "no assistant turn (class A needs one)"),
@@ -273,50 +271,64 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
         counts.duplicates += 1
         return
     record_id = conversation_id(spec.name, digest)
-    if spec.data_class == "A":
-        try:
-            result = tokenize_conversation(tokenizer, kept_messages, tools=tools, history=history,
-                                           template_kwargs=template_kwargs)
-        except ChatTemplateError as error:
-            reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
-            return
-        longest = max(len(sample.input_ids) for sample in result.samples)
-        if longest > context_length:
-            reject(InputError(location.path, location.line, "messages",
-                              f"longer than the context ({longest} tokens > {context_length})"),
-                   location.record)
-            return
+    prepare = _prepare_class_a if spec.data_class == "A" else _prepare_class_b
+    if prepare(spec, item, kept_messages, original_answer, record_id, tokenizer, counts, outputs, reject, settings, reject_answer):
         seen.add(key)
-        counts.kept += 1
-        for index, reason in result.rejected_turns:  # a template limit, not bad input: listed under any bad_input policy
-            counts.rejected_turns += 1
-            turn = InputError(location.path, location.line, f"messages[{index}]", f"chat template turn not trained: {reason}")
-            outputs.write("rejects.jsonl", {"source": spec.name, **Reject(turn, location.record).as_record()})
-        counts.split += result.split
-        counts.samples += len(result.samples)
-        counts.generated_tokens += result.generated_tokens
-        counts.trained_tokens += result.trained_tokens
-        for index, sample in enumerate(result.samples):
-            counts.tokens += len(sample.input_ids)
-            # Split samples name their conversation, so held-out selection can keep them together.
-            sample_meta = item.meta if not result.split else {**item.meta, "conversation_id": record_id,
-                                                               "sample": index, "samples": len(result.samples)}
-            outputs.write(f"{spec.name}/tokenized_data.jsonl", {
-                "id": record_id if not result.split else f"{record_id}.{index}", "input_ids": sample.input_ids,
-                "loss_mask": sample.loss_mask, "source": spec.name, "meta": sample_meta})
-        return
+
+
+def _prepare_class_a(spec: SourceSpec, item: SourceRecord, kept_messages: list, _answer, record_id: str, tokenizer: Any,
+                     counts: SourceCounts, outputs: _Outputs, reject, settings: PrepParams, _reject_answer) -> bool:
+    """A conversation already in the target's words: tokenized whole (split where the template needs it). True: kept."""
+    location, context_length = item.location, settings.context_length
+    try:
+        result = tokenize_conversation(tokenizer, kept_messages, tools=item.meta.get("tools"), history=settings.history,
+                                       template_kwargs=settings.chat_template_kwargs)
+    except ChatTemplateError as error:
+        reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
+        return False
+    longest = max(len(sample.input_ids) for sample in result.samples)
+    if longest > context_length:
+        reject(InputError(location.path, location.line, "messages",
+                          f"longer than the context ({longest} tokens > {context_length})"),
+               location.record)
+        return False
+    counts.kept += 1
+    for index, reason in result.rejected_turns:  # a template limit, not bad input: listed under any bad_input policy
+        counts.rejected_turns += 1
+        turn = InputError(location.path, location.line, f"messages[{index}]", f"chat template turn not trained: {reason}")
+        outputs.write("rejects.jsonl", {"source": spec.name, **Reject(turn, location.record).as_record()})
+    counts.split += result.split
+    counts.samples += len(result.samples)
+    counts.generated_tokens += result.generated_tokens
+    counts.trained_tokens += result.trained_tokens
+    for index, sample in enumerate(result.samples):
+        counts.tokens += len(sample.input_ids)
+        # Split samples name their conversation, so held-out selection can keep them together.
+        sample_meta = item.meta if not result.split else {**item.meta, "conversation_id": record_id,
+                                                           "sample": index, "samples": len(result.samples)}
+        outputs.write(f"{spec.name}/tokenized_data.jsonl", {
+            "id": record_id if not result.split else f"{record_id}.{index}", "input_ids": sample.input_ids,
+            "loss_mask": sample.loss_mask, "source": spec.name, "meta": sample_meta})
+    return True
+
+
+def _prepare_class_b(spec: SourceSpec, item: SourceRecord, kept_messages: list, original_answer, record_id: str, tokenizer: Any,
+                     counts: SourceCounts, outputs: _Outputs, reject, settings: PrepParams, reject_answer) -> bool:
+    """A prompt for the target to answer, in its partition's file; its dataset answer tokenized beside it
+    (prep.original_answers). True: kept."""
+    location, context_length = item.location, settings.context_length
+    tools, template_kwargs = item.meta.get("tools"), settings.chat_template_kwargs
     try:
         prompt_tokens = prompt_token_count(tokenizer, kept_messages, tools=tools, template_kwargs=template_kwargs)
     except ChatTemplateError as error:
         reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
-        return
+        return False
     if prompt_tokens >= context_length:
         reject(InputError(location.path, location.line, "messages",
                           f"longer than the context (prompt of {prompt_tokens} tokens >= {context_length})"),
                location.record)
-        return
-    seen.add(key)
-    partition = partition_of(prompt_tokens, long_prompt_threshold)
+        return False
+    partition = partition_of(prompt_tokens, settings.long_prompt_threshold)
     counts.kept += 1
     counts.tokens += prompt_tokens
     counts.partitions[partition] = counts.partitions.get(partition, 0) + 1
@@ -331,11 +343,12 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
             # The prompt is kept for regeneration; only the ablation loses this answer (listed, counted).
             reject_answer(InputError(location.path, location.line, "messages",
                                      f"chat template (dataset answer, prompt kept): {error}"), location.record)
-            return
+            return True
         outputs.write(f"{spec.name}/original_tokenized_data.jsonl", {
             "id": record_id, "input_ids": original.input_ids[:context_length],
             "loss_mask": original.loss_mask[:context_length], "source": spec.name,
             "meta": {**meta, "origin": "dataset answer"}})
+    return True
 
 
 def plot_partitions(summary: PrepSummary, figure_path: Path) -> Path:
