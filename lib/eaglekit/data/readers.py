@@ -69,6 +69,53 @@ def iter_jsonl_records(path: Path) -> Iterator[RawItem]:
                          f"{type(error).__name__}: {error}) after {record} records")
 
 
+class _JsonStream:
+    """A JSON text read in chunks of `_CHUNK_CHARS`: the text not yet consumed, the position in it and the line."""
+
+    def __init__(self, handle):
+        self.handle, self.decoder = handle, json.JSONDecoder()
+        self.utf8 = codecs.getincrementaldecoder("utf-8")()
+        self.buffer, self.position, self.line, self.eof = "", 0, 1, False
+
+    def fill(self) -> None:
+        chunk = self.handle.read(_CHUNK_CHARS)
+        self.eof = not chunk
+        # Drop consumed text so memory stays at about one chunk plus one record.
+        self.buffer = self.buffer[self.position:] + self.utf8.decode(chunk, final=self.eof)
+        self.position = 0
+
+    def char(self) -> str:
+        return self.buffer[self.position]
+
+    def skip_whitespace(self) -> bool:
+        """Advance past whitespace (counting lines); False at end of file."""
+        while True:
+            while self.position < len(self.buffer) and self.buffer[self.position] in " \t\r\n":
+                self.line += self.buffer[self.position] == "\n"
+                self.position += 1
+            if self.position < len(self.buffer):
+                return True
+            if self.eof:
+                return False
+            self.fill()
+
+    def decode_value(self) -> tuple[Any, bool]:
+        """Decode one JSON value at the position; (value, True) or (error message, False)."""
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.buffer, self.position)
+            except json.JSONDecodeError as error:
+                # Cut by the chunk boundary (inside a string, a \\u escape or a value) vs really broken.
+                incomplete = error.msg.startswith("Unterminated string") or error.pos >= len(self.buffer.rstrip()) - 6
+                if incomplete and not self.eof:
+                    self.fill()
+                    continue
+                return ("file ends mid-record (truncated JSON)" if incomplete else f"malformed JSON: {error.msg}"), False
+            self.line += self.buffer.count("\n", self.position, end)
+            self.position = end
+            return value, True
+
+
 def iter_json_records(path: Path) -> Iterator[RawItem]:
     """A JSON file holding an array of records, or an object of records (yields `{"_key": key, **value}`).
 
@@ -76,100 +123,62 @@ def iter_json_records(path: Path) -> Iterator[RawItem]:
     mid-record yields every complete record and then one "truncated" error for the torn tail. A
     malformed record in the middle ends the file (there is no way to resynchronize inside JSON).
     """
-    decoder = json.JSONDecoder()
-    utf8 = codecs.getincrementaldecoder("utf-8")()
     with open(path, "rb") as handle:
-        buffer, position, line, eof = "", 0, 1, False
-
-        def fill() -> None:
-            nonlocal buffer, position, eof
-            chunk = handle.read(_CHUNK_CHARS)
-            eof = not chunk
-            text = utf8.decode(chunk, final=eof)
-            # Drop consumed text so memory stays at about one chunk plus one record.
-            buffer = buffer[position:] + text
-            position = 0
-
-        def skip_whitespace() -> bool:
-            """Advance past whitespace (counting lines); False at end of file."""
-            nonlocal position, line
-            while True:
-                while position < len(buffer) and buffer[position] in " \t\r\n":
-                    line += buffer[position] == "\n"
-                    position += 1
-                if position < len(buffer):
-                    return True
-                if eof:
-                    return False
-                fill()
-
-        def decode_value() -> tuple[Any, bool]:
-            """Decode one JSON value at `position`; (value, True) or (error message, False)."""
-            nonlocal position, line
-            while True:
-                try:
-                    value, end = decoder.raw_decode(buffer, position)
-                except json.JSONDecodeError as error:
-                    # Cut by the chunk boundary (inside a string, a \\u escape or a value) vs really broken.
-                    incomplete = error.msg.startswith("Unterminated string") or error.pos >= len(buffer.rstrip()) - 6
-                    if incomplete and not eof:
-                        fill()
-                        continue
-                    reason = "file ends mid-record (truncated JSON)" if incomplete else f"malformed JSON: {error.msg}"
-                    return reason, False
-                line += buffer.count("\n", position, end)
-                position = end
-                return value, True
-
+        stream = _JsonStream(handle)
         try:
-            if not skip_whitespace():
-                yield InputError(path, 1, None, "empty file: expected a JSON array or object of records")
-                return
-            if buffer[position] == "\ufeff":  # a byte-order mark (Windows editors write one)
-                position += 1
-                if not skip_whitespace():
-                    yield InputError(path, 1, None, "empty file: expected a JSON array or object of records")
-                    return
-            opening = buffer[position]
-            if opening not in "[{":
-                yield InputError(path, line, None, "expected a JSON array or object of records")
-                return
-            closing = "]" if opening == "[" else "}"
-            position += 1
-            record = 0
-            while True:
-                if not skip_whitespace():
-                    yield InputError(path, line, None, f"file ends mid-record (truncated JSON) after {record} complete records")
-                    return
-                if buffer[position] == closing:
-                    return
-                if record > 0:
-                    if buffer[position] != ",":
-                        yield InputError(path, line, None, f"malformed JSON: expected ',' after record {record}")
-                        return
-                    position += 1
-                    if not skip_whitespace():
-                        yield InputError(path, line, None, f"file ends mid-record (truncated JSON) after {record} complete records")
-                        return
-                start_line = line
-                key = None
-                if opening == "{":
-                    key, ok = decode_value()
-                    if not ok or not isinstance(key, str) or not skip_whitespace() or buffer[position] != ":":
-                        yield InputError(path, start_line, None, f"malformed JSON object key after record {record}")
-                        return
-                    position += 1
-                    skip_whitespace()
-                value, ok = decode_value()
-                if not ok:
-                    yield InputError(path, start_line, None, f"{value} in record {record + 1}; {record} complete records before it")
-                    return
-                record += 1
-                if key is not None:
-                    value = {"_key": key, **value} if isinstance(value, dict) else {"_key": key, "_value": value}
-                yield RecordLocation(str(path), start_line, record), value
+            yield from _json_records(path, stream)
         except UnicodeDecodeError as error:
-            yield InputError(path, line, None, f"not UTF-8 ({error.reason}) near line {line}")
+            yield InputError(path, stream.line, None, f"not UTF-8 ({error.reason}) near line {stream.line}")
+
+
+def _json_records(path: Path, stream: _JsonStream) -> Iterator[RawItem]:
+    empty = InputError(path, 1, None, "empty file: expected a JSON array or object of records")
+    if not stream.skip_whitespace():
+        yield empty
+        return
+    if stream.char() == "\ufeff":  # a byte-order mark (Windows editors write one)
+        stream.position += 1
+        if not stream.skip_whitespace():
+            yield empty
+            return
+    opening = stream.char()
+    if opening not in "[{":
+        yield InputError(path, stream.line, None, "expected a JSON array or object of records")
+        return
+    closing = "]" if opening == "[" else "}"
+    stream.position += 1
+    record = 0
+    while True:
+        torn = f"file ends mid-record (truncated JSON) after {record} complete records"
+        if not stream.skip_whitespace():
+            yield InputError(path, stream.line, None, torn)
+            return
+        if stream.char() == closing:
+            return
+        if record > 0:
+            if stream.char() != ",":
+                yield InputError(path, stream.line, None, f"malformed JSON: expected ',' after record {record}")
+                return
+            stream.position += 1
+            if not stream.skip_whitespace():
+                yield InputError(path, stream.line, None, torn)
+                return
+        start_line, key = stream.line, None
+        if opening == "{":
+            key, ok = stream.decode_value()
+            if not ok or not isinstance(key, str) or not stream.skip_whitespace() or stream.char() != ":":
+                yield InputError(path, start_line, None, f"malformed JSON object key after record {record}")
+                return
+            stream.position += 1
+            stream.skip_whitespace()
+        value, ok = stream.decode_value()
+        if not ok:
+            yield InputError(path, start_line, None, f"{value} in record {record + 1}; {record} complete records before it")
+            return
+        record += 1
+        if key is not None:
+            value = {"_key": key, **value} if isinstance(value, dict) else {"_key": key, "_value": value}
+        yield RecordLocation(str(path), start_line, record), value
 
 
 def iter_parquet_records(path: Path, batch_rows: int = 1024) -> Iterator[RawItem]:
