@@ -16,6 +16,7 @@ from typing import Any
 import torch.distributed as distributed
 from torch import nn
 
+from eaglekit.config import CaptureParams
 from eaglekit.capture.forward import FeatureSource, as_feature_source, plan_batches
 from eaglekit.capture.inputs import TokenizedSample, read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
@@ -32,7 +33,8 @@ from eaglekit.capture.shards import (
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_SHARD_BYTES = 256 * 1024 * 1024
+_DEFAULTS = CaptureParams()  # the params schema is the one source of the capture defaults
+DEFAULT_MAX_SHARD_BYTES = _DEFAULTS.max_shard_mb * 2**20
 
 
 @dataclass
@@ -137,12 +139,12 @@ def capture_to_shards(
     *,
     model_name: str,
     capture_layer_ids: Sequence[int] | None = None,
-    max_seq_len: int = 4096,
-    max_tokens_per_batch: int = 16384,
+    max_seq_len: int = _DEFAULTS.max_seq_len,
+    max_tokens_per_batch: int = _DEFAULTS.max_tokens_per_batch,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     progress: bool = True,
-    log_interval_s: float = 60.0,
-    feature_dtype: str = "bf16",
+    log_interval_s: float = _DEFAULTS.log_interval_s,
+    feature_dtype: str = _DEFAULTS.feature_dtype,
     slices: Sequence[Sequence[tuple[str, str]]] | None = None,
 ) -> CaptureReport:
     """Capture every sample of `data_files` ({dataset: tokenized_data.jsonl}) into shards in `output_dir`.
@@ -161,6 +163,7 @@ def capture_to_shards(
     `feature_dtype` "fp8" stores float8_e4m3fn features with a per-token scale (`shards.encode_features`).
     `slices` (groups of (dataset, id), optional: `capture.slices`, `plan.nested_capture_slices`) captures
     group after group, batches never mixing two, so a data size can train once its slice is in shards.
+    Defaults are the params schema's (`config.CaptureParams`).
     """
     started = time.perf_counter()
     output_dir = Path(output_dir)
@@ -171,27 +174,18 @@ def capture_to_shards(
     else:
         rank, world_size = 0, 1  # one TP group computes every batch together
     writes = tensor_parallel_rank in (None, 0)
-    num_hidden_layers = source.num_hidden_layers
-    hidden_size = source.hidden_size
-    layer_ids = resolve_capture_layer_ids(capture_layer_ids, num_hidden_layers)
+    layer_ids = resolve_capture_layer_ids(capture_layer_ids, source.num_hidden_layers)
     if max_seq_len > max_tokens_per_batch:
         raise ValueError(
             f"max_seq_len {max_seq_len} exceeds max_tokens_per_batch {max_tokens_per_batch}: "
             "the longest sample must fit one batch; raise the budget or lower max_seq_len"
         )
     samples, stats = read_tokenized_samples(data_files, source.vocab_size, max_seq_len)
-    config = {
-        "model": model_name,
-        "capture_layer_ids": layer_ids,
-        "hidden_size": hidden_size,
-        "num_hidden_layers": num_hidden_layers,
-        "datasets": {name: str(Path(path).resolve()) for name, path in data_files.items()},
-        "max_seq_len": max_seq_len,
-        "max_tokens_per_batch": max_tokens_per_batch,
-        "max_shard_bytes": max_shard_bytes,
-        "dtype": FEATURE_DTYPES[feature_dtype],
-        "model_dtype": source.dtype_name,
-    }
+    shape = {"model": model_name, "capture_layer_ids": layer_ids, "hidden_size": source.hidden_size,
+             "num_hidden_layers": source.num_hidden_layers}
+    config = {**shape, "datasets": {name: str(Path(path).resolve()) for name, path in data_files.items()}, "max_seq_len": max_seq_len,
+              "max_tokens_per_batch": max_tokens_per_batch, "max_shard_bytes": max_shard_bytes, "dtype": FEATURE_DTYPES[feature_dtype],
+              "model_dtype": source.dtype_name}
     # Rank 0 records the settings first; the others then check theirs against it.
     if rank == 0 and writes:
         write_config_once(output_dir, config)
@@ -200,32 +194,42 @@ def capture_to_shards(
         write_config_once(output_dir, config)
     done = completed_sample_keys(output_dir)
     remaining_tokens = sum(len(sample.input_ids) for sample in samples if sample.key not in done)
-    planned_bytes = remaining_tokens * stored_bytes_per_token(hidden_size, feature_dtype)
+    planned_bytes = remaining_tokens * stored_bytes_per_token(source.hidden_size, feature_dtype)
     free_bytes = check_disk_space(output_dir, planned_bytes)
     # Every rank has read the finished set before any rank writes a new shard.
     _barrier()
 
     report = CaptureReport(
-        output_dir=str(output_dir),
-        capture_layer_ids=layer_ids,
-        hidden_size=hidden_size,
-        samples=len(samples),
+        output_dir=str(output_dir), capture_layer_ids=layer_ids, hidden_size=source.hidden_size, samples=len(samples),
         tokens=sum(dataset_stats.tokens for dataset_stats in stats.values()),
         truncated_samples=sum(dataset_stats.truncated_samples for dataset_stats in stats.values()),
         truncated_tokens=sum(dataset_stats.truncated_tokens for dataset_stats in stats.values()),
-        resumed_samples=sum(sample.key in done for sample in samples),
-        planned_bytes=planned_bytes,
-        free_bytes_before=free_bytes,
-        rank=rank,
-        world_size=world_size,
-        datasets={name: asdict(dataset_stats) for name, dataset_stats in stats.items()},
+        resumed_samples=sum(sample.key in done for sample in samples), planned_bytes=planned_bytes, free_bytes_before=free_bytes,
+        rank=rank, world_size=world_size, datasets={name: asdict(dataset_stats) for name, dataset_stats in stats.items()},
     )
+    writer = ShardWriter(output_dir, rank, max_shard_bytes, feature_dtype=feature_dtype) if writes else None
+    _capture_batches(source, samples, _ordered_batches(samples, max_tokens_per_batch, slices), done, layer_ids, writer, report,
+                     progress, log_interval_s)
+    _barrier()
+    if rank == 0 and writes:
+        header = {**shape, "dtype": FEATURE_DTYPES[feature_dtype], "final_hidden_states": FINAL_HIDDEN_STATE_NOTE,
+                  "aux_hidden_states": "residual stream entering each capture layer (output_hidden_states[i]), concatenated in "
+                                       "capture_layer_ids order",
+                  "max_seq_len": max_seq_len, "truncated_samples": report.truncated_samples, "truncated_tokens": report.truncated_tokens,
+                  "datasets": report.datasets}
+        report.index_path = str(write_merged_index(output_dir, header, [sample.key for sample in samples]))
+    _barrier()
+    report.seconds = time.perf_counter() - started
+    return report
 
-    batches = _ordered_batches(samples, max_tokens_per_batch, slices)
+
+def _capture_batches(source: FeatureSource, samples: list[TokenizedSample], batches: list[list[int]], done: set, layer_ids: list[int],
+                     writer: ShardWriter | None, report: CaptureReport, progress: bool, log_interval_s: float) -> None:
+    """This rank's share of `batches` (batch i goes to rank i % world size) through `source`, new samples into `writer`."""
+    rank, world_size = report.rank, report.world_size
     my_batches = [batch for number, batch in enumerate(batches) if number % world_size == rank]
     mine = [samples[position] for batch in my_batches for position in batch]  # this rank's share, done or not
     my_batches = [batch for batch in my_batches if any(samples[position].key not in done for position in batch)]
-    writer = ShardWriter(output_dir, rank, max_shard_bytes, feature_dtype=feature_dtype) if writes else None
     mine_done = [sample for sample in mine if sample.key in done]
     tracker = _CaptureProgress(len(mine), sum(len(sample.input_ids) for sample in mine), len(mine_done),
                                sum(len(sample.input_ids) for sample in mine_done), log_interval_s, rank, world_size)
@@ -255,22 +259,3 @@ def capture_to_shards(
         report.shards_written = writer.shards_written
         report.bytes_written = writer.bytes_written
     tracker.finish()
-    _barrier()
-    if rank == 0 and writes:
-        header = {
-            "model": model_name,
-            "capture_layer_ids": layer_ids,
-            "hidden_size": hidden_size,
-            "num_hidden_layers": num_hidden_layers,
-            "dtype": FEATURE_DTYPES[feature_dtype],
-            "final_hidden_states": FINAL_HIDDEN_STATE_NOTE,
-            "aux_hidden_states": "residual stream entering each capture layer (output_hidden_states[i]), concatenated in capture_layer_ids order",
-            "max_seq_len": max_seq_len,
-            "truncated_samples": report.truncated_samples,
-            "truncated_tokens": report.truncated_tokens,
-            "datasets": report.datasets,
-        }
-        report.index_path = str(write_merged_index(output_dir, header, [sample.key for sample in samples]))
-    _barrier()
-    report.seconds = time.perf_counter() - started
-    return report
