@@ -68,6 +68,14 @@ def _control_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
     return tuple(sorted(set(tokens), key=len, reverse=True))
 
 
+def _probe_user() -> list[dict]:
+    return [{"role": "user", "content": PROBE_USER}]  # fresh each call: a render never sees another's messages
+
+
+def _probe_assistant() -> dict:
+    return {"role": "assistant", "content": PROBE_ASSISTANT}
+
+
 def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: list | None = None) -> TemplateLayout:
     """Probe the chat template once: end-of-turn token, where reasoning goes, tool-argument form, family.
 
@@ -90,10 +98,37 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: 
         return cached
     if len(_LAYOUT_CACHE) >= _LAYOUT_CACHE_SIZE:  # a dataset may give every record its own tool list
         del _LAYOUT_CACHE[next(iter(_LAYOUT_CACHE))]
-    user = [{"role": "user", "content": PROBE_USER}]
-    assistant = {"role": "assistant", "content": PROBE_ASSISTANT}
+    user, assistant = _probe_user(), _probe_assistant()
     prompt = render_template(tokenizer, user, True, base, template_kwargs)
     turn = render_template(tokenizer, user + [assistant], False, base, template_kwargs)
+    end_of_turn, next_turn_closes = _end_of_turn(tokenizer, turn, base, template_kwargs, control_tokens)
+    call, tool_arguments, tool_calls = _tool_call_form(tokenizer, base, template_kwargs)
+    call_end_of_turn = _call_closer(tokenizer, user + [call], control_tokens, template_kwargs, base) \
+        if next_turn_closes and tool_calls == "template" else ""
+    reasoning = _reasoning_placement(tokenizer, prompt, turn, call, base, template_kwargs)
+    stability = _tool_stability(tokenizer, call, base, template_kwargs)
+    layout = TemplateLayout(
+        **stability,
+        end_of_turn=end_of_turn,
+        next_turn_closes=next_turn_closes,
+        call_end_of_turn=call_end_of_turn,
+        end_of_turn_id=tokenizer.convert_tokens_to_ids(end_of_turn),
+        reasoning=reasoning,
+        tool_arguments=tool_arguments,
+        tool_calls=tool_calls,
+        control_tokens=control_tokens,
+        family=_family(template, prompt, end_of_turn, reasoning),
+        splits_at_control_tokens=_splits_at_control_tokens(tokenizer, end_of_turn),
+    )
+    layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs, base),
+                     keeps_history=_keeps_history(tokenizer, layout, template_kwargs, base),
+                     extends_prompt=_extends_prompt(tokenizer, layout, template_kwargs, base))
+    _LAYOUT_CACHE[key] = layout
+    return layout
+
+
+def _end_of_turn(tokenizer: Any, turn: str, base: list | None, template_kwargs: dict, control_tokens) -> tuple[str, bool]:
+    """(the token that closes an assistant turn, whether it is the next turn's role token), from the probe turn."""
     at = turn.find(PROBE_ASSISTANT)
     if at < 0:
         raise ChatTemplateError("chat template: an assistant turn's content does not appear in its rendering")
@@ -103,7 +138,7 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: 
     if not end_of_turn and not closing:
         # No end-of-turn token (GLM-4.6): the turn is closed by the next message's role token, which the
         # model generates as its stop token; found by what follows the turn once a user message follows.
-        following = render_template(tokenizer, user + [assistant, {"role": "user", "content": PROBE_USER + "2"}],
+        following = render_template(tokenizer, _probe_user() + [_probe_assistant(), {"role": "user", "content": PROBE_USER + "2"}],
                                     False, base, template_kwargs)
         after = following[following.find(PROBE_ASSISTANT) + len(PROBE_ASSISTANT):]
         end_of_turn = next((token for token in control_tokens_in(after, control_tokens) if after.startswith(token)), "")
@@ -113,6 +148,13 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: 
             f"chat template closes an assistant turn with {closing!r}, which holds no control token: the "
             "end-of-turn token cannot be located; use the target's own template (with its special tokens added)"
         )
+    return end_of_turn, next_turn_closes
+
+
+def _tool_call_form(tokenizer: Any, base: list | None, template_kwargs: dict) -> tuple[dict, str, str]:
+    """(the probe call turn, tool arguments as "object" or "string", tool calls rendered by the "template" or as
+    "hermes-text")."""
+    user = _probe_user()
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "probe", "arguments": {"x": PROBE_TOOL}}}]}
     tool_arguments = "object"
@@ -123,8 +165,13 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: 
         call["tool_calls"][0]["function"]["arguments"] = json.dumps({"x": PROBE_TOOL})
     tool_calls = "template" if PROBE_TOOL in render_template(tokenizer, user + [call], False, base, template_kwargs) \
         else "hermes-text"
-    call_end_of_turn = _call_closer(tokenizer, user + [call], control_tokens, template_kwargs, base) \
-        if next_turn_closes and tool_calls == "template" else ""
+    return call, tool_arguments, tool_calls
+
+
+def _reasoning_placement(tokenizer: Any, prompt: str, turn: str, call: dict, base: list | None, template_kwargs: dict) -> str:
+    """Where reasoning goes: "field" (the template renders reasoning_content), "fold" (written in the content, where
+    the model wrote it) or "splice" (the kit places the think block itself)."""
+    user, assistant = _probe_user(), _probe_assistant()
     reasoning_turns = [{**assistant, "reasoning_content": PROBE_REASONING},
                        {**call, "reasoning_content": PROBE_REASONING}]
     shown = all(PROBE_REASONING in render_template(tokenizer, user + [message], False, base, template_kwargs)
@@ -132,15 +179,19 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: 
     folded_turn = {"role": "assistant", "content": fold_reasoning(PROBE_REASONING, PROBE_ASSISTANT)}
     folded = render_template(tokenizer, user + [folded_turn], False, base, template_kwargs)
     if shown:
-        reasoning = "field"
-    elif (turn.startswith(prompt) and not turn[len(prompt):].startswith("<think>") and folded.startswith(prompt)
-          and fold_reasoning(PROBE_REASONING, PROBE_ASSISTANT) in folded and history_header(prompt) == prompt):
+        return "field"
+    if (turn.startswith(prompt) and not turn[len(prompt):].startswith("<think>") and folded.startswith(prompt)
+            and fold_reasoning(PROBE_REASONING, PROBE_ASSISTANT) in folded and history_header(prompt) == prompt):
         # content is written verbatim: the reasoning goes where the model wrote it. Not where the generation
         # prompt opens a think block (Kimi-K2.5: "<think>" then history's "<think></think>" extends it):
         # the model wrote its reasoning inside that block, not as a second one in the content.
-        reasoning = "fold"
-    else:
-        reasoning = "splice"  # the template writes its own think block or cuts reasoning: place it ourselves
+        return "fold"
+    return "splice"  # the template writes its own think block or cuts reasoning: place it ourselves
+
+
+def _tool_stability(tokenizer: Any, call: dict, base: list | None, template_kwargs: dict) -> dict[str, bool]:
+    """Where the template puts tool definitions, and which earlier prompts stay prefixes of later ones."""
+    user, assistant = _probe_user(), _probe_assistant()
     probe_tools = base or PROBE_TOOLS
     two_turns = [*user, assistant, {"role": "user", "content": PROBE_USER + "2"}]
 
@@ -178,29 +229,14 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: 
     # Each probe conversation rendered once with the probe tool and once without (None: cannot render).
     tool_renderings = [with_and_without_tools(messages, generation_prompt) for messages, generation_prompt in
                        ((rounds, False), (rounds[:-1], True), (two_turns, True))]
-    layout = TemplateLayout(
-        tools_in_preamble=all(pair is not None and preamble_only(*pair[1:]) for pair in tool_renderings),
-        tools_before_last_user=all(pair is not None and inserted_before_last_user(*pair) for pair in tool_renderings),
-        stable_with_system=stable([{"role": "system", "content": PROBE_REASONING}, *two_turns], base),
-        stable_with_late_system=stable([*user, assistant, {"role": "system", "content": PROBE_REASONING},
-                                        {"role": "user", "content": PROBE_USER + "2"}], base, 3),
-        stable_with_tools=stable(two_turns, probe_tools),
-        end_of_turn=end_of_turn,
-        next_turn_closes=next_turn_closes,
-        call_end_of_turn=call_end_of_turn,
-        end_of_turn_id=tokenizer.convert_tokens_to_ids(end_of_turn),
-        reasoning=reasoning,
-        tool_arguments=tool_arguments,
-        tool_calls=tool_calls,
-        control_tokens=control_tokens,
-        family=_family(template, prompt, end_of_turn, reasoning),
-        splits_at_control_tokens=_splits_at_control_tokens(tokenizer, end_of_turn),
-    )
-    layout = replace(layout, reads_tool_rounds=_reads_tool_rounds(tokenizer, layout, template_kwargs, base),
-                     keeps_history=_keeps_history(tokenizer, layout, template_kwargs, base),
-                     extends_prompt=_extends_prompt(tokenizer, layout, template_kwargs, base))
-    _LAYOUT_CACHE[key] = layout
-    return layout
+    return {
+        "tools_in_preamble": all(pair is not None and preamble_only(*pair[1:]) for pair in tool_renderings),
+        "tools_before_last_user": all(pair is not None and inserted_before_last_user(*pair) for pair in tool_renderings),
+        "stable_with_system": stable([{"role": "system", "content": PROBE_REASONING}, *two_turns], base),
+        "stable_with_late_system": stable([*user, assistant, {"role": "system", "content": PROBE_REASONING},
+                                           {"role": "user", "content": PROBE_USER + "2"}], base, 3),
+        "stable_with_tools": stable(two_turns, probe_tools),
+    }
 
 
 def _probe_rounds(number: int, calls: int, reasoning: bool, content: str) -> list[dict]:
