@@ -19,6 +19,12 @@ from pathlib import Path
 from eaglekit.disk_full import describe_os_error
 
 
+def under_runner() -> bool:
+    """True in a stage kernel the runner started: progress goes to run.log as lines, never as a bar (a bar in an
+    executed notebook stays frozen at its first frame)."""
+    return bool(os.environ.get(STAGE_ENV))
+
+
 def run_logger(run_dir: Path) -> logging.Logger:
     logger = logging.getLogger(f"eaglekit.run.{run_dir.name}")
     logger.setLevel(logging.INFO)

@@ -210,7 +210,10 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
     class StageKernelManager(AsyncKernelManager):
         async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
             kw["pass_fds"] = (*kw.get("pass_fds", ()), lock_fd)
-            kw["env"] = {**(kw.get("env") or os.environ), RUN_LOG_ENV: str(run_log), STAGE_ENV: stage.label}
+            # No progress bars in a headless stage (transformers' and the hub's read this at import): a bar
+            # rendered into the executed notebook stays frozen at its first frame; run.log has the progress lines.
+            kw["env"] = {**(kw.get("env") or os.environ), RUN_LOG_ENV: str(run_log), STAGE_ENV: stage.label,
+                         "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
             await super()._async_launch_kernel([*kernel_cmd, f"--IPKernelApp.exec_lines={KERNEL_HOOK}"], **kw)
             control.kernel_started(self.provisioner.process)
 

@@ -29,7 +29,7 @@ from eaglekit.generation.settings import PartitionSettings, RetryPolicy
 from eaglekit.generation.tokenized import TokenizedDataSummary, build_tokenized_data, check_first_answers
 from eaglekit.io import read_jsonl
 from eaglekit.run_folder import Metrics, prompt_files, record_stage_outcome, stage_dir
-from eaglekit.run_log import STAGE_ENV
+from eaglekit.run_log import under_runner
 from eaglekit.target import load_tokenizer
 from eaglekit.training.order import TrainingOrder, read_training_order, requests_before_each_size
 
@@ -107,7 +107,7 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
             first_answers_check=_first_answers_check(sources, tokenizer, params),
             # Under the runner the progress line (run.log, the cell's output) says it all: a tqdm bar saved in the
             # executed notebook would stay frozen at its first frame. By hand, in JupyterLab, the bar is live.
-            progress_bar=not os.environ.get(STAGE_ENV),
+            progress_bar=not under_runner(),
         )
     tokenized = build_tokenized_data(
         generation_dir, sources, generation_dir / "tokenized", tokenizer=tokenizer,
