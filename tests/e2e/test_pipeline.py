@@ -51,7 +51,7 @@ def test_run_log_says_which_draft_stage_5_trains_and_which_part_stage_6_is_in(sm
     import re
 
     log = (smoke_run / "run.log").read_text()
-    starts = re.findall(r"\[05_training\] eaglekit\.training\.sweep: stage 5: draft (\d+) of (\d+), ([^;]+); the sweep's time left (.*)", log)
+    starts = re.findall(r"\[05_training\] eaglekit\.training\.sweep: stage 5: draft (\d+) of (\d+), ([^;\n]+); the sweep's time left (.*)", log)
     total = int(starts[0][1])
     # smoke.yaml: sizes 4, 8, 12, one extra seed at the smallest size, the ablation pair
     assert [(int(index), int(of)) for index, of, _, _ in starts] == [(index, total) for index in range(1, total + 1)] and total == 6
