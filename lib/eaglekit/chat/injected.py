@@ -93,6 +93,14 @@ def injected_groups(renderer: Renderer, template_messages: list[dict], indices: 
         if first is None:
             return None
         composed[turns[0]] = first
+    return _cut_and_check(renderer, messages, indices, composed, generated, full, layout)
+
+
+def _cut_and_check(renderer: Renderer, messages: list[dict], indices: list[int], composed: list[str],
+                   generated: list[GeneratedTurn], full: str, layout: TemplateLayout) -> list[Rendered] | None:
+    """The composed prompts cut into samples by the oracle's criterion (P_{i+1} does not extend P_i + turn i), then
+    checked against real renderings; None where a check fails."""
+    count = len(indices)
     groups: list[Rendered] = []
     current: Rendered | None = None
     for position in range(count):
