@@ -1,8 +1,11 @@
 """A real tau-versus-data curve on the embedded target, and the forecast backtested on it, size by size (issue 35, point 6).
 
-The data is a real run folder's stage 3 output (default /work/h2h/tree/outputs/h2h, params /work/h2h/h2h.yaml):
-ShareGPT first turns answered by the embedded target (SmolLM2-135M-Instruct) through `transformers serve`,
-max_tokens 96, temperature 0, tokenized by the kit (generation/tokenized/sharegpt/tokenized_data.jsonl).
+The data is a real run folder's samples, in prep's planned order: `--answers regenerated` (default), stage 3's
+output (ShareGPT first turns answered by the embedded target, SmolLM2-135M-Instruct, through `transformers
+serve`, tokenized by the kit: generation/tokenized/sharegpt/tokenized_data.jsonl); `--answers original`, the
+dataset's own answers that prep tokenized beside the prompts (prep/sharegpt/original_tokenized_data.jsonl,
+prep.original_answers): no stage 3, so a curve of 6+ doublings fits one session on 2 cores
+(bench/real_curve.yaml makes that run folder with the kit's survey and prep).
 
 1. samples: prep's planned order (prep/order.json: its held-out keys, then its training order), keeping the
    samples whose whole sequence (prompt + answer) is at most `--max-length` tokens (default 384). The kit would
@@ -29,9 +32,13 @@ max_tokens 96, temperature 0, tokenized by the kit (generation/tokenized/sharegp
 Everything is cached under the output folder (split, capture shards, per-size training folders that resume,
 per-size agreements), so a rerun only does what is missing; `--table` only prints from the cache.
 
-    nice -n 10 .venv/bin/python bench/real_curve.py /work/realcurve --set max_steps=400 --set draft_vocab_size=4096
+    .venv/bin/eaglekit run bench/real_curve.yaml --stages survey,prep --run-id realcurve
+    nice -n 5 .venv/bin/python bench/real_curve.py /work/realcurve/orig --run outputs/realcurve --answers original \
+        --truncate --max-length 128 --sizes 30,60,120,240,480,960,1920 --selection-size 60 \
+        --set learning_rate=1e-3 --set max_steps=600 --set micro_batch_size=4 --set grad_accumulation_steps=1 \
+        --set draft_vocab_size=4096 --set ttt_steps=3 [--train-sizes ... --seeds-at 30,60,120 --stop-after train]
 
-(docs/forecast_real_curve.md: the command that produced its numbers, with the date.)
+(docs/forecast.md, "A real curve": the numbers, the command and the date.)
 """
 
 from __future__ import annotations
