@@ -42,6 +42,19 @@ class OfflineChainAgreement:
     seconds: float
 
 
+def _target_pass(target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int],
+                 prompt_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input ids (1, T), the target's argmax and its capture layers' features at every position): one forward."""
+    check_draft_fits_target(target, draft)
+    length = len(sequence_ids)
+    if not 1 <= prompt_length <= length:
+        raise ValueError(f"prompt_length {prompt_length} must be in [1, {length}] (the sequence length)")
+    input_ids = torch.tensor([list(sequence_ids)], dtype=torch.long, device=device_of(target))
+    target_argmax, aux_hidden_states = target_forward(target, input_ids, DynamicCache(config=target.config),
+                                                      list(draft.config.capture_layer_indices))
+    return input_ids, target_argmax, aux_hidden_states
+
+
 @torch.inference_mode()
 def offline_chain_agreement(
     target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int], prompt_length: int, steps: int
@@ -55,15 +68,9 @@ def offline_chain_agreement(
     proposals whenever earlier steps agreed, so a row's leading agreements are what the loop accepts there.
     Chain starts: rows prompt_length-1 (the first generated token pending) .. T-1-k (all k targets exist).
     """
-    check_draft_fits_target(target, draft)
-    capture_layer_ids = list(draft.config.capture_layer_indices)
-    length = len(sequence_ids)
-    if not 1 <= prompt_length <= length:
-        raise ValueError(f"prompt_length {prompt_length} must be in [1, {length}] (the sequence length)")
     started = time.perf_counter()
-    device = device_of(target)
-    input_ids = torch.tensor([list(sequence_ids)], dtype=torch.long, device=device)
-    target_argmax, aux_hidden_states = target_forward(target, input_ids, DynamicCache(config=target.config), capture_layer_ids)
+    input_ids, target_argmax, aux_hidden_states = _target_pass(target, draft, sequence_ids, prompt_length)
+    device, length = input_ids.device, input_ids.shape[1]
     step_logits = draft(input_ids, aux_hidden_states, steps)  # k x (1, T, Vd)
     draft_to_target = draft.draft_to_target_ids().to(device)
     first_row, last_row = prompt_length - 1, length - 1 - steps
@@ -106,17 +113,11 @@ def offline_tree_acceptance(
     one target forward for features and argmax, then `tree.offline_tree_depths` from every start row
     `offline_chain_agreement` uses (prompt_length - 1 .. T - 1 - S). With K = 1 its depths are the chain's
     leading agreements."""
-    check_draft_fits_target(target, draft)
-    capture_layer_ids = list(draft.config.capture_layer_indices)
-    length = len(sequence_ids)
-    if not 1 <= prompt_length <= length:
-        raise ValueError(f"prompt_length {prompt_length} must be in [1, {length}] (the sequence length)")
     started = time.perf_counter()
-    device = device_of(target)
-    input_ids = torch.tensor(list(sequence_ids), dtype=torch.long, device=device)
-    target_argmax, aux_hidden_states = target_forward(target, input_ids.view(1, -1), DynamicCache(config=target.config), capture_layer_ids)
+    batched_ids, target_argmax, aux_hidden_states = _target_pass(target, draft, sequence_ids, prompt_length)
+    input_ids, length = batched_ids[0], batched_ids.shape[1]
     first_row, last_row = prompt_length - 1, length - 1 - topology.steps
-    start_rows = torch.arange(first_row, max(last_row + 1, first_row), device=device)
+    start_rows = torch.arange(first_row, max(last_row + 1, first_row), device=input_ids.device)
     depths = offline_tree_depths(draft, input_ids, aux_hidden_states[0], target_argmax, start_rows, topology, draft_attention=draft_attention)
     return OfflineTreeAcceptance(accepted_depths=depths.cpu().numpy(), start_rows=start_rows.cpu().numpy(), topology=topology,
                                  tokens=length, seconds=time.perf_counter() - started)
