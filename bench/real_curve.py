@@ -297,6 +297,12 @@ def backtest(sizes: list[float], taus: np.ndarray, lows: np.ndarray, highs: np.n
     return text, rows
 
 
+def lower_bound_reason(row: dict[str, Any]) -> str:
+    if row["stopped"] == "step_cap":
+        return "yes (step cap)"
+    return f"yes (still rising: recent gain {row.get('recent_gain', float('nan')):+.3f})"
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="output folder (cache), e.g. /work/realcurve")
@@ -338,6 +344,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # training's progress lines
     from eaglekit.analysis.acceptance import sweep_acceptance
+    from eaglekit.analysis.answer import lower_bound_sizes
     from eaglekit.target import resolve_model
 
     params, settings = recipe(args)
@@ -367,7 +374,8 @@ def main() -> None:
     lows = np.array([summary.loc[size, "tau_pooled_low"] for size in sizes], dtype=np.float64)
     highs = np.array([summary.loc[size, "tau_pooled_high"] for size in sizes], dtype=np.float64)
     replicates = scored.pooled_replicates[DATASET]
-    lower_bounds = [float(row["size"]) for row in rows if not row["converged"]]  # stopped by the step cap: a lower bound
+    # The kit's rule (stage 6's): capped, or labelled converged while still rising by more than min_improvement.
+    lower_bounds = sorted(lower_bound_sizes(rows, params.training))
 
     seeds: dict[float, list[float]] = {}
     seed_lines = []
@@ -385,7 +393,7 @@ def main() -> None:
     for index, row in enumerate(rows):
         curve.append(f"| {row['size']} | {row['steps']} ({row['step_cap']}) | {row['stopped']} | {row['best_step']} | "
                      f"{row['best_accept_length']:.3f} | {taus[index]:.3f} [{lows[index]:.3f}, {highs[index]:.3f}] | "
-                     f"{'yes (step cap)' if float(row['size']) in lower_bounds else 'no'} |")
+                     f"{lower_bound_reason(row) if float(row['size']) in lower_bounds else 'no'} |")
     positions = sum(len(value) for value in by_size[sizes[0]][DATASET])
     print(f"\n## The measured curve ({len(kit.scoring)} scoring samples, {positions} chain starts; draft vocab {kit.vocab.size}, "
           f"coverage {kit.vocab.coverage:.3f}; chain {chain})\n")

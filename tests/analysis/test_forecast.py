@@ -228,7 +228,10 @@ def test_a_measured_full_data_is_a_measurement_not_a_forecast():
     assert result.verdict == "no-go" and "the draft trained on 960 samples, the full data, measures tau" in result.line
     assert "measured, not forecast" in result.line
     capped = _forecast(TRUTHS["flat"], FIVE, break_even=2.0, full_size=960.0, lower_bound_sizes=[960.0])
-    assert capped.line.startswith("not yet known (capped sizes are lower bounds): the draft trained on 960 samples")
+    assert capped.line.startswith("not yet known (its tau is a lower bound): the draft trained on 960 samples")
+    # A smaller size still rising does not move the full data's own measurement (the real curve's 120 did so).
+    smaller = _forecast(TRUTHS["flat"], FIVE, break_even=2.0, full_size=960.0, lower_bound_sizes=[120.0])
+    assert smaller.verdict == "no-go" and "measured, not forecast" in smaller.line
 
 
 def test_no_break_even_is_not_yet_known_and_lower_bounds_are_named():

@@ -32,7 +32,8 @@ issues (a staged run re-forecasts after every size; Bonferroni keeps the chance 
 - "no-go" when even the highest family's upper bound at the horizon stays below break-even, and no size it rests
   on was stopped by the step cap (a capped draft's tau is a lower bound, so its forecast is too): then "not yet
   known (capped sizes are lower bounds)".
-- a horizon already measured (the full data was trained) is read as that measurement, "go" or "no-go" by its bounds.
+- a horizon already measured (the full data was trained) is read as that measurement, "go" or "no-go" by its bounds
+  ("no-go" unless that draft itself is a lower bound: a smaller size's does not move it).
 - else "not yet known", with what the measured shape says and what would decide it.
 """
 
@@ -339,11 +340,12 @@ class _Forecaster:
     def measured_at_horizon(self) -> tuple[str, str]:
         """The verdict when the horizon is already measured (the full data was trained): a measurement, not a forecast."""
         low, high = self.measured_bounds()
-        if high < self.break_even and not self.lower_bounds:
+        # The full data's own draft is the measurement: a smaller size's lower bound does not move it; its own does.
+        if high < self.break_even and self.largest not in self.lower_bounds:
             return "no-go", (f"no-go: the draft trained on {self.largest:g} samples, the full data, measures tau {self.taus[-1]:.3f}, below "
                              f"break-even {self.break_even:.3f} even at its upper bound {high:.3f} ({self.level_text()}): measured, not "
                              f"forecast; {self.rests_on}.")
-        capped = " (capped sizes are lower bounds)" if high < self.break_even else ""
+        capped = " (its tau is a lower bound)" if high < self.break_even else ""
         return "not yet known", (f"not yet known{capped}: the draft trained on {self.largest:g} samples, the full data, measures tau "
                                  f"{self.taus[-1]:.3f} (bounds {low:.3f} to {high:.3f}, {self.level_text()}) against break-even "
                                  f"{self.break_even:.3f}; {self.rests_on}.")
