@@ -319,9 +319,13 @@ class AnalysisParams(Section):
     # Samples the full run will have (regenerated + class A): the go / no-go forecast's horizon
     # (docs/forecast.md). None: the largest of training.data_sizes.
     full_data_size: int | None = Field(default=None, gt=0)
-    baseline_tokens_per_s: float = Field(default=90.0, gt=0)  # the seed's measured serving case
-    speculative_tokens_per_s: float = Field(default=82.3, gt=0)
-    measured_accept_length: float = Field(default=2.1, ge=1)
+    # The user's measured serving case (all three, or none): plain decode tok/s, tok/s with the draft, and the
+    # draft's tau there. Given, the verdict's break-even is theirs; unset, it is this target's own, timed by stage
+    # 6's embedded loop. No default: another deployment's timings (the seed's Kimi-K2.5 90 / 82.3 at 2.1, in
+    # params/kimi_k25_big_run.yaml) must never decide a run on another target.
+    baseline_tokens_per_s: float | None = Field(default=None, gt=0)
+    speculative_tokens_per_s: float | None = Field(default=None, gt=0)
+    measured_accept_length: float | None = Field(default=None, ge=1)
     specdec_prompts: int = Field(default=4, gt=0)  # held-out prompts for the real speculative loop
     specdec_max_new_tokens: int = Field(default=32, gt=0)
     ablation: bool = True  # two drafts on the same class-B prompts: the datasets' answers vs the target's

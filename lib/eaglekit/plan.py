@@ -94,6 +94,11 @@ def _capacity(params: Params, config: dict) -> tuple[dict[str, Any], dict[str, i
     return figures, {row.partition: row.recommended_concurrency for row in plan.partitions}
 
 
+# One stream's decode rate when the params give none: the seed's Kimi-K2.5 plain decode on 8 GPUs (90 tok/s), an
+# assumption the plan prints as one; analysis.baseline_tokens_per_s or --server-tokens-per-s replaces it.
+ASSUMED_STREAM_TOKENS_PER_S = 90.0
+
+
 def _generation_hours(params: Params, prompts: Assumption, answer_tokens: Assumption, server_tokens_per_s: Assumption) -> dict:
     servers = max(1, len(params.endpoints))
     gpus_per_server = params.generation.plan.tensor_parallel
@@ -133,11 +138,13 @@ def plan_run(params: Params, *, prompts: int | None = None, tokens_per_sample: f
                         "at the capture cap, an upper bound")
     capacity, recommended = _capacity(params, config)
     concurrency = recommended.get(short.name) or short.concurrency
+    stream = params.analysis.baseline_tokens_per_s
+    stream_source = f"analysis.baseline_tokens_per_s ({stream:g}, one stream)" if stream is not None else \
+        f"{ASSUMED_STREAM_TOKENS_PER_S:g} tok/s a stream (the seed's Kimi-K2.5 plain decode; analysis.baseline_tokens_per_s unset)"
     throughput = Assumption("server_tokens_per_s", server_tokens_per_s, "--server-tokens-per-s") \
         if server_tokens_per_s is not None else Assumption(
-            "server_tokens_per_s", concurrency * params.analysis.baseline_tokens_per_s,
-            f"{concurrency} in flight ({short.name}'s concurrency) x analysis.baseline_tokens_per_s "
-            f"({params.analysis.baseline_tokens_per_s:g}, one stream): optimistic, batched streams decode slower")
+            "server_tokens_per_s", concurrency * (stream or ASSUMED_STREAM_TOKENS_PER_S),
+            f"{concurrency} in flight ({short.name}'s concurrency) x {stream_source}: optimistic, batched streams decode slower")
     sizes, heldout = params.training.data_sizes, params.training.heldout_size
     full = params.analysis.full_data_size
     total = max(full or 0, heldout + sizes[-1])

@@ -220,6 +220,23 @@ def test_the_verdict_uses_this_targets_break_even_unless_serving_timings_are_giv
     assert break_even_cases(None, None) == {}
 
 
+def test_only_a_params_file_that_gives_serving_timings_has_a_serving_case():
+    """The schema's defaults were the seed's Kimi-K2.5 timings, so every run without timings still had a serving case
+    (the demo's answer.json opened with 2.296 on SmolLM2). Now the defaults are none; the seed's file gives its own."""
+    from eaglekit.analysis.answer import serving_case
+    from eaglekit.config import Params, load_params
+
+    assert serving_case(Params().analysis) is None
+    for path in PARAMS_FILES:
+        case = serving_case(load_params(path).analysis)
+        if path.stem == "kimi_k25_big_run":
+            assert case is not None and case.break_even_accept_length == pytest.approx(2.1 * 90 / 82.3)
+        else:
+            assert case is None, path.name
+    demo = load_params(PARAMS_FILES[0].parent / "demo.yaml")
+    assert demo.analysis.full_data_size > max(demo.training.data_sizes)  # the demo's verdict has a horizon to forecast
+
+
 def test_answer_in_words_without_serving_timings_says_nothing_of_another_deployment():
     acceptance = sweep_acceptance({20: agreements(0.2, 0), 80: agreements(0.5, 1)}, 3, num_resamples=50)
     embedded = break_even_from_throughput(5.5, 3.7, 1.2, draft_length=3)
