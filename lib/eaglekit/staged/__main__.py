@@ -18,6 +18,7 @@ import threading
 import time
 
 PARENT_POLL_S = 1.0
+HARD_STOP_AFTER_S = 10.0  # the interrupt's grace period before the worker exits hard
 
 
 def _stop_when_parent_dies(parent: int, interval_s: float = PARENT_POLL_S) -> None:
@@ -29,6 +30,12 @@ def _stop_when_parent_dies(parent: int, interval_s: float = PARENT_POLL_S) -> No
             time.sleep(interval_s)
         logging.getLogger("eaglekit.staged").warning("staged worker: the runner (pid %d) is gone; stopping", parent)
         os.kill(os.getpid(), signal.SIGINT)
+        # An interrupt that lands in a C call or is swallowed never ends the process, and the run folder's lock
+        # would outlive the runner: after a grace period, stop hard. Every write is atomic, so this loses no more
+        # than a kill -9 would (the size in progress resumes from its last checkpoint).
+        time.sleep(HARD_STOP_AFTER_S)
+        logging.getLogger("eaglekit.staged").warning("staged worker: still running %.0f s after the interrupt; exiting", HARD_STOP_AFTER_S)
+        os._exit(130)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
