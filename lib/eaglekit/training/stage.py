@@ -37,6 +37,7 @@ import sys
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,7 +129,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
             metrics.close()
         return None
 
-    ablation = [] if ablation_pairs is None else _train_ablation(ablation_pairs, inputs, capture_dir, build_model, target_weights.lm_head, settings,
+    ablation = [] if ablation_pairs is None else _train_ablation(ablation_pairs, inputs, build_model, target_weights.lm_head, settings,
                                                                  training_dir, target_cache, evaluated, progress, out, metrics)
     if not is_main:
         return None
@@ -200,39 +201,38 @@ def _noise_seed_sizes(params: Params, selected: Sequence[int]) -> list[tuple[int
     return [(seed, seed_sizes) for seed in seeds] if seed_sizes else []
 
 
-def _ablation_pairs(params: Params, capture_dir: Path, keys: list) -> list[tuple[int, int]] | None:
-    """(original answer's index, regenerated sample's index) of every prompt captured both ways; None: no ablation."""
+def _ablation_pairs(params: Params, capture_dir: Path, keys: list) -> tuple[Any, list[tuple[int, int]]] | None:
+    """(the captured original answers, [(original answer's index, regenerated sample's index)] of every prompt captured
+    both ways); None: no ablation."""
     original_dir = capture_dir / "original"
     if not params.analysis.ablation or not (original_dir / "index.json").exists():
         return None
     from eaglekit.capture.shards import ShardDataset
 
+    original = ShardDataset(original_dir)
     position_of_key = {key: index for index, key in enumerate(keys)}
-    return [(index, position_of_key[key]) for index, key in enumerate(ShardDataset(original_dir).keys) if key in position_of_key]
+    return original, [(index, position_of_key[key]) for index, key in enumerate(original.keys) if key in position_of_key]
 
 
 def _sweep_progress(params: Params, settings: TrainSettings, selected: Sequence[int],
-                    ablation_pairs: list | None) -> SweepProgress:
+                    ablation_pairs: tuple | None) -> SweepProgress:
     """Every draft stage 5 trains, in order, with its step cap: the log's 'draft i of n' and the sweep's time left."""
     world = launched_world()[1]
     drafts = [(f"size {size}", settings.resolved_max_steps(size, world)) for size in selected]
     drafts += [(f"size {size}, seed {seed}", settings.resolved_max_steps(size, world))
                for seed, sizes in _noise_seed_sizes(params, selected) for size in sizes]
     if ablation_pairs is not None:
-        drafts += [(f"ablation: {variant}", settings.resolved_max_steps(len(ablation_pairs), world)) for variant in ABLATION_VARIANTS]
+        drafts += [(f"ablation: {variant}", settings.resolved_max_steps(len(ablation_pairs[1]), world)) for variant in ABLATION_VARIANTS]
     return SweepProgress(drafts, params.training.schedule == "until_converged")
 
 
 ABLATION_VARIANTS = ("original answers", "regenerated answers")
 
 
-def _train_ablation(pairs, inputs: SweepInputs, capture_dir: Path, build_model, lm_head, settings: TrainSettings, training_dir: Path,
-                    target_cache,
-                    evaluated: Topology, progress: SweepProgress, out: Path, metrics: Metrics | None) -> list[DraftEntry]:
+def _train_ablation(ablation_pairs: tuple, inputs: SweepInputs, build_model, lm_head, settings: TrainSettings, training_dir: Path,
+                    target_cache, evaluated: Topology, progress: SweepProgress, out: Path, metrics: Metrics | None) -> list[DraftEntry]:
     """The ablation pair: one draft on the datasets' own answers, one on the target's, over the same prompts."""
-    from eaglekit.capture.shards import ShardDataset
-
-    original = ShardDataset(capture_dir / "original")
+    original, pairs = ablation_pairs
     samples_by_dataset = dict(Counter(inputs.keys[position][0] for _, position in pairs))
     variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
                 "regenerated answers": IndexedSubset(inputs.samples, [r for _, r in pairs])}
@@ -241,7 +241,7 @@ def _train_ablation(pairs, inputs: SweepInputs, capture_dir: Path, build_model, 
         progress.start(f"ablation: {variant}")
         result = train_draft(build_model(), lm_head, variants[variant], IndexedSubset(inputs.samples, inputs.selection),
                              training_dir / "ablation" / variant.split()[0], settings, target_cache=target_cache)
-        progress.finish(f"ablation: {variant}", result)
+        progress.finish(result)
         entries.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(inputs.selection),
                                               settings.schedule, settings.patience, out))
         if metrics is not None:

@@ -40,6 +40,7 @@ class SweepProgress:
         self.timed_steps = 0
         self.timed_seconds = 0.0
         self._draft_started: float | None = None
+        self._label = ""
 
     def time_left(self) -> str:
         """The remaining drafts' time, from the next one to start on, as the log says it."""
@@ -54,9 +55,10 @@ class SweepProgress:
         total = max(len(self.drafts), self.started_drafts + 1)
         self.log("stage 5: draft %d of %d, %s; the sweep's time left %s", self.started_drafts + 1, total, label, self.time_left())
         self.started_drafts += 1
-        self._draft_started = time.perf_counter()
+        self._draft_started, self._label = time.perf_counter(), label
 
-    def finish(self, label: str, result: TrainResult) -> None:
+    def finish(self, result: TrainResult) -> None:
+        """The line for the draft `start` began."""
         seconds = time.perf_counter() - (self._draft_started or time.perf_counter())
         ran = result.steps - result.resumed_step
         if ran > 0:
@@ -65,7 +67,7 @@ class SweepProgress:
         how = result.stopped or "stopped by stop_at_step"
         resumed = f", resumed at step {result.resumed_step}" if result.resumed_step else ""
         self.log("stage 5: draft %d of %d, %s, done: %d steps in %s%s, best held-out tau %.4f at step %d (%s)", self.started_drafts,
-                 max(len(self.drafts), self.started_drafts), label, result.steps, format_duration(seconds), resumed,
+                 max(len(self.drafts), self.started_drafts), self._label, result.steps, format_duration(seconds), resumed,
                  result.best_accept_length, result.best_step, how)
 
 
@@ -121,7 +123,7 @@ def train_size_sweep(
         progress.start(f"size {size}{label}")
         result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings,
                              target_cache=target_cache)
-        progress.finish(f"size {size}{label}", result)
+        progress.finish(result)
         per_dataset: dict[str, int] = {}
         for index in indices:
             per_dataset[datasets[index]] = per_dataset.get(datasets[index], 0) + 1
