@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from eaglekit.generation.client import EndpointSpec  # noqa: E402
-from eaglekit.generation import PartitionSettings, PromptSource, generate, read_generations  # noqa: E402
+from eaglekit.config import PartitionParams  # noqa: E402
+from eaglekit.generation import PromptSource, generate, read_generations  # noqa: E402
 
 
 def start_endpoint(token_seconds: float = 0.001) -> tuple[subprocess.Popen, str]:
@@ -97,7 +98,7 @@ def bench_scheduling(workdir: Path, requests: int, concurrency: int, median_s: f
         service_before = server_stats(base_url)["service_seconds"]
         started = time.perf_counter()
         generate([PromptSource("bench", "short", prompts)], [EndpointSpec(base_url)], workdir / "tail_out",
-                 [PartitionSettings("short", concurrency, 16)], progress_bar=False, log_interval_s=3600)
+                 [PartitionParams(name="short", concurrency=concurrency, max_tokens=16)], progress_bar=False, log_interval_s=3600)
         engine = time.perf_counter() - started
         service = server_stats(base_url)["service_seconds"] - service_before
         wave = asyncio.run(waves(base_url, texts, concurrency))
@@ -138,7 +139,7 @@ def bench_overhead(workdir: Path, requests: int, concurrency: int) -> None:
         client_before = time.process_time()
         started = time.perf_counter()
         summary = generate([PromptSource("bench", "short", prompts)], [EndpointSpec(base_url)], workdir / "instant_out",
-                           [PartitionSettings("short", concurrency, 16)], progress_bar=False, log_interval_s=3600)
+                           [PartitionParams(name="short", concurrency=concurrency, max_tokens=16)], progress_bar=False, log_interval_s=3600)
         wall = time.perf_counter() - started
         client_cpu = time.process_time() - client_before
         server_cpu = server_stats(base_url)["cpu_seconds"] - server_before
@@ -169,7 +170,7 @@ def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
                                     [f"Write a short sentence about the number {index}." for index in range(count)])
             started = time.perf_counter()
             generate([PromptSource("bench", "short", prompts)], [EndpointSpec(server.base_url, model=server.model_name)],
-                     workdir / f"embedded_out_{concurrency}", [PartitionSettings("short", concurrency, max_tokens)],
+                     workdir / f"embedded_out_{concurrency}", [PartitionParams(name="short", concurrency=concurrency, max_tokens=max_tokens)],
                      temperature=0.0, progress_bar=False, log_interval_s=3600)
             wall = time.perf_counter() - started
             tokens = sum(r["completion_tokens"] or 0 for r in read_generations(workdir / f"embedded_out_{concurrency}").values())
@@ -198,7 +199,7 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
 
         def run(name: str, sources: list[PromptSource], concurrency: int) -> tuple[float, object]:
             started = time.perf_counter()
-            summary = generate(sources, endpoint, workdir / name, [PartitionSettings("short", concurrency, max_tokens)],
+            summary = generate(sources, endpoint, workdir / name, [PartitionParams(name="short", concurrency=concurrency, max_tokens=max_tokens)],
                                temperature=0.0, progress_bar=False, log_interval_s=3600)
             return time.perf_counter() - started, summary
 
@@ -242,7 +243,7 @@ def bench_partitions(workdir: Path, token_seconds: float, scale: float) -> None:
     long = partition_texts(rng, "l", int(100 * scale), 1500, 8192)
     sources = [PromptSource("chat", "short", write_prompts(workdir / "short.jsonl", short)),
                PromptSource("code", "long", write_prompts(workdir / "long.jsonl", long))]
-    partitions = [PartitionSettings("short", 64, 4096), PartitionSettings("long", 8, 8192)]
+    partitions = [PartitionParams(name="short", concurrency=64, max_tokens=4096), PartitionParams(name="long", concurrency=8, max_tokens=8192)]
     process, base_url = start_endpoint(token_seconds)
     results = {}
     try:

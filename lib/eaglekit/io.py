@@ -141,6 +141,17 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
     return count
 
 
+def parse_json_text(value: Any) -> Any:
+    """A string that holds JSON, parsed; anything else (a non-JSON string included) as it is. Datasets store tool
+    calls' arguments and tool definitions either way."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
 def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
     """Yield (line_number, object) for each non-blank line; raise InputError naming file and line.
 
@@ -192,7 +203,17 @@ def repair_torn_tail(path: str | os.PathLike) -> int:
         return size - keep
 
 
-class AppendLog:
+class ClosesOnExit:
+    """`with obj:` gives obj and calls its close() on the way out, whatever ended the block."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class AppendLog(ClosesOnExit):
     """Append-only JSONL log that survives kill -9: each line written through, torn tail repaired on open."""
 
     def __init__(self, path: str | os.PathLike, sync_every: int = 64):
@@ -221,12 +242,6 @@ class AppendLog:
         if not self._handle.closed:
             self.flush()
             self._handle.close()
-
-    def __enter__(self) -> "AppendLog":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def pid_alive(pid: Any) -> bool:

@@ -18,11 +18,15 @@ def cache_dir() -> Path:
     return root
 
 
-def installed_package_dir(module: str) -> Path | None:
-    """The folder of an installed package, found without importing it (data-only packages); None if absent."""
+def installed_package_dir(module: str, needed_by: str, pip_name: str | None = None,
+                          error: type[Exception] = FileNotFoundError) -> Path:
+    """The folder of an installed package, found without importing it (data-only packages). Absent: `error`
+    saying what needs it and the pip command that installs it."""
     import importlib.util
 
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        return None
+        pip_name = pip_name or module
+        raise error(f"{needed_by} needs the PyPI package {pip_name!r}: `pip install --no-deps {pip_name}` "
+                    "(or run `make install`)")
     return Path(next(iter(spec.submodule_search_locations)))

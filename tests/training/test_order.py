@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from eaglekit.generation import PartitionSettings, PromptSource, generate
+from eaglekit.config import PartitionParams
+from eaglekit.generation import PromptSource, generate
 from eaglekit.generation.client import EndpointSpec
 from eaglekit.io import InputError
 from eaglekit.run_folder import tokenized_data_files
@@ -129,7 +130,7 @@ def test_the_engine_requests_prompts_in_the_planned_order_within_each_partition(
     make_prep(tmp_path)
     order = plan_training_order(tmp_path / "prep", heldout_size=8, seed=3)
     sources = [PromptSource(path.parent.name, path.name.split(".")[1], path) for path in sorted((tmp_path / "prep").glob("*/prompts.*.jsonl"))]
-    partitions = [PartitionSettings("short", 1, 4), PartitionSettings("long", 1, 4)]
+    partitions = [PartitionParams(name="short", concurrency=1, max_tokens=4), PartitionParams(name="long", concurrency=1, max_tokens=4)]
     with FaultEndpoint() as endpoint:
         generate(sources, [EndpointSpec(endpoint.base_url)], tmp_path / "out", partitions, priority=order.priority(),
                  log_interval_s=0.2, flush_interval_s=0.05, health_interval_s=0.05, progress_bar=False, probe_wait_s=10.0)
@@ -148,7 +149,7 @@ def test_the_requests_each_size_waits_for_match_the_engines_real_request_order(t
     order = plan_training_order(tmp_path / "prep", heldout_size=8, seed=5)
     sources = [PromptSource(path.parent.name, path.name.split(".")[1], path) for path in sorted((tmp_path / "prep").glob("*/prompts.*.jsonl"))]
     with FaultEndpoint() as endpoint:
-        generate(sources, [EndpointSpec(endpoint.base_url)], tmp_path / "out", [PartitionSettings("short", 1, 4), PartitionSettings("long", 1, 4)],
+        generate(sources, [EndpointSpec(endpoint.base_url)], tmp_path / "out", [PartitionParams(name="short", concurrency=1, max_tokens=4), PartitionParams(name="long", concurrency=1, max_tokens=4)],
                  priority=order.priority(), log_interval_s=0.2, flush_interval_s=0.05, health_interval_s=0.05, progress_bar=False)
     asked = [(record["dataset"], record["id"], record["partition"])
              for record in map(json.loads, (tmp_path / "out" / "generations.jsonl").read_text().splitlines())]

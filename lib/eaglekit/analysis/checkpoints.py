@@ -5,10 +5,7 @@ The decoding itself (greedy, propose/verify/accept, chain and tree loops, the of
 is `eaglekit.analysis.speculative`; this module only runs it over prompts and reports. Exported drafts (SGLang or vLLM
 folders) are evaluated by `eaglekit.analysis.evaluate`.
 
-Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
-the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
-prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
-training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
+One of stage 6's four evaluators (`eaglekit.analysis` says which is which).
 """
 
 from __future__ import annotations

@@ -19,10 +19,7 @@ JSONL prompts file, one conversation per line: the kit's schema ({"id", "message
 ({"messages": [...]} or a bare list of messages). A trailing assistant message is the reference answer and is
 dropped: the target answers the conversation up to it.
 
-Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
-the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
-prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
-training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
+One of stage 6's four evaluators (`eaglekit.analysis` says which is which).
 """
 
 from __future__ import annotations

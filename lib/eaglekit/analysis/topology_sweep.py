@@ -18,10 +18,7 @@ argmax from its final hidden states): each top-k is grown once to the deepest S,
 more than its widest tree. Every topology of a sweep is scored on the same start rows (those with S_max
 generated tokens after them), so the rows compare like with like.
 
-Stage 6's four evaluators, which is which: `checkpoints` scores the sweep's training checkpoints (offline on
-the held-out samples, and the largest through the real loop); `evaluate` scores one exported draft folder on a
-prompts file (`eaglekit evaluate`); `benchmark` scores every checkpoint on benchmark prompts from outside the
-training data; `topology_sweep` picks the chain or SGLang tree to serve from measured step costs.
+One of stage 6's four evaluators (`eaglekit.analysis` says which is which).
 """
 
 from __future__ import annotations

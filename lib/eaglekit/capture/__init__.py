@@ -31,12 +31,3 @@ from eaglekit.capture.layers import (
 from eaglekit.capture.online import CapturedSamples, OnlineCaptureDataset, OnlineCaptureSamples, open_captured_samples
 from eaglekit.capture.plan import PLAN_FILE, InsufficientDiskError, StoragePlan, check_disk_space, plan_capture_storage, read_capture_plan
 from eaglekit.capture.run import DEFAULT_MAX_SHARD_BYTES, CaptureReport, capture_to_shards
-
-__all__ = [
-    "DEFAULT_MAX_SHARD_BYTES", "PLAN_FILE", "CaptureReport", "CapturedSamples", "DatasetStats", "InsufficientDiskError",
-    "LayerInputCapture", "OnlineCaptureDataset", "OnlineCaptureSamples", "StoragePlan", "TokenizedSample", "as_training_sample",
-    "base_model_of", "capture_batch", "capture_batches", "capture_to_shards", "check_captured_samples", "check_disk_space",
-    "default_capture_layer_ids", "feature_norms", "load_target", "open_captured_samples", "plan_batches",
-    "plan_capture_storage", "read_capture_plan", "read_tokenized_samples", "resolve_capture_layer_ids",
-    "validate_capture_layer_ids", "write_sample_subset",
-]

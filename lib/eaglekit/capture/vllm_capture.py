@@ -40,6 +40,7 @@ from safetensors.torch import load_file
 from eaglekit.capture.inputs import TokenizedSample
 from eaglekit.capture.shards import CapturedSample
 from eaglekit.generation.server import ServerError, VLLMServer, default_vllm_python
+from eaglekit.io import ClosesOnExit
 from eaglekit.target import TargetLayout
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class _ignore_missing:
 
 
 @dataclass
-class VllmCapture:
+class VllmCapture(ClosesOnExit):
     """A running vLLM capture server as capture's FeatureSource (`capture.forward.FeatureSource`)."""
 
     server: VllmHiddenStatesServer
@@ -230,12 +231,6 @@ class VllmCapture:
 
     def close(self) -> None:
         self.server.stop()
-
-    def __enter__(self) -> "VllmCapture":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
     hidden_size = property(lambda self: self.layout.hidden_size)
     num_hidden_layers = property(lambda self: self.layout.num_hidden_layers)

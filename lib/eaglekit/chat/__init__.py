@@ -104,24 +104,3 @@ from eaglekit.chat.template import (
     TemplateLayout,
 )
 from eaglekit.chat.tokens import ConversationSamples, TokenizedConversation, mask_html
-
-__all__ = [
-    "HISTORY_POLICIES",
-    "ChatTemplateError",
-    "ConversationSamples",
-    "HistoryPolicy",
-    "NotPrefixStableError",
-    "TemplateLayout",
-    "TokenizedConversation",
-    "format_tool_call",
-    "mask_html",
-    "normalize_tools",
-    "prompt_token_count",
-    "prompt_token_ids",
-    "render_conversation",
-    "template_family",
-    "template_layout",
-    "tokenize_answer",
-    "tokenize_conversation",
-    "tokenize_conversation_reference",
-]

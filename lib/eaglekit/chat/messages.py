@@ -10,6 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from eaglekit.io import parse_json_text
 from eaglekit.chat.template import PROBE_CALL_ID, ChatTemplateError, TemplateLayout
 
 
@@ -51,23 +52,13 @@ class Marker:
 
 def format_tool_call(name: str, arguments: Any) -> str:
     """One tool call as Hermes/Qwen text; `arguments` may be a JSON string or object."""
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n</tool_call>"
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": parse_json_text(arguments)}, ensure_ascii=False) + "\n</tool_call>"
 
 
 def _arguments(arguments: Any, form: str) -> Any:
     if form == "string":
         return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except json.JSONDecodeError:
-            return arguments
-    return arguments
+    return parse_json_text(arguments)
 
 
 def to_template_messages(messages: Sequence[dict], layout: TemplateLayout, marker: Marker) -> list[dict]:
@@ -114,11 +105,9 @@ def normalize_tools(tools: Any) -> list[dict] | None:
     Accepts a JSON string (Glaive stores them so) and bare function schemas."""
     if not tools:
         return None
+    tools = parse_json_text(tools)
     if isinstance(tools, str):
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            raise ChatTemplateError("meta.tools is a string that is not JSON") from None
+        raise ChatTemplateError("meta.tools is a string that is not JSON")
     if isinstance(tools, dict):
         tools = [tools]
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from eaglekit.io import InputError
+from eaglekit.io import InputError, parse_json_text
 from eaglekit.data.readers import RecordLocation
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -69,25 +69,15 @@ def _text(value: Any, location: RecordLocation, field_name: str) -> str:
 
 
 def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
-    """One structured tool call (OpenAI shape); `arguments` parsed from JSON text where it parses."""
-    if isinstance(arguments, str):
-        try:
-            parsed = json.loads(arguments)
-        except json.JSONDecodeError:
-            parsed = None
-        if isinstance(parsed, dict):
-            arguments = parsed
-    call = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    """One structured tool call (OpenAI shape); `arguments` parsed from JSON text where it parses to an object."""
+    parsed = parse_json_text(arguments)
+    call = {"type": "function", "function": {"name": name, "arguments": parsed if isinstance(parsed, dict) else arguments}}
     return {"id": call_id, **call} if call_id else call
 
 
 def tool_definitions(tools: Any) -> Any:
     """A record's tool definitions as a list (Glaive stores them as JSON text)."""
-    if isinstance(tools, str):
-        try:
-            return json.loads(tools)
-        except json.JSONDecodeError:
-            return tools
+    return parse_json_text(tools)
     return tools
 
 

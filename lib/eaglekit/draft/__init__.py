@@ -26,26 +26,3 @@ from eaglekit.draft.model import (
     ttt_block_mask,
     ttt_mask_mod,
 )
-
-__all__ = [
-    "DRAFT_SHAPES",
-    "DraftConfig",
-    "DraftShape",
-    "DraftHead",
-    "DraftKVCache",
-    "Eagle3Attention",
-    "Eagle3DecoderLayer",
-    "Eagle3DraftModel",
-    "Eagle3MLP",
-    "RMSNorm",
-    "TargetHeadWeights",
-    "TargetTextConfig",
-    "TrainingTimeTestKeyValues",
-    "build_draft_from_target",
-    "draft_shape",
-    "flex_attention_kernel",
-    "load_target_head_weights",
-    "shift_left",
-    "ttt_block_mask",
-    "ttt_mask_mod",
-]

@@ -25,7 +25,7 @@ What stops a run: Ctrl-C or SIGTERM (in-flight requests get `shutdown_grace_s`, 
 and requested again on resume; SIGTERM exits 143), and an endpoint refusing the API key (401/403:
 `EndpointAuthError`, raised at once; no prompt is marked failed by it).
 
-Modules, in dependency order: `settings` (partition and retry settings from params), `prompts` (the
+Modules, in dependency order: `settings` (the retry backoff, the settings a resume keeps), `prompts` (the
 prompts files as requests), `quality` (answer flags), `errors` (what an HTTP status or a fault means for the run),
 `client` (endpoints, probing, routing), `logs`
 (readers of the files above, counters, the progress line), `engine` (the async engine), `run`
@@ -57,12 +57,3 @@ from eaglekit.generation.logs import (
 from eaglekit.generation.prompts import PROMPT_ROLES, PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS, TRUNCATED_POLICIES, has_repetition_loop, quality_flags
 from eaglekit.generation.run import generate, run_engine, run_event_loop
-from eaglekit.generation.settings import DEFAULT_RETRY, PartitionSettings, RetryPolicy
-
-__all__ = [
-    "DEFAULT_RETRY", "ERRORS_FILE", "GENERATIONS_FILE", "MAX_RETRY_AFTER_WAITS", "METRICS_FILE", "PROMPT_ROLES", "QUALITY_FLAGS",
-    "SESSIONS_FILE", "TRUNCATED_POLICIES", "DatasetCounts", "GenerationEngine", "GenerationLog", "GenerationSummary",
-    "PartitionSettings", "PromptItem", "PromptSource", "RetryPolicy", "compact_errors", "count_lines", "finished_keys", "generate",
-    "generation_table", "has_repetition_loop", "iter_record_heads", "load_prompts", "progress_line", "quality_flags", "read_errors",
-    "read_generations", "run_engine", "run_event_loop", "summarize_generations",
-]

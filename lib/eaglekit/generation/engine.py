@@ -25,6 +25,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from eaglekit.config import GenerationParams, PartitionParams
 from eaglekit.generation.capacity import SharedPool
 from eaglekit.generation.client import ChatAnswer, Endpoint, EndpointSpec
 from eaglekit.generation.errors import EndpointFatalError, RequestRejected, TransientError
@@ -35,7 +36,7 @@ from eaglekit.generation.logs import (
 from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS, quality_flags
 from eaglekit.generation.settings import (  # noqa: F401  (GenerationSettingsChanged: the engine's refusal, importable here)
-    DEFAULT_RETRY, SETTINGS_FILE, GenerationSettingsChanged, PartitionSettings, RetryPolicy, check_generation_settings)
+    SETTINGS_FILE, GenerationSettingsChanged, backoff_seconds, check_generation_settings)
 from eaglekit.generation.tokenized import EARLY_CHECK_ANSWERS
 from eaglekit.io import AppendLog, repair_torn_tail, write_json
 
@@ -88,10 +89,10 @@ class GenerationEngine:
     """Runs prompts through endpoints; see `generate` for the blocking entry point and arguments."""
 
     def __init__(self, sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
-                 partitions: Sequence[PartitionSettings], *, temperature: float | None = None,
+                 partitions: Sequence[PartitionParams], *, temperature: float | None = None,
                  top_p: float | None = None, extra_body: dict[str, Any] | None = None,
                  chat_template_kwargs: dict[str, Any] | None = None, history_reasoning: str = "field",
-                 retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
+                 retry: GenerationParams = GenerationParams(), request_timeout_s: float = 3600.0, retry_errors: bool = True,
                  log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
                  progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
                  probe_wait_s: float = 60.0, seed: int = 0, priority: Sequence[tuple[str, str]] | None = None,
@@ -110,9 +111,6 @@ class GenerationEngine:
         for source in self.sources:
             if source.partition not in names:
                 raise ValueError(f"{source.path}: partition {source.partition!r} has no settings; known: {names}")
-        for partition in self.partitions:
-            if partition.concurrency < 1 or partition.max_tokens < 1:
-                raise ValueError(f"partition {partition.name!r}: concurrency and max_tokens must be >= 1")
         labels = [spec.label for spec in self.endpoint_specs]
         if len(set(labels)) != len(labels):
             raise ValueError(f"endpoint names repeat: {labels}; give each endpoint its own name")
@@ -322,7 +320,7 @@ class GenerationEngine:
         if not task.cancelled() and task.exception() is not None:
             self._fail_run(task.exception())
 
-    async def _send_partition(self, partition: PartitionSettings, items: list[PromptItem],
+    async def _send_partition(self, partition: PartitionParams, items: list[PromptItem],
                               tasks: set[asyncio.Task]) -> None:
         """Send every prompt of a partition as room frees (`SharedPool`); returns once the last is sent, its
         requests (and the earlier partitions' still in flight) in `tasks`."""
@@ -371,7 +369,7 @@ class GenerationEngine:
             if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
                 raise result
 
-    async def _process(self, item: PromptItem, partition: PartitionSettings, slot: _Slot) -> None:
+    async def _process(self, item: PromptItem, partition: PartitionParams, slot: _Slot) -> None:
         """One prompt to a final record: retry transient failures, record rejections and answers.
 
         Every attempt runs on a slot it releases in `finally`; a stop while waiting for a slot or
@@ -439,7 +437,7 @@ class GenerationEngine:
                                    failures)
                 return
             # Back off, then take whichever endpoint is free and healthy (maybe another one).
-            delay = self.retry.backoff_seconds(attempts, self.rng)
+            delay = backoff_seconds(self.retry, attempts, self.rng)
             logger.info("%s/%s attempt %d on %s: %s; retrying in %.1f s", item.dataset, item.id, attempts,
                         endpoint.name, str(outcome)[:200], delay)
             if await self._sleep_unless_stopped(delay):
@@ -575,7 +573,7 @@ class GenerationEngine:
             "eta_s": {name: eta.seconds for name, eta in etas.items()}, "eta_total_s": total_eta.seconds,
             "eta": {name: eta.words() for name, eta in etas.items()}, "eta_total": total_eta.words()}
 
-    def _work(self, partition: PartitionSettings, now: float) -> PartitionWork:
+    def _work(self, partition: PartitionParams, now: float) -> PartitionWork:
         """A partition's state for its ETA; its slots are its concurrency on each healthy endpoint (capped there)."""
         progress = self.progress[partition.name]
         endpoints = [endpoint for endpoint in self.pool.endpoints if endpoint.healthy] or self.pool.endpoints

@@ -20,7 +20,7 @@ import numpy as np
 
 from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS
-from eaglekit.io import InputError, format_duration, read_jsonl, write_jsonl
+from eaglekit.io import ClosesOnExit, InputError, format_duration, read_jsonl, write_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def generation_table(output_dir: str | Path) -> dict[str, list[Any]]:
     return columns
 
 
-class GenerationLog:
+class GenerationLog(ClosesOnExit):
     """Random access to generations.jsonl by (dataset, id), holding only byte offsets in memory.
 
     >>> log = GenerationLog(output_dir); record = log.get(("ds", "id-1"))   # the full record, or None
@@ -157,12 +157,6 @@ class GenerationLog:
         if self._handle is not None:
             self._handle.close()
             self._handle = None
-
-    def __enter__(self) -> GenerationLog:
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
 
 
 def read_generations(output_dir: str | Path) -> dict[tuple[str, str], dict[str, Any]]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglekit.io import InputError, read_jsonl
+from eaglekit.io import InputError, parse_json_text, read_jsonl
 
 PROMPT_ROLES = ("user", "tool")
 # How past assistant turns carry their reasoning in a request, as prep renders them (the template's
@@ -103,11 +103,9 @@ def _request_tools(tools: Any, path: Path, line: int) -> list[dict[str, Any]] | 
     """meta.tools as OpenAI `tools`: [{"type": "function", "function": {...}}]; bare functions are wrapped."""
     if tools is None or tools == []:
         return None
-    if isinstance(tools, str):  # some datasets keep the definitions as a JSON string
-        try:
-            tools = json.loads(tools)
-        except json.JSONDecodeError:
-            raise InputError(path, line, "meta.tools", "a string that is not JSON tool definitions") from None
+    tools = parse_json_text(tools)  # some datasets keep the definitions as a JSON string
+    if isinstance(tools, str):
+        raise InputError(path, line, "meta.tools", "a string that is not JSON tool definitions")
     if not isinstance(tools, list):
         raise InputError(path, line, "meta.tools", "expected a list of tool definitions")
     request = []

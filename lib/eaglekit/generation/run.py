@@ -11,11 +11,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from eaglekit.config import GenerationParams, PartitionParams
 from eaglekit.generation.client import EndpointSpec
 from eaglekit.generation.engine import GenerationEngine
 from eaglekit.generation.logs import GenerationSummary
 from eaglekit.generation.prompts import PromptSource
-from eaglekit.generation.settings import DEFAULT_RETRY, PartitionSettings, RetryPolicy
 
 
 class _Terminated(BaseException):
@@ -23,9 +23,9 @@ class _Terminated(BaseException):
 
 
 def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
-             partitions: Sequence[PartitionSettings], *, temperature: float | None = None, top_p: float | None = None,
+             partitions: Sequence[PartitionParams], *, temperature: float | None = None, top_p: float | None = None,
              extra_body: dict[str, Any] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             history_reasoning: str = "field", retry: RetryPolicy = DEFAULT_RETRY, request_timeout_s: float = 3600.0, retry_errors: bool = True,
+             history_reasoning: str = "field", retry: GenerationParams = GenerationParams(), request_timeout_s: float = 3600.0, retry_errors: bool = True,
              log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0, progress_bar: bool = True,
              health_interval_s: float = 5.0, unhealthy_after: int = 3, probe_wait_s: float = 60.0,
              seed: int = 0, priority: Sequence[tuple[str, str]] | None = None,
@@ -45,6 +45,7 @@ def generate(sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec],
     (`reasoning_content` on the message) or "fold" (`<think>...</think>` before the content); the stage
     takes it from the target's template (`prompts.history_reasoning_for`).
     request_timeout_s: read timeout per request (a 16K-token answer at 10 tok/s takes ~27 min).
+    retry: params `generation` (its max_attempts, backoff_base_s and backoff_max_s are the ones read here).
     retry_errors: on rerun, request again prompts that failed for good before.
     shutdown_grace_s: after Ctrl-C/SIGTERM, how long in-flight requests may finish (a second Ctrl-C
     abandons them). Then outputs are flushed and KeyboardInterrupt (or SystemExit 143) is raised.

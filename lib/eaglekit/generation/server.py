@@ -140,18 +140,9 @@ class ManagedServer:
         self._log_handle = None
         self.startup_s: float | None = None  # start to first answer, once started
 
-    # The served model's name is the path it was loaded from (what /v1/models lists).
-    @property
-    def model_name(self) -> str:
-        return str(self.model_dir)
-
-    @property
-    def root_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.root_url}/v1"
+    model_name = property(lambda self: str(self.model_dir))  # the path it was loaded from (what /v1/models lists)
+    root_url = property(lambda self: f"http://{self.host}:{self.port}")
+    base_url = property(lambda self: f"{self.root_url}/v1")
 
     def command(self) -> list[str]:
         raise NotImplementedError

@@ -25,7 +25,6 @@ from eaglekit.generation.plan import plan_generation
 from eaglekit.generation.prompts import PromptSource, history_reasoning_for
 from eaglekit.generation.run import generate
 from eaglekit.generation.server import serving_endpoints
-from eaglekit.generation.settings import PartitionSettings, RetryPolicy
 from eaglekit.generation.tokenized import TokenizedDataSummary, build_tokenized_data, check_first_answers
 from eaglekit.io import read_jsonl
 from eaglekit.run_folder import Metrics, prompt_files, record_stage_outcome, stage_dir
@@ -84,7 +83,6 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
     if not prompts:
         raise FileNotFoundError(f"no prompts.<partition>.jsonl under {out / 'prep'}: run 02_prep first")
     sources = [PromptSource(dataset, partition, path) for dataset, partition, path in prompts]
-    partitions = [PartitionSettings.from_params(partition) for partition in params.generation.partitions]
     plan = plan_generation(params, prompts)
     settings = params.generation
     tokenizer = load_tokenizer(params.target)
@@ -97,8 +95,8 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
     with serving_endpoints(params, log_path=out / "server.log") as serving:  # the embedded server stops at the end of the block
         endpoint_specs = [EndpointSpec.from_params(endpoint) for endpoint in serving]
         summary = generate(
-            sources, endpoint_specs, generation_dir, partitions, temperature=settings.temperature, top_p=settings.top_p,
-            retry=RetryPolicy.from_params(settings),
+            sources, endpoint_specs, generation_dir, params.generation.partitions, temperature=settings.temperature, top_p=settings.top_p,
+            retry=settings,
             request_timeout_s=settings.request_timeout_s, retry_errors=settings.retry_errors,
             log_interval_s=settings.log_interval_s, shutdown_grace_s=settings.shutdown_grace_s, seed=params.run.seed,
             chat_template_kwargs=params.prep.chat_template_kwargs,  # e.g. Qwen3's enable_thinking, as prep rendered it

@@ -4,6 +4,3 @@ staged size trained on (`slices`)."""
 
 from eaglekit.staged.slices import (FORECASTS_FILE, SLICES_FILE, STAGED_DIR, Prefix, Settled, SliceEntry, StagedRecord,
                                     read_forecast_history, settled_prefix, slice_for)
-
-__all__ = ["FORECASTS_FILE", "SLICES_FILE", "STAGED_DIR", "Prefix", "Settled", "SliceEntry", "StagedRecord", "read_forecast_history",
-           "settled_prefix", "slice_for"]

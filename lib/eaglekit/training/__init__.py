@@ -29,16 +29,3 @@ from eaglekit.training.split import (IndexedSubset, ablation_sample_keys, conver
 from eaglekit.training.stopping import TrainProgress, anneal_note, plateaued, record_evaluation, should_stop
 from eaglekit.training.sweep import train_size_sweep
 from eaglekit.training.teacher import DISTILL_TARGETS, TargetArgmaxCache, TargetSignals, Teacher, target_signals
-
-__all__ = [
-    "BEST_CHECKPOINT", "DISTILL_TARGETS", "DRAFT_FIELDS", "LAST_CHECKPOINT", "METRICS_FILE", "PREVIOUS_CHECKPOINT", "Batch",
-    "CheckpointDigest", "Distributed", "IndexedSubset", "NonFiniteError", "ResumePoint", "SampleAgreement", "TornCheckpointError", "StepLoss", "TargetArgmaxCache", "TargetSignals", "Teacher", "TrainProgress", "TrainResult", "TrainSettings",
-    "ablation_sample_keys", "add_feature_noise", "anneal_length", "anneal_note", "anneals_a_converged_run", "check_resumable",
-    "collate", "conversation_key", "decay_window", "device_autocast", "eligible_rows", "evaluate_and_checkpoint", "find_resume_point",
-    "full_state_dicts",
-    "gradient_sync", "heldout_batches", "iterate_metrics", "learning_rate_at", "load_checkpoint", "load_draft_weights",
-    "nested_subsets", "per_position_agreement", "plateaued", "rank_packs", "rank_samples_at", "read_conversation_keys", "recent_gain",
-    "record_evaluation", "require_finite_draft", "resume_from", "sample_index_at", "sample_lengths", "save_checkpoint", "setup_distributed", "should_stop",
-    "simulated_accept_length", "split_heldout", "step_learning_rate", "stratified_order", "target_signals", "to_device",
-    "token_reader", "train_draft", "train_size_sweep", "truncate_metrics", "ttt_loss", "ttt_step", "verify_checkpoint", "wrap_model",
-]
