@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import time
 
 import openai
 
 from eaglekit.target import resolve_model
-from eaglekit.generation.server import DEFAULT_SERVER_SETTINGS, EmbeddedServer
+from eaglekit.config import ServerParams
+from eaglekit.generation.server import EmbeddedServer
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a Python function that reverses a list.",
@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="requests per level = rounds x concurrency")
     parser.add_argument("--no-continuous-batching", action="store_true")
     args = parser.parse_args()
-    settings = dataclasses.replace(DEFAULT_SERVER_SETTINGS, continuous_batching=not args.no_continuous_batching)
+    settings = ServerParams(continuous_batching=not args.no_continuous_batching)
     with EmbeddedServer(resolve_model("embedded:smollm2-135m-instruct"), settings=settings) as server:
         print(f"server: transformers serve, continuous_batching={settings.continuous_batching}, dtype={settings.dtype}, "
               f"kv_cache_tokens={settings.kv_cache_tokens}; max_tokens={args.max_tokens}")

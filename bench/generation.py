@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import heapq
 import json
 import random
@@ -182,7 +181,8 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
     from eaglekit.generation.capacity import length_plan, sequences_that_fit
     from eaglekit.target import resolve_model
     from eaglekit.generation.plan import pilot_lengths
-    from eaglekit.generation.server import DEFAULT_SERVER_SETTINGS, EmbeddedServer
+    from eaglekit.config import ServerParams
+    from eaglekit.generation.server import EmbeddedServer
 
     model_dir = resolve_model("embedded:smollm2-135m-instruct")
     context = "Background: " + " ".join(f"fact {index} is about item {index * 7}." for index in range(20))
@@ -193,8 +193,8 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
                  f"{topics[(offset + index) % len(topics)]}. One word." for index in range(count)]
         return [PromptSource("bench", "short", write_prompts(workdir / f"{name}.jsonl", texts))]
 
-    settings = dataclasses.replace(DEFAULT_SERVER_SETTINGS, kv_cache_tokens=kv_cache_tokens, cb_page_size=64)
-    with EmbeddedServer(model_dir, settings=settings, log_path=workdir / "capacity_server.log") as server:
+    settings = ServerParams(kv_cache_tokens=kv_cache_tokens)
+    with EmbeddedServer(model_dir, settings=settings, log_path=workdir / "capacity_server.log", cb_page_size=64) as server:
         endpoint = [EndpointSpec(server.base_url, model=server.model_name, name="embedded")]
 
         def run(name: str, sources: list[PromptSource], concurrency: int) -> tuple[float, object]:

@@ -197,6 +197,7 @@ def _capture(args: argparse.Namespace) -> int:
     from torch import distributed
 
     from eaglekit.capture import capture_to_shards, load_target
+    from eaglekit.training.distributed import local_device
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -205,8 +206,8 @@ def _capture(args: argparse.Namespace) -> int:
                   "holds a whole copy", file=sys.stderr)
             return 2
         distributed.init_process_group(backend="nccl" if device.startswith("cuda") else "gloo")
+        device = local_device(device)
         if device.startswith("cuda"):
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
             torch.cuda.set_device(device)
     dtype_name = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     try:

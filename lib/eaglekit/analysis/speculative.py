@@ -273,26 +273,44 @@ def accept(proposals: torch.Tensor, target_choices: torch.Tensor) -> int:
     return int(agree.cumprod(0).sum())
 
 
-def _truncate(tokens: list[int], room: int, eos: set[int]) -> tuple[list[int], bool]:
-    """Cut emitted tokens to the remaining budget and just after the first EOS; (kept, hit_eos)."""
-    tokens = tokens[:room]
-    for index, token in enumerate(tokens):
+def _record(result: SpeculativeResult, tokens: list[int], accepted: int, last_row: int, max_new_tokens: int,
+            eos: set[int]) -> list[int] | None:
+    """One verification into `result`: its tokens cut to the remaining budget and just after the first EOS.
+    Returns the tokens emitted, or None when the output ends here (stop_reason set)."""
+    emitted, hit_eos = tokens[: max_new_tokens - len(result.output_ids)], False
+    for index, token in enumerate(emitted):
         if token in eos:
-            return tokens[: index + 1], True
-    return tokens, False
+            emitted, hit_eos = emitted[: index + 1], True
+            break
+    result.accepted_per_step.append(accepted)
+    result.emitted_per_step.append(len(emitted))
+    result.chain_start_rows.append(last_row)
+    result.output_ids.extend(emitted)
+    if hit_eos or len(result.output_ids) >= max_new_tokens:
+        result.stop_reason = STOP_EOS if hit_eos else STOP_LENGTH
+        return None
+    return emitted
 
 
 @torch.inference_mode()
 def _prefill(
-    target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], capture_layer_ids: Sequence[int],
-    max_new_tokens: int, eos: set[int], result: SpeculativeResult,
-) -> tuple[DynamicCache, DraftKVCache, int, torch.Tensor, torch.Tensor] | None:
-    """Target over the prompt, then the draft extends over the same rows, tokens shifted by one.
+    target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], topology: Topology, max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+) -> tuple[SpeculativeResult, tuple | None]:
+    """What both loops start with: the checks, then the target over the prompt, then the draft extends over the
+    same rows, tokens shifted by one.
 
-    Appends the target's first token (x_n, the pending token) to `result`; returns None when that already
-    ends the output (EOS or a budget of 1), else (target cache, draft cache, pending token, the draft's
-    logits (1, n, Vd) and pre-norm states (1, n, H) over the prompt rows).
+    Returns (result, state). The result holds the target's first token (x_n, the pending token) and is timed
+    from here. state is None when that token already ends the output (EOS or a budget of 1; result.seconds set),
+    else (capture layer ids, EOS ids, the draft-to-target id map, target cache, draft cache, pending token, the
+    draft's logits (1, n, Vd) and pre-norm states (1, n, H) over the prompt rows).
     """
+    capture_layer_ids = check_draft_fits_target(target, draft)
+    _check_budget(target, len(prompt_ids), max_new_tokens, topology.steps)
+    eos = {int(token) for token in eos_token_ids}
+    draft_to_target = draft.draft_to_target_ids().to(device_of(target))
+    result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=topology.steps, topology=topology)
+    result.seconds = time.perf_counter()  # the start, until the loop turns it into the elapsed time
     target_cache, draft_cache = DynamicCache(config=target.config), DraftKVCache()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device_of(target))
     target_choices, aux_hidden_states = target_forward(target, prompt, target_cache, capture_layer_ids)
@@ -300,11 +318,12 @@ def _prefill(
     result.output_ids.append(pending_token)
     result.stop_reason = STOP_EOS if pending_token in eos else STOP_LENGTH
     if pending_token in eos or max_new_tokens == 1:
-        return None
+        result.seconds = time.perf_counter() - result.seconds
+        return result, None
     # Row t carries f_t and x_{t+1}: the prompt shifted left, the pending token in the last row.
     extend_tokens = torch.cat([prompt[0, 1:], target_choices[-1:]]).view(1, -1)
     draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states, 0, draft_cache)
-    return target_cache, draft_cache, pending_token, draft_logits, draft_states
+    return result, (capture_layer_ids, eos, draft_to_target, target_cache, draft_cache, pending_token, draft_logits, draft_states)
 
 
 @torch.inference_mode()
@@ -320,18 +339,10 @@ def speculative_decode(
     """
     if steps < 1:
         raise ValueError(f"draft steps k must be >= 1, got {steps}")
-    capture_layer_ids = check_draft_fits_target(target, draft)
-    _check_budget(target, len(prompt_ids), max_new_tokens, steps)
-    device = device_of(target)
-    eos = set(int(token) for token in eos_token_ids)
-    draft_to_target = draft.draft_to_target_ids().to(device)
-    result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=steps, topology=Topology.chain(steps))
-    started = time.perf_counter()
-    prefilled = _prefill(target, draft, prompt_ids, capture_layer_ids, max_new_tokens, eos, result)
-    if prefilled is None:
-        result.seconds = time.perf_counter() - started
+    result, state = _prefill(target, draft, prompt_ids, Topology.chain(steps), max_new_tokens, eos_token_ids)
+    if state is None:
         return result
-    target_cache, draft_cache, pending_token, draft_logits, draft_states = prefilled
+    capture_layer_ids, eos, draft_to_target, target_cache, draft_cache, pending_token, draft_logits, draft_states = state
 
     while True:
         processed = target_cache.get_seq_length()  # == draft_cache.length: rows 0..processed-1
@@ -339,13 +350,8 @@ def speculative_decode(
         proposals = propose(draft, draft_logits[:, -1], draft_states[:, -1:], last_row, steps, draft_cache, draft_to_target)
         target_choices, aux_hidden_states = verify(target, pending_token, proposals, target_cache, capture_layer_ids)
         accepted = accept(proposals, target_choices)
-        emitted, hit_eos = _truncate(target_choices[: accepted + 1].tolist(), max_new_tokens - len(result.output_ids), eos)
-        result.accepted_per_step.append(accepted)
-        result.emitted_per_step.append(len(emitted))
-        result.chain_start_rows.append(last_row)
-        result.output_ids.extend(emitted)
-        if hit_eos or len(result.output_ids) >= max_new_tokens:
-            result.stop_reason = STOP_EOS if hit_eos else STOP_LENGTH
+        emitted = _record(result, target_choices[: accepted + 1].tolist(), accepted, last_row, max_new_tokens, eos)
+        if emitted is None:
             break
         # Rollback: keep the pending token and the accepted drafts in the target cache; drop the draft's
         # decode rows, then extend it over those verified rows with the target's features. Their tokens,
@@ -355,7 +361,7 @@ def speculative_decode(
         pending_token = emitted[-1]
         extend_tokens = target_choices[: accepted + 1].view(1, -1)
         draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states[:, : accepted + 1], processed, draft_cache)
-    result.seconds = time.perf_counter() - started
+    result.seconds = time.perf_counter() - result.seconds
     return result
 
 
@@ -414,18 +420,10 @@ def tree_speculative_decode(
     Output equals `greedy_decode` token for token (same argument as the chain: every emitted token is the
     target's argmax after a prefix of its own argmax tokens). `accepted_per_step` holds accepted depths.
     """
-    capture_layer_ids = check_draft_fits_target(target, draft)
-    _check_budget(target, len(prompt_ids), max_new_tokens, topology.steps)
-    device = device_of(target)
-    eos = {int(token) for token in eos_token_ids}
-    draft_to_target = draft.draft_to_target_ids().to(device)
-    result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=topology.steps, topology=topology)
-    started = time.perf_counter()
-    prefilled = _prefill(target, draft, prompt_ids, capture_layer_ids, max_new_tokens, eos, result)
-    if prefilled is None:
-        result.seconds = time.perf_counter() - started
+    result, state = _prefill(target, draft, prompt_ids, topology, max_new_tokens, eos_token_ids)
+    if state is None:
         return result
-    target_cache, draft_cache, pending_token, draft_logits, draft_states = prefilled
+    capture_layer_ids, eos, draft_to_target, target_cache, draft_cache, pending_token, draft_logits, draft_states = state
 
     while True:
         processed = target_cache.get_seq_length()
@@ -437,21 +435,16 @@ def tree_speculative_decode(
         accepted_depth, accepted_node = accept_tree(tree, choice_at_parent)
         path = path_to(tree, int(accepted_node[0]))  # root first, a + 1 nodes
         accepted = int(accepted_depth[0])
-        path_index = torch.tensor(path, device=device)
-        emitted, hit_eos = _truncate(target_choices[path_index].tolist(), max_new_tokens - len(result.output_ids), eos)
-        result.accepted_per_step.append(accepted)
-        result.emitted_per_step.append(len(emitted))
-        result.chain_start_rows.append(last_row)
-        result.output_ids.extend(emitted)
-        if hit_eos or len(result.output_ids) >= max_new_tokens:
-            result.stop_reason = STOP_EOS if hit_eos else STOP_LENGTH
+        path_index = torch.tensor(path, device=target_choices.device)
+        emitted = _record(result, target_choices[path_index].tolist(), accepted, last_row, max_new_tokens, eos)
+        if emitted is None:
             break
         keep_target_cache_rows(target_cache, processed, path)
         pending_token = emitted[-1]
         # The path's rows carry the features of its nodes and, shifted by one, the target's choices there.
         draft_logits, draft_states = draft.extend(target_choices[path_index].view(1, -1), aux_hidden_states[:, path_index],
                                                   processed, draft_cache)
-    result.seconds = time.perf_counter() - started
+    result.seconds = time.perf_counter() - result.seconds
     return result
 
 

@@ -26,7 +26,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -38,33 +37,6 @@ DEFAULT_STARTUP_TIMEOUT_S = ServerParams().startup_timeout_s  # its default live
 
 class ServerError(RuntimeError):
     """The embedded server failed to start or answer; the message carries its log tail."""
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    """How `transformers serve` runs. The fields params sets have no defaults here: they live in
-    `config.ServerParams` (`DEFAULT_SERVER_SETTINGS` is built from them); the rest are not in params."""
-
-    continuous_batching: bool  # new requests join the running batch: the main throughput lever
-    dtype: str  # weights dtype on CPU; bf16 matmuls are slower than fp32 on most CPUs
-    # KV-cache capacity in tokens. Left unset, transformers sizes the cache from 60-90% of *free
-    # host memory* on CPU (13.6 GB seen here): a second server or the tests then get OOM-killed.
-    kv_cache_tokens: int
-    threads: int | None  # OMP_NUM_THREADS of the server; None: torch's default
-    device: str = "cpu"
-    attn_implementation: str | None = None  # transformers default (sdpa) when None
-    cb_max_batch_tokens: int | None = None  # transformers' default when None
-    cb_page_size: int = 256  # tokens per KV-cache block (transformers' default page size)
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
-
-    @classmethod
-    def from_params(cls, server: ServerParams) -> ServerSettings:
-        """The embedded server of params `server` (continuous_batching, dtype, kv_cache_tokens)."""
-        return cls(continuous_batching=server.continuous_batching, dtype=server.dtype, kv_cache_tokens=server.kv_cache_tokens,
-                   threads=server.threads)
-
-
-DEFAULT_SERVER_SETTINGS = ServerSettings.from_params(ServerParams())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -264,35 +236,38 @@ class EmbeddedServer(ManagedServer):
         self,
         model_dir: str | os.PathLike,
         port: int | None = None,
-        settings: ServerSettings = DEFAULT_SERVER_SETTINGS,
+        settings: ServerParams = ServerParams(),
         log_path: str | os.PathLike | None = None,
         startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         trust_remote_code: bool = False,
+        cb_page_size: int = 256,
     ):
+        """settings: params `server` (dtype, continuous_batching, kv_cache_tokens, threads are read here).
+        cb_page_size: tokens per KV-cache block (transformers' default page size)."""
         super().__init__(model_dir, port, log_path, startup_timeout_s, trust_remote_code)
         self.settings = settings
+        self.cb_page_size = cb_page_size
 
     def command(self) -> list[str]:
         settings = self.settings
-        # Run the CLI through this interpreter so the venv's transformers is the one serving.
+        # Run the CLI through this interpreter so the venv's transformers is the one serving. On CPU: the
+        # embedded target is the laptop / CI default (a GPU run serves through SGLang or vLLM endpoints).
         command = [
             sys.executable, "-c", "from transformers.cli.transformers import main; main()",
             "serve", str(self.model_dir),
             "--host", self.host, "--port", str(self.port),
-            "--device", settings.device, "--dtype", settings.dtype,
+            "--device", "cpu", "--dtype", settings.dtype,
             "--log-level", "info",
         ]
         command.append("--continuous-batching" if settings.continuous_batching else "--no-continuous-batching")
-        if settings.attn_implementation:
-            command += ["--attn-implementation", settings.attn_implementation]
         if settings.continuous_batching:
-            blocks = -(-settings.kv_cache_tokens // settings.cb_page_size)
-            command += ["--cb-block-size", str(settings.cb_page_size), "--cb-num-blocks", str(blocks)]
-        if settings.cb_max_batch_tokens:
-            command += ["--cb-max-batch-tokens", str(settings.cb_max_batch_tokens)]
+            # KV-cache capacity in tokens. Left unset, transformers sizes the cache from 60-90% of *free host
+            # memory* on CPU (13.6 GB seen here): a second server or the tests then get OOM-killed.
+            blocks = -(-settings.kv_cache_tokens // self.cb_page_size)
+            command += ["--cb-block-size", str(self.cb_page_size), "--cb-num-blocks", str(blocks)]
         if self.trust_remote_code:
             command.append("--trust-remote-code")
-        return command + list(settings.extra_args)
+        return command
 
     def environment(self) -> dict[str, str]:
         threads = self.settings.threads
@@ -386,7 +361,7 @@ def server_for(params, model_dir: str | os.PathLike, log_path: str | os.PathLike
     if server.engine == "vllm":
         return VLLMServer(model_dir, python=server.vllm_python, dtype=server.dtype, log_path=log_path,
                           startup_timeout_s=server.startup_timeout_s, trust_remote_code=params.target.trust_remote_code)
-    return EmbeddedServer(model_dir, settings=ServerSettings.from_params(server), log_path=log_path,
+    return EmbeddedServer(model_dir, settings=server, log_path=log_path,
                           startup_timeout_s=server.startup_timeout_s, trust_remote_code=params.target.trust_remote_code)
 
 

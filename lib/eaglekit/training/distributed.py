@@ -35,6 +35,14 @@ def launched_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def local_device(device: str) -> str:
+    """This process's device: under torchrun a CUDA device is the GPU of its LOCAL_RANK (capture and training
+    alike); otherwise `device` as configured."""
+    if device.startswith("cuda") and "RANK" in os.environ:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return device
+
+
 def setup_distributed(parallel: str, device: torch.device) -> Distributed:
     """Join the torchrun process group for "ddp"/"fsdp" (gloo on CPU, nccl on GPU); "none" is one process."""
     if parallel == "none":

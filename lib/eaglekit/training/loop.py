@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -34,7 +33,8 @@ from eaglekit.io import AppendLog, format_duration
 from eaglekit.training.batch import add_feature_noise, collate, device_autocast, eligible_rows
 from eaglekit.training.checkpoint import (BEST_CHECKPOINT, LAST_CHECKPOINT, PREVIOUS_CHECKPOINT, find_resume_point, prepare_resume,
                                           resume_from, save_checkpoint)
-from eaglekit.training.distributed import Distributed, full_state_dicts, gradient_sync, rank_packs, setup_distributed, wrap_model
+from eaglekit.training.distributed import (
+    Distributed, full_state_dicts, gradient_sync, local_device, rank_packs, setup_distributed, wrap_model)
 from eaglekit.training.finite import all_finite, check_step
 from eaglekit.training.heldout import heldout_batches, per_position_agreement, sample_lengths, simulated_accept_length
 from eaglekit.training.metrics import METRICS_FILE
@@ -237,9 +237,8 @@ def train_draft(
     same results to float tolerance, tests/training/test_training.py).
     """
     training, output_dir = settings.training, Path(output_dir)
-    device = torch.device(training.device)
-    if device.type == "cuda" and training.parallel != "none":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))  # one GPU per torchrun process
+    device = torch.device(local_device(training.device))  # one GPU per torchrun process
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     distributed = setup_distributed(training.parallel, device)
     if len(train_samples) == 0 or len(heldout_samples) == 0:

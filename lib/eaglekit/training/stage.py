@@ -46,7 +46,7 @@ from eaglekit.capture.inputs import capture_length
 from eaglekit.config import Params, dump_params
 from eaglekit.run_folder import Metrics, stage_dir, tokenized_data_files
 from eaglekit.training.checkpoint import load_checkpoint, load_draft_weights
-from eaglekit.training.distributed import launched_world
+from eaglekit.training.distributed import launched_world, local_device
 from eaglekit.training.loop import train_draft
 from eaglekit.training.record import SWEEP_FILE, DraftEntry, DraftVocabRecord, SweepRecord
 from eaglekit.training.settings import TrainSettings
@@ -61,14 +61,6 @@ LAUNCH_PARAMS_FILE = "launch_params.yaml"
 
 def _rank() -> int:
     return launched_world()[0]
-
-
-def _training_device(params: Params) -> str:
-    """Under torchrun each process takes the GPU of its LOCAL_RANK; otherwise the configured device."""
-    device = params.training.device
-    if device.startswith("cuda") and params.training.parallel != "none":
-        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    return device
 
 
 def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequence[int] | None = None) -> SweepRecord | None:
@@ -91,7 +83,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
     layout = target_layout(model_dir, trust_remote_code=params.target.trust_remote_code)
     target_weights = load_target_head_weights(layout)  # head tensors by the layout's names (Kimi-K2.5: language_model.*)
-    settings = dataclasses.replace(TrainSettings.from_params(params), device=_training_device(params))
+    settings = TrainSettings.from_params(params)
     is_main = _rank() == 0
     metrics = Metrics(out, "training") if is_main else None
     inputs = _sweep_inputs(params, out, capture_dir, model_dir, settings)
@@ -169,7 +161,7 @@ def _sweep_inputs(params: Params, out: Path, capture_dir: Path, model_dir: Path,
     # Shards or the target recomputing features online, as stage 4 planned: one interface (capture.CapturedSamples).
     data_files = tokenized_data_files(out)
     samples = open_captured_samples(capture_dir, data_files,
-                                    lambda: load_target(model_dir, device=settings.device, dtype=getattr(torch, params.target.dtype)),
+                                    lambda: load_target(model_dir, device=local_device(settings.device), dtype=getattr(torch, params.target.dtype)),
                                     capture_layer_ids=params.target.capture_layers, max_seq_len=capture_length(params))
     keys = samples.keys
     conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
