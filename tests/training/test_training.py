@@ -780,3 +780,15 @@ def test_size_sweep_computes_each_target_argmax_once(world, tmp_path, monkeypatc
     # 4 held-out + at most the 8 training samples of the largest subset (nested: the 4 are among them).
     assert 4 < caches[0].misses <= 12 and caches[0].hits > caches[0].misses
 
+
+
+def test_local_device_gives_each_torchrun_process_its_own_gpu(monkeypatch):
+    """One rule for capture and training: under torchrun (RANK set) `cuda` is the GPU of LOCAL_RANK; a CPU device
+    and a run outside torchrun keep the configured device."""
+    from eaglekit.training.distributed import local_device
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert local_device("cuda") == "cuda" and local_device("cuda:1") == "cuda:1" and local_device("cpu") == "cpu"
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert local_device("cuda") == "cuda:1" and local_device("cpu") == "cpu"
