@@ -14,6 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; a hub id must fail clearly
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Under `make test`'s workers, each worker (and the servers, kernels and subprocesses it starts) gets its share of
+# the cores for torch's thread pool: every process at full width oversubscribes a 2-core machine twice over.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
 
