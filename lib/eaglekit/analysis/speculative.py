@@ -295,13 +295,13 @@ def _record(result: SpeculativeResult, tokens: list[int], accepted: int, last_ro
 @torch.inference_mode()
 def _prefill(
     target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], topology: Topology, max_new_tokens: int,
-    eos_token_ids: Sequence[int],
+    eos_token_ids: Sequence[int], started: float,
 ) -> tuple[SpeculativeResult, tuple | None]:
     """What both loops start with: the checks, then the target over the prompt, then the draft extends over the
     same rows, tokens shifted by one.
 
-    Returns (result, state). The result holds the target's first token (x_n, the pending token) and is timed
-    from here. state is None when that token already ends the output (EOS or a budget of 1; result.seconds set),
+    Returns (result, state). The result holds the target's first token (x_n, the pending token). state is None
+    when that token already ends the output (EOS or a budget of 1; result.seconds is then timed from `started`),
     else (capture layer ids, EOS ids, the draft-to-target id map, target cache, draft cache, pending token, the
     draft's logits (1, n, Vd) and pre-norm states (1, n, H) over the prompt rows).
     """
@@ -310,7 +310,6 @@ def _prefill(
     eos = {int(token) for token in eos_token_ids}
     draft_to_target = draft.draft_to_target_ids().to(device_of(target))
     result = SpeculativeResult(output_ids=[], prompt_length=len(prompt_ids), steps=topology.steps, topology=topology)
-    result.seconds = time.perf_counter()  # the start, until the loop turns it into the elapsed time
     target_cache, draft_cache = DynamicCache(config=target.config), DraftKVCache()
     prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device_of(target))
     target_choices, aux_hidden_states = target_forward(target, prompt, target_cache, capture_layer_ids)
@@ -318,7 +317,7 @@ def _prefill(
     result.output_ids.append(pending_token)
     result.stop_reason = STOP_EOS if pending_token in eos else STOP_LENGTH
     if pending_token in eos or max_new_tokens == 1:
-        result.seconds = time.perf_counter() - result.seconds
+        result.seconds = time.perf_counter() - started
         return result, None
     # Row t carries f_t and x_{t+1}: the prompt shifted left, the pending token in the last row.
     extend_tokens = torch.cat([prompt[0, 1:], target_choices[-1:]]).view(1, -1)
@@ -339,7 +338,8 @@ def speculative_decode(
     """
     if steps < 1:
         raise ValueError(f"draft steps k must be >= 1, got {steps}")
-    result, state = _prefill(target, draft, prompt_ids, Topology.chain(steps), max_new_tokens, eos_token_ids)
+    started = time.perf_counter()
+    result, state = _prefill(target, draft, prompt_ids, Topology.chain(steps), max_new_tokens, eos_token_ids, started)
     if state is None:
         return result
     capture_layer_ids, eos, draft_to_target, target_cache, draft_cache, pending_token, draft_logits, draft_states = state
@@ -361,7 +361,7 @@ def speculative_decode(
         pending_token = emitted[-1]
         extend_tokens = target_choices[: accepted + 1].view(1, -1)
         draft_logits, draft_states = draft.extend(extend_tokens, aux_hidden_states[:, : accepted + 1], processed, draft_cache)
-    result.seconds = time.perf_counter() - result.seconds
+    result.seconds = time.perf_counter() - started
     return result
 
 
@@ -420,7 +420,8 @@ def tree_speculative_decode(
     Output equals `greedy_decode` token for token (same argument as the chain: every emitted token is the
     target's argmax after a prefix of its own argmax tokens). `accepted_per_step` holds accepted depths.
     """
-    result, state = _prefill(target, draft, prompt_ids, topology, max_new_tokens, eos_token_ids)
+    started = time.perf_counter()
+    result, state = _prefill(target, draft, prompt_ids, topology, max_new_tokens, eos_token_ids, started)
     if state is None:
         return result
     capture_layer_ids, eos, draft_to_target, target_cache, draft_cache, pending_token, draft_logits, draft_states = state
@@ -444,7 +445,7 @@ def tree_speculative_decode(
         # The path's rows carry the features of its nodes and, shifted by one, the target's choices there.
         draft_logits, draft_states = draft.extend(target_choices[path_index].view(1, -1), aux_hidden_states[:, path_index],
                                                   processed, draft_cache)
-    result.seconds = time.perf_counter() - result.seconds
+    result.seconds = time.perf_counter() - started
     return result
 
 
