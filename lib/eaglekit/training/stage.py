@@ -193,9 +193,17 @@ def _noise_seed_sizes(params: Params, selected: Sequence[int]) -> list[tuple[int
     return [(seed, seed_sizes) for seed in seeds] if seed_sizes else []
 
 
-def _ablation_pairs(params: Params, capture_dir: Path, keys: list) -> tuple[Any, list[tuple[int, int]]] | None:
-    """(the captured original answers, [(original answer's index, regenerated sample's index)] of every prompt captured
-    both ways); None: no ablation."""
+@dataclasses.dataclass
+class AblationPairs:
+    """The ablation's input: the captured original answers, and (original answer's index, regenerated sample's
+    index) of every prompt captured both ways."""
+
+    original: Any  # capture.shards.ShardDataset of capture/original
+    pairs: list[tuple[int, int]]
+
+
+def _ablation_pairs(params: Params, capture_dir: Path, keys: list) -> AblationPairs | None:
+    """The prompts captured both ways; None: no ablation."""
     original_dir = capture_dir / "original"
     if not params.analysis.ablation or not (original_dir / "index.json").exists():
         return None
@@ -203,28 +211,28 @@ def _ablation_pairs(params: Params, capture_dir: Path, keys: list) -> tuple[Any,
 
     original = ShardDataset(original_dir)
     position_of_key = {key: index for index, key in enumerate(keys)}
-    return original, [(index, position_of_key[key]) for index, key in enumerate(original.keys) if key in position_of_key]
+    return AblationPairs(original, [(index, position_of_key[key]) for index, key in enumerate(original.keys) if key in position_of_key])
 
 
 def _sweep_progress(params: Params, settings: TrainSettings, selected: Sequence[int],
-                    ablation_pairs: tuple | None) -> SweepProgress:
+                    ablation_pairs: AblationPairs | None) -> SweepProgress:
     """Every draft stage 5 trains, in order, with its step cap: the log's 'draft i of n' and the sweep's time left."""
     world = launched_world()[1]
     drafts = [(f"size {size}", settings.resolved_max_steps(size, world)) for size in selected]
     drafts += [(f"size {size}, seed {seed}", settings.resolved_max_steps(size, world))
                for seed, sizes in _noise_seed_sizes(params, selected) for size in sizes]
     if ablation_pairs is not None:
-        drafts += [(f"ablation: {variant}", settings.resolved_max_steps(len(ablation_pairs[1]), world)) for variant in ABLATION_VARIANTS]
+        drafts += [(f"ablation: {variant}", settings.resolved_max_steps(len(ablation_pairs.pairs), world)) for variant in ABLATION_VARIANTS]
     return SweepProgress(drafts, params.training.schedule == "until_converged")
 
 
 ABLATION_VARIANTS = ("original answers", "regenerated answers")
 
 
-def _train_ablation(ablation_pairs: tuple, inputs: SweepInputs, build_model, lm_head, settings: TrainSettings, training_dir: Path,
+def _train_ablation(ablation_pairs: AblationPairs, inputs: SweepInputs, build_model, lm_head, settings: TrainSettings, training_dir: Path,
                     target_cache, evaluated: Topology, progress: SweepProgress, out: Path, metrics: Metrics | None) -> list[DraftEntry]:
     """The ablation pair: one draft on the datasets' own answers, one on the target's, over the same prompts."""
-    original, pairs = ablation_pairs
+    original, pairs = ablation_pairs.original, ablation_pairs.pairs
     samples_by_dataset = dict(Counter(inputs.keys[position][0] for _, position in pairs))
     variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
                 "regenerated answers": IndexedSubset(inputs.samples, [r for _, r in pairs])}
