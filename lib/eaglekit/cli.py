@@ -11,6 +11,7 @@ from pathlib import Path
 
 def _run(args: argparse.Namespace) -> int:
     from eaglekit.config import ParamsError
+    from eaglekit.paths import NOTEBOOKS_DIR
     from eaglekit.runner import RunError, RunInterrupted, run_pipeline, stages_with_errors
 
     stages = [item for chunk in args.stages or [] for item in chunk.split(",") if item] or None
@@ -18,7 +19,7 @@ def _run(args: argparse.Namespace) -> int:
     # is interrupted, in-flight work gets generation.shutdown_grace_s, the stage is marked.
     try:
         run_dir = run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume, staged=args.staged or None,
-                               notebooks_dir=Path(args.notebooks) if args.notebooks else _default_notebooks())
+                               notebooks_dir=Path(args.notebooks) if args.notebooks else NOTEBOOKS_DIR)
     except RunInterrupted as error:
         print(f"eaglekit: {error}", file=sys.stderr)
         return error.exit_status
@@ -30,12 +31,6 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     # Finished, but a stage recorded errors (its last line said which): 3, so a script can retry with --resume.
     return 3 if stages_with_errors(run_dir) else 0
-
-
-def _default_notebooks() -> Path:
-    from eaglekit.paths import NOTEBOOKS_DIR
-
-    return NOTEBOOKS_DIR
 
 
 def _resolve(args: argparse.Namespace) -> int:

@@ -118,16 +118,13 @@ def environment_record() -> dict[str, Any]:
         except metadata.PackageNotFoundError:
             versions[package] = None
     device: dict[str, Any] = {"cpu_count": os.cpu_count()}
-    try:
-        import torch
+    import torch  # here, so that importing run_folder does not load torch
 
-        device["torch_threads"] = torch.get_num_threads()
-        device["cuda_available"] = torch.cuda.is_available()
-        if torch.cuda.is_available():
-            device["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            device["cuda_version"] = torch.version.cuda
-    except ImportError:
-        device["torch"] = "not installed"
+    device["torch_threads"] = torch.get_num_threads()
+    device["cuda_available"] = torch.cuda.is_available()
+    if torch.cuda.is_available():
+        device["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        device["cuda_version"] = torch.version.cuda
     status = _git("status", "--porcelain")
     return {
         "recorded_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -159,14 +156,6 @@ class Metrics(ClosesOnExit):
 
     def close(self) -> None:
         self._log.close()
-
-
-def read_metrics(run_dir: Path, stage: str | None = None) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [record for record in records if stage is None or record.get("stage") == stage]
 
 
 # Stage folders inside a run folder. Each stage reads only what earlier stages wrote here.

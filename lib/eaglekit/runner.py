@@ -144,16 +144,12 @@ class _StageControl:
     def kernel_started(self, process: subprocess.Popen) -> None:
         self.process = process
         if self.signum is not None:  # stopped while the kernel was starting
-            self._interrupt_kernel(self.margin_s)
+            self._interrupt_kernel(KILL_MARGIN_S)
 
     def stage_ended(self) -> None:
         self._cancel_timer()
         self.process = None
         self.in_stage = False
-
-    @property
-    def margin_s(self) -> float:
-        return KILL_MARGIN_S
 
     def _on_signal(self, signum: int, frame) -> None:
         first = self.signum is None
@@ -166,12 +162,12 @@ class _StageControl:
         if first:
             self.logger.warning("%s: interrupting the stage; in-flight work gets up to %.0f s "
                                 "(generation.shutdown_grace_s), the kernel is stopped after %.0f s",
-                                name, self.grace_s, self.grace_s + self.margin_s)
-            self._interrupt_kernel(self.grace_s + self.margin_s)
+                                name, self.grace_s, self.grace_s + KILL_MARGIN_S)
+            self._interrupt_kernel(self.grace_s + KILL_MARGIN_S)
         else:
             self.logger.warning("%s again: abandoning in-flight work; the kernel is stopped within %.0f s",
-                                name, self.margin_s)
-            self._interrupt_kernel(self.margin_s)
+                                name, KILL_MARGIN_S)
+            self._interrupt_kernel(KILL_MARGIN_S)
 
     def _interrupt_kernel(self, kill_after_s: float) -> None:
         self._signal_kernel(signal.SIGINT)
@@ -235,11 +231,7 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
 def _read_state(run_dir: Path) -> dict:
     path = run_dir / "state.json"
     state = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    state.setdefault("completed", [])
-    state.setdefault("failed", None)
-    state.setdefault("running", None)
-    state.setdefault("stages", {})
-    return state
+    return {"completed": [], "failed": None, "running": None, "stages": {}, **state}
 
 
 def _save_params(run_dir: Path, params: Params) -> None:
@@ -425,7 +417,7 @@ def _staged_worker(wanted: bool, run_dir: Path, state: dict, control: _StageCont
             logger.info("staged run: generation ended; waiting for the worker to finish the size it is on")
         code = worker.wait()
     except BaseException:
-        code = worker.stop(control.grace_s + control.margin_s)
+        code = worker.stop(control.grace_s + KILL_MARGIN_S)
         raise
     finally:
         control.helpers.remove(worker)

@@ -101,11 +101,6 @@ class Topology:
         """The most tokens one verification can emit: S drafted along the deepest path + the bonus token."""
         return self.steps + 1
 
-    @property
-    def verified_tokens(self) -> int:
-        """Tokens in one verification forward (the pending token + T - 1 drafted): T."""
-        return self.draft_tokens
-
     def __str__(self) -> str:
         if self.is_chain:
             return f"{CHAIN}:{self.steps}"

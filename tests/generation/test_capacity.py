@@ -82,8 +82,7 @@ def test_plan_kimi_on_eight_gpus_gains_no_kv_room_from_tp():
     assert plan.eta_seconds is None
 
 
-def test_eta_and_failures():
-    assert capacity.eta_seconds(100, tokens_per_second=1000.0, mean_completion_tokens=500.0) == 50.0
+def test_capacity_failures():
     with pytest.raises(ValueError, match="do not fit"):
         capacity.kv_pool_bytes_per_rank(24 * 10**9, 0.9, 40 * 10**9)
     with pytest.raises(ValueError, match="unknown KV-cache dtype"):

@@ -1,6 +1,6 @@
 """Training memory plan: parameter counts by hand for the reference targets, the meta-device dry run
 equals what autograd really keeps on the CPU, the T-curve is exact, the largest pack is the edge of
-fitting, and the online/offline capture decision for Kimi-K2.5 (does not fit one GPU) and Llama-3.1-8B."""
+fitting."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from eaglekit.training import eligible_rows, target_signals
 from eaglekit.training.memory import (
     activation_bytes,
     activation_bytes_curve,
-    decide_capture,
     draft_config_for_target,
     parameter_counts,
     plan_training_memory,
@@ -101,23 +100,6 @@ def test_reference_plans_and_the_largest_pack_is_the_edge():
     kimi = plan_training_memory(KIMI_K25, gpu_memory_bytes=H200, pack_tokens=4096, world_size=8)
     assert kimi.fits and kimi.largest_pack_tokens < llama.largest_pack_tokens  # wider draft, more bytes per token
     assert kimi.activation_bytes_per_token > llama.activation_bytes_per_token
-
-
-def test_capture_decision_with_the_targets_own_memory():
-    kimi = plan_training_memory(KIMI_K25, gpu_memory_bytes=H200, pack_tokens=4096, world_size=8)
-    kimi_weights = int(594e9)  # params/kimi_k25_big_run.yaml: INT4 weights, all ranks together
-    tokens = 88_000 * 4_000
-    offline = tokens * (4 * 7168 * 2 + 9)  # eaglekit.capture.shards.stored_bytes_per_token
-    plenty = decide_capture(offline, 40e12, kimi_weights, kimi)
-    assert plenty.mode == "offline" and not plenty.target_fits_one_gpu_beside_training
-    short = decide_capture(offline, 5e12, kimi_weights, kimi)
-    assert short.mode == "separate_pass" and short.target_fits_sharded_across_ranks and "a whole target per process" in short.reason
-    llama = plan_training_memory(LLAMA_31_8B, gpu_memory_bytes=H200, pack_tokens=4096)
-    small_disk = decide_capture(tokens * (4 * 4096 * 2 + 9), 1e12, int(16.1e9), llama)
-    assert small_disk.mode == "online" and small_disk.target_fits_one_gpu_beside_training
-    # One GPU cannot hold Kimi even sharded when it is the only rank.
-    alone = decide_capture(offline, 5e12, kimi_weights, plan_training_memory(KIMI_K25, gpu_memory_bytes=H200, pack_tokens=4096))
-    assert alone.mode == "separate_pass" and not alone.target_fits_sharded_across_ranks
 
 
 def test_params_draft_shape_picks_the_public_kimi_draft_shape():

@@ -164,11 +164,6 @@ class Forecast:
     line: str  # the plain sentence that starts with the verdict
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def verdict_level(self) -> float:
-        """One-sided confidence of each verdict's bound."""
-        return 1.0 - (1.0 - self.confidence) / self.looks
-
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready, strict JSON: a non-finite number is written as a string ("inf")."""
         return _strict_json(json.loads(json.dumps(asdict(self), default=float)))

@@ -283,21 +283,6 @@ def sequences_that_fit(kv_pool_tokens: int, tokens_per_sequence: int) -> int:
     return kv_pool_tokens // tokens_per_sequence
 
 
-def eta_seconds(remaining_requests: int, requests_per_second: float | None = None,
-                mean_completion_tokens: float | None = None, tokens_per_second: float | None = None) -> float:
-    """Seconds to finish remaining_requests, from a measured request rate or a measured token rate.
-
-    With tokens_per_second, the request rate is tokens_per_second / mean_completion_tokens.
-    """
-    if requests_per_second is None:
-        if not tokens_per_second or not mean_completion_tokens:
-            raise ValueError("give requests_per_second, or tokens_per_second and mean_completion_tokens")
-        requests_per_second = tokens_per_second / mean_completion_tokens
-    if requests_per_second <= 0:
-        raise ValueError(f"throughput must be positive, got {requests_per_second} requests/s")
-    return remaining_requests / requests_per_second
-
-
 @dataclass(frozen=True)
 class CapacityPlan:
     """A whole run's plan: KV figures, per-partition concurrency and ETA, stage 4 storage."""
@@ -368,7 +353,7 @@ def plan_capacity(config: str | os.PathLike | Mapping[str, Any], *, gpu_memory_b
             prompt_tokens=int(partition["prompt_tokens"]), max_tokens=int(partition["max_tokens"]),
             tokens_per_sequence=tokens_per_sequence, sequences_that_fit=fit,
             recommended_concurrency=recommended, requested_concurrency=requested,
-            eta_seconds=None if not rate else eta_seconds(int(partition["prompts"]), requests_per_second=rate),
+            eta_seconds=int(partition["prompts"]) / rate if rate and rate > 0 else None,  # at the measured rate
             completion_source=str(partition.get("completion_source", "measured")) if lengths else
             "max_tokens (worst case)",
             mean_prompt_tokens=None if lengths is None else round(lengths.mean_prompt_tokens, 1),

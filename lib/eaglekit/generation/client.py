@@ -57,6 +57,7 @@ BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_PER_PROMPT_CHAR = 8
 BODY_BASE_BYTES = 1 << 20
 ERROR_BODY_BYTES = 64 << 10  # of an HTTP error's body: enough for the server's message
+CONNECT_TIMEOUT_S = 10.0  # to open a connection, of a request or a control call
 CONTROL_DEADLINE_S = 30.0  # a health check or model list, whole (a server that drips bytes never stalls one)
 PROBE_DEADLINE_S = 120.0  # the probe's one-token answer, whole: a loaded server may queue it a while
 
@@ -240,8 +241,7 @@ def tls_context() -> ssl.SSLContext:
 class Endpoint:
     """One OpenAI-compatible server: its client, in-flight count, health and probed capabilities."""
 
-    def __init__(self, spec: EndpointSpec, max_connections: int, request_timeout_s: float,
-                 connect_timeout_s: float = 10.0):
+    def __init__(self, spec: EndpointSpec, max_connections: int, request_timeout_s: float):
         self.spec = spec
         # The whole request, sending to the last byte of the answer: httpx's timeout bounds only each read, so a
         # server that sends a byte a second would hold a request (and a stop) for ever.
@@ -249,14 +249,13 @@ class Endpoint:
         self.base_url = spec.base_url.rstrip("/")
         # Health lives at the server root (SGLang, vLLM, transformers serve all serve /health there).
         self.root_url = self.base_url.removesuffix("/v1")
-        self.max_connections = max_connections
         # One AsyncOpenAI client per endpoint on the SDK's aiohttp transport (the `openai[aiohttp]`
         # extra), its connection pool sized to the concurrency. The SDK's default httpx transport
         # costs ~1.8 ms of client CPU per request at concurrency 256, aiohttp ~0.6 ms
         # (bench/generation.py), and a 256-connection httpx pool scans every connection per request.
         self.http_client = openai.DefaultAioHttpClient(
             limits=httpx2.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            timeout=httpx2.Timeout(request_timeout_s, connect=connect_timeout_s), verify=tls_context())
+            timeout=httpx2.Timeout(request_timeout_s, connect=CONNECT_TIMEOUT_S), verify=tls_context())
         # max_retries=0: retries are the engine's, with its own backoff, routing and attempt counts.
         self.client = openai.AsyncOpenAI(base_url=self.base_url, api_key=spec.api_key, max_retries=0,
                                          http_client=self.http_client)
@@ -268,7 +267,7 @@ class Endpoint:
         # Health checks and probes get their own small pool: they must answer while every request
         # connection is busy (or stale after a server restart), and quickly.
         # The key goes with them too: a keyed server answers 401 to /health and /v1/models without it.
-        self.control_client = httpx2.AsyncClient(timeout=httpx2.Timeout(10.0, connect=connect_timeout_s),
+        self.control_client = httpx2.AsyncClient(timeout=httpx2.Timeout(10.0, connect=CONNECT_TIMEOUT_S),
                                                  verify=tls_context(),
                                                  headers={"Authorization": f"Bearer {spec.api_key}"})
         self.in_flight = 0

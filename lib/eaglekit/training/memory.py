@@ -1,6 +1,6 @@
 """Memory plan for draft training, beside the capture storage plan (eaglekit.capture.plan_capture_storage).
 
-Three questions before a training run on GPUs:
+Two questions before a training run on GPUs:
 
 1. What does one GPU hold? Model state: the trainable draft in fp32 master weights, its fp32
    gradients and AdamW's two fp32 moments (16 B per trainable parameter), the frozen target
@@ -18,13 +18,7 @@ Three questions before a training run on GPUs:
    A fixed transient allowance covers one loss chunk's logits and one teacher chunk's full-vocab logits.
 2. How long a pack fits a given GPU? The largest multiple of 128 tokens whose state + pack x bytes
    per token + transients stays under memory_fraction of the GPU.
-3. Online or offline capture? Offline capture writes 4H x 2 B per token to disk (the storage plan);
-   training then never loads the target. Online capture recomputes features during training, so
-   the target's weights sit on the training GPUs beside the draft: the kit's online path loads one
-   whole target per process, which needs target weights + training memory to fit one GPU. A target
-   that does not fit one GPU (Kimi-K2.5: about 594 GB of weights against 141 GB) can only be
-   captured online with the target sharded across the same ranks (not what the kit's online path
-   does), or in a separate capture pass to disk, in slices if the disk cannot hold all of it.
+Offline or online capture (the target's weights beside training) is the storage plan's choice.
 """
 
 from __future__ import annotations
@@ -262,47 +256,3 @@ def plan_training_memory(
         teacher_bytes_per_token=teacher_per_token, transient_bytes=transient, largest_pack_tokens=largest,
         activation_checkpointing=activation_checkpointing,
     )
-
-
-@dataclass(frozen=True)
-class CaptureDecision:
-    """Offline or online capture, from disk space, the target's weight memory and the training plan."""
-
-    mode: str  # offline | online | separate_pass
-    reason: str
-    offline_bytes: int
-    free_disk_bytes: int
-    target_weight_bytes: int
-    target_fits_one_gpu_beside_training: bool
-    target_fits_sharded_across_ranks: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def decide_capture(offline_bytes: int, free_disk_bytes: int, target_weight_bytes: int, training: TrainingMemoryPlan) -> CaptureDecision:
-    """Offline when the shards fit the disk; else online when the target fits beside training; else a separate pass.
-
-    offline_bytes and free_disk_bytes: from eaglekit.capture's StoragePlan (planned_bytes, free_bytes).
-    target_weight_bytes: all of the target's weights in memory (planning.weight_bytes).
-    """
-    beside_training = training.usable_bytes - training.total_bytes
-    one_gpu = target_weight_bytes <= beside_training
-    sharded = target_weight_bytes / training.world_size <= beside_training
-    gigabytes = lambda value: f"{value / 1e9:,.0f} GB"
-    if offline_bytes <= free_disk_bytes:
-        return CaptureDecision("offline", f"the shards ({gigabytes(offline_bytes)}) fit the free disk ({gigabytes(free_disk_bytes)}); "
-                               "training never loads the target", offline_bytes, free_disk_bytes, target_weight_bytes, one_gpu, sharded)
-    if one_gpu:
-        return CaptureDecision("online", f"the shards ({gigabytes(offline_bytes)}) exceed the free disk ({gigabytes(free_disk_bytes)}); "
-                               f"the target ({gigabytes(target_weight_bytes)}) fits each GPU beside training "
-                               f"({gigabytes(beside_training)} left there)", offline_bytes, free_disk_bytes, target_weight_bytes, one_gpu, sharded)
-    if sharded:
-        reason = (f"the shards ({gigabytes(offline_bytes)}) exceed the free disk and the target ({gigabytes(target_weight_bytes)}) does not fit one GPU "
-                  f"beside training ({gigabytes(beside_training)} left); sharded over the {training.world_size} ranks it would "
-                  f"({gigabytes(target_weight_bytes / training.world_size)} each), but the kit's online capture loads a whole target per "
-                  "process: capture in a separate pass (the target served sharded, e.g. torchrun -m eaglekit.capture), in slices that fit the disk")
-    else:
-        reason = (f"the shards ({gigabytes(offline_bytes)}) exceed the free disk and the target ({gigabytes(target_weight_bytes)}) does not fit "
-                  f"even sharded over {training.world_size} GPUs beside training: capture in a separate pass, in slices that fit the disk")
-    return CaptureDecision("separate_pass", reason, offline_bytes, free_disk_bytes, target_weight_bytes, one_gpu, sharded)
