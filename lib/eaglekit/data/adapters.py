@@ -75,12 +75,6 @@ def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
     return {"id": call_id, **call} if call_id else call
 
 
-def tool_definitions(tools: Any) -> Any:
-    """A record's tool definitions as a list (Glaive stores them as JSON text)."""
-    return parse_json_text(tools)
-    return tools
-
-
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
@@ -157,6 +151,26 @@ def split_reasoning(content: str) -> tuple[str, str]:
     return reasoning, solution.group(1).strip() if solution else answer
 
 
+def _take_reasoning(message: dict, turn: Any, location: RecordLocation, field: str) -> None:
+    """An assistant turn's reasoning onto its message: its own field (`reasoning_content`, else `reasoning`), else a
+    leading `<think>` block split off the content."""
+    reasoning = turn.get("reasoning_content") or turn.get("reasoning") or ""
+    if not isinstance(reasoning, str):
+        raise _fail(location, field, "wrong type: expected a string")
+    if not reasoning:
+        reasoning, message["content"] = split_reasoning(message["content"])
+    if reasoning:
+        message["reasoning"] = reasoning
+
+
+def _record_meta(record: dict) -> dict:
+    """The record's own id and its tool definitions (Glaive stores them as JSON text), where it has them."""
+    meta = {"record_id": record["id"]} if isinstance(record.get("id"), str) else {}
+    if record.get("tools"):
+        meta["tools"] = parse_json_text(record["tools"])
+    return meta
+
+
 _SHAREGPT_ROLES = {
     "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
     "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system",
@@ -188,10 +202,7 @@ def adapt_sharegpt(record: Any, location: RecordLocation) -> Adapted:
                 raise _fail(location, prefix + "value", "function_call is not a JSON object with a name") from None
             continue
         messages.append({"role": role, "content": value})
-    meta = {"record_id": record["id"]} if isinstance(record.get("id"), str) else {}
-    if record.get("tools"):
-        meta["tools"] = tool_definitions(record["tools"])
-    return Adapted(messages, meta)
+    return Adapted(messages, _record_meta(record))
 
 
 _OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -213,13 +224,7 @@ def _openai_messages(turns: list, location: RecordLocation, key: str) -> list[di
         content = "" if raw_content is None else _text(raw_content, location, prefix + "content")
         message: dict = {"role": role, "content": content}
         if role == "assistant":
-            reasoning = turn.get("reasoning_content") or turn.get("reasoning") or ""
-            if not isinstance(reasoning, str):
-                raise _fail(location, prefix + "reasoning_content", "wrong type: expected a string")
-            if not reasoning:
-                reasoning, message["content"] = split_reasoning(content)
-            if reasoning:
-                message["reasoning"] = reasoning
+            _take_reasoning(message, turn, location, prefix + "reasoning_content")
             calls = []
             for call_index, call in enumerate(tool_calls):
                 function = call.get("function", call) if isinstance(call, dict) else None
@@ -240,10 +245,7 @@ def _openai_messages(turns: list, location: RecordLocation, key: str) -> list[di
 def adapt_openai(record: Any, location: RecordLocation) -> Adapted:
     """OpenAI chat: `messages` of `{"role", "content", "tool_calls"?, "reasoning_content"?}`, tool turns."""
     messages = _openai_messages(_get(record, "messages", list, location), location, "messages")
-    meta = {"record_id": record["id"]} if isinstance(record.get("id"), str) else {}
-    if record.get("tools"):
-        meta["tools"] = tool_definitions(record["tools"])
-    return Adapted(messages, meta)
+    return Adapted(messages, _record_meta(record))
 
 
 def adapt_alpaca(record: Any, location: RecordLocation) -> Adapted:
@@ -288,14 +290,7 @@ def adapt_reasoning(record: Any, location: RecordLocation) -> Adapted:
             raise _fail(location, key, "turns do not map one to one onto messages")
         for index, message in enumerate(messages):
             if message["role"] == "assistant" and not message.get("tool_calls"):
-                turn = record[key][index]
-                reasoning = turn.get("reasoning") or turn.get("reasoning_content") or ""
-                if not isinstance(reasoning, str):
-                    raise _fail(location, f"{key}[{index}].reasoning", "wrong type: expected a string")
-                if not reasoning:
-                    reasoning, message["content"] = split_reasoning(message["content"])
-                if reasoning:
-                    message["reasoning"] = reasoning
+                _take_reasoning(message, record[key][index], location, f"{key}[{index}].reasoning")
     if system:
         messages.insert(0, {"role": "system", "content": system})
     return Adapted(messages, {})
