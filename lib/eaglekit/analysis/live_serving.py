@@ -63,6 +63,14 @@ def _get(client: httpx.Client, url: str) -> httpx.Response:
         raise ConnectionError(f"GET {url} failed: {error!r}; is the server running and reachable?") from error
 
 
+def _get_ok(url: str, timeout: float) -> httpx.Response:
+    with httpx.Client(timeout=timeout) as client:
+        response = _get(client, url)
+    if response.status_code != 200:
+        raise RuntimeError(f"GET {url} answered {response.status_code}: {response.text[:300]}")
+    return response
+
+
 # ----------------------------------------------------------------------------- SGLang
 
 
@@ -83,11 +91,11 @@ def get_sglang_server_info(url: str, timeout: float = 30.0) -> dict:
 class SpeculationSetup:
     """How a server speculates: recorded beside every accept length it reports."""
 
-    algorithm: str | None  # e.g. "EAGLE3"; None when the server does not speculate
-    topology: str | None  # "chain" (top-k 1) or "tree"
-    steps: int | None  # draft steps per cycle
-    topk: int | None
-    draft_tokens: int | None  # tokens verified per cycle (SGLang's speculative_num_draft_tokens)
+    algorithm: str | None = None  # e.g. "EAGLE3"; None when the server does not speculate
+    topology: str | None = None  # "chain" (top-k 1) or "tree"
+    steps: int | None = None  # draft steps per cycle
+    topk: int | None = None
+    draft_tokens: int | None = None  # tokens verified per cycle (SGLang's speculative_num_draft_tokens)
     draft_model_path: str | None = None
 
 
@@ -95,7 +103,7 @@ def sglang_speculation(server_info: Mapping[str, Any]) -> SpeculationSetup:
     """Read the speculative setup out of SGLang's server info (ServerArgs fields)."""
     algorithm = server_info.get("speculative_algorithm")
     if not algorithm:
-        return SpeculationSetup(None, None, None, None, None)
+        return SpeculationSetup()
     topk = server_info.get("speculative_eagle_topk")
     return SpeculationSetup(
         algorithm=str(algorithm),
@@ -275,19 +283,23 @@ class ServingMeasurement:
     wall_s: float
     tokens_per_s: float  # sum tokens / sum wall time
     tokens_per_s_request_mean: float
-    tau_pooled: float | None
-    tau_request_mean: float | None
-    tau_source: str | None  # how tau was obtained
+    tau_pooled: float | None = None
+    tau_request_mean: float | None = None
+    tau_source: str | None = None  # how tau was obtained
     verification_steps: int | None = None
 
 
-def _throughput(records: Sequence[RequestRecord]) -> tuple[int, float, float, float]:
+def _measurement(records: Sequence[RequestRecord], endpoint: str, server: str, role: str,
+                 setup: SpeculationSetup = SpeculationSetup(), **tau: Any) -> ServingMeasurement:
+    """One endpoint's row: throughput from its records, the setup it speculates with, tau fields as given."""
     if not records:
-        raise ValueError("no requests were measured")
+        raise ValueError(f"{endpoint}: no requests were measured")
     tokens = sum(record.completion_tokens for record in records)
     wall = sum(record.wall_s for record in records)
     per_request = [record.completion_tokens / record.wall_s for record in records if record.wall_s > 0]
-    return tokens, wall, tokens / wall, sum(per_request) / len(per_request)
+    return ServingMeasurement(endpoint, server, role, setup.algorithm, setup.topology, setup.steps, setup.topk,
+                              setup.draft_tokens, len(records), tokens, wall, tokens / wall,
+                              sum(per_request) / len(per_request), **tau)
 
 
 def with_zero_verification_steps(records: Sequence[RequestRecord]) -> list[RequestRecord]:
@@ -302,9 +314,9 @@ def with_zero_verification_steps(records: Sequence[RequestRecord]) -> list[Reque
 
 def summarize_sglang(records: Sequence[RequestRecord], endpoint: str, setup: SpeculationSetup, role: str) -> ServingMeasurement:
     """Pool SGLang records: tau from completion_tokens / spec_verify_ct (sum/sum and per-request mean)."""
-    tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(records)
-    tau_pooled = tau_mean = None
-    steps_total = None
+    if not records:
+        raise ValueError(f"{endpoint}: no requests were measured")
+    tau: dict[str, Any] = {}
     if role == "speculative":
         records = with_zero_verification_steps(records)
         if not any(record.verification_steps for record in records):
@@ -317,31 +329,14 @@ def summarize_sglang(records: Sequence[RequestRecord], endpoint: str, setup: Spe
         # the per-request mean over the requests that had verification steps (the others have no tau).
         verified = [record for record in records if record.verification_steps]
         accept = server_accept_length([r.completion_tokens for r in verified], [r.verification_steps for r in verified])
-        steps_total = accept.verification_steps
-        tau_pooled, tau_mean = sum(r.completion_tokens for r in records) / steps_total, accept.per_request_mean
+        tau = {"tau_pooled": sum(r.completion_tokens for r in records) / accept.verification_steps,
+               "tau_request_mean": accept.per_request_mean, "verification_steps": accept.verification_steps,
+               "tau_source": "sglang meta_info completion_tokens / spec_verify_ct"}
     else:
         speculating = [record.prompt_id for record in records if record.verification_steps is not None]
         if speculating:
             raise RuntimeError(f"{endpoint}: the baseline reports spec_verify_ct for {speculating[:5]}: start it without --speculative-algorithm")
-    return ServingMeasurement(
-        endpoint=endpoint,
-        server="sglang",
-        role=role,
-        algorithm=setup.algorithm,
-        topology=setup.topology,
-        steps=setup.steps,
-        topk=setup.topk,
-        draft_tokens=setup.draft_tokens,
-        requests=len(records),
-        completion_tokens=tokens,
-        wall_s=wall,
-        tokens_per_s=tokens_per_s,
-        tokens_per_s_request_mean=tokens_per_s_mean,
-        tau_pooled=tau_pooled,
-        tau_request_mean=tau_mean,
-        tau_source=None if tau_pooled is None else "sglang meta_info completion_tokens / spec_verify_ct",
-        verification_steps=steps_total,
-    )
+    return _measurement(records, endpoint, "sglang", role, setup, **tau)
 
 
 def measurements_frame(measurements: Sequence[ServingMeasurement]) -> pd.DataFrame:
@@ -385,7 +380,7 @@ def measure_sglang(
     per_request = [records_frame(speculative, speculative_url)]
     if baseline_url is not None:
         baseline = run_sglang_requests(baseline_url, prompts, api, model, max_new_tokens, temperature, timeout)
-        measurements.append(summarize_sglang(baseline, baseline_url, SpeculationSetup(None, None, None, None, None), "baseline"))
+        measurements.append(summarize_sglang(baseline, baseline_url, SpeculationSetup(), "baseline"))
         per_request.append(records_frame(baseline, baseline_url))
     return measurements_frame(measurements), pd.concat(per_request, ignore_index=True)
 
@@ -396,11 +391,7 @@ def measure_sglang(
 def read_vllm_spec_counters(url: str, timeout: float = 30.0) -> VllmSpecCounters:
     """GET {root}/metrics and parse the spec-decode counters."""
     metrics_url = root_url(url) + "/metrics"
-    with httpx.Client(timeout=timeout) as client:
-        response = _get(client, metrics_url)
-    if response.status_code != 200:
-        raise RuntimeError(f"GET {metrics_url} answered {response.status_code}")
-    return parse_vllm_spec_counters(response.text, metrics_url)
+    return parse_vllm_spec_counters(_get_ok(metrics_url, timeout).text, metrics_url)
 
 
 def measure_vllm(
@@ -428,35 +419,16 @@ def measure_vllm(
     delta = read_vllm_spec_counters(speculative_url, timeout).minus(before)
     if delta.drafts <= 0:
         raise RuntimeError(f"{speculative_url}: the drafts counter did not move during the run; speculation was not used")
-    tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(records)
     steps = len(delta.accepted_per_position) or None
-    speculative = ServingMeasurement(
-        endpoint=speculative_url,
-        server="vllm",
-        role="speculative",
-        algorithm="vllm speculative_config",
-        topology="chain",
-        steps=steps,
-        topk=1,
-        draft_tokens=None if steps is None else steps + 1,  # a chain verifies its k drafts plus one token, as SGLang counts
-        requests=len(records),
-        completion_tokens=tokens,
-        wall_s=wall,
-        tokens_per_s=tokens_per_s,
-        tokens_per_s_request_mean=tokens_per_s_mean,
-        tau_pooled=1.0 + delta.accepted_tokens / delta.drafts,
-        tau_request_mean=None,  # vLLM's counters are server-wide, not per request
-        tau_source="vllm /metrics 1 + delta accepted / delta drafts (server-wide counters)",
-        verification_steps=int(delta.drafts),
-    )
-    measurements = [speculative]
+    # A chain verifies its k drafts plus one token, as SGLang counts; no per-request tau (the counters are server-wide).
+    setup = SpeculationSetup("vllm speculative_config", "chain", steps, 1, None if steps is None else steps + 1)
+    measurements = [_measurement(records, speculative_url, "vllm", "speculative", setup,
+                                 tau_pooled=1.0 + delta.accepted_tokens / delta.drafts, verification_steps=int(delta.drafts),
+                                 tau_source="vllm /metrics 1 + delta accepted / delta drafts (server-wide counters)")]
     per_request = [records_frame(records, speculative_url)]
     if baseline_url is not None:
         baseline = run_openai_requests(baseline_url, prompts, baseline_model or model, api, max_tokens, temperature, timeout)
-        tokens, wall, tokens_per_s, tokens_per_s_mean = _throughput(baseline)
-        measurements.append(
-            ServingMeasurement(baseline_url, "openai", "baseline", None, None, None, None, None, len(baseline), tokens, wall, tokens_per_s, tokens_per_s_mean, None, None, None)
-        )
+        measurements.append(_measurement(baseline, baseline_url, "openai", "baseline"))
         per_request.append(records_frame(baseline, baseline_url))
     summary = measurements_frame(measurements)
     summary["acceptance_per_position"] = [
@@ -474,10 +446,7 @@ def served_model_id(url: str, timeout: float = 30.0) -> str:
     vLLM answers chat requests only for the name it serves (`--served-model-name`, else the path it loaded).
     """
     models_url = root_url(url) + "/v1/models"
-    with httpx.Client(timeout=timeout) as client:
-        response = _get(client, models_url)
-    if response.status_code != 200:
-        raise RuntimeError(f"GET {models_url} answered {response.status_code}: {response.text[:300]}")
+    response = _get_ok(models_url, timeout)
     try:
         return str(response.json()["data"][0]["id"])
     except (ValueError, KeyError, IndexError, TypeError):
