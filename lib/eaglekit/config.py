@@ -433,63 +433,46 @@ def _expanded_size(root: yaml.Node) -> int:
     return size(root)
 
 
-def _compose(text: str, origin: str) -> yaml.Node | None:
-    """The YAML node tree, refused when aliases expand beyond the bounds or a key is repeated."""
+def _compose(text: str, origin: str) -> tuple[Any, dict[tuple, int]]:
+    """The YAML document and each key path's line, refused when aliases expand beyond the bounds or a key is
+    repeated: both are checked on the node tree, before anything is built from it."""
     loader = _CountingLoader(text)
     try:
         root = loader.get_single_node()
-        if root is not None and _expanded_size(root) > MAX_EXPANDED_NODES:
+        if root is None:
+            return None, {}
+        if _expanded_size(root) > MAX_EXPANDED_NODES:
             raise yaml.YAMLError(f"aliases expand to more than {MAX_EXPANDED_NODES:,} nodes")
+        lines = _key_lines(root, origin)
+        return loader.construct_document(root), lines
     except yaml.YAMLError as error:
         raise ParamsError(_yaml_error(error, origin)) from None
     finally:
         loader.dispose()
-    if root is not None:
-        _refuse_duplicate_keys(root, origin)
-    return root
 
 
-def _refuse_duplicate_keys(root: yaml.Node, origin: str) -> None:
-    """YAML keeps the last of two equal keys and drops the first without a word; params refuse both."""
-    seen_nodes: set[int] = set()
+def _key_lines(root: yaml.Node, origin: str) -> dict[tuple, int]:
+    """Each key path's 1-based line, for error messages. A key repeated in one mapping is refused: YAML keeps
+    the last of two equal keys and drops the first without a word."""
+    lines: dict[tuple, int] = {}
     stack: list[tuple[yaml.Node, tuple]] = [(root, ())]
     while stack:
         node, path = stack.pop()
-        if id(node) in seen_nodes:
-            continue
-        seen_nodes.add(id(node))
         if isinstance(node, yaml.MappingNode):
             first_line: dict[str, int] = {}
             for key_node, value_node in node.value:
-                key = str(key_node.value)
-                line = key_node.start_mark.line + 1
+                key, line = str(key_node.value), key_node.start_mark.line + 1
                 if key in first_line and key != "<<":
                     dotted = ".".join(str(part) for part in (*path, key))
                     raise ParamsError(f"{origin}:{line}: key {dotted!r} repeated (first at line {first_line[key]}); "
                                       "keep one of them")
                 first_line.setdefault(key, line)
-                stack.append((value_node, (*path, key)))
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend((item, (*path, index)) for index, item in enumerate(node.value))
-
-
-def _yaml_lines(root: yaml.Node | None) -> dict[tuple, int]:
-    """Map each key path in a composed YAML document to its 1-based line, for error messages."""
-    lines: dict[tuple, int] = {}
-
-    def walk(node: yaml.Node, path: tuple) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key_node, value_node in node.value:
-                child = path + (key_node.value,)
-                lines[child] = key_node.start_mark.line + 1
-                walk(value_node, child)
+                lines.setdefault((*path, key_node.value), line)
+                stack.append((value_node, (*path, key_node.value)))
         elif isinstance(node, yaml.SequenceNode):
             for index, item in enumerate(node.value):
-                lines[path + (index,)] = item.start_mark.line + 1
-                walk(item, path + (index,))
-
-    if root is not None:
-        walk(root, ())
+                lines.setdefault((*path, index), item.start_mark.line + 1)
+                stack.append((item, (*path, index)))
     return lines
 
 
@@ -533,17 +516,12 @@ def load_params(path: str | os.PathLike) -> Params:
         line = raw[: error.start].count(b"\n") + 1
         raise ParamsError(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x} at offset {error.start}): "
                           "save the params file as UTF-8") from None
-    # Composed before anything is built from it: aliases bounded, repeated keys refused.
-    root = _compose(text, str(path))
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ParamsError(_yaml_error(error, str(path))) from None
+    data, lines = _compose(text, str(path))
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: the top level must be a mapping of sections ({', '.join(Params.section_names())})")
-    return params_from_sections(data, origin=str(path), lines=_yaml_lines(root))
+    return params_from_sections(data, origin=str(path), lines=lines)
 
 
 def repo_path(path: str | os.PathLike) -> Path:
