@@ -86,7 +86,33 @@ class _Slot:
 
 
 class GenerationEngine:
-    """Runs prompts through endpoints; see `generate` for the blocking entry point and arguments."""
+    """Runs prompts through endpoints; `generate` is the blocking entry point.
+
+    sources: (dataset, partition, prompts.jsonl) triples. partitions: sent in this order, each with
+    its concurrency (per endpoint) and max_tokens; once one has sent its last prompt the next starts in the room
+    its drain frees (a request of a partition of concurrency C takes 1/C of an endpoint: `capacity.SharedPool`).
+    overlap_partitions=False drains each partition before the next starts. temperature/top_p: None leaves the server default.
+    extra_body: extra request fields (e.g. {"seed": 0}).
+    chat_template_kwargs: `prep.chat_template_kwargs` (e.g. {"enable_thinking": False} for Qwen3), sent
+    in every request as the top-level `chat_template_kwargs` (SGLang, vLLM, `transformers serve`), so
+    the target renders the prompt as prep and `build_tokenized_data` do; omitted when empty.
+    history_reasoning: how past assistant turns carry their reasoning, as prep renders them: "field"
+    (`reasoning_content` on the message) or "fold" (`<think>...</think>` before the content); the stage
+    takes it from the target's template (`prompts.history_reasoning_for`).
+    request_timeout_s: read timeout per request (a 16K-token answer at 10 tok/s takes ~27 min).
+    retry: params `generation` (its max_attempts, backoff_base_s and backoff_max_s are the ones read here).
+    retry_errors: on rerun, request again prompts that failed for good before.
+    shutdown_grace_s: after Ctrl-C/SIGTERM, how long in-flight requests may finish (a second Ctrl-C
+    abandons them). Then outputs are flushed and KeyboardInterrupt (or SystemExit 143) is raised.
+    An endpoint that refuses the key (401/403) raises EndpointAuthError at once, with no prompt
+    marked failed; a failure to write the outputs stops the run with its error.
+    priority: (dataset, id) keys in the order to request them within each partition (the stage passes prep's
+    planned training order, `training.order`: the samples the first data sizes need are answered first).
+    first_answers_check: called with (dataset, records) on each dataset's first 32 answers of the session; what it
+    raises stops the run (the stage's usage check: a systematic mismatch is said after minutes, not days).
+    first_answers: how many answers of each dataset `first_answers_check` reads.
+    eta_min_seconds: seconds of sending before the progress line trusts a speed for its ETA.
+    """
 
     def __init__(self, sources: Sequence[PromptSource], endpoints: Sequence[EndpointSpec], output_dir: str | Path,
                  partitions: Sequence[PartitionParams], *, temperature: float | None = None,
