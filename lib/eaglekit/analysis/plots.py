@@ -219,19 +219,15 @@ def plot_ablation(table: pd.DataFrame, pooled_dataset: str = "all") -> Figure:
     return figure
 
 
+CURVE_COLUMNS = ("data_size", "dataset", "tau_pooled", "tau_pooled_low", "tau_pooled_high")  # what the curve reads
+
+
 def plot_accept_length_vs_data_size(
     points: pd.DataFrame,
     fit: ScalingFit | None = None,
     break_even_accept_length: float | None = None,
     target_accept_length: float | None = None,
     overall_dataset: str = "all",
-    size_column: str = "data_size",
-    dataset_column: str = "dataset",
-    value_column: str = "tau_pooled",
-    low_column: str = "tau_pooled_low",
-    high_column: str = "tau_pooled_high",
-    extend_to: float | None = None,
-    lower_bound_column: str = "lower_bound",
     slope: LocalSlope | None = None,
     benchmark: pd.DataFrame | None = None,
     benchmark_label: str = "benchmark prompts (real loop)",
@@ -239,18 +235,18 @@ def plot_accept_length_vs_data_size(
 ) -> Figure:
     """Accept length against training-data size: per dataset and overall, log x, confidence bands.
 
-    points: one row per (dataset, data size) with the value and its interval columns; a "topology"
-      and "steps" column, when present, label the y axis (topology recorded beside every tau). A True
-      in `lower_bound_column` (the draft was still improving when training stopped) draws that overall
-      point as an open marker with an upward arrow: its tau is a lower bound.
-    fit: drawn over the measured range (extended to `extend_to` when given) with its bootstrap band;
-      pass it only when its ceiling is identified (`ceiling_identification`).
+    points: one row per (dataset, data size): `CURVE_COLUMNS` (`scaling`'s points); a "topology" and "steps"
+      column, when present, label the y axis (topology recorded beside every tau). A True in "lower_bound"
+      (the draft was still improving when training stopped) draws that overall point as an open marker with an
+      upward arrow: its tau is a lower bound.
+    fit: drawn over the measured range with its bootstrap band; pass it only when its ceiling is identified
+      (`ceiling_identification`).
     slope: the local slope, drawn as the least-squares line over the measured range.
-    benchmark: rows of `size_column`, "tau", "tau_low", "tau_high" from the real loop on benchmark
+    benchmark: rows of "data_size", "tau", "tau_low", "tau_high" from the real loop on benchmark
       prompts (and "prompts", said in its label), drawn beside the held-out curve, lighter: it rests on a few
       prompts, the held-out curve on every held-out sample.
     colors: `dataset_colors` of the run (default: of the datasets in `points`).
-    The x ticks are the measured sizes (and `extend_to`), in plain numbers.
+    The x ticks are the measured sizes, in plain numbers.
     Returns the matplotlib Figure.
     """
     import matplotlib
@@ -258,26 +254,24 @@ def plot_accept_length_vs_data_size(
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    missing = [c for c in (size_column, dataset_column, value_column, low_column, high_column) if c not in points.columns]
+    missing = [column for column in CURVE_COLUMNS if column not in points.columns]
     if missing:
         raise ValueError(f"points is missing columns {missing}; it has {list(points.columns)}")
-    colors = dict(colors) if colors is not None else dataset_colors(points[dataset_column], overall_dataset)
+    colors = dict(colors) if colors is not None else dataset_colors(points["dataset"], overall_dataset)
     figure, axes = plt.subplots(figsize=(10.5, 4.8))
-    _draw_datasets(axes, points, colors, overall_dataset, size_column, dataset_column, value_column, low_column, high_column,
-                   lower_bound_column)
+    _draw_datasets(axes, points, colors, overall_dataset)
     if benchmark is not None and len(benchmark):
-        bench = benchmark.sort_values(size_column)
+        bench = benchmark.sort_values("data_size")
         prompts = f" ({int(bench['prompts'].max())} prompts)" if "prompts" in bench.columns else ""
-        line = axes.plot(bench[size_column], bench["tau"], label=benchmark_label + prompts, **BENCHMARK_STYLE)[0]
-        axes.fill_between(bench[size_column], bench["tau_low"], bench["tau_high"], color=line.get_color(), alpha=0.06)
+        line = axes.plot(bench["data_size"], bench["tau"], label=benchmark_label + prompts, **BENCHMARK_STYLE)[0]
+        axes.fill_between(bench["data_size"], bench["tau_low"], bench["tau_high"], color=line.get_color(), alpha=0.06)
     if slope is not None:
         grid = np.geomspace(float(slope.data_sizes[0]), float(slope.data_sizes[-1]), 50)
         intercept = float(slope.accept_lengths.mean() - slope.slope * np.log2(slope.data_sizes).mean())
         axes.plot(grid, intercept + slope.slope * np.log2(grid), linestyle=":", color=POOLED_COLOR, linewidth=1.5,
                   label=f"slope {slope.slope:+.3f}/doubling ({slope.confidence:.0%}: {slope.slope_low:+.3f} to {slope.slope_high:+.3f})")
     if fit is not None:
-        right = max(float(points[size_column].max()), extend_to or 0.0)
-        grid = np.geomspace(float(points[size_column].min()) / 1.5, right * 1.5, 200)
+        grid = np.geomspace(float(points["data_size"].min()) / 1.5, float(points["data_size"].max()) * 1.5, 200)
         axes.plot(grid, fit.predict(grid), linestyle="--", color=POOLED_COLOR, alpha=0.8, label=f"fit (ceiling identified): tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
         band_low, band_high = fit.predict_band(grid)
         axes.fill_between(grid, band_low, band_high, color=POOLED_COLOR, alpha=0.08, label=f"fit {fit.confidence:.0%} band ({fit.bootstrap_method} bootstrap)")
@@ -286,7 +280,7 @@ def plot_accept_length_vs_data_size(
     if target_accept_length is not None:
         axes.axhline(target_accept_length, color=TARGET_COLOR, linestyle=":", linewidth=1.5, label=f"target tau = {target_accept_length:.2f}")
     axes.set_xscale("log")
-    plain_log_ticks(axes.xaxis, list(points[size_column]) + ([extend_to] if extend_to else []))
+    plain_log_ticks(axes.xaxis, list(points["data_size"]))
     axes.set_xlabel("training samples (log scale)")
     topology = ""
     if {"topology", "steps"} <= set(points.columns):
@@ -300,15 +294,16 @@ def plot_accept_length_vs_data_size(
     return figure
 
 
-def _draw_datasets(axes, points: pd.DataFrame, colors: Mapping[str, str], overall_dataset: str, size_column: str, dataset_column: str,
-                   value_column: str, low_column: str, high_column: str, lower_bound_column: str) -> None:
+def _draw_datasets(axes, points: pd.DataFrame, colors: Mapping[str, str], overall_dataset: str) -> None:
     """One line and band per dataset; on the overall line, converged points filled and lower bounds open with an arrow."""
-    for name, group in points.groupby(dataset_column, sort=True):
+    size_column, value_column, lower_bound_column = "data_size", "tau_pooled", "lower_bound"
+    for name, group in points.groupby("dataset", sort=True):
         group = group.sort_values(size_column)
         overall = name == overall_dataset
         style = {"linewidth": 2.2, "zorder": 3} if overall else {"linewidth": 1.2, "alpha": 0.85}
         line = axes.plot(group[size_column], group[value_column], marker="o", label=str(name), color=colors[str(name)], **style)[0]
-        axes.fill_between(group[size_column], group[low_column], group[high_column], color=line.get_color(), alpha=0.15 if overall else 0.1)
+        axes.fill_between(group[size_column], group["tau_pooled_low"], group["tau_pooled_high"], color=line.get_color(),
+                          alpha=0.15 if overall else 0.1)
         if overall and lower_bound_column in group.columns:
             still_improving = group[lower_bound_column].fillna(False).astype(bool)
             converged = group[~still_improving]
