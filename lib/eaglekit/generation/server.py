@@ -19,12 +19,10 @@ import concurrent.futures
 import contextlib
 import ctypes
 import os
-import queue
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -58,38 +56,10 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-class _Spawner:
-    """Starts children from one daemon thread that lives as long as this process.
-
-    PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. A server
-    started from a short-lived worker thread would be killed with that thread; forking from this
-    thread ties the server's life to the process, whichever thread asks.
-    """
-
-    def __init__(self) -> None:
-        self._requests: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def popen(self, *args, **kwargs) -> subprocess.Popen:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._serve, name="eaglekit-spawner", daemon=True)
-                self._thread.start()
-        done = concurrent.futures.Future()
-        self._requests.put((args, kwargs, done))
-        return done.result()
-
-    def _serve(self) -> None:
-        while True:
-            args, kwargs, done = self._requests.get()
-            try:
-                done.set_result(subprocess.Popen(*args, **kwargs))
-            except BaseException as error:  # handed back to the caller
-                done.set_exception(error)
-
-
-_spawner = _Spawner()
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. A server started from
+# a short-lived worker thread would be killed with that thread; forking from this pool's one thread, which lives
+# as long as the process, ties the server's life to the process, whichever thread asks.
+_spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eaglekit-spawner")
 
 
 class ManagedServer:
@@ -137,10 +107,10 @@ class ManagedServer:
             self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"eaglekit-{self.engine}-{self.port}.log"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_handle = open(self.log_path, "ab")
-        self._process = _spawner.popen(
-            self.command(), stdout=self._log_handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        self._process = _spawner.submit(
+            subprocess.Popen, self.command(), stdout=self._log_handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self.environment(), preexec_fn=_die_with_parent,
-        )
+        ).result()
         try:
             self._wait_ready()
         except BaseException:
