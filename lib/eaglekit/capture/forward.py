@@ -144,18 +144,8 @@ def _finish_batch(launched: _LaunchedBatch) -> list[CapturedSample]:
     # Views into the batch's packed tensors: no per-sample copy (the shard writer concatenates anyway).
     aux_parts = launched.aux_hidden_states.split(launched.lengths)
     final_parts = launched.final_hidden_states.split(launched.lengths)
-    return [
-        CapturedSample(
-            id=sample.id,
-            dataset=sample.dataset,
-            input_ids=torch.tensor(sample.input_ids, dtype=torch.long),
-            loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8),
-            aux_hidden_states=aux,
-            final_hidden_states=final,
-            original_length=sample.original_length,
-        )
-        for sample, aux, final in zip(launched.samples, aux_parts, final_parts, strict=True)
-    ]
+    return [CapturedSample.of(sample, aux, final)
+            for sample, aux, final in zip(launched.samples, aux_parts, final_parts, strict=True)]
 
 
 def capture_batches(
@@ -216,21 +206,10 @@ class HookedTarget:
 
     model: nn.Module
 
-    @property
-    def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
-
-    @property
-    def num_hidden_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
-
-    @property
-    def dtype_name(self) -> str:
-        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+    hidden_size = property(lambda self: int(self.model.config.hidden_size))
+    num_hidden_layers = property(lambda self: int(self.model.config.num_hidden_layers))
+    vocab_size = property(lambda self: int(self.model.config.vocab_size))
+    dtype_name = property(lambda self: str(next(self.model.parameters()).dtype).removeprefix("torch."))
 
     def capture_batches(self, batches: Iterable[Sequence[TokenizedSample]],
                         capture_layer_ids: Sequence[int]) -> Iterator[list[CapturedSample]]:

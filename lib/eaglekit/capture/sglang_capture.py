@@ -139,9 +139,7 @@ class SglangCapture:
                                    f"{None if final is None else tuple(final.shape)} for {sum(lengths)} tokens of samples "
                                    f"{[f'{s.dataset}/{s.id}' for s in samples][:3]}: expected (T, 3H) and (T, H)")
             aux, final = aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
-            yield [CapturedSample(id=sample.id, dataset=sample.dataset, input_ids=torch.tensor(sample.input_ids, dtype=torch.long),
-                                  loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8), aux_hidden_states=sample_aux,
-                                  final_hidden_states=sample_final, original_length=sample.original_length)
+            yield [CapturedSample.of(sample, sample_aux, sample_final)
                    for sample, sample_aux, sample_final in zip(samples, aux.split(lengths), final.split(lengths), strict=True)]
 
 

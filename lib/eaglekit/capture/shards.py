@@ -33,6 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
+from eaglekit.capture.inputs import TokenizedSample
 from eaglekit.generation.capacity import hidden_state_bytes_per_token
 from eaglekit.io import AppendLog, atomic_write, remove_stale_temp_files, write_json
 
@@ -108,6 +109,13 @@ class CapturedSample:
     aux_hidden_states: torch.Tensor
     final_hidden_states: torch.Tensor
     original_length: int
+
+    @classmethod
+    def of(cls, sample: TokenizedSample, aux_hidden_states: torch.Tensor, final_hidden_states: torch.Tensor) -> CapturedSample:
+        """A tokenized sample with its two feature tensors, as every capture path hands them to the shard writer."""
+        return cls(sample.id, sample.dataset, torch.tensor(sample.input_ids, dtype=torch.long),
+                   torch.tensor(sample.loss_mask, dtype=torch.uint8), aux_hidden_states, final_hidden_states,
+                   sample.original_length)
 
     @property
     def length(self) -> int:

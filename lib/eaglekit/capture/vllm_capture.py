@@ -24,6 +24,7 @@ The server is eaglekit.generation.server.VLLMServer with these configs (`VllmHid
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import logging
 import os
@@ -154,7 +155,7 @@ class VllmHiddenStatesServer:
                 with open(path.with_name(path.name + ".lock")) as lock:
                     fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is complete
         for path in list(self.storage_dir.iterdir()):
-            with _ignore_missing():
+            with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
     def stop(self) -> None:
@@ -187,7 +188,7 @@ def read_hidden_states_file(path: str, sample: TokenizedSample, num_layers: int,
         raise VllmCaptureError(f"{where}: the server's hidden-state file {path} cannot be read ({error})") from None
     finally:
         for leftover in (path, lock_path):
-            with _ignore_missing():
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(leftover)
     hidden_states, token_ids = tensors.get("hidden_states"), tensors.get("token_ids")
     if hidden_states is None or token_ids is None:
@@ -200,14 +201,6 @@ def read_hidden_states_file(path: str, sample: TokenizedSample, num_layers: int,
     if token_ids.tolist() != list(sample.input_ids):
         raise VllmCaptureError(f"{where}: the server's file holds other token ids than the sample's ({token_ids.shape[0]} ids)")
     return hidden_states
-
-
-class _ignore_missing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, value, traceback) -> bool:
-        return kind is not None and issubclass(kind, FileNotFoundError)
 
 
 @dataclass
@@ -253,9 +246,7 @@ class VllmCapture(ClosesOnExit):
         hidden_states = read_hidden_states_file(path, sample, layers, self.hidden_size)  # (T, 4, H)
         aux = hidden_states[:, :-1].reshape(hidden_states.shape[0], -1)  # (T, 3, H) -> (T, 3H), capture-layer order
         final = rms_norm(hidden_states[:, -1], self.final_norm_weight, self.final_norm_eps)  # (T, H), post-norm
-        return CapturedSample(id=sample.id, dataset=sample.dataset, input_ids=torch.tensor(sample.input_ids, dtype=torch.long),
-                              loss_mask=torch.tensor(sample.loss_mask, dtype=torch.uint8), aux_hidden_states=aux.to(self.output_dtype),
-                              final_hidden_states=final.to(self.output_dtype), original_length=sample.original_length)
+        return CapturedSample.of(sample, aux.to(self.output_dtype), final.to(self.output_dtype))
 
     def capture_samples(self, samples: Sequence[TokenizedSample]) -> list[CapturedSample]:
         """One batch: every sample's request in flight at once (up to `concurrency`), features in sample order."""
