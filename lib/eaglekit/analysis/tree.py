@@ -41,9 +41,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import repeat_kv
 
-from eaglekit.draft.model import DraftKVCache
+from eaglekit.draft.model import DraftKVCache, attend_prefix_and_steps
 from eaglekit.topology import Topology
 
 SGLANG_SLOTS = "sglang"
@@ -83,22 +82,12 @@ class TreeKeyValues:
         self.step_keys.append(key)
         self.step_values.append(value)
         self.ancestors.append(torch.arange(nodes, device=query.device))
-        groups = query.shape[1] // key.shape[1]
-        prefix_keys, prefix_values = repeat_kv(self.prefix_keys, groups), repeat_kv(self.prefix_values, groups)
-        prefix_scores = (query @ prefix_keys.transpose(-1, -2)) * scale  # (1, Hq, N, L)
-        visible = torch.arange(prefix_keys.shape[2], device=query.device)[None, :] <= self.limits[:, None]  # (N, L)
-        prefix_scores = prefix_scores.masked_fill(~visible, float("-inf"))
-        # One score per ancestor step: an elementwise dot product with that step's key of the node's ancestor.
-        branch_keys = [repeat_kv(keys[:, :, ancestor], groups) for keys, ancestor in zip(self.step_keys, self.ancestors)]
-        branch_values = [repeat_kv(values[:, :, ancestor], groups) for values, ancestor in zip(self.step_values, self.ancestors)]
-        branch_scores = [(query * keys).sum(-1, keepdim=True) * scale for keys in branch_keys]  # each (1, Hq, N, 1)
-        scores = torch.cat([prefix_scores, *branch_scores], dim=-1)
-        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-        length = prefix_keys.shape[2]
-        output = probs[..., :length] @ prefix_values
-        for offset, values in enumerate(branch_values):
-            output = output + probs[..., length + offset : length + offset + 1] * values
-        return output
+        visible = torch.arange(self.prefix_keys.shape[2], device=query.device)[None, :] <= self.limits[:, None]  # (N, L)
+        # One key per step: that step's key of the node's ancestor.
+        steps = list(zip(self.step_keys, self.step_values, self.ancestors))
+        return attend_prefix_and_steps(query, self.prefix_keys, self.prefix_values, visible,
+                                       [keys[:, :, ancestor] for keys, _, ancestor in steps],
+                                       [values[:, :, ancestor] for _, values, ancestor in steps], scale)
 
 
 @dataclass

@@ -100,6 +100,26 @@ class DraftKVCache:
         return probs @ values
 
 
+def attend_prefix_and_steps(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
+                            visible: torch.Tensor, step_keys: list[torch.Tensor], step_values: list[torch.Tensor],
+                            scale: float) -> torch.Tensor:
+    """Attention over a masked prefix plus one key per later step, each row's own (TTT's steps, a tree's ancestors).
+
+    query (B, Hq, T, D); prefix keys/values (B, KV, L, D) with `visible` (T, L); step keys/values each (B, KV, T, D).
+    A later step's score is an elementwise dot product, not a (T x T) product per step.
+    """
+    groups = query.shape[1] // prefix_keys.shape[1]
+    prefix_keys, prefix_values = repeat_kv(prefix_keys, groups), repeat_kv(prefix_values, groups)
+    prefix_scores = ((query @ prefix_keys.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))  # (B, Hq, T, L)
+    step_scores = [(query * repeat_kv(keys, groups)).sum(-1, keepdim=True) * scale for keys in step_keys]  # each (B, Hq, T, 1)
+    probs = torch.softmax(torch.cat([prefix_scores, *step_scores], dim=-1).float(), dim=-1).to(query.dtype)
+    length = prefix_keys.shape[2]
+    output = probs[..., :length] @ prefix_values
+    for offset, values in enumerate(step_values):
+        output = output + probs[..., length + offset : length + offset + 1] * repeat_kv(values, groups)
+    return output
+
+
 class TrainingTimeTestKeyValues:
     """Keys of every TTT step so far, attended the way serving will attend them.
 
@@ -143,21 +163,9 @@ class TrainingTimeTestKeyValues:
         self.values.append(value)
         if self.backend == "flex":
             return self._attend_flex(query, scale)
-        groups = query.shape[1] // key.shape[1]
-        length = query.shape[2]
-        first_keys, first_values = repeat_kv(self.keys[0], groups), repeat_kv(self.values[0], groups)
-        causal_scores = (query @ first_keys.transpose(-1, -2)) * scale  # (B, Hq, T, T)
-        causal_scores = causal_scores.masked_fill(~self._step0_visible(length, query.device), float("-inf"))
-        # Row t's own keys from later steps: one score per step, an elementwise dot product.
-        later_keys = [repeat_kv(keys, groups) for keys in self.keys[1:]]
-        later_values = [repeat_kv(values, groups) for values in self.values[1:]]
-        diagonal_scores = [(query * keys).sum(-1, keepdim=True) * scale for keys in later_keys]  # each (B, Hq, T, 1)
-        scores = torch.cat([causal_scores, *diagonal_scores], dim=-1)
-        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-        output = probs[..., :length] @ first_values
-        for offset, values in enumerate(later_values):
-            output = output + probs[..., length + offset : length + offset + 1] * values
-        return output
+        # Step 0's keys under the causal (and packing) mask; row t's own keys from the later steps.
+        return attend_prefix_and_steps(query, self.keys[0], self.values[0], self._step0_visible(query.shape[2], query.device),
+                                       self.keys[1:], self.values[1:], scale)
 
     def _attend_flex(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         batch, _, length, _ = query.shape
