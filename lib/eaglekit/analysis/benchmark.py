@@ -258,6 +258,7 @@ def benchmark_drafts(
     any draft's output differs from plain greedy decoding: the loop must be lossless.
     """
     from eaglekit.analysis.checkpoints import load_draft_checkpoint
+    from eaglekit.analysis.speculative import one_torch_thread
 
     if not settings.benchmark_prompts:
         return BenchmarkRun(None, "analysis.benchmark_prompts is not set: no benchmark curve "
@@ -266,16 +267,11 @@ def benchmark_drafts(
     read = read_benchmark_prompts(prompt_file)
     prompts = tokenize_prompts(read, tokenizer, max_prompt_tokens=max_prompt_tokens,
                                template_kwargs=template_kwargs)[: settings.benchmark_max_prompts]
-    # One thread, as for the held-out loop: two threads contend on a shared 2-core machine and distort timings.
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
     started = time.perf_counter()
-    try:
+    with one_torch_thread():  # as for the held-out loop
         drafts = {size: load_draft_checkpoint(path, target_embed_tokens) for size, path in checkpoints.items()}
         scores = score_drafts_on_prompts(target, drafts, prompts, steps, settings.benchmark_max_new_tokens, eos_token_ids,
                                          settings.bootstrap_resamples, settings.confidence, seed)
-    finally:
-        torch.set_num_threads(threads_before)
     if not scores.summary["outputs_equal"].all():
         differing = scores.per_prompt.loc[~scores.per_prompt["outputs_equal"], ["data_size", "id"]].values.tolist()
         raise RuntimeError(f"the speculative loop's output differs from plain greedy decoding on benchmark prompts "

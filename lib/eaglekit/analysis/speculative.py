@@ -39,8 +39,9 @@ is the offline estimate for any topology; with K = 1 it equals the chain's. `dec
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -85,6 +86,18 @@ class GreedyResult:
     @property
     def tokens_per_second(self) -> float:
         return len(self.output_ids) / self.seconds if self.seconds > 0 else float("nan")
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Run the timed loops on one torch thread: on a shared 2-core machine two threads contend and slow plain
+    decoding several-fold, which would distort the greedy-vs-speculative comparison."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads_before)
 
 
 @dataclass

@@ -40,6 +40,7 @@ from eaglekit.analysis.checkpoints import (LoopReport, evaluate_speculative_loop
                                            offline_agreements_by_size, score_ablation)
 from eaglekit.analysis.forecast import ANSWER_FILE, AnswerFile
 from eaglekit.analysis.live_serving import LiveServing, measure_live_serving
+from eaglekit.analysis.speculative import one_torch_thread
 from eaglekit.analysis.topology_sweep import (StepCosts, check_recommendation, default_topology_grid, measure_step_costs, pool_datasets,
                                               recommend, sweep_event, sweep_table, tree_depths_by_dataset)
 from eaglekit.capture import load_target, open_captured_samples
@@ -55,18 +56,6 @@ from eaglekit.training.record import SweepRecord
 
 SUMMARY_FILE = "scaling_summary.json"
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Run the timed loops on one torch thread: on a shared 2-core machine two threads contend and slow plain
-    decoding several-fold, which would distort the greedy-vs-speculative comparison."""
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 @dataclass(frozen=True)

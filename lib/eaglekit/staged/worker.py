@@ -309,7 +309,7 @@ class StagedWorker:
         Timed while generation shares the machine: greedy and speculative alternate, so the load hits both alike."""
         from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
         from eaglekit.analysis.checkpoints import evaluate_speculative_loop, heldout_prompts, load_draft_checkpoint
-        from eaglekit.analysis.stage import one_torch_thread
+        from eaglekit.analysis.speculative import one_torch_thread
 
         settings = self.params.analysis
         path = self.staged_dir / BREAK_EVEN_FILE
