@@ -352,15 +352,9 @@ def _add_doctor(commands) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eaglekit", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    _add_run(commands)
-    _add_plan(commands)
-    _add_resolve(commands)
-    _add_params(commands)
-    _add_fetch_data(commands)
-    _add_serve(commands)
-    _add_evaluate(commands)
-    _add_train(commands)
-    _add_capture(commands)
+    for add in (_add_run, _add_plan, _add_resolve, _add_params, _add_fetch_data, _add_serve, _add_evaluate, _add_train,
+                _add_capture):
+        add(commands)
     doctor = _add_doctor(commands)
     args = parser.parse_args(argv)
     if args.command == "doctor" and all(value is None for value in (args.draft, args.endpoint, args.accept_length,

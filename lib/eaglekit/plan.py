@@ -16,7 +16,7 @@ fields of config.json, so a plan works before the checkpoint is on disk), else f
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from eaglekit.capture.plan import planned_slice_bytes
@@ -50,9 +50,7 @@ class RunPlan:
     assumptions: list[Assumption] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "capacity": self.capacity, "slices": self.slices,
-                "training_memory": self.training_memory, "generation": self.generation, "horizon": self.horizon,
-                "assumptions": [vars(assumption) for assumption in self.assumptions]}
+        return asdict(self)
 
 
 def _worst_prompt_tokens(params: Params, partition: str) -> int:

@@ -176,10 +176,6 @@ class TargetLayout:
         return (self.config.get("architectures") or ["?"])[0]
 
     @property
-    def model_type(self) -> str:
-        return str(self.text_config.get("model_type", "?"))
-
-    @property
     def is_wrapper(self) -> bool:
         return self.text_config is not self.config
 

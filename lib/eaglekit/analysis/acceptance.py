@@ -118,14 +118,6 @@ def concat_counts(parts: Sequence[ChainCounts]) -> ChainCounts:
     )
 
 
-def _pooled_prefix_rates(positions: np.ndarray, prefix_counts: np.ndarray) -> np.ndarray:
-    """Pooled P(steps 1..j all agree). Works on a batch of weightings.
-
-    positions: (..., ) totals; prefix_counts: (..., k) totals -> (..., k).
-    """
-    return prefix_counts / positions[..., None]
-
-
 def _conditional_from_prefix(prefix_rates: np.ndarray) -> np.ndarray:
     """acc_j = P(1..j agree) / P(1..j-1 agree); (..., k) -> (..., k). NaN where nothing reached step j."""
     previous = np.concatenate([np.ones_like(prefix_rates[..., :1]), prefix_rates[..., :-1]], axis=-1)
@@ -178,7 +170,7 @@ def bootstrap_accept_length(counts: ChainCounts, num_resamples: int = 1000, seed
     prefix_counts = counts.prefix_counts[usable].astype(np.float64)
     weights = bootstrap_weights(len(positions), num_resamples, seed).astype(np.float64)  # (R, S)
     # (R, S) @ (S,) -> (R,) and (R, S) @ (S, k) -> (R, k)
-    prefix_rates = _pooled_prefix_rates(weights @ positions, weights @ prefix_counts)
+    prefix_rates = (weights @ prefix_counts) / (weights @ positions)[:, None]  # pooled P(steps 1..j all agree): (R, k)
     per_sample_tau = 1.0 + (prefix_counts / positions[:, None]).sum(axis=1)  # (S,)
     return BootstrapReplicates(
         pooled_tau=1.0 + prefix_rates.sum(axis=1),

@@ -73,7 +73,7 @@ def write_sample_subset(
 ) -> dict[str, Path]:
     """Copy the lines of `data_files` whose (dataset, id) is in `keep` to output_dir/<dataset>/tokenized_data.jsonl.
 
-    For capturing a small chosen subset (the ablation's original answers). Returns the new data files.
+    For a chosen subset: the ablation's original answers, a staged size's class-A samples. Returns the new data files.
     """
     output_dir = Path(output_dir)
     written: dict[str, Path] = {}

@@ -4,6 +4,7 @@ rendering and a small rendering of its own stretch (`_Composer`) instead of rend
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -102,12 +103,7 @@ def _greedy_groups(attempt, ends: list[int], count: int, kinds: Sequence[Any] = 
     rewritten): O(log) attempts per group, each no longer than twice the group. Every cut is checked
     with the oracle's criterion at the end; None when one fails or a group cannot be found.
     """
-    tried: dict[tuple[int, int], Rendered | int | None] = {}
-
-    def located_at(first: int, last: int) -> Rendered | int | None:
-        if (first, last) not in tried:
-            tried[first, last] = attempt(first, last)
-        return tried[first, last]
+    located_at = functools.cache(attempt)  # each (first, last) rendered at most once
 
     groups: list[Rendered] = []
     walked: dict[Any, list[int]] = {}  # per kind of end: [confirmed, refuted] cuts so far

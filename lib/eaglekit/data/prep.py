@@ -48,7 +48,7 @@ from eaglekit.chat import (
     tokenize_conversation,
 )
 from eaglekit.config import PrepParams
-from eaglekit.io import InputError, pid_alive
+from eaglekit.io import InputError, pid_alive, write_json
 from eaglekit.data.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
 
 PARTITIONS = ("short", "long")
@@ -239,12 +239,9 @@ def prepare_sources(
             counts.rejected_by_reason = dict(rejected_by_reason)
         outputs.close()
         summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
-        with open(staging / "summary.json", "w", encoding="utf-8") as handle:
-            json.dump({"context_length": context_length, "long_prompt_threshold": long_prompt_threshold,
-                       "bad_input": bad_input, "history": history, "template_family": family, "sources": [asdict(c) for c in all_counts]}, handle, indent=2)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        write_json(staging / "summary.json", {"context_length": context_length, "long_prompt_threshold": long_prompt_threshold,
+                                              "bad_input": bad_input, "history": history, "template_family": family,
+                                              "sources": [asdict(c) for c in all_counts]})
         _swap_into_place(staging, out_dir)
         return summary
     except BaseException:

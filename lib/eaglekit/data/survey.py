@@ -142,12 +142,8 @@ def _quantiles(values: np.ndarray, prefix: str) -> dict[str, float]:
 def _summary(all_stats: list[_SourceStats], context_length: int, long_prompt_threshold: int) -> pd.DataFrame:
     rows = []
     for stats in all_stats:
-        prompts = np.frombuffer(stats.prompt_tokens, dtype=np.int32) if stats.prompt_tokens else np.zeros(0, np.int32)
-        conversations = (np.frombuffer(stats.conversation_tokens, dtype=np.int32)
-                         if stats.conversation_tokens else np.zeros(0, np.int32))
-        responses = (np.frombuffer(stats.response_tokens, dtype=np.int32)
-                     if stats.response_tokens else np.zeros(0, np.int32))
-        turns = np.frombuffer(stats.turns, dtype=np.int32) if stats.turns else np.zeros(0, np.int32)
+        prompts, conversations, responses, turns = (np.frombuffer(values, dtype=np.int32) for values in (
+            stats.prompt_tokens, stats.conversation_tokens, stats.response_tokens, stats.turns))
         measured = conversations if stats.spec.data_class == "A" else prompts
         over = measured > context_length if stats.spec.data_class == "A" else measured >= context_length
         within = prompts[~over] if stats.spec.data_class == "B" else np.zeros(0, np.int32)

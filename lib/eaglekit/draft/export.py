@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save
 
 from eaglekit.draft.config import DraftConfig, TargetConfigLike, TargetTextConfig
 from eaglekit.draft.model import Eagle3DraftModel
@@ -269,17 +270,10 @@ def _check_exportable(model: Eagle3DraftModel, target_config: TargetConfigLike, 
 
 def _write_folder(output_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     """Weights, then config (each atomic; stale temp files of a killed export go with the next write, `io.atomic_write`)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
     with atomic_write(output_dir / WEIGHTS_FILE, "wb") as handle:
-        handle.write(_safetensors_bytes(tensors))
+        handle.write(save(tensors, metadata={"format": "pt"}))
     write_json(output_dir / CONFIG_FILE, config)
     return output_dir
-
-
-def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
-
-    return save(tensors, metadata={"format": "pt"})
 
 
 def export_sglang(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

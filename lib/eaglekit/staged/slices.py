@@ -28,6 +28,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eaglekit.capture.checks import write_sample_subset
 from eaglekit.generation.logs import ERRORS_FILE, GENERATIONS_FILE, SESSIONS_FILE, count_lines, finished_keys, iter_record_heads
 from eaglekit.generation.prompts import PromptSource
 from eaglekit.io import InputError, read_jsonl, write_json, write_jsonl
@@ -124,12 +125,7 @@ def write_staged_data(run_dir: str | os.PathLike, keys: Collection[Key], params,
     run_dir = Path(run_dir)
     wanted = set(keys)
     tokenized_dir = run_dir / STAGED_DIR / "tokenized"
-    files: dict[str, Path] = {}
-    for dataset, path in class_a_files(run_dir).items():
-        records = [record for _, record in read_jsonl(path) if (dataset, str(record.get("id"))) in wanted]
-        if records:
-            files[dataset] = tokenized_dir / dataset / "tokenized_data.jsonl"
-            write_jsonl(files[dataset], records)
+    files = write_sample_subset(class_a_files(run_dir), wanted, tokenized_dir)
     sources = []
     for dataset, partition, path in prompt_files(run_dir):
         records = [record for _, record in read_jsonl(path) if (dataset, str(record.get("id"))) in wanted]

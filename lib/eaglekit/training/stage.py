@@ -250,33 +250,26 @@ def _train_ablation(ablation_pairs: AblationPairs, inputs: SweepInputs, build_mo
 
 
 def _export_largest(build_model, largest: dict, layout, model_dir: Path, training_dir: Path, speculative_tokens: int) -> dict[str, Path]:
-    """The largest size's best draft exported for SGLang and vLLM, each export validated: {engine: folder}."""
-    from eaglekit.draft.export import export_sglang, export_vllm, validate_export
+    """The largest size's best draft exported for SGLang and vLLM, each export validated (by the export): {engine: folder}."""
+    from eaglekit.draft.export import export_sglang, export_vllm
 
     draft = build_model()
     load_draft_weights(draft, load_checkpoint(largest["best_checkpoint"]))
     # export reads the decoder's text config from the layout, also inside a multimodal wrapper
-    export_dirs = {
+    return {
         "sglang": export_sglang(draft, layout, training_dir / "export" / "sglang"),
         "vllm": export_vllm(draft, layout, training_dir / "export" / "vllm", verifier_name_or_path=str(model_dir),
                             speculative_tokens=speculative_tokens),
     }
-    for folder in export_dirs.values():
-        validate_export(folder, layout)
-    return export_dirs
 
 
 # ---------------------------------------------------------------------------------------------------
 # torchrun: the command, and a launcher that streams it
 # ---------------------------------------------------------------------------------------------------
-def torchrun_command(params_path: str | os.PathLike, run_dir: str | os.PathLike, nproc_per_node: int,
-                     sizes: Sequence[int] | None = None) -> list[str]:
-    """`torchrun --standalone --nproc-per-node N -m eaglekit.training --params P --run-dir D [--sizes ...]`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
-               "-m", "eaglekit.training", "--params", str(params_path), "--run-dir", str(run_dir)]
-    if sizes:
-        command += ["--sizes", *(str(size) for size in sizes)]
-    return command
+def torchrun_command(params_path: str | os.PathLike, run_dir: str | os.PathLike, nproc_per_node: int) -> list[str]:
+    """`torchrun --standalone --nproc-per-node N -m eaglekit.training --params P --run-dir D`."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}",
+            "-m", "eaglekit.training", "--params", str(params_path), "--run-dir", str(run_dir)]
 
 
 class TrainingLaunchError(RuntimeError):
@@ -288,13 +281,11 @@ def launch_training_stage(
     run_dir: str | os.PathLike,
     nproc_per_node: int | None = None,
     on_line: Callable[[str], None] = print,
-    sizes: Sequence[int] | None = None,
-    environment: dict[str, str] | None = None,
-) -> SweepRecord | None:
+) -> SweepRecord:
     """Run stage 5 under torchrun in a subprocess, streaming its output lines to `on_line`.
 
     Writes the resolved params next to the results (training/launch_params.yaml) for the subprocess.
-    Returns the sweep.json record it wrote (None with `sizes`). If this call is interrupted (an
+    Returns the sweep.json record it wrote. If this call is interrupted (an
     exception in `on_line`, Ctrl-C), the whole torchrun process group is stopped before re-raising.
     """
     run_dir = Path(run_dir)
@@ -303,9 +294,9 @@ def launch_training_stage(
         raise ValueError(f"{nproc_per_node} processes with training.parallel 'none': set training.parallel to 'ddp' (or 'fsdp' on GPUs)")
     params_path = stage_dir(run_dir, "training") / LAUNCH_PARAMS_FILE
     params_path.write_text(dump_params(params), encoding="utf-8")
-    env = {**os.environ, **(environment or {}), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default too; stated so it does not warn
-    process = subprocess.Popen(torchrun_command(params_path, run_dir, nproc_per_node, sizes), stdout=subprocess.PIPE,
+    process = subprocess.Popen(torchrun_command(params_path, run_dir, nproc_per_node), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, start_new_session=True)
     tail: deque[str] = deque(maxlen=40)
     try:
@@ -318,9 +309,7 @@ def launch_training_stage(
         raise
     if code != 0:
         raise TrainingLaunchError(f"torchrun exited with code {code}; last lines:\n" + "\n".join(tail) +
-                                  f"\nrerun to resume: {' '.join(torchrun_command(params_path, run_dir, nproc_per_node, sizes))}")
-    if sizes:
-        return None
+                                  f"\nrerun to resume: {' '.join(torchrun_command(params_path, run_dir, nproc_per_node))}")
     return SweepRecord.load(stage_dir(run_dir, "training") / SWEEP_FILE)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -124,9 +125,7 @@ def train_size_sweep(
         result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings,
                              target_cache=target_cache)
         progress.finish(result)
-        per_dataset: dict[str, int] = {}
-        for index in indices:
-            per_dataset[datasets[index]] = per_dataset.get(datasets[index], 0) + 1
+        per_dataset = dict(Counter(datasets[index] for index in indices))
         rows.append({
             "size": size, "samples_by_dataset": per_dataset, "schedule": settings.schedule, "steps": result.steps,
             "step_cap": result.step_cap, "samples_seen": result.samples_seen, "epochs": result.samples_seen / size,
