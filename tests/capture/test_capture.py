@@ -15,7 +15,6 @@ from safetensors.torch import load_file
 
 from eaglekit.capture import (
     InsufficientDiskError,
-    OnlineCaptureDataset,
     TokenizedSample,
     base_model_of,
     capture_batch,
@@ -230,22 +229,6 @@ def test_two_process_torchrun_matches_one_process(tiny_model_dir, data_files, cl
         assert torch.equal(left["input_ids"], right["input_ids"]) and torch.equal(left["loss_mask"], right["loss_mask"])
         torch.testing.assert_close(left["aux_hidden_states"], right["aux_hidden_states"])
         torch.testing.assert_close(left["final_hidden_states"], right["final_hidden_states"])
-
-
-def test_online_dataset_yields_the_shard_samples(tiny_model, data_files, clean_run):
-    clean_dir, _ = clean_run
-    from_shards = {item["id"]: item for item in read_all(clean_dir)}
-    online = OnlineCaptureDataset(tiny_model, data_files, max_seq_len=40, max_tokens_per_batch=160, shuffle_seed=0)
-    items = list(online)
-    assert len(items) == len(online) == len(from_shards)
-    for item in items:
-        stored = from_shards[item["id"]]
-        assert item.keys() == stored.keys()
-        for key in ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states"):
-            assert item[key].dtype == stored[key].dtype
-            assert torch.equal(item[key], stored[key]), key  # same batches, same numbers
-    half = OnlineCaptureDataset(tiny_model, data_files, max_seq_len=40, max_tokens_per_batch=160, rank=1, world_size=2)
-    assert 0 < len(list(half)) < len(items)
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ Modules, in dependency order:
 - `plan`: bytes vs free disk, offline or online (`plan_capture_storage`, `read_capture_plan`).
 - `run`: offline capture to shards, resumable and data parallel (`capture_to_shards`; the command is
   `eaglekit capture`, alias `python -m eaglekit.capture`).
-- `online`: the same features on the fly (`OnlineCaptureDataset`/`OnlineCaptureSamples`), and a finished
+- `online`: the same features on the fly (`OnlineCaptureSamples`), and a finished
   capture in either mode behind one interface (`open_captured_samples`, `CapturedSamples`).
 - `checks`: captured samples against their source lines, feature norms, sample subsets.
 - `stage`: `run_capture_stage(params, run_dir)`, what notebook 04 computes (imported from `eaglekit.capture.stage`).
@@ -28,6 +28,6 @@ from eaglekit.capture.layers import (
     resolve_capture_layer_ids,
     validate_capture_layer_ids,
 )
-from eaglekit.capture.online import CapturedSamples, OnlineCaptureDataset, OnlineCaptureSamples, open_captured_samples
+from eaglekit.capture.online import CapturedSamples, OnlineCaptureSamples, open_captured_samples
 from eaglekit.capture.plan import PLAN_FILE, InsufficientDiskError, StoragePlan, check_disk_space, plan_capture_storage, read_capture_plan
 from eaglekit.capture.run import DEFAULT_MAX_SHARD_BYTES, CaptureReport, capture_to_shards

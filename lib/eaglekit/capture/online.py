@@ -5,14 +5,13 @@ interface (`CapturedSamples`) stages 5 and 6 read a finished capture through, wh
 from __future__ import annotations
 
 import os
-import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from eaglekit.capture.forward import as_training_sample, capture_batch, capture_batches, plan_batches
+from eaglekit.capture.forward import as_training_sample, capture_batch
 from eaglekit.capture.inputs import read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.plan import read_capture_plan
@@ -22,58 +21,11 @@ from eaglekit.config import CaptureParams
 DEFAULTS = CaptureParams()  # the params schema is the one source of defaults
 
 
-class OnlineCaptureDataset(torch.utils.data.IterableDataset):
-    """The shard features computed on the fly: yields the same dicts as `shards.ShardDataset`.
-
-    For when offline storage does not fit. Iterates batch by batch (token budget, length-sorted);
-    `shuffle_seed` shuffles the batch order per epoch (`set_epoch`), and `rank`/`world_size` give
-    each data-parallel trainer its share of batches. Use with `num_workers=0`: the model runs here.
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        data_files: Mapping[str, str | os.PathLike],
-        *,
-        capture_layer_ids: Sequence[int] | None = None,
-        max_seq_len: int = DEFAULTS.max_seq_len,
-        max_tokens_per_batch: int = DEFAULTS.max_tokens_per_batch,
-        shuffle_seed: int | None = None,
-        rank: int = 0,
-        world_size: int = 1,
-    ):
-        super().__init__()
-        num_hidden_layers = model.config.num_hidden_layers
-        self.model = model
-        self.capture_layer_ids = resolve_capture_layer_ids(capture_layer_ids, num_hidden_layers)
-        self.samples, self.stats = read_tokenized_samples(data_files, model.config.vocab_size, max_seq_len)
-        self.batches = plan_batches([len(sample.input_ids) for sample in self.samples], max_tokens_per_batch)
-        self.shuffle_seed = shuffle_seed
-        self.rank = rank
-        self.world_size = world_size
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return sum(len(batch) for number, batch in enumerate(self.batches) if number % self.world_size == self.rank)
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        order = list(range(len(self.batches)))
-        if self.shuffle_seed is not None:
-            random.Random(self.shuffle_seed + self.epoch).shuffle(order)
-        my_batches = ([self.samples[position] for position in self.batches[number]] for number in order[self.rank :: self.world_size])
-        for captured_batch in capture_batches(self.model, my_batches, self.capture_layer_ids):
-            for captured in captured_batch:
-                yield as_training_sample(captured)
-
-
 class OnlineCaptureSamples(Sequence):
     """Random access to online features, one sample per target forward: what `train_draft` indexes.
 
-    `OnlineCaptureDataset` streams batches; training draws samples by index (nested subsets, epoch
-    permutations), so online mode there recomputes each requested sample's features on access.
+    Training draws samples by index (nested subsets, epoch permutations), so online mode recomputes each
+    requested sample's features on access.
     """
 
     def __init__(

@@ -138,7 +138,7 @@ def check_disk_space(output_dir: Path, planned_bytes: int) -> int:
         raise InsufficientDiskError(
             f"capture needs {planned_bytes:,} bytes ({planned_bytes / 1e9:.2f} GB) in {output_dir} but only "
             f"{free_bytes:,} bytes ({free_bytes / 1e9:.2f} GB) are free: free space, pick another folder, "
-            "lower max_seq_len, or use online capture (OnlineCaptureDataset)"
+            "lower max_seq_len, or set capture.mode: online (features recomputed while training)"
         )
     return free_bytes
 
