@@ -92,6 +92,10 @@ def test_capacity_failures():
     with pytest.raises(InputError, match="max_tokens"):
         capacity.plan_capacity(LLAMA_31_8B, gpu_memory_bytes=80 * 10**9, memory_fraction=0.9, weight_bytes=0,
                                partitions=[{"name": "x", "prompts": 1, "prompt_tokens": 5}])
+    with pytest.raises(ValueError, match="'short': throughput must be positive, got -2.0"):
+        capacity.plan_capacity(LLAMA_31_8B, gpu_memory_bytes=80 * 10**9, memory_fraction=0.9, weight_bytes=16 * 10**9,
+                               partitions=[{"name": "short", "prompts": 10, "prompt_tokens": 64, "max_tokens": 64}],
+                               measured_requests_per_second={"short": -2.0})
 
 
 # -------------------------------------------------------------------------------------------------

@@ -348,12 +348,14 @@ def plan_capacity(config: str | os.PathLike | Mapping[str, Any], *, gpu_memory_b
                                   retraction_risk=retraction_risk)
         recommended, reason = _recommend(requested, fit, lengths, pool_tokens)
         rate = (measured_requests_per_second or {}).get(partition["name"])
+        if rate is not None and rate < 0:
+            raise ValueError(f"partition {partition['name']!r}: throughput must be positive, got {rate} requests/s")
         plans.append(PartitionPlan(
             partition=str(partition["name"]), prompts=int(partition["prompts"]),
             prompt_tokens=int(partition["prompt_tokens"]), max_tokens=int(partition["max_tokens"]),
             tokens_per_sequence=tokens_per_sequence, sequences_that_fit=fit,
             recommended_concurrency=recommended, requested_concurrency=requested,
-            eta_seconds=int(partition["prompts"]) / rate if rate and rate > 0 else None,  # at the measured rate
+            eta_seconds=int(partition["prompts"]) / rate if rate else None,  # at the measured rate
             completion_source=str(partition.get("completion_source", "measured")) if lengths else
             "max_tokens (worst case)",
             mean_prompt_tokens=None if lengths is None else round(lengths.mean_prompt_tokens, 1),
