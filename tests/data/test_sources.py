@@ -85,6 +85,25 @@ def test_reasoning_think_blocks_openthoughts_markers_and_separate_field():
     assert good[2].messages[1]["reasoning"] == "Japan's capital is Tokyo."
 
 
+def test_each_adapter_reads_its_own_reasoning_field_first_and_names_it_when_wrong():
+    """A turn with both reasoning fields: the OpenAI adapter takes reasoning_content, the reasoning adapter takes
+    reasoning; a non-string one is named with its own field."""
+    from eaglekit.data.adapters import adapt_openai, adapt_reasoning
+    from eaglekit.data.readers import RecordLocation
+
+    where = RecordLocation("x", 1, 1)
+    both = {"reasoning_content": "from reasoning_content", "reasoning": "from reasoning"}
+    openai = adapt_openai({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **both}]}, where)
+    assert openai.messages[1]["reasoning"] == "from reasoning_content"
+    sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", **both}]}
+    assert adapt_reasoning(sharegpt, where).messages[1]["reasoning"] == "from reasoning"
+    with pytest.raises(InputError, match=r"messages\[1\]\.reasoning_content"):
+        adapt_openai({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": 3}]}, where)
+    with pytest.raises(InputError, match=r"conversations\[1\]\.reasoning"):
+        adapt_reasoning({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "reasoning_content": 3}]},
+                        where)
+
+
 def test_agent_trajectories_swe_agent_history_nebius_and_openai():
     good, bad = records(SourceSpec(name="tr", format="trajectory", path=str(DATA / "trajectory.jsonl")))
     assert not bad

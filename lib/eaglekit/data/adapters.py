@@ -151,12 +151,13 @@ def split_reasoning(content: str) -> tuple[str, str]:
     return reasoning, solution.group(1).strip() if solution else answer
 
 
-def _take_reasoning(message: dict, turn: Any, location: RecordLocation, field: str) -> None:
-    """An assistant turn's reasoning onto its message: its own field (`reasoning_content`, else `reasoning`), else a
-    leading `<think>` block split off the content."""
-    reasoning = turn.get("reasoning_content") or turn.get("reasoning") or ""
+def _take_reasoning(message: dict, turn: Any, location: RecordLocation, prefix: str, field: str) -> None:
+    """An assistant turn's reasoning onto its message: its own field (`field` first, then the other of
+    `reasoning_content` and `reasoning`), else a leading `<think>` block split off the content."""
+    other = "reasoning" if field == "reasoning_content" else "reasoning_content"
+    reasoning = turn.get(field) or turn.get(other) or ""
     if not isinstance(reasoning, str):
-        raise _fail(location, field, "wrong type: expected a string")
+        raise _fail(location, prefix + field, "wrong type: expected a string")
     if not reasoning:
         reasoning, message["content"] = split_reasoning(message["content"])
     if reasoning:
@@ -224,7 +225,7 @@ def _openai_messages(turns: list, location: RecordLocation, key: str) -> list[di
         content = "" if raw_content is None else _text(raw_content, location, prefix + "content")
         message: dict = {"role": role, "content": content}
         if role == "assistant":
-            _take_reasoning(message, turn, location, prefix + "reasoning_content")
+            _take_reasoning(message, turn, location, prefix, "reasoning_content")  # the OpenAI field first
             calls = []
             for call_index, call in enumerate(tool_calls):
                 function = call.get("function", call) if isinstance(call, dict) else None
@@ -290,7 +291,7 @@ def adapt_reasoning(record: Any, location: RecordLocation) -> Adapted:
             raise _fail(location, key, "turns do not map one to one onto messages")
         for index, message in enumerate(messages):
             if message["role"] == "assistant" and not message.get("tool_calls"):
-                _take_reasoning(message, record[key][index], location, f"{key}[{index}].reasoning")
+                _take_reasoning(message, record[key][index], location, f"{key}[{index}].", "reasoning")
     if system:
         messages.insert(0, {"role": "system", "content": system})
     return Adapted(messages, {})
