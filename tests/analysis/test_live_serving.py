@@ -55,17 +55,8 @@ def test_sglang_generate_with_baseline():
     assert spec_rows["server_latency_s"].tolist() == pytest.approx([0.78, 1.21, 0.52])
 
 
-def test_sglang_chat_asks_for_meta_info_and_reads_it_per_choice():
-    app = replay.sglang_app(speculative=True)
-    with replay.serve(app) as url:
-        records = run_sglang_requests(url, PROMPTS, api="chat", max_new_tokens=128)
-    assert all(body["return_meta_info"] is True and body["stream"] is False for body in app.state.requests_seen)
-    assert [r.verification_steps for r in records] == [30, 45, 21]
-    assert [r.completion_tokens for r in records] == [64, 128, 40]
-
-
 def test_speculative_endpoint_without_spec_verify_ct_fails_loudly():
-    # A server that says EAGLE3 but answers without spec_verify_ct (e.g. an old release on the chat route).
+    # A server that says EAGLE3 but answers without spec_verify_ct.
     info = replay.load("sglang_server_info_eagle3.json")
     with replay.serve(replay.sglang_app(speculative=False, server_info=info)) as url:
         with pytest.raises(RuntimeError, match="no spec_verify_ct"):
@@ -90,9 +81,9 @@ def test_server_info_route_old_and_new():
     assert tree.topology == "tree"
 
 
-def test_generate_prompts_must_be_rendered():
-    with pytest.raises(ValueError, match="neither 'input_ids' nor 'text'"):
-        run_sglang_requests("http://127.0.0.1:9", PROMPTS, api="generate")
+def test_generate_prompts_must_be_token_ids():
+    with pytest.raises(ValueError, match=r"prompt 0 \('p0'\) has no 'input_ids' for /generate"):
+        run_sglang_requests("http://127.0.0.1:9", PROMPTS)
 
 
 def test_vllm_counters_parse_sums_engines_and_skips_created():
@@ -106,7 +97,7 @@ def test_vllm_counters_parse_sums_engines_and_skips_created():
 
 def test_vllm_measurement_from_metrics_before_and_after():
     with replay.serve(replay.vllm_app()) as url, replay.serve(replay.vllm_app()) as baseline_url:
-        summary, per_request = measure_vllm(url + "/v1", PROMPTS, model="meta-llama/Llama-3.1-8B-Instruct", baseline_url=baseline_url, max_tokens=128)
+        summary, per_request = measure_vllm(url + "/v1", GENERATE_PROMPTS, model="meta-llama/Llama-3.1-8B-Instruct", baseline_url=baseline_url, max_tokens=128)
     speculative = summary[summary["role"] == "speculative"].iloc[0]
     assert speculative["tau_pooled"] == pytest.approx(1 + 136 / 96)
     assert (speculative["topology"], speculative["steps"], speculative["draft_tokens"]) == ("chain", 3, 4)
@@ -118,7 +109,7 @@ def test_vllm_measurement_from_metrics_before_and_after():
 def test_vllm_without_speculation_says_how_to_enable_it():
     with replay.serve(replay.vllm_app(speculative=False)) as url:
         with pytest.raises(RuntimeError, match="--speculative-config"):
-            measure_vllm(url, PROMPTS, model="m")
+            measure_vllm(url, GENERATE_PROMPTS, model="m")
 
 
 # ----------------------------------------------------------------------------- notebook 06's live measurement
@@ -170,8 +161,8 @@ def test_live_serving_vllm_gets_the_same_token_ids_under_the_served_name():
 
 def test_vllm_completions_refuses_prompts_without_token_ids():
     with replay.serve(replay.vllm_app()) as url:
-        with pytest.raises(ValueError, match="prompt 0 \\('p0'\\) has no 'input_ids'"):
-            measure_vllm(url, PROMPTS, model="m", api="completions")
+        with pytest.raises(ValueError, match="prompt 0 \\('p0'\\) has no 'input_ids' for /v1/completions"):
+            measure_vllm(url, PROMPTS, model="m")
 
 
 def test_request_without_verification_steps_counts_as_zero_steps():

@@ -43,7 +43,7 @@ def live_and_offline(embedded_model_dir, vllm_python, tmp_path_factory):
     with VLLMServer(embedded_model_dir, python=vllm_python, speculative_config=speculative_config,
                     log_path=root / "vllm.log") as server:
         token_prompts = [{"id": f"q{index}", "input_ids": prompt} for index, prompt in enumerate(prompts)]
-        summary, _ = measure_vllm(server.base_url, token_prompts, server.model_name, max_tokens=MAX_NEW_TOKENS, api="completions")
+        summary, _ = measure_vllm(server.base_url, token_prompts, server.model_name, max_tokens=MAX_NEW_TOKENS)
         texts = []
         with httpx.Client(timeout=300) as client:
             for prompt in prompts:

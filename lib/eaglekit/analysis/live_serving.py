@@ -2,15 +2,16 @@
 
 Accept length follows DESIGN.md: tokens emitted per target verification step, bonus included.
 
+Prompts travel as token ids (chat template already applied), so both servers see the very prompts the
+embedded loop ran: SGLang on native `POST /generate`, vLLM on `POST /v1/completions` (a list of ints as the
+prompt, no template applied to it).
+
 SGLang reports, per finished request, `meta_info.spec_verify_ct` (verification steps) beside
 `meta_info.completion_tokens`; tau = completion_tokens / spec_verify_ct, pooled over requests as
-sum/sum with the per-request mean beside it. Where SGLang returns meta_info:
-- native `POST /generate`: always, at the top level of the response (`{"text", "output_ids", "meta_info"}`);
-  `spec_verify_ct` is present only when the server was started with a speculative algorithm, and
-  only for requests with at least one verification step: a speculating server's request without it
-  counts as 0 steps (`with_zero_verification_steps`).
-- OpenAI `POST /v1/chat/completions`: only with `"return_meta_info": true` on a non-streaming request,
-  as `choices[i].meta_info` (recent releases; older ones ignore the flag and return no meta_info).
+sum/sum with the per-request mean beside it. /generate returns meta_info at the top level of the response
+(`{"text", "output_ids", "meta_info"}`); `spec_verify_ct` is present only when the server was started with a
+speculative algorithm, and only for requests with at least one verification step: a speculating server's
+request without it counts as 0 steps (`with_zero_verification_steps`).
 The topology (chain or tree, steps, top-k, draft tokens) is read from SGLang's server info.
 
 vLLM exposes server-wide Prometheus counters at `/metrics` (their names and parsing: `vllm_counters`).
@@ -28,7 +29,7 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import pandas as pd
@@ -36,8 +37,7 @@ import pandas as pd
 from eaglekit.analysis.acceptance import server_accept_length
 from eaglekit.analysis.vllm_counters import VllmSpecCounters, parse_vllm_spec_counters
 
-Prompt = Mapping[str, Any]  # {"id", "messages"} for chat; {"id", "text"} or {"id", "input_ids"} for /generate
-SglangApi = Literal["generate", "chat"]
+Prompt = Mapping[str, Any]  # {"id", "input_ids"}: the chat template already applied
 
 
 def root_url(url: str) -> str:
@@ -133,33 +133,11 @@ def _prompt_id(prompt: Prompt, index: int) -> str:
     return str(prompt["id"])
 
 
-def _generate_body(prompt: Prompt, index: int, max_new_tokens: int, temperature: float) -> dict:
-    body: dict[str, Any] = {"sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
-    if "input_ids" in prompt:
-        body["input_ids"] = list(prompt["input_ids"])
-    elif "text" in prompt:
-        body["text"] = prompt["text"]
-    else:
-        raise ValueError(
-            f"prompt {index} ({prompt.get('id')!r}) has neither 'input_ids' nor 'text': /generate applies no chat "
-            "template, so render conversations first (render_generate_prompts) or use api='chat'"
-        )
-    return body
-
-
-def _chat_body(prompt: Prompt, index: int, model: str, max_tokens: int, temperature: float, return_meta_info: bool) -> dict:
-    if "messages" not in prompt:
-        raise ValueError(f"prompt {index} ({prompt.get('id')!r}) has no 'messages' for the chat API")
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": list(prompt["messages"]),
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "stream": False,
-    }
-    if return_meta_info:
-        body["return_meta_info"] = True  # SGLang extension; non-streaming only
-    return body
+def _token_ids(prompt: Prompt, index: int, route: str) -> list[int]:
+    if "input_ids" not in prompt:
+        raise ValueError(f"prompt {index} ({prompt.get('id')!r}) has no 'input_ids' for {route}: render it with the "
+                         "target's chat template first (the servers apply none to token ids)")
+    return [int(token) for token in prompt["input_ids"]]
 
 
 def _record_from_meta(prompt_id: str, meta: Mapping[str, Any], wall_s: float) -> RequestRecord:
@@ -180,87 +158,46 @@ def _timed_post(client: httpx.Client, url: str, body: dict) -> tuple[dict, float
     return answer, time.perf_counter() - started
 
 
-def run_sglang_requests(
-    url: str,
-    prompts: Sequence[Prompt],
-    api: SglangApi = "generate",
-    model: str = "default",
-    max_new_tokens: int = 256,
-    temperature: float = 0.0,
-    timeout: float = 600.0,
-) -> list[RequestRecord]:
-    """Send prompts one at a time to an SGLang server and record tokens, time and verification steps."""
-    if api not in ("generate", "chat"):
-        raise ValueError(f"api must be 'generate' or 'chat', got {api!r}")
+def run_sglang_requests(url: str, prompts: Sequence[Prompt], max_new_tokens: int = 256, temperature: float = 0.0,
+                        timeout: float = 600.0) -> list[RequestRecord]:
+    """Send prompts one at a time to SGLang's /generate and record tokens, time and verification steps."""
     base = root_url(url)
     records = []
     with httpx.Client(timeout=timeout) as client:
         for index, prompt in enumerate(prompts):
             prompt_id = _prompt_id(prompt, index)
-            if api == "generate":
-                answer, wall_s = _timed_post(client, base + "/generate", _generate_body(prompt, index, max_new_tokens, temperature))
-                meta = answer.get("meta_info")
-            else:
-                body = _chat_body(prompt, index, model, max_new_tokens, temperature, return_meta_info=True)
-                answer, wall_s = _timed_post(client, base + "/v1/chat/completions", body)
-                meta = answer["choices"][0].get("meta_info")
-                if meta is None:
-                    # Not an SGLang that honours return_meta_info: fall back to usage for tokens only.
-                    meta = {"completion_tokens": answer["usage"]["completion_tokens"], "finish_reason": answer["choices"][0].get("finish_reason")}
+            body = {"input_ids": _token_ids(prompt, index, "/generate"),
+                    "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
+            answer, wall_s = _timed_post(client, base + "/generate", body)
+            meta = answer.get("meta_info")
             if meta is None or "completion_tokens" not in meta:
                 raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: is it an SGLang server?")
             records.append(_record_from_meta(prompt_id, meta, wall_s))
     return records
 
 
-def run_openai_requests(
-    url: str,
-    prompts: Sequence[Prompt],
-    model: str,
-    api: Literal["chat", "completions"] = "chat",
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    timeout: float = 600.0,
-) -> list[RequestRecord]:
-    """Send prompts one at a time to any OpenAI-compatible endpoint (vLLM, a baseline); no meta_info.
+def run_openai_requests(url: str, prompts: Sequence[Prompt], model: str, max_tokens: int = 256, temperature: float = 0.0,
+                        timeout: float = 600.0) -> list[RequestRecord]:
+    """Send prompts one at a time to an OpenAI-compatible `POST /v1/completions` (vLLM, a baseline); no meta_info.
 
-    api "chat": {"id", "messages"} prompts to /v1/chat/completions. "completions": {"id", "input_ids"} prompts
-    to `POST /v1/completions` with the token ids as `prompt`: vLLM takes a list of ints as the prompt and applies
-    no template to it, so it sees token for token what SGLang's /generate gets from the same ids (a chat request
-    would wrap the text in the template again). Completion tokens come from `usage` (the rate is built on it).
+    The token ids go as `prompt`: vLLM takes a list of ints as the prompt and applies no template to it, so it
+    sees token for token what SGLang's /generate gets from the same ids (a chat request would wrap the text in
+    the template again). Completion tokens come from `usage` (the rate is built on it).
     """
     base = root_url(url)
     records = []
     with httpx.Client(timeout=timeout) as client:
         for index, prompt in enumerate(prompts):
             prompt_id = _prompt_id(prompt, index)
-            if api == "chat":
-                path, body = "/v1/chat/completions", _chat_body(prompt, index, model, max_tokens, temperature, return_meta_info=False)
-            elif "input_ids" not in prompt:
-                raise ValueError(f"prompt {index} ({prompt_id!r}) has no 'input_ids' for /v1/completions")
-            else:
-                path, body = "/v1/completions", {"model": model, "prompt": [int(token) for token in prompt["input_ids"]],
-                                                 "max_tokens": max_tokens, "temperature": temperature, "stream": False}
-            answer, wall_s = _timed_post(client, base + path, body)
+            body = {"model": model, "prompt": _token_ids(prompt, index, "/v1/completions"), "max_tokens": max_tokens,
+                    "temperature": temperature, "stream": False}
+            answer, wall_s = _timed_post(client, base + "/v1/completions", body)
             usage = answer.get("usage") or {}
             if "completion_tokens" not in usage:
                 raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
             records.append(RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None,
                                          answer["choices"][0].get("finish_reason")))
     return records
-
-
-def render_generate_prompts(conversations: Sequence[Prompt], tokenizer: Any) -> list[dict]:
-    """Conversations -> {"id", "input_ids"} for SGLang /generate, with the target's chat template.
-
-    Token ids (not text) so SGLang does not add a second BOS when it tokenizes.
-    """
-    rendered = []
-    for index, conversation in enumerate(conversations):
-        text = tokenizer.apply_chat_template(list(conversation["messages"]), tokenize=False, add_generation_prompt=True)
-        input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        rendered.append({"id": _prompt_id(conversation, index), "input_ids": list(input_ids)})
-    return rendered
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -323,7 +260,7 @@ def summarize_sglang(records: Sequence[RequestRecord], endpoint: str, setup: Spe
             raise RuntimeError(
                 f"{endpoint}: no spec_verify_ct in meta_info for {[r.prompt_id for r in records][:5]}: the server is "
                 "not speculating (start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path "
-                "DRAFT) or this release does not return meta_info on the chat API (use api='generate')"
+                "DRAFT)"
             )
         # Pooled over every request (a 0-step request's prefill token counts, as SGLang counts it per request);
         # the per-request mean over the requests that had verification steps (the others have no tau).
@@ -360,8 +297,6 @@ def measure_sglang(
     speculative_url: str,
     prompts: Sequence[Prompt],
     baseline_url: str | None = None,
-    api: SglangApi = "generate",
-    model: str = "default",
     max_new_tokens: int = 256,
     temperature: float = 0.0,
     timeout: float = 600.0,
@@ -374,12 +309,12 @@ def measure_sglang(
     setup = sglang_speculation(get_sglang_server_info(speculative_url, timeout))
     if setup.algorithm is None:
         raise RuntimeError(f"{speculative_url}: server info has no speculative_algorithm; start SGLang with --speculative-algorithm EAGLE3")
-    speculative = run_sglang_requests(speculative_url, prompts, api, model, max_new_tokens, temperature, timeout)
+    speculative = run_sglang_requests(speculative_url, prompts, max_new_tokens, temperature, timeout)
     speculative = with_zero_verification_steps(speculative)  # the server speculates (its server info says so)
     measurements = [summarize_sglang(speculative, speculative_url, setup, "speculative")]
     per_request = [records_frame(speculative, speculative_url)]
     if baseline_url is not None:
-        baseline = run_sglang_requests(baseline_url, prompts, api, model, max_new_tokens, temperature, timeout)
+        baseline = run_sglang_requests(baseline_url, prompts, max_new_tokens, temperature, timeout)
         measurements.append(summarize_sglang(baseline, baseline_url, SpeculationSetup(), "baseline"))
         per_request.append(records_frame(baseline, baseline_url))
     return measurements_frame(measurements), pd.concat(per_request, ignore_index=True)
@@ -403,19 +338,15 @@ def measure_vllm(
     max_tokens: int = 256,
     temperature: float = 0.0,
     timeout: float = 600.0,
-    api: Literal["chat", "completions"] = "chat",
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """vLLM with speculation: tau = 1 + delta(accepted) / delta(drafts) around the run; optional baseline.
 
-    api "chat": prompts are {"id", "messages"}; "completions": {"id", "input_ids"} sent as token ids
-    (`run_openai_requests`), the baseline likewise. Topology is recorded as a chain of as many
+    Prompts are {"id", "input_ids"}, sent as token ids (`run_openai_requests`), the baseline likewise. Topology is recorded as a chain of as many
     steps as vLLM reports draft positions. Returns (summary, per_request); summary also carries
     per-position acceptance (accepted at position i / drafts) as `acceptance_per_position`.
     """
-    if api not in ("chat", "completions"):
-        raise ValueError(f"api must be 'chat' or 'completions', got {api!r}")
     before = read_vllm_spec_counters(speculative_url, timeout)
-    records = run_openai_requests(speculative_url, prompts, model, api, max_tokens, temperature, timeout)
+    records = run_openai_requests(speculative_url, prompts, model, max_tokens, temperature, timeout)
     delta = read_vllm_spec_counters(speculative_url, timeout).minus(before)
     if delta.drafts <= 0:
         raise RuntimeError(f"{speculative_url}: the drafts counter did not move during the run; speculation was not used")
@@ -427,7 +358,7 @@ def measure_vllm(
                                  tau_source="vllm /metrics 1 + delta accepted / delta drafts (server-wide counters)")]
     per_request = [records_frame(records, speculative_url)]
     if baseline_url is not None:
-        baseline = run_openai_requests(baseline_url, prompts, baseline_model or model, api, max_tokens, temperature, timeout)
+        baseline = run_openai_requests(baseline_url, prompts, baseline_model or model, max_tokens, temperature, timeout)
         measurements.append(_measurement(baseline, baseline_url, "openai", "baseline"))
         per_request.append(records_frame(baseline, baseline_url))
     summary = measurements_frame(measurements)
@@ -443,7 +374,7 @@ def measure_vllm(
 def served_model_id(url: str, timeout: float = 30.0) -> str:
     """The model name an OpenAI-compatible server serves: the first entry of `GET /v1/models`.
 
-    vLLM answers chat requests only for the name it serves (`--served-model-name`, else the path it loaded).
+    vLLM answers requests only for the name it serves (`--served-model-name`, else the path it loaded).
     """
     models_url = root_url(url) + "/v1/models"
     response = _get_ok(models_url, timeout)
@@ -499,6 +430,6 @@ def measure_live_serving(
         summaries.append(summary)
     if vllm_endpoint:
         summary, per_request["vllm"] = measure_vllm(vllm_endpoint, token_prompts, model=served_model_id(vllm_endpoint),
-                                                    max_tokens=max_new_tokens, timeout=timeout, api="completions")
+                                                    max_tokens=max_new_tokens, timeout=timeout)
         summaries.append(summary)
     return LiveServing(summary=pd.concat(summaries, ignore_index=True) if summaries else None, per_request=per_request)
