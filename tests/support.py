@@ -256,3 +256,10 @@ def fit_draft_on_greedy_answers(model_dir: Path, questions: list[str], max_new_t
         loss.backward()
         optimizer.step()
     return draft.eval(), prompts, sequences
+
+
+def read_strict_json(path: Path):
+    """A JSON file read as strict JSON: NaN and Infinity (which Python's json writes by default) are refused."""
+    def refuse(constant: str):
+        raise ValueError(f"{path}: {constant} is not strict JSON")
+    return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=refuse)

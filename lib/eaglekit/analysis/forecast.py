@@ -171,24 +171,6 @@ class Forecast:
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())
 
-    @classmethod
-    def from_dict(cls, record: dict[str, Any]) -> "Forecast":
-        record = dict(record)
-        for name in ("crossing_size", "crossing_low", "crossing_high"):
-            value = record[name]
-            record[name] = value if value is None or str(value).startswith("beyond") else float(value)
-        record["predictions"] = [SizeForecast(**item) for item in record["predictions"]]
-        record["accept_length_intervals"] = [tuple(item) for item in record["accept_length_intervals"]]
-        for name in ("doublings_at_slope", "verdict_bounds"):
-            if record[name] is not None:
-                record[name] = tuple(float(value) for value in record[name])
-        return cls(**record)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Forecast":
-        with open(path, encoding="utf-8") as handle:
-            return cls.from_dict(json.load(handle))
-
 
 def _strict_json(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
@@ -528,11 +510,3 @@ class AnswerFile:
 
     def save(self, path: str | os.PathLike) -> None:
         write_json(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "AnswerFile":
-        with open(path, encoding="utf-8") as handle:
-            record = json.load(handle)
-        forecasts = {name: Forecast.from_dict(item) for name, item in record["forecasts"].items()}
-        return cls(primary=record["primary"], forecasts=forecasts, sizes=record["sizes"], planned_sizes=record["planned_sizes"],
-                   updated=record["updated"])
