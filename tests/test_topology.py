@@ -71,13 +71,13 @@ def test_parse_topologies_drops_duplicates_and_needs_one():
 # the sweep's cost model, table and recommendation (pure numbers; the measured sweep runs in test_evaluate)
 # ---------------------------------------------------------------------------------------------------
 def test_cost_model_reduces_to_the_break_even_model_of_scaling():
-    from eaglekit.analysis.break_even import break_even_from_timings, speedup_from_timings
     from eaglekit.analysis.topology_sweep import StepCosts
 
     costs = StepCosts(target_step_s=0.011, verify_base_s=0.012, verify_token_s=0.0, draft_base_s=0.002, draft_node_s=0.0)
     chain = Topology.chain(3)
-    assert costs.predicted_speedup(chain, 2.1) == pytest.approx(speedup_from_timings(2.1, 0.011, 0.012, 0.002, 3))
-    assert costs.break_even_accept_length(chain) == pytest.approx(break_even_from_timings(0.011, 0.012, 0.002, 3))
+    # The chain model: speedup = tau T_target / (T_verify + g T_draft), break-even tau = (T_verify + g T_draft) / T_target.
+    assert costs.predicted_speedup(chain, 2.1) == pytest.approx(2.1 * 0.011 / (0.012 + 3 * 0.002))
+    assert costs.break_even_accept_length(chain) == pytest.approx((0.012 + 3 * 0.002) / 0.011)
     # Per-token verification and per-node draft costs make wide trees pay for their width.
     costly = StepCosts(target_step_s=0.011, verify_base_s=0.012, verify_token_s=0.001, draft_base_s=0.002, draft_node_s=0.0005)
     tree = Topology.parse("tree:5,8,32")

@@ -7,33 +7,18 @@ import pytest
 from eaglekit.analysis.break_even import (
     acceptance_rate_for_accept_length,
     break_even_from_throughput,
-    break_even_from_timings,
     leviathan_accept_length,
-    leviathan_speedup,
-    speedup_from_timings,
 )
 
 
 def test_leviathan_formula_by_hand_and_limits():
-    # a = 0.5, g = 3, c = 0.1: (1 - 0.5^4) / (0.5 * 1.3) = 0.9375 / 0.65
-    assert leviathan_speedup(0.5, 3, 0.1) == pytest.approx(0.9375 / 0.65)
+    assert leviathan_accept_length(0.5, 3) == pytest.approx(0.9375 / 0.5)  # (1 - 0.5^4) / (1 - 0.5)
     assert leviathan_accept_length(1.0, 4) == 5.0  # every draft accepted: g + 1 tokens
     assert leviathan_accept_length(0.0, 4) == 1.0  # only the bonus token
-    assert leviathan_speedup(0.0, 2, 0.5) == pytest.approx(1 / 2.0)
     for tau in (1.0, 1.7, 2.9, 4.0):
         assert leviathan_accept_length(acceptance_rate_for_accept_length(tau, 3), 3) == pytest.approx(tau)
     with pytest.raises(ValueError, match="outside"):
         acceptance_rate_for_accept_length(4.5, 3)
-
-
-def test_break_even_from_timings_is_where_speedup_is_one():
-    target, verify, draft, g = 0.020, 0.024, 0.004, 3
-    tau_star = break_even_from_timings(target, verify, draft, g)
-    assert tau_star == pytest.approx((0.024 + 3 * 0.004) / 0.020)
-    assert speedup_from_timings(tau_star, target, verify, draft, g) == pytest.approx(1.0)
-    assert speedup_from_timings(tau_star * 1.5, target, verify, draft, g) == pytest.approx(1.5)
-    with pytest.raises(ValueError, match="draft_step_s"):
-        break_even_from_timings(target, verify, 0.0, g)
 
 
 def test_seed_case_90_tok_s_baseline_82_3_at_tau_2_1():
@@ -48,8 +33,9 @@ def test_seed_case_90_tok_s_baseline_82_3_at_tau_2_1():
     assert len(result.assumptions) == 3
 
     # With a chain of 3 steps: c = (2.2965 - 1) / 3, and the Leviathan speedup at the break-even
-    # acceptance rate is exactly 1.
+    # acceptance rate, (1 - a^(g+1)) / ((1 - a)(g c + 1)), is exactly 1.
     chain = break_even_from_throughput(90.0, 82.3, 2.1, draft_length=3)
     assert chain.cost_ratio == pytest.approx((chain.break_even_accept_length - 1) / 3)
-    assert leviathan_speedup(chain.break_even_acceptance_rate, 3, chain.cost_ratio) == pytest.approx(1.0)
+    speedup = leviathan_accept_length(chain.break_even_acceptance_rate, 3) / (3 * chain.cost_ratio + 1.0)
+    assert speedup == pytest.approx(1.0)
     assert "memory-bound" in chain.assumptions[-1]

@@ -388,7 +388,7 @@ def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts
 
 def test_offline_grid_reads_every_topology_off_one_growth_per_top_k(target, fitted_draft, prompts, references):
     """Slicing a deeper tree's candidates gives exactly the shallower tree's depths, for every S and T."""
-    from eaglekit.analysis.tree import offline_tree_depths, offline_tree_depths_grid
+    from eaglekit.analysis.tree import offline_tree_depths_grid
     from eaglekit.analysis.speculative import target_forward
     from transformers import DynamicCache
 
@@ -399,6 +399,6 @@ def test_offline_grid_reads_every_topology_off_one_growth_per_top_k(target, fitt
     with torch.inference_mode():
         grid = offline_tree_depths_grid(fitted_draft, sequence, aux[0], choices, rows, topologies, rows_per_chunk=5)
         for topology in topologies:
-            alone = offline_tree_depths(fitted_draft, sequence, aux[0], choices, rows, topology)
+            alone = offline_tree_depths_grid(fitted_draft, sequence, aux[0], choices, rows, [topology])[topology]
             assert grid[topology].tolist() == alone.tolist(), topology
     assert grid[Topology.chain(3)].max() >= 1  # the fitted draft accepts something here

@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 
 from fixtures.serving import replay_server as replay
 from eaglekit.cli import main
+from eaglekit.draft.tensors import tensor_table_from_config
 from eaglekit.draft.doctor import (
     DoctorError,
     check_accept_length,
-    expected_tensors,
     findings_frame,
     preflight_table,
     raise_on_errors,
@@ -35,7 +35,7 @@ DRAFT = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 16, "num_hi
 
 def _tensors(config: dict) -> dict[str, torch.Tensor]:
     tensors = {}
-    for name, (shape, dtype) in expected_tensors(config).items():
+    for name, (shape, dtype) in tensor_table_from_config(config).items():
         tensors[name] = torch.zeros(shape, dtype=torch.bfloat16)
     draft_to_target = torch.tensor([0, 1, 2, 3, 10, 20, 30, 63])
     tensors["d2t"] = draft_to_target - torch.arange(8)

@@ -2,7 +2,6 @@
 
 import torch
 
-from eaglekit.draft.doctor import expected_tensors as doctor_tensors
 from eaglekit.draft.export import expected_tensors as export_tensors
 from eaglekit.draft.model import DraftConfig
 from eaglekit.draft.tensors import tensor_table_from_config
@@ -14,7 +13,7 @@ def test_export_and_doctor_agree_on_every_name_and_shape():
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, target_num_hidden_layers=8,
                          capture_layer_indices=(2, 4, 5))
     exported = export_tensors(config, torch.bfloat16)
-    checked = doctor_tensors({"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+    checked = tensor_table_from_config({"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
                               "head_dim": 16, "vocab_size": 300, "draft_vocab_size": 50})
     assert {name: shape for name, (shape, _) in exported.items()} == {name: shape for name, (shape, _) in checked.items()}
     assert exported["d2t"][1] == torch.int64 and exported["t2d"][1] == torch.bool and exported["fc.weight"][1] == torch.bfloat16

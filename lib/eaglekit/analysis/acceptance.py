@@ -12,7 +12,7 @@ topology (`topology.Topology.to_dict()`: kind, steps, top_k, draft_tokens) besid
 
 Trees (SGLang's S/K/T): the accepted path is a chain of its own, so a tree's per-start-row accepted
 depths, turned into (P, S) tables by `depth_agreement`, go through the same counts, bootstrap and tables;
-per-step rows then read per depth (`tree.offline_tree_depths` produces the depths).
+per-step rows then read per depth (`tree.offline_tree_depths_grid` produces the depths).
 
 Input per sample: a boolean agreement array of shape (num_positions, k). Row t, column i says
 whether the draft, unrolled on its own outputs from position t, proposed at step i + 1 the token the

@@ -39,12 +39,6 @@ def leviathan_accept_length(acceptance_rate: float | np.ndarray, draft_length: i
     return float(tau) if tau.ndim == 0 else tau
 
 
-def leviathan_speedup(acceptance_rate: float | np.ndarray, draft_length: int, cost_ratio: float) -> float | np.ndarray:
-    """Leviathan et al. 2023 walltime speedup: (1 - a^(g+1)) / ((1 - a)(g c + 1))."""
-    tau = leviathan_accept_length(acceptance_rate, draft_length)
-    return tau / (draft_length * cost_ratio + 1.0)
-
-
 def acceptance_rate_for_accept_length(accept_length: float, draft_length: int) -> float:
     """Invert the Leviathan tau(a) for a chain of g steps; tau must lie in [1, g + 1]."""
     if not 1.0 <= accept_length <= draft_length + 1.0:
@@ -52,21 +46,6 @@ def acceptance_rate_for_accept_length(accept_length: float, draft_length: int) -
     if accept_length == draft_length + 1.0:
         return 1.0
     return float(brentq(lambda a: leviathan_accept_length(a, draft_length) - accept_length, 0.0, 1.0 - 1e-15))
-
-
-def speedup_from_timings(
-    accept_length: float, target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int
-) -> float:
-    """speedup ~ tau * T_target / (T_verify + g * T_draft)."""
-    return accept_length * target_step_s / (verify_step_s + draft_length * draft_step_s)
-
-
-def break_even_from_timings(target_step_s: float, verify_step_s: float, draft_step_s: float, draft_length: int) -> float:
-    """Accept length at which speculation matches plain decoding: (T_verify + g * T_draft) / T_target."""
-    for name, value in (("target_step_s", target_step_s), ("verify_step_s", verify_step_s), ("draft_step_s", draft_step_s)):
-        if not value > 0:
-            raise ValueError(f"{name} must be a positive measured time in seconds, got {value}")
-    return (verify_step_s + draft_length * draft_step_s) / target_step_s
 
 
 @dataclass(frozen=True)

@@ -186,10 +186,6 @@ def _crossing(value: float, reach: float) -> Crossing:
     return value if value <= reach else f"beyond {reach:,.0f}"
 
 
-def _size_text(value: Crossing) -> str:
-    return value if isinstance(value, str) else f"{value:,.0f}"
-
-
 def _sizes_text(sizes: Sequence[float]) -> str:
     return ", ".join(f"{size:g}" for size in sizes)
 
@@ -468,7 +464,7 @@ class _Forecaster:
                              f"({self.level_text()}): not within {self.doublings_to_horizon:.1f} doublings; {self.rests_on}, {shape}."), (low, high)
         crossing = parts.get("crossing_size")
         cross = ("" if crossing is None else
-                 f"; the measured shape crosses break-even at {_size_text(crossing)} samples" if not isinstance(crossing, str) else
+                 f"; the measured shape crosses break-even at {crossing:,.0f} samples" if not isinstance(crossing, str) else
                  f"; the measured shape crosses break-even {crossing} samples")
         return "not yet known", (f"not yet known: {where}, an interval that contains break-even {be:.3f}{cross}. A 'go' needs a measured "
                                  f"draft above break-even: no size can rule out that the curve stops rising past it; {self.rests_on}, "

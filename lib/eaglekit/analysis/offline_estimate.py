@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from eaglekit.analysis.acceptance import depth_agreement
 from eaglekit.analysis.speculative import check_draft_fits_target, device_of, target_forward
-from eaglekit.analysis.tree import SGLANG_SLOTS, offline_tree_depths
+from eaglekit.analysis.tree import SGLANG_SLOTS, offline_tree_depths_grid
 from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.topology import Topology
 
@@ -110,7 +110,7 @@ def offline_tree_acceptance(
     draft_attention: str = SGLANG_SLOTS,
 ) -> OfflineTreeAcceptance:
     """The offline estimate for any topology on one sequence (prompt + the target's greedy continuation):
-    one target forward for features and argmax, then `tree.offline_tree_depths` from every start row
+    one target forward for features and argmax, then `tree.offline_tree_depths_grid` from every start row
     `offline_chain_agreement` uses (prompt_length - 1 .. T - 1 - S). With K = 1 its depths are the chain's
     leading agreements."""
     started = time.perf_counter()
@@ -118,6 +118,7 @@ def offline_tree_acceptance(
     input_ids, length = batched_ids[0], batched_ids.shape[1]
     first_row, last_row = prompt_length - 1, length - 1 - topology.steps
     start_rows = torch.arange(first_row, max(last_row + 1, first_row), device=input_ids.device)
-    depths = offline_tree_depths(draft, input_ids, aux_hidden_states[0], target_argmax, start_rows, topology, draft_attention=draft_attention)
+    depths = offline_tree_depths_grid(draft, input_ids, aux_hidden_states[0], target_argmax, start_rows, [topology],
+                                      draft_attention=draft_attention)[topology]
     return OfflineTreeAcceptance(accepted_depths=depths.cpu().numpy(), start_rows=start_rows.cpu().numpy(), topology=topology,
                                  tokens=length, seconds=time.perf_counter() - started)

@@ -9,8 +9,8 @@ The cost model extends the break-even model of `break_even` (Leviathan et al.; s
     speedup        = tau T_target / cycle,                   break-even tau = cycle / T_target
 
 (SGLang runs S draft forwards per cycle: the extend over the accepted rows, about tau of them, then S - 1
-tree steps over K nodes.) With verify_token = draft_node = 0 this is `break_even.speedup_from_timings` with
-g = S. The four costs come from `measure_step_costs` (real forwards of the target and the draft on this
+tree steps over K nodes.) With verify_token = draft_node = 0 this is the chain model of `break_even`, speedup = tau T_target /
+(T_verify + g T_draft) with g = S. The four costs come from `measure_step_costs` (real forwards of the target and the draft on this
 machine) or from the user's own server measurements (`StepCosts(...)`).
 
 tau comes from `tree.offline_tree_depths_grid` on held-out samples (captured features and the target's

@@ -314,12 +314,3 @@ def offline_tree_depths_grid(
                 depths[topology].append(accepted)
     empty = torch.zeros(0, dtype=torch.long, device=device)
     return {topology: torch.cat(parts) if parts else empty for topology, parts in depths.items()}
-
-
-def offline_tree_depths(
-    draft: nn.Module, input_ids: torch.Tensor, aux_hidden_states: torch.Tensor, target_argmax: torch.Tensor,
-    start_rows: torch.Tensor, topology: Topology, rows_per_chunk: int = 128, draft_attention: str = SGLANG_SLOTS,
-) -> torch.Tensor:
-    """`offline_tree_depths_grid` for one topology: (P,) accepted depths in 0..S."""
-    return offline_tree_depths_grid(draft, input_ids, aux_hidden_states, target_argmax, start_rows, [topology], rows_per_chunk,
-                                    draft_attention)[topology]

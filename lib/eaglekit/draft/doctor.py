@@ -321,11 +321,6 @@ def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, 
 # ----------------------------------------------------------------------------- weights
 
 
-def expected_tensors(draft_config: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], str | None]]:
-    """DESIGN's tensor names with their shapes (and dtype where the contract fixes one): `draft.tensors`' table."""
-    return tensor_table_from_config(draft_config)
-
-
 _DTYPE_NAMES = {"I64": "int64", "BOOL": "bool", "BF16": "bfloat16", "F16": "float16", "F32": "float32", "I32": "int32"}
 
 
@@ -347,7 +342,7 @@ def check_draft_weights(weights_path: str | Path, draft_config: Mapping[str, Any
     if not weights_path.exists():
         return [Finding("error", "weights", f"{weights_path} does not exist", "export the draft weights as model.safetensors beside config.json")]
     try:
-        expected = expected_tensors(draft_config)
+        expected = tensor_table_from_config(draft_config)  # DESIGN's names, shapes and fixed dtypes
     except (KeyError, TypeError, ValueError) as error:
         return [Finding("error", "weights", f"cannot derive tensor shapes from the draft config: missing or bad {error}", "write hidden_size, num_attention_heads, intermediate_size and vocab_size into config.json")]
     findings: list[Finding] = []
