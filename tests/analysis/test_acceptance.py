@@ -145,7 +145,7 @@ def test_sweep_rejects_drafts_scored_on_other_heldout_samples():
         sweep_acceptance({1: {"chat": [_rows("10", "00")]}, 2: {"chat": [_rows("10")]}}, steps=2, num_resamples=10)
 
 
-def test_tree_depths_go_through_the_same_tables_with_their_topology():
+def test_tree_depths_read_as_chain_counts_per_depth():
     from eaglekit.analysis.acceptance import depth_agreement
     from eaglekit.topology import Topology
 
@@ -154,14 +154,10 @@ def test_tree_depths_go_through_the_same_tables_with_their_topology():
     samples = [np.array([3, 0, 1, 2]), np.array([2, 2])]
     arrays = [depth_agreement(depths, tree.steps) for depths in samples]
     assert arrays[0].tolist() == [[True, True, True], [False, False, False], [True, False, False], [True, True, False]]
-    summary, per_depth = acceptance_tables({"d": arrays}, num_resamples=200, topology=tree)
-    row = summary.iloc[0]
-    assert (row["topology"], row["steps"], row["top_k"], row["draft_tokens"]) == ("tree", 3, 2, 6)
-    assert row["tau_pooled"] == pytest.approx(1 + 10 / 6)  # 1 + mean accepted depth over the 6 rows
+    # The tree sweep (topology_sweep.sweep_table) pools them as chain counts: 1 + mean accepted depth over the 6 rows.
+    assert pooled_accept_length(chain_counts(arrays, tree.steps)) == pytest.approx(1 + 10 / 6)
     # Per depth: P(>= 1) = 5/6, P(>= 2 | >= 1) = 4/5, P(>= 3 | >= 2) = 1/4.
+    _, per_depth = acceptance_tables({"d": arrays}, num_resamples=200)
     assert per_depth["acceptance"].tolist() == pytest.approx([5 / 6, 4 / 5, 1 / 4])
-    assert (per_depth["topology"] == "tree").all()
-    with pytest.raises(ValueError, match="scored to depth 3"):
-        acceptance_tables({"d": arrays}, topology=Topology.chain(2))
     with pytest.raises(ValueError, match=r"in \[0, 3\]"):
         depth_agreement(np.array([4]), 3)

@@ -190,18 +190,10 @@ def percentile_interval(replicates: np.ndarray, confidence: float) -> tuple[np.n
         return np.nanpercentile(replicates, tail, axis=0), np.nanpercentile(replicates, 100.0 - tail, axis=0)
 
 
-def _topology_columns(counts: ChainCounts, topology: Topology | None) -> dict:
-    """The topology every row carries: a chain of the counts' steps unless a tree (or chain) is given."""
-    topology = topology or Topology.chain(counts.steps)
-    if topology.steps != counts.steps:
-        raise ValueError(f"topology {topology} has {topology.steps} steps but the agreement arrays are scored to depth {counts.steps}")
-    return topology.to_dict()
-
-
-def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence: float, seed: int,
-                  topology: Topology | None = None) -> tuple[dict, list[dict], BootstrapReplicates]:
-    """One dataset's summary row, its per-step (per-depth) rows and its bootstrap replicates."""
-    columns = _topology_columns(counts, topology)
+def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence: float,
+                  seed: int) -> tuple[dict, list[dict], BootstrapReplicates]:
+    """One dataset's summary row, its per-step rows and its bootstrap replicates; every row names its chain."""
+    columns = Topology.chain(counts.steps).to_dict()
     replicates = bootstrap_accept_length(counts, num_resamples, seed)
     pooled_low, pooled_high = percentile_interval(replicates.pooled_tau, confidence)
     mean_low, mean_high = percentile_interval(replicates.sample_mean_tau, confidence)
@@ -258,7 +250,6 @@ def acceptance_tables(
     num_resamples: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
-    topology: Topology | None = None,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per-dataset (and pooled "all") chain acceptance with bootstrap intervals over samples.
 
@@ -269,12 +260,10 @@ def acceptance_tables(
     - per_position: one row per dataset and chain step: acceptance (conditional acc_j, pooled, + CI),
       prefix_rate (P(steps 1..j all agree)), positions_reaching (positions whose steps 1..j-1 agreed).
     Each dataset uses the same seed, so the "all" row resamples its own samples independently.
-    topology: what the arrays measure (default a chain of their width); for a tree pass its depth tables
-    (`depth_agreement`), and "step" then reads as depth.
     """
     summary_rows, position_rows = [], []
     for name, counts in _counts_by_dataset(agreements_by_dataset, steps).items():
-        summary_row, rows, _ = _dataset_rows(name, counts, num_resamples, confidence, seed, topology)
+        summary_row, rows, _ = _dataset_rows(name, counts, num_resamples, confidence, seed)
         summary_rows.append(summary_row)
         position_rows.extend(rows)
     return pd.DataFrame(summary_rows), pd.DataFrame(position_rows)
@@ -302,7 +291,6 @@ def sweep_acceptance(
     num_resamples: int = 1000,
     confidence: float = 0.95,
     seed: int = 0,
-    topology: Topology | None = None,
 ) -> SweepAcceptance:
     """`acceptance_tables` for each draft of a sweep, with paired bootstrap replicates across sizes.
 
@@ -325,7 +313,7 @@ def sweep_acceptance(
                     f"dataset {name!r}: the draft of size {size} was scored on other held-out samples than the draft of "
                     f"size {sizes[0]} (positions per sample differ); score every draft on the same held-out set"
                 )
-            summary_row, rows, bootstrap = _dataset_rows(name, counts, num_resamples, confidence, seed, topology)
+            summary_row, rows, bootstrap = _dataset_rows(name, counts, num_resamples, confidence, seed)
             summary_rows.append({"data_size": size, **summary_row})
             position_rows.extend({"data_size": size, **row} for row in rows)
             replicates.setdefault(name, []).append(bootstrap.pooled_tau)

@@ -11,12 +11,10 @@ In the order a careful reader should trust it:
    parameters, bootstrap refits that do not pile up at a bound, and the saturating model predicting held-out
    sizes better than the line. Otherwise the summary says, in plain words, that the measured range cannot pin it.
 
-The saturating fit's uncertainty (`fit_scaling`) is a bootstrap, one of two kinds, recorded in the result:
-- "per-sample" (preferred): the caller passes, per data size, bootstrap replicates of tau obtained by resampling
-  held-out samples (`acceptance.bootstrap_accept_length` with the same seed for every size, so the resamples are
-  paired when every draft is scored on the same held-out set); each replicate row is refitted.
-- "residual": with only (N, tau) points, residuals of the point fit (rescaled by sqrt(n / (n - 3))) are
-  resampled onto the fitted curve and refitted. Crude with a handful of sizes; needs > 3 sizes.
+The saturating fit's uncertainty (`fit_scaling`) is a "per-sample" bootstrap: the caller passes, per data size,
+bootstrap replicates of tau obtained by resampling held-out samples (`acceptance.bootstrap_accept_length` with the
+same seed for every size, so the resamples are paired when every draft is scored on the same held-out set); each
+replicate row is refitted. (A residual bootstrap of the (N, tau) points alone is crude with a handful of sizes.)
 """
 
 from __future__ import annotations
@@ -66,8 +64,8 @@ class ScalingFit:
     data_sizes: np.ndarray  # (n,) ascending; N_min = data_sizes[0]
     accept_lengths: np.ndarray  # (n,)
     ceiling: float  # bound on tau_inf: steps + 1 for a chain of `steps`
-    bootstrap_method: str  # "per-sample" or "residual"
     confidence: float
+    bootstrap_method: str = "per-sample"  # held-out samples resampled, paired across sizes
 
     @property
     def tau_inf(self) -> float:
@@ -110,36 +108,23 @@ class ScalingFit:
 def fit_scaling(
     data_sizes: Sequence[float],
     accept_lengths: Sequence[float],
-    replicate_accept_lengths: np.ndarray | None = None,
+    replicate_accept_lengths: np.ndarray,
     max_accept_length: float = math.inf,
-    num_resamples: int = 1000,
     confidence: float = 0.95,
-    seed: int = 0,
 ) -> ScalingFit:
     """The saturating curve with bootstrap uncertainty.
 
     data_sizes, accept_lengths: (n,) one point per trained draft (n >= 3 distinct sizes).
-    replicate_accept_lengths: (R, n) bootstrap replicates of each point from resampling held-out
-      samples; when given, the bootstrap is "per-sample" and num_resamples/seed are unused.
-      Without it, a residual bootstrap with num_resamples and seed (needs n > 3).
+    replicate_accept_lengths: (R, n) bootstrap replicates of each point from resampling held-out samples.
     max_accept_length: the topology's ceiling (steps + 1 for a chain), bounds tau_inf.
     """
     sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
     if len(np.unique(sizes)) < 3:
         raise ValueError(f"the fit has 3 parameters and needs at least 3 distinct data sizes; got {sorted(set(sizes.tolist()))}")
     point = fit_saturating_rows(sizes, taus[None, :], max_accept_length)  # (1, 3)
-    if replicate_accept_lengths is not None:
-        rows, method = _sorted_replicates(replicate_accept_lengths, order), "per-sample"
-    else:
-        if len(sizes) <= 3:
-            raise ValueError("a residual bootstrap needs more than 3 data sizes (3 points fit exactly, leaving no residuals); "
-                             "pass replicate_accept_lengths from acceptance.bootstrap_accept_length, or measure more sizes")
-        fitted = saturating_curve(point, sizes / sizes[0])[0]
-        residuals = (taus - fitted) * math.sqrt(len(sizes) / (len(sizes) - 3))
-        rows = fitted[None, :] + np.random.default_rng(seed).choice(residuals, size=(num_resamples, len(sizes)), replace=True)
-        method = "residual"
+    rows = _sorted_replicates(replicate_accept_lengths, order)
     return ScalingFit(params=point[0], replicates=fit_saturating_rows(sizes, rows, max_accept_length), data_sizes=sizes,
-                      accept_lengths=taus, ceiling=float(max_accept_length), bootstrap_method=method, confidence=confidence)
+                      accept_lengths=taus, ceiling=float(max_accept_length), confidence=confidence)
 
 
 # ----------------------------------------------------------------------------- local slope
@@ -309,7 +294,7 @@ class CeilingIdentification:
 def ceiling_identification(
     data_sizes: Sequence[float],
     accept_lengths: Sequence[float],
-    replicate_accept_lengths: np.ndarray | None,
+    replicate_accept_lengths: np.ndarray,
     max_accept_length: float = math.inf,
     confidence: float = 0.95,
 ) -> CeilingIdentification:
@@ -322,8 +307,7 @@ def ceiling_identification(
     that would pin a ceiling is not measurable).
     """
     sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
-    if replicate_accept_lengths is not None:
-        replicate_accept_lengths = _sorted_replicates(replicate_accept_lengths, order)
+    replicate_accept_lengths = _sorted_replicates(replicate_accept_lengths, order)
     loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MEASURED_SHAPE}
     evaluable = {model: error for model, error in loo.items() if error is not None}
     chosen = min(evaluable, key=evaluable.get) if evaluable else "log-linear"
@@ -336,7 +320,7 @@ def ceiling_identification(
         reasons.append(f"with {n} data sizes the 3-parameter curve cannot be tested on a left-out size "
                        "(measure at least 5 sizes: 4 to fit, 1 to predict)")
     fit, at_bound = None, None
-    if n >= 3 and (replicate_accept_lengths is not None or n > 3):
+    if n >= 3:
         fit = fit_scaling(sizes, taus, replicate_accept_lengths, max_accept_length=max_accept_length, confidence=confidence)
     if fit is not None:
         tau_inf, exponent = fit.replicates[:, 0], fit.replicates[:, 2]
