@@ -18,7 +18,6 @@ Text form, used on the command line and in tables: "chain:3", "tree:5,8,32" (S, 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 CHAIN = "chain"
@@ -56,16 +55,6 @@ class Topology:
     @classmethod
     def tree(cls, steps: int, top_k: int, draft_tokens: int) -> Topology:
         return cls(steps=steps, top_k=top_k, draft_tokens=draft_tokens)
-
-    @classmethod
-    def from_vllm(cls, num_speculative_tokens: int) -> Topology:
-        """vLLM's EAGLE-3 proposer drafts a chain of `num_speculative_tokens` tokens."""
-        return cls.chain(num_speculative_tokens)
-
-    @classmethod
-    def from_sglang(cls, num_steps: int, eagle_topk: int, num_draft_tokens: int) -> Topology:
-        """From SGLang's three server arguments; top-k 1 is a chain whatever T says (SGLang overrides it)."""
-        return cls.chain(num_steps) if eagle_topk == 1 else cls.tree(num_steps, eagle_topk, num_draft_tokens)
 
     @classmethod
     def parse(cls, text: str) -> Topology:
@@ -145,10 +134,6 @@ class Topology:
         if not self.is_chain:
             return None
         return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": self.steps}
-
-    def vllm_command_line(self, draft_dir: str) -> str | None:
-        config = self.vllm_speculative_config(draft_dir)
-        return None if config is None else f"--speculative-config '{json.dumps(config)}'"
 
 
 def parse_topologies(texts: list[str] | tuple[str, ...]) -> list[Topology]:
