@@ -4,7 +4,9 @@ Importable from any test as `from support import ...` (tests/ is on sys.path thr
 
 from __future__ import annotations
 
+import datetime as dt
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -263,3 +265,21 @@ def read_strict_json(path: Path):
     def refuse(constant: str):
         raise ValueError(f"{path}: {constant} is not strict JSON")
     return json.loads(Path(path).read_text(encoding="utf-8"), parse_constant=refuse)
+
+
+LINE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ")  # run.log's timestamp (run_log.RunLogHandler)
+
+
+def silent_stretches(run_log: Path, limit_s: float) -> list[tuple[str, str, float]]:
+    """(line before, line after, seconds) for every gap between consecutive timestamped lines of run.log longer than
+    `limit_s` (lines without a timestamp, such as a traceback's, belong to the line before)."""
+    stretches, previous, previous_line = [], None, ""
+    for line in Path(run_log).read_text(encoding="utf-8", errors="replace").splitlines():
+        match = LINE_TIME.match(line)
+        if not match:
+            continue
+        moment = dt.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S")
+        if previous is not None and (gap := (moment - previous).total_seconds()) > limit_s:
+            stretches.append((previous_line, line, gap))
+        previous, previous_line = moment, line
+    return stretches

@@ -371,10 +371,6 @@ class Params(Section):
             raise ValueError(f"training.data_sizes must increase strictly, got {self.training.data_sizes}")
         return self
 
-    @classmethod
-    def section_names(cls) -> list[str]:
-        return list(cls.model_fields)
-
     def sections(self) -> dict[str, Any]:
         """Plain JSON-able dict per section: what the runner passes to papermill."""
         return self.model_dump(mode="json")
@@ -520,7 +516,7 @@ def load_params(path: str | os.PathLike) -> Params:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ParamsError(f"{path}: the top level must be a mapping of sections ({', '.join(Params.section_names())})")
+        raise ParamsError(f"{path}: the top level must be a mapping of sections ({', '.join(Params.model_fields)})")
     return params_from_sections(data, origin=str(path), lines=lines)
 
 

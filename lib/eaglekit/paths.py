@@ -8,7 +8,6 @@ from pathlib import Path
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent.parent
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
-PARAMS_DIR = REPO_ROOT / "params"
 
 
 def cache_dir() -> Path:

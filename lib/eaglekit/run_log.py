@@ -5,11 +5,9 @@ the runner's terminal and in the running cell's output.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import errno
 import logging
 import os
-import re
 import sys
 import threading
 import time
@@ -134,7 +132,6 @@ KERNEL_HOOK = "import eaglekit.run_log as _eaglekit_run_log; _eaglekit_run_log.a
 
 SILENCE_LIMIT_S = 30.0  # run.log never goes longer without a line: a user tailing it tells a long step from a hang
 HEARTBEAT_AFTER_S = 25.0  # the runner's "still running" line comes this long after the last line, within the limit
-LINE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ")
 
 
 class StageHeartbeat:
@@ -174,18 +171,3 @@ class StageHeartbeat:
                 with contextlib.suppress(Exception):  # a heartbeat never fails the stage it reports on
                     self.logger.info("stage %s: still running%s; nothing logged for %.0f s", self.label, self.where(), now - changed)
                 size, changed = self._size(), time.monotonic()
-
-
-def silent_stretches(run_log: Path, limit_s: float = SILENCE_LIMIT_S) -> list[tuple[str, str, float]]:
-    """(line before, line after, seconds) for every gap between consecutive timestamped lines of run.log longer than
-    `limit_s` (lines without a timestamp, such as a traceback's, belong to the line before)."""
-    stretches, previous, previous_line = [], None, ""
-    for line in Path(run_log).read_text(encoding="utf-8", errors="replace").splitlines():
-        match = LINE_TIME.match(line)
-        if not match:
-            continue
-        moment = dt.datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S")
-        if previous is not None and (gap := (moment - previous).total_seconds()) > limit_s:
-            stretches.append((previous_line, line, gap))
-        previous, previous_line = moment, line
-    return stretches

@@ -148,9 +148,6 @@ def load_tokenizer(target) -> PreTrainedTokenizerBase:
 # (transformers' own conversion mapping for kimi_k25 reads `language_model.model.*` and
 # `language_model.lm_head`).
 TEXT_MODEL_PREFIXES = ("", "language_model.", "model.language_model.")
-# Config fields that name a mixture-of-experts or a latent-attention (MLA) decoder.
-MOE_EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
-MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 
 @dataclass(frozen=True)
@@ -197,21 +194,6 @@ class TargetLayout:
     def tie_word_embeddings(self) -> bool:
         # A wrapper may state it at the top, its text config, or both; the text model's own flag decides.
         return bool(self.text_config.get("tie_word_embeddings", self.config.get("tie_word_embeddings", False)))
-
-    @property
-    def num_experts(self) -> int | None:
-        """Routed experts of an MoE decoder (DeepSeek-V3: n_routed_experts, Qwen3-MoE: num_experts), else None."""
-        for key in MOE_EXPERT_FIELDS:
-            if isinstance(self.text_config.get(key), int) and self.text_config[key] > 0:
-                return int(self.text_config[key])
-        return None
-
-    @property
-    def mla(self) -> dict[str, int] | None:
-        """The latent-attention fields when the decoder uses MLA (DeepSeek-V3, Kimi-K2 family), else None."""
-        if not self.text_config.get("kv_lora_rank"):
-            return None
-        return {field: int(self.text_config[field]) for field in MLA_FIELDS if isinstance(self.text_config.get(field), int)}
 
     # Tensor names in the checkpoint -------------------------------------------------------------
     embed_tokens_name = property(lambda self: f"{self.prefix}model.embed_tokens.weight")

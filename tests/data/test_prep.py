@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 import eaglekit.data.prep as prep
 from eaglekit.chat import prompt_token_count, tokenize_conversation
 from eaglekit.io import InputError
-from eaglekit.data.prep import content_hash, conversation_id, prepare_sources, read_summary
+from eaglekit.data.prep import content_hash, conversation_id, prepare_sources
 from eaglekit.data.sources import SourceSpec
 from eaglekit.data.survey import plot_survey, save_survey, survey_sources
 
@@ -64,7 +64,7 @@ def test_prep_writes_contract_files_with_stable_ids_dedup_and_partitions(tokeniz
              for r in read_lines(out / "tools_b" / f"prompts.{p}.jsonl")]
     assert [m["role"] for m in tools[0]["messages"]] == ["system", "user"]
     assert table.loc["alpaca_b", "short"] + table.loc["alpaca_b", "long"] == 3
-    assert read_summary(out)["long_prompt_threshold"] == 40
+    assert json.loads((out / "summary.json").read_text())["long_prompt_threshold"] == 40
     # Re-running gives the same ids (stable: source + content hash, not line numbers).
     again = tmp_path / "again"
     prepare_sources(list(reversed(SPECS)), tokenizer, again, context_length=256, long_prompt_threshold=40)
@@ -182,7 +182,7 @@ prep.prepare_sources([spec], AutoTokenizer.from_pretrained({str(embedded_model_d
     assert staged and all(path.exists() for path in staged)  # what kill -9 leaves behind
     prepare_sources(SPECS[:1], tokenizer, out, context_length=256, long_prompt_threshold=40)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["prep"]
-    assert read_summary(out)["sources"][0]["kept"] == 3
+    assert json.loads((out / "summary.json").read_text())["sources"][0]["kept"] == 3
 
 
 def test_a_conversation_the_template_cannot_render_is_a_located_reject_not_a_failed_stage(tmp_path, embedded_model_dir):
@@ -241,7 +241,7 @@ def test_class_a_with_reasoning_and_tool_calls_on_a_thinking_template_split_and_
         text = "".join(qwen3.decode([t for t, m in zip(r["input_ids"], r["loss_mask"]) if m]) for r in written)
         assert ("Run it first." in text and "Patch the loop." in text) == (history == "split")
         assert ('"name": "bash"' if template == "qwen3" else '{"cmd": "pytest"}') in text and "Be polite." in text
-        counts = read_summary(out)["sources"][0]
+        counts = json.loads((out / "summary.json").read_text())["sources"][0]
         assert (counts["trained_tokens"] == counts["generated_tokens"]) == (history == "split")
         assert summary.table().iloc[0]["split"] == (history == "split")
 

@@ -16,11 +16,9 @@ from fixtures.serving import replay_server as replay
 from eaglekit.cli import main
 from eaglekit.draft.tensors import tensor_table_from_config
 from eaglekit.draft.doctor import (
-    DoctorError,
     check_accept_length,
     findings_frame,
     preflight_table,
-    raise_on_errors,
     run_doctor,
 )
 
@@ -62,7 +60,6 @@ def test_a_good_draft_passes(tmp_path):
     draft = _write(tmp_path / "draft", DRAFT)
     findings = run_doctor(tmp_path / "target_config.json", draft)
     assert _errors(findings) == {}
-    raise_on_errors(findings)
     frame = findings_frame(findings)
     assert set(frame["check"]) >= {"architectures", "hidden_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
                                    "capture_layers", "tensor_names", "tensor_shapes", "vocab_maps"}
@@ -88,8 +85,6 @@ def test_each_config_mistake_is_an_error_with_its_fix(tmp_path, change, check, s
     errors = _errors(findings)
     assert check in errors, errors
     assert says in errors[check]
-    with pytest.raises(DoctorError, match=check):
-        raise_on_errors(findings)
 
 
 def test_capture_layers_given_by_the_training_run(tmp_path):

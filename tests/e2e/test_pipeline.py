@@ -40,7 +40,8 @@ def test_every_stage_ran(smoke_run):
 
 
 def test_run_log_is_never_silent_for_more_than_30_s(smoke_run):
-    from eaglekit.run_log import SILENCE_LIMIT_S, silent_stretches
+    from eaglekit.run_log import SILENCE_LIMIT_S
+    from support import silent_stretches
 
     stretches = silent_stretches(smoke_run / "run.log", SILENCE_LIMIT_S)
     assert not stretches, "\n".join(f"{gap:.0f} s silent after: {before}" for before, _, gap in stretches)

@@ -161,15 +161,3 @@ def test_the_record_keeps_the_hash_of_its_ids_and_of_prep_order(tmp_path):
     StagedRecord.path(tmp_path).write_text(json.dumps(saved))
     with pytest.raises(InputError, match=r"slices\[0\]\.train.*train_sha256"):
         StagedRecord.load(tmp_path, seed=3, heldout_size=2)
-
-
-def test_stage_5_can_check_its_subsets_against_the_staged_record(tmp_path):
-    from eaglekit.staged.slices import subset_mismatches
-
-    assert subset_mismatches(tmp_path, {2: TRAIN[:2]}) == []  # not a staged run
-    record = StagedRecord(seed=3, heldout_size=2)
-    record.slices[2] = SliceEntry(size=2, train=list(TRAIN[:2]))
-    record.slices[4] = SliceEntry(size=4, train=[TRAIN[0], TRAIN[2], TRAIN[3], TRAIN[4]])
-    record.save(tmp_path)
-    lines = subset_mismatches(tmp_path, {2: TRAIN[:2], 4: TRAIN[:4]})
-    assert len(lines) == 1 and lines[0].startswith("staged size 4 trained on other samples than stage 5's subset")

@@ -370,14 +370,6 @@ def plot_partitions(summary: PrepSummary, figure_path: Path) -> Path:
     return figure_path
 
 
-def read_summary(out_dir: Path) -> dict:
-    """The summary of a finished prep (its presence marks the stage folder complete)."""
-    path = Path(out_dir) / "summary.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} missing: prep has not finished in {out_dir}; run prepare_sources first")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
 def first_sample(out_dir: Path) -> TokenizedConversation | None:
     """The first class-A sample written by a finished prep (for display), or None."""
     for path in sorted(Path(out_dir).glob("*/tokenized_data.jsonl")):

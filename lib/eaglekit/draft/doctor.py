@@ -58,10 +58,6 @@ class Finding:
     fix: str = ""
 
 
-class DoctorError(RuntimeError):
-    """Raised by raise_on_errors; the message lists every error with its fix."""
-
-
 class DoctorInputError(ValueError):
     """An input the doctor cannot read (not JSON, a params file without a target config); names the file."""
 
@@ -453,7 +449,7 @@ def run_doctor(
     sglang_args: Sequence[str] | str | None = None,
     trust_remote_code: bool = False,
 ) -> list[Finding]:
-    """All checks that the given inputs allow; never raises for a failed check (see raise_on_errors).
+    """All checks that the given inputs allow; never raises for a failed check.
 
     target_config: the target's folder (read through target_layout: a multimodal wrapper's text_config),
     its config.json, or the dict. sglang_args: a planned SGLang launch line, checked for settings SGLang
@@ -514,11 +510,3 @@ def preflight_table(
               findings_frame(run_doctor(target_config, accept_length=accept_length,
                                         trust_remote_code=trust_remote_code)).assign(folder=accept_length_label)]
     return pd.concat(tables, ignore_index=True)[["folder", "level", "check", "message", "fix"]]
-
-
-def raise_on_errors(findings: Sequence[Finding]) -> None:
-    """Raise DoctorError listing every error finding with its fix; return quietly when there are none."""
-    errors = [finding for finding in findings if finding.level == "error"]
-    if errors:
-        lines = [f"- [{finding.check}] {finding.message}\n  fix: {finding.fix}" for finding in errors]
-        raise DoctorError(f"preflight found {len(errors)} error(s):\n" + "\n".join(lines))

@@ -15,7 +15,7 @@ answers one of its holes.
 before training starts, the hash of the prep/order.json they were taken from, and the draft vocab the first
 size fixed. A later `--resume` that answers a prompt which had failed moves every later sample by one place:
 the worker compares each recorded slice with the slice stage 5 would now train (`slice_mismatch`), reports a
-difference and stages that size again; stage 5 can check its subsets against the record (`subset_mismatches`).
+difference and stages that size again.
 """
 
 from __future__ import annotations
@@ -247,23 +247,6 @@ def slice_mismatch(entry: SliceEntry, expected: Sequence[Key], order: TrainingOr
                 f"{entry.train[first] if first < len(entry.train) else 'nothing'} where the answers now give "
                 f"{expected[first] if first < len(expected) else 'nothing'} (a prompt that had failed was answered since)")
     return None
-
-
-def subset_mismatches(run_dir: str | os.PathLike, subsets: dict[int, Sequence[Key]]) -> list[str]:
-    """Stage 5's check of its subsets ({size: training keys, in order}) against the staged record: one line per staged
-    size that trained on other samples (its staged forecast is then not about stage 5's draft); [] when none or
-    when the run was not staged."""
-    path = StagedRecord.path(run_dir)
-    if not path.exists():
-        return []
-    record = json.loads(path.read_text(encoding="utf-8"))
-    lines = []
-    for entry in record.get("slices", []):
-        size, staged = int(entry["size"]), [tuple(key) for key in entry["train"]]
-        if size in subsets and staged != [tuple(key) for key in subsets[size]]:
-            lines.append(f"staged size {size} trained on other samples than stage 5's subset (hash {keys_sha256(staged)[:12]} vs "
-                         f"{keys_sha256(list(subsets[size]))[:12]}): its staged forecast was not about this draft")
-    return lines
 
 
 def slice_for(size: int, prefix: Prefix, samples: set[Key]) -> list[Key] | None:
