@@ -162,8 +162,6 @@ class DraftConfig:
         target_config: "TargetConfigLike",
         draft_vocab_size: int,
         capture_layer_indices: tuple[int, int, int] | None = None,
-        intermediate_size: int | None = None,
-        max_position_embeddings: int | None = None,
         shape: DraftShape | str | None = None,
     ) -> "DraftConfig":
         """A one-layer draft for this target: hidden size, vocab, positions and norm eps from the target's
@@ -185,13 +183,13 @@ class DraftConfig:
             raise ValueError(f"draft shape: {heads} attention heads are not a multiple of {kv_heads} KV heads")
         return cls(
             hidden_size=target.hidden_size,
-            intermediate_size=intermediate_size or shape.intermediate_size or target.intermediate_size,
+            intermediate_size=shape.intermediate_size or target.intermediate_size,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=target.vocab_size,
             draft_vocab_size=draft_vocab_size,
-            max_position_embeddings=max_position_embeddings or target.max_position_embeddings,
+            max_position_embeddings=target.max_position_embeddings,
             rms_norm_eps=target.rms_norm_eps,
             rope_parameters=dict(shape.rope_parameters or target.rope_parameters),
             hidden_act=target.hidden_act,

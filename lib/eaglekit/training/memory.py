@@ -40,6 +40,7 @@ ADAM_BYTES_PER_TRAINABLE = 4 + 4 + 4 + 4  # fp32 master weight, fp32 gradient, A
 FROZEN_BYTES_PER_PARAMETER = 4  # the target's embedding table, kept in fp32 by build_draft_from_target
 TEACHER_HEAD_BYTES_PER_ENTRY = 4  # the target's lm_head, cast to fp32 once for the teacher
 PACK_ALIGNMENT = 128  # flex attention's block size: packs are multiples of it
+MEMORY_FRACTION = 0.9  # of each GPU planned: the rest is the CUDA context and allocator slack
 LOSS_CHUNK_ROWS = 1024  # eaglekit.draft.head_loss default
 TEACHER_CHUNK_ROWS = 1024  # eaglekit.training.target_signals default
 
@@ -216,7 +217,6 @@ def plan_training_memory(
     pack_tokens: int,
     draft_vocab_size: int = 32_000,
     ttt_steps: int = 7,
-    memory_fraction: float = 0.9,
     world_size: int = 1,
     parallel: str = "ddp",
     attention: str = "flex",
@@ -226,12 +226,10 @@ def plan_training_memory(
     """Per-GPU training memory at `pack_tokens`, and the largest pack (multiple of 128) that fits.
 
     target_config: the target's config.json (path, folder, dict) or a DraftConfig. gpu_memory_bytes:
-    one GPU (H200: 141e9). memory_fraction leaves room for the CUDA context and allocator slack.
+    one GPU (H200: 141e9), of which MEMORY_FRACTION is planned.
     """
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel {parallel!r}: plan for 'ddp' or 'fsdp'")
-    if not 0 < memory_fraction <= 1:
-        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     config = target_config if isinstance(target_config, DraftConfig) else draft_config_for_target(target_config, draft_vocab_size)
     trainable, frozen, state, teacher_head, transient = _fixed_bytes(config, world_size, parallel)
     teacher_per_token = config.draft_vocab_size * 4 + 8 + 1
@@ -240,7 +238,7 @@ def plan_training_memory(
     def needed(tokens: int) -> float:
         return state + teacher_head + transient + c0 + c1 * tokens + c2 * tokens**2 + tokens * teacher_per_token
 
-    usable = int(gpu_memory_bytes * memory_fraction)
+    usable = int(gpu_memory_bytes * MEMORY_FRACTION)
     largest = 0
     while needed(largest + PACK_ALIGNMENT) <= usable and largest < 1 << 24:
         low, high = largest + PACK_ALIGNMENT, 2 * (largest + PACK_ALIGNMENT)  # grow, then bisect in units of 128
@@ -249,7 +247,7 @@ def plan_training_memory(
             low, high = (middle, high) if needed(middle) <= usable else (low, middle)
         largest = low
     return TrainingMemoryPlan(
-        gpu_memory_bytes=int(gpu_memory_bytes), memory_fraction=memory_fraction, world_size=world_size, parallel=parallel,
+        gpu_memory_bytes=int(gpu_memory_bytes), memory_fraction=MEMORY_FRACTION, world_size=world_size, parallel=parallel,
         attention=attention, dtype=dtype, ttt_steps=ttt_steps, pack_tokens=pack_tokens, trainable_parameters=trainable,
         frozen_parameters=frozen, model_state_bytes=state, teacher_head_bytes=teacher_head,
         activation_bytes_per_token=(c0 + c1 * pack_tokens + c2 * pack_tokens**2) / pack_tokens,

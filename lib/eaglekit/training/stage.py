@@ -21,7 +21,7 @@ sweep.json lists only best checkpoints that loaded back at their best step, with
 draft vocab are those of the whole sweep) and writes no sweep.json; a later run without `--sizes`
 finds them trained and only evaluates the rest.
 
-`launch_training_stage(params, run_dir, nproc_per_node)` starts that command as a subprocess (what
+`launch_training_stage(params, run_dir)` starts that command as a subprocess (what
 notebook 05 does when `training.nproc_per_node > 1`), hands each output line to a callback as it
 arrives (the `eaglekit.training` progress lines), and returns the SweepRecord it wrote. Interrupting
 the caller (Ctrl-C, a stopped kernel) stops the whole torchrun process group; the next launch resumes.
@@ -279,19 +279,17 @@ class TrainingLaunchError(RuntimeError):
 def launch_training_stage(
     params: Params,
     run_dir: str | os.PathLike,
-    nproc_per_node: int | None = None,
     on_line: Callable[[str], None] = print,
 ) -> SweepRecord:
-    """Run stage 5 under torchrun in a subprocess, streaming its output lines to `on_line`.
+    """Run stage 5 under torchrun (`training.nproc_per_node` processes) in a subprocess, streaming its output lines
+    to `on_line`. The params schema refuses several processes with `training.parallel: none`.
 
     Writes the resolved params next to the results (training/launch_params.yaml) for the subprocess.
     Returns the sweep.json record it wrote. If this call is interrupted (an
     exception in `on_line`, Ctrl-C), the whole torchrun process group is stopped before re-raising.
     """
     run_dir = Path(run_dir)
-    nproc_per_node = nproc_per_node or params.training.nproc_per_node
-    if params.training.parallel == "none" and nproc_per_node > 1:
-        raise ValueError(f"{nproc_per_node} processes with training.parallel 'none': set training.parallel to 'ddp' (or 'fsdp' on GPUs)")
+    nproc_per_node = params.training.nproc_per_node
     params_path = stage_dir(run_dir, "training") / LAUNCH_PARAMS_FILE
     params_path.write_text(dump_params(params), encoding="utf-8")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
