@@ -310,10 +310,10 @@ def _draw_datasets(axes, points: pd.DataFrame, colors: Mapping[str, str], overal
             if len(converged):  # said in the legend too, so a reader knows no point is a lower bound
                 axes.plot(converged[size_column], converged[value_column], linestyle="none", marker="o", markersize=9, color="black",
                           zorder=4, label=f"converged, stopped by patience ({len(converged)} of {len(group)} sizes)")
-        if overall and lower_bound_column in group.columns and group[lower_bound_column].fillna(False).astype(bool).any():
-            bounded = group[group[lower_bound_column].fillna(False).astype(bool)]
-            axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
-                      markeredgecolor="black", zorder=4, label="still improving: tau is a lower bound")
+            bounded = group[still_improving]
+            if len(bounded):
+                axes.plot(bounded[size_column], bounded[value_column], linestyle="none", marker="o", markersize=11, markerfacecolor="white",
+                          markeredgecolor="black", zorder=4, label="still improving: tau is a lower bound")
             for size, value in zip(bounded[size_column], bounded[value_column]):
                 axes.annotate("", xy=(size, value + 0.06), xytext=(size, value + 0.01), zorder=4,
                               arrowprops={"arrowstyle": "->", "color": "black", "linewidth": 1.4})
