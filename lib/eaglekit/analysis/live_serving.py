@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -152,28 +152,32 @@ def _record_from_meta(prompt_id: str, meta: Mapping[str, Any], wall_s: float) ->
     )
 
 
-def _timed_post(client: httpx.Client, url: str, body: dict) -> tuple[dict, float]:
-    started = time.perf_counter()
-    answer = _post_json(client, url, body)
-    return answer, time.perf_counter() - started
+def _one_at_a_time(url: str, route: str, prompts: Sequence[Prompt], timeout: float, body: Callable[[list[int]], dict],
+                   record: Callable[[str, str, dict, float], RequestRecord]) -> list[RequestRecord]:
+    """POST each prompt's token ids to `route` in turn (concurrency 1), timed: `body(ids)` is the request,
+    `record(base, prompt_id, answer, wall_s)` reads the answer."""
+    base = root_url(url)
+    records = []
+    with httpx.Client(timeout=timeout) as client:
+        for index, prompt in enumerate(prompts):
+            prompt_id, request = _prompt_id(prompt, index), body(_token_ids(prompt, index, route))
+            started = time.perf_counter()
+            answer = _post_json(client, base + route, request)
+            records.append(record(base, prompt_id, answer, time.perf_counter() - started))
+    return records
 
 
 def run_sglang_requests(url: str, prompts: Sequence[Prompt], max_new_tokens: int = 256, temperature: float = 0.0,
                         timeout: float = 600.0) -> list[RequestRecord]:
     """Send prompts one at a time to SGLang's /generate and record tokens, time and verification steps."""
-    base = root_url(url)
-    records = []
-    with httpx.Client(timeout=timeout) as client:
-        for index, prompt in enumerate(prompts):
-            prompt_id = _prompt_id(prompt, index)
-            body = {"input_ids": _token_ids(prompt, index, "/generate"),
-                    "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": temperature}}
-            answer, wall_s = _timed_post(client, base + "/generate", body)
-            meta = answer.get("meta_info")
-            if meta is None or "completion_tokens" not in meta:
-                raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: is it an SGLang server?")
-            records.append(_record_from_meta(prompt_id, meta, wall_s))
-    return records
+    def record(base: str, prompt_id: str, answer: dict, wall_s: float) -> RequestRecord:
+        meta = answer.get("meta_info")
+        if meta is None or "completion_tokens" not in meta:
+            raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: is it an SGLang server?")
+        return _record_from_meta(prompt_id, meta, wall_s)
+
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
+    return _one_at_a_time(url, "/generate", prompts, timeout, lambda ids: {"input_ids": ids, "sampling_params": sampling}, record)
 
 
 def run_openai_requests(url: str, prompts: Sequence[Prompt], model: str, max_tokens: int = 256, temperature: float = 0.0,
@@ -184,20 +188,14 @@ def run_openai_requests(url: str, prompts: Sequence[Prompt], model: str, max_tok
     sees token for token what SGLang's /generate gets from the same ids (a chat request would wrap the text in
     the template again). Completion tokens come from `usage` (the rate is built on it).
     """
-    base = root_url(url)
-    records = []
-    with httpx.Client(timeout=timeout) as client:
-        for index, prompt in enumerate(prompts):
-            prompt_id = _prompt_id(prompt, index)
-            body = {"model": model, "prompt": _token_ids(prompt, index, "/v1/completions"), "max_tokens": max_tokens,
-                    "temperature": temperature, "stream": False}
-            answer, wall_s = _timed_post(client, base + "/v1/completions", body)
-            usage = answer.get("usage") or {}
-            if "completion_tokens" not in usage:
-                raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
-            records.append(RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None,
-                                         answer["choices"][0].get("finish_reason")))
-    return records
+    def record(base: str, prompt_id: str, answer: dict, wall_s: float) -> RequestRecord:
+        usage = answer.get("usage") or {}
+        if "completion_tokens" not in usage:
+            raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
+        return RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
+
+    return _one_at_a_time(url, "/v1/completions", prompts, timeout, lambda ids: {
+        "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature, "stream": False}, record)
 
 
 # ----------------------------------------------------------------------------- summaries
