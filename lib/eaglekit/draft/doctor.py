@@ -499,14 +499,10 @@ def preflight_table(
     draft_label: str,
     capture_layers: Sequence[int] | None,
     accept_length: float,
-    accept_length_label: str = "specdec loop",
-    trust_remote_code: bool = False,
 ) -> pd.DataFrame:
     """Stage 6's preflight as one table: the exported draft folder checked against the target (rows
-    labelled `draft_label`), then the measured accept length (rows labelled `accept_length_label`).
+    labelled `draft_label`), then the speculative loop's measured accept length (rows labelled "specdec loop").
     Columns: folder, level, check, message, fix."""
-    tables = [findings_frame(run_doctor(target_config, draft_dir=draft_dir, capture_layers=capture_layers,
-                                        trust_remote_code=trust_remote_code)).assign(folder=draft_label),
-              findings_frame(run_doctor(target_config, accept_length=accept_length,
-                                        trust_remote_code=trust_remote_code)).assign(folder=accept_length_label)]
+    tables = [findings_frame(run_doctor(target_config, draft_dir=draft_dir, capture_layers=capture_layers)).assign(folder=draft_label),
+              findings_frame(run_doctor(target_config, accept_length=accept_length)).assign(folder="specdec loop")]
     return pd.concat(tables, ignore_index=True)[["folder", "level", "check", "message", "fix"]]
