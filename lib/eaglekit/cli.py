@@ -150,7 +150,7 @@ def _doctor(args: argparse.Namespace) -> int:
     capture = [int(value) for value in args.capture_layers.split(",")] if args.capture_layers else None
     try:
         findings = run_doctor(args.target_config, args.draft, args.endpoint, args.accept_length, capture,
-                              sglang_args=args.sglang_args, trust_remote_code=args.trust_remote_code)
+                              sglang_args=args.sglang_args)
     except (DoctorInputError, ParamsError, FileNotFoundError, ModelResolutionError) as error:
         print(f"eaglekit doctor: {error}", file=sys.stderr)
         return 2
@@ -344,7 +344,6 @@ def _add_doctor(commands) -> argparse.ArgumentParser:
     doctor.add_argument("--accept-length", type=float, help="a measured accept length to sanity-check")
     doctor.add_argument("--capture-layers", help="hidden-states indices the draft was trained on, e.g. 2,15,27 (default [2, N//2, N-3])")
     doctor.add_argument("--sglang-args", help="the planned SGLang launch flags, checked for settings SGLang refuses with this draft")
-    doctor.add_argument("--trust-remote-code", action="store_true", help="pass trust_remote_code when reading the target")
     doctor.set_defaults(handler=_doctor)
     return doctor
 

@@ -80,7 +80,7 @@ def load_config(path: str | Path) -> dict:
                                "model folder, its config.json, or a params YAML (params/*.yaml)") from None
 
 
-def load_target_config(target: str | Path | Mapping[str, Any], trust_remote_code: bool = False) -> Mapping[str, Any]:
+def load_target_config(target: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
     """The target decoder's config: a model folder through `eaglekit.target.target_layout` (a multimodal
     wrapper gives its text_config); a bare config.json, or a folder holding only one, read as JSON."""
     if isinstance(target, Mapping):
@@ -92,7 +92,7 @@ def load_target_config(target: str | Path | Mapping[str, Any], trust_remote_code
         from eaglekit.target import ModelResolutionError, target_layout
 
         try:
-            return target_layout(path, trust_remote_code=trust_remote_code).text_config
+            return target_layout(path).text_config
         except ModelResolutionError:
             if not (path / "config.json").is_file():
                 raise
@@ -115,7 +115,7 @@ def target_config_from_params(path: Path) -> Mapping[str, Any]:
     if folder is None:
         raise DoctorInputError(f"{path}: target.model {target.model!r} is a hub id and target.config is unset: give the "
                                "target's config.json fields under target.config (as params/kimi_k25_big_run.yaml does)")
-    return target_layout(folder, trust_remote_code=target.trust_remote_code).text_config
+    return target_layout(folder).text_config
 
 
 def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -447,14 +447,13 @@ def run_doctor(
     capture_layers: Sequence[int] | None = None,
     timeout: float = 30.0,
     sglang_args: Sequence[str] | str | None = None,
-    trust_remote_code: bool = False,
 ) -> list[Finding]:
     """All checks that the given inputs allow; never raises for a failed check.
 
     target_config: the target's folder (read through target_layout: a multimodal wrapper's text_config),
     its config.json, or the dict. sglang_args: a planned SGLang launch line, checked for settings SGLang
     refuses with this draft (a live endpoint's own settings are checked too)."""
-    target = _text_config(load_target_config(target_config, trust_remote_code))
+    target = _text_config(load_target_config(target_config))  # config.json read as JSON: no model code runs
     findings: list[Finding] = []
     draft_config = None
     if draft_dir is not None:
