@@ -138,9 +138,6 @@ class _StageControl:
         self._previous.clear()
         self._cancel_timer()
 
-    def stage_started(self) -> None:
-        self.in_stage = True
-
     def kernel_started(self, process: subprocess.Popen) -> None:
         self.process = process
         if self.signum is not None:  # stopped while the kernel was starting
@@ -255,7 +252,6 @@ def run_pipeline(
     run_id: str | None = None,
     resume: bool = False,
     notebooks_dir: Path = NOTEBOOKS_DIR,
-    kernel_name: str = "python3",
     staged: bool | None = None,
 ) -> Path:
     """Run the selected stages; returns the run folder.
@@ -300,13 +296,13 @@ def run_pipeline(
         raise RunError(f"run {run_id}: cannot take the run folder's lock: {describe_os_error(error)} writing {error.filename}; "
                        f"{free_space(run_dir)}; free space, then continue with: {resume_command}") from None
     try:
-        return _run_locked(params, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name, staged)
+        return _run_locked(params, run_id, run_dir, chosen, resume, resume_command, lock, staged)
     finally:
         lock.release()
 
 
 def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
-                lock: RunFolderLock, kernel_name: str, staged: bool = False) -> Path:
+                lock: RunFolderLock, staged: bool) -> Path:
     logger = run_logger(run_dir)
     state = _read_state(run_dir)
     reserve = SpaceReserve(run_dir)
@@ -325,13 +321,13 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
         logger.error(message)
         raise RunError(message) from None
     try:
-        return _run_stages(params, run_id, run_dir, chosen, resume, resume_command, lock, kernel_name, staged, logger, state, reserve)
+        return _run_stages(params, run_id, run_dir, chosen, resume, resume_command, lock, staged, logger, state, reserve)
     finally:
         reserve.release()
 
 
 def _run_stages(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
-                lock: RunFolderLock, kernel_name: str, staged: bool, logger: logging.Logger, state: dict, reserve: SpaceReserve) -> Path:
+                lock: RunFolderLock, staged: bool, logger: logging.Logger, state: dict, reserve: SpaceReserve) -> Path:
     from traitlets.config import Config
 
     from eaglekit.generation.server import serving_endpoints
@@ -367,7 +363,7 @@ def _run_stages(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
                 try:
                     with _staged_worker(staged and stage.name == "generation", run_dir, state, control, logger, lock):
                         _run_stage(stage, params, run_dir, endpoints, state, control, logger, lock, resume_command,
-                                   kernel_name, kernel_config)
+                                   kernel_config)
                 except (OSError, DiskFull) as error:
                     if isinstance(error, OSError) and not is_disk_full(error):
                         raise
@@ -508,7 +504,7 @@ def notebook_parameters(params: Params, notebook: Path, **extra) -> dict:
 
 
 def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | None, state: dict, control: _StageControl,
-               logger: logging.Logger, lock: RunFolderLock, resume_command: str, kernel_name: str, kernel_config) -> None:
+               logger: logging.Logger, lock: RunFolderLock, resume_command: str, kernel_config) -> None:
     import papermill
     from nbclient.exceptions import DeadKernelError
 
@@ -520,11 +516,11 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
     _record(run_dir, state, stage.label, "running", started=_now())
     logger.info("stage %s: running %s", stage.label, stage.notebook)
     started = time.monotonic()
-    control.stage_started()
+    control.in_stage = True
     try:
         with StageHeartbeat(run_dir / "run.log", logger, stage.label, lambda: running_cell(output)):
             papermill.execute_notebook(
-                str(stage.notebook), str(output), parameters=parameters, kernel_name=kernel_name,
+                str(stage.notebook), str(output), parameters=parameters, kernel_name="python3",
                 cwd=str(stage.notebook.parent), progress_bar=False, log_output=False, config=kernel_config,
                 kernel_manager_class=_stage_kernel_manager(control, lock.fd, run_dir / "run.log", stage),
             )

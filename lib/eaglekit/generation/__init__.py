@@ -35,25 +35,9 @@ capacity plan before launch), `tokenized` (`build_tokenized_data`: generations i
 run_dir)`, what notebook 03 computes; imported from `eaglekit.generation.stage`).
 """
 
-from eaglekit.generation.engine import MAX_RETRY_AFTER_WAITS, GenerationEngine
+from eaglekit.generation.engine import GenerationEngine
 from eaglekit.generation.logs import (
-    ERRORS_FILE,
-    GENERATIONS_FILE,
-    METRICS_FILE,
-    SESSIONS_FILE,
-    DatasetCounts,
-    GenerationLog,
-    GenerationSummary,
-    compact_errors,
-    count_lines,
-    finished_keys,
-    generation_table,
-    iter_record_heads,
-    progress_line,
-    read_errors,
-    read_generations,
-    summarize_generations,
-)
-from eaglekit.generation.prompts import PROMPT_ROLES, PromptItem, PromptSource, load_prompts
-from eaglekit.generation.quality import QUALITY_FLAGS, TRUNCATED_POLICIES, has_repetition_loop, quality_flags
-from eaglekit.generation.run import generate, run_engine, run_event_loop
+    GenerationLog, finished_keys, generation_table, read_generations, summarize_generations)
+from eaglekit.generation.prompts import PromptSource
+from eaglekit.generation.quality import has_repetition_loop, quality_flags
+from eaglekit.generation.run import generate, run_engine

@@ -40,21 +40,17 @@ shorter than max_tokens.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
-from eaglekit.generation.client import Endpoint, EndpointPool
 from eaglekit.io import InputError
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
@@ -373,42 +369,3 @@ def plan_capacity(config: str | os.PathLike | Mapping[str, Any], *, gpu_memory_b
         hidden_state_bytes_per_token=hidden_per_token,
         hidden_state_storage_bytes=None if expected_total_tokens is None else expected_total_tokens * hidden_per_token,
         eta_seconds=None if any(eta is None for eta in etas) else float(sum(etas)))
-
-
-# ---------------------------------------------------------------------------------------------
-# Partitions sharing an endpoint at run time
-
-class SharedPool(EndpointPool):
-    """Partitions share an endpoint by the room each request takes: one of a partition whose concurrency there is
-    C takes 1/C of it, and a request is sent only while the endpoint's shares add up to at most 1.
-
-    A partition's concurrency is what the server sustains with that partition's sequences alone
-    (`capacity.plan_capacity` sizes it from the KV cache), so S short and L long requests fit together when
-    S/C_short + L/C_long <= 1: the long partition starts as the short one drains (4 short answers of C 256 free
-    the room of 1 long of C 64), never above either partition's concurrency or the endpoint's own cap. With one
-    partition this is the pool's own rule (in flight < C)."""
-
-    def __init__(self, endpoints: list[Endpoint], **kwargs):
-        super().__init__(endpoints, **kwargs)
-        self.shares = {endpoint.name: Fraction(0) for endpoint in endpoints}
-
-    @staticmethod
-    def share(limit: int, endpoint: Endpoint) -> Fraction:
-        return Fraction(1, min(limit, endpoint.spec.concurrency or limit))
-
-    def _pick(self, limit: int) -> Endpoint | None:
-        now = time.monotonic()
-        candidates = [endpoint for endpoint in self.endpoints
-                      if endpoint.healthy and endpoint.capabilities is not None and endpoint.paused_until <= now
-                      and self.shares[endpoint.name] + self.share(limit, endpoint) <= 1]
-        return min(candidates, key=lambda endpoint: endpoint.in_flight, default=None)
-
-    async def acquire(self, limit: int, stop: asyncio.Event | None = None) -> Endpoint | None:
-        endpoint = await super().acquire(limit, stop)
-        if endpoint is not None:  # no await between the pick and this: nothing else can take the room
-            self.shares[endpoint.name] += self.share(limit, endpoint)
-        return endpoint
-
-    def release(self, endpoint: Endpoint, transient_failure: bool, limit: int = 0) -> None:
-        self.shares[endpoint.name] -= self.share(limit, endpoint)
-        super().release(endpoint, transient_failure)

@@ -34,6 +34,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import aiohttp
@@ -443,7 +444,10 @@ class Endpoint:
 
 
 class EndpointPool:
-    """Least-in-flight routing over healthy endpoints, with per-endpoint concurrency limits.
+    """Least-in-flight routing over healthy endpoints, partitions sharing each by the room a request takes: one of
+    a partition whose concurrency there is C (capped by the endpoint's own) takes 1/C of it, and a request is sent
+    only while the endpoint's shares add up to at most 1 (so the long partition starts as the short one drains;
+    with one partition: in flight < C).
 
     Single event loop, so state changes need no lock: waiters park on futures that every change
     (a released slot, an endpoint back to health, a stop) resolves, and then re-check.
@@ -457,17 +461,21 @@ class EndpointPool:
         self.health_interval_s = health_interval_s
         self._waiters: list[asyncio.Future] = []
         self.unhealthy_since: dict[str, float] = {}
+        self.shares = {endpoint.name: Fraction(0) for endpoint in endpoints}
 
     @property
     def in_flight(self) -> int:
         return sum(endpoint.in_flight for endpoint in self.endpoints)
 
+    @staticmethod
+    def share(limit: int, endpoint: Endpoint) -> Fraction:
+        return Fraction(1, min(limit, endpoint.spec.concurrency or limit))
+
     def _pick(self, limit: int) -> Endpoint | None:
         now = time.monotonic()
         candidates = [endpoint for endpoint in self.endpoints
-                      if endpoint.healthy and endpoint.capabilities is not None
-                      and endpoint.in_flight < min(limit, endpoint.spec.concurrency or limit)
-                      and endpoint.paused_until <= now]
+                      if endpoint.healthy and endpoint.capabilities is not None and endpoint.paused_until <= now
+                      and self.shares[endpoint.name] + self.share(limit, endpoint) <= 1]
         return min(candidates, key=lambda endpoint: endpoint.in_flight, default=None)
 
     def _next_unpause(self) -> float | None:
@@ -491,8 +499,9 @@ class EndpointPool:
             if stop is not None and stop.is_set():
                 return None
             endpoint = self._pick(limit)
-            if endpoint is not None:
+            if endpoint is not None:  # no await between the pick and this: nothing else can take the room
                 endpoint.in_flight += 1
+                self.shares[endpoint.name] += self.share(limit, endpoint)
                 return endpoint
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
@@ -506,9 +515,10 @@ class EndpointPool:
                 if timer is not None:
                     timer.cancel()
 
-    def release(self, endpoint: Endpoint, transient_failure: bool) -> None:
-        """Give the slot back; count a transient failure toward marking the endpoint unhealthy."""
+    def release(self, endpoint: Endpoint, transient_failure: bool, limit: int) -> None:
+        """Give the slot (taken with `limit`) back; count a transient failure toward marking the endpoint unhealthy."""
         endpoint.in_flight -= 1
+        self.shares[endpoint.name] -= self.share(limit, endpoint)
         if transient_failure:
             endpoint.consecutive_failures += 1
             if endpoint.healthy and endpoint.consecutive_failures >= self.unhealthy_after:

@@ -3,7 +3,7 @@
 A new request starts the moment one finishes (never waves that wait for their slowest member),
 partitions are sent in the order given (default short, then long), and requests go to the least busy
 healthy endpoint (`eaglekit.generation.client`). Once a partition has sent its last prompt, the next one starts
-in the room its drain frees (`SharedPool`), so the endpoints stay full through the change. Answers and errors are
+in the room its drain frees (`client.EndpointPool`), so the endpoints stay full through the change. Answers and errors are
 appended to the files `eaglekit.generation.logs` reads; a progress record and line every `log_interval_s`, with an
 ETA from tokens and the work in flight (`logs.run_etas`).
 """
@@ -26,8 +26,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from eaglekit.config import GenerationParams, PartitionParams
-from eaglekit.generation.capacity import SharedPool
-from eaglekit.generation.client import ChatAnswer, Endpoint, EndpointSpec
+from eaglekit.generation.client import ChatAnswer, Endpoint, EndpointPool, EndpointSpec
 from eaglekit.generation.errors import EndpointFatalError, RequestRejected, TransientError
 from eaglekit.generation.logs import (
     ERRORS_FILE, ETA_MIN_SECONDS, ETA_WINDOW_S, GENERATIONS_FILE, METRICS_FILE, SESSIONS_FILE, GenerationSummary,
@@ -76,13 +75,13 @@ class _Slot:
 
     __slots__ = ("endpoint", "limit", "pool")
 
-    def __init__(self, pool: SharedPool, limit: int, endpoint: Endpoint | None = None):
+    def __init__(self, pool: EndpointPool, limit: int, endpoint: Endpoint | None = None):
         self.pool, self.limit, self.endpoint = pool, limit, endpoint
 
     def release(self, transient_failure: bool = False) -> None:
         endpoint, self.endpoint = self.endpoint, None
         if endpoint is not None:
-            self.pool.release(endpoint, transient_failure=transient_failure, limit=self.limit)
+            self.pool.release(endpoint, transient_failure, self.limit)
 
 
 class GenerationEngine:
@@ -90,7 +89,7 @@ class GenerationEngine:
 
     sources: (dataset, partition, prompts.jsonl) triples. partitions: sent in this order, each with
     its concurrency (per endpoint) and max_tokens; once one has sent its last prompt the next starts in the room
-    its drain frees (a request of a partition of concurrency C takes 1/C of an endpoint: `capacity.SharedPool`).
+    its drain frees (a request of a partition of concurrency C takes 1/C of an endpoint: `client.EndpointPool`).
     overlap_partitions=False drains each partition before the next starts. temperature/top_p: None leaves the server default.
     extra_body: extra request fields (e.g. {"seed": 0}).
     chat_template_kwargs: `prep.chat_template_kwargs` (e.g. {"enable_thinking": False} for Qwen3), sent
@@ -108,9 +107,8 @@ class GenerationEngine:
     marked failed; a failure to write the outputs stops the run with its error.
     priority: (dataset, id) keys in the order to request them within each partition (the stage passes prep's
     planned training order, `training.order`: the samples the first data sizes need are answered first).
-    first_answers_check: called with (dataset, records) on each dataset's first 32 answers of the session; what it
-    raises stops the run (the stage's usage check: a systematic mismatch is said after minutes, not days).
-    first_answers: how many answers of each dataset `first_answers_check` reads.
+    first_answers_check: called with (dataset, records) on each dataset's first EARLY_CHECK_ANSWERS answers of the
+    session; what it raises stops the run (the stage's usage check: a systematic mismatch is said after minutes, not days).
     eta_min_seconds: seconds of sending before the progress line trusts a speed for its ETA.
     """
 
@@ -120,11 +118,10 @@ class GenerationEngine:
                  chat_template_kwargs: dict[str, Any] | None = None, history_reasoning: str = "field",
                  retry: GenerationParams = GenerationParams(), request_timeout_s: float = 3600.0, retry_errors: bool = True,
                  log_interval_s: float = 60.0, flush_interval_s: float = 2.0, shutdown_grace_s: float = 30.0,
-                 progress_bar: bool = True, health_interval_s: float = 5.0, unhealthy_after: int = 3,
-                 probe_wait_s: float = 60.0, seed: int = 0, priority: Sequence[tuple[str, str]] | None = None,
+                 progress_bar: bool = True, health_interval_s: float = 5.0, probe_wait_s: float = 60.0, seed: int = 0,
+                 priority: Sequence[tuple[str, str]] | None = None,
                  first_answers_check: Callable[[str, list[dict]], Any] | None = None,
-                 first_answers: int = EARLY_CHECK_ANSWERS, overlap_partitions: bool = True,
-                 eta_min_seconds: float = ETA_MIN_SECONDS):
+                 overlap_partitions: bool = True, eta_min_seconds: float = ETA_MIN_SECONDS):
         self.sources = list(sources)
         # (dataset, id) in the order to request them (prep's planned training order); the rest after, in file order.
         self.priority = {tuple(key): rank for rank, key in enumerate(priority or ())}
@@ -154,12 +151,12 @@ class GenerationEngine:
         # False: each partition drains before the next is sent (the engine before the overlap; bench/generation.py)
         self.overlap_partitions = overlap_partitions
         self.eta_min_seconds = eta_min_seconds  # no ETA before this much sending (a bench's compressed run lowers it)
-        self.health_interval_s, self.unhealthy_after, self.probe_wait_s = health_interval_s, unhealthy_after, probe_wait_s
+        self.health_interval_s, self.probe_wait_s = health_interval_s, probe_wait_s
         self.rng = random.Random(seed)
         self._max_tokens = {partition.name: partition.max_tokens for partition in self.partitions}
         # A systematic fault in the answers (the server's template is not the kit's) shows in a dataset's first
         # answers of a session: `first_answers_check(dataset, records)` runs on them and an exception stops the run.
-        self.first_answers_check, self.first_answers = first_answers_check, first_answers
+        self.first_answers_check = first_answers_check
         self._first_records: dict[str, list[dict]] = defaultdict(list)
         self._first_checked: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -224,10 +221,10 @@ class GenerationEngine:
         self._attempt_ids = itertools.count()
         self.current_partition: str | None = None
         max_concurrency = max(partition.concurrency for partition in self.partitions)
-        self.pool = SharedPool(
+        self.pool = EndpointPool(
             [Endpoint(spec, max_connections=max_concurrency, request_timeout_s=self.request_timeout_s)
              for spec in self.endpoint_specs],
-            unhealthy_after=self.unhealthy_after, health_interval_s=self.health_interval_s)
+            health_interval_s=self.health_interval_s)
         self.bar = tqdm(total=todo, desc="generation", unit="req", disable=not self.progress_bar, dynamic_ncols=True)
         background: list[asyncio.Task] = []
         try:
@@ -348,7 +345,7 @@ class GenerationEngine:
 
     async def _send_partition(self, partition: PartitionParams, items: list[PromptItem],
                               tasks: set[asyncio.Task]) -> None:
-        """Send every prompt of a partition as room frees (`SharedPool`); returns once the last is sent, its
+        """Send every prompt of a partition as room frees (`client.EndpointPool`); returns once the last is sent, its
         requests (and the earlier partitions' still in flight) in `tasks`."""
         if items and tasks:
             logger.info("partition %s starts while %d requests of %s are in flight, in the room they free",
@@ -437,7 +434,7 @@ class GenerationEngine:
                 running.pop(attempt, None)
             latency = time.monotonic() - started
             if isinstance(outcome, ChatAnswer):
-                self._record_answer(item, endpoint.name, attempts, latency, outcome)
+                self._record_answer(item, endpoint, attempts, latency, outcome)
                 return
             if isinstance(outcome, EndpointFatalError):
                 self._fail_run(outcome)  # not the prompt's fault: no record, requested again on resume
@@ -479,7 +476,7 @@ class GenerationEngine:
 
     # -- records --------------------------------------------------------------------------------
 
-    def _record_answer(self, item: PromptItem, endpoint_name: str, attempts: int, latency: float,
+    def _record_answer(self, item: PromptItem, endpoint: Endpoint, attempts: int, latency: float,
                        answer: ChatAnswer) -> None:
         flags = quality_flags(answer.content, answer.reasoning, answer.finish_reason, answer.tool_calls)
         completion_tokens = answer.completion_tokens
@@ -488,11 +485,11 @@ class GenerationEngine:
         # Small fields first, "content" and the bulky fields after it: readers that need no text
         # (`iter_record_heads`) parse only the head of the line.
         record = {
-            "dataset": item.dataset, "id": item.id, "partition": item.partition, "endpoint": endpoint_name,
+            "dataset": item.dataset, "id": item.id, "partition": item.partition, "endpoint": endpoint.name,
             "session": self.session, "attempts": attempts, "latency_s": round(latency, 4),
             "prompt_tokens": answer.prompt_tokens, "completion_tokens": completion_tokens,
             "finish_reason": answer.finish_reason, "truncated": answer.finish_reason == "length", "flags": flags,
-            "model": self._model_of(endpoint_name),
+            "model": endpoint.capabilities.served_model or endpoint.capabilities.model,
             "max_tokens": self._max_tokens[item.partition], "temperature": self.temperature,
             "reasoning_field": answer.reasoning_field, "finished_at": time.time(),
             "content": answer.content, "reasoning": answer.reasoning, "tool_calls": answer.tool_calls,
@@ -514,7 +511,7 @@ class GenerationEngine:
             return
         first = self._first_records[dataset]
         first.append(record)
-        if len(first) < self.first_answers:
+        if len(first) < EARLY_CHECK_ANSWERS:
             return
         self._first_checked.add(dataset)
         del self._first_records[dataset]
@@ -522,12 +519,6 @@ class GenerationEngine:
             self.first_answers_check(dataset, first)
         except Exception as error:  # the answers are kept; the run stops with the check's words
             self._fail_run(error)
-
-    def _model_of(self, endpoint_name: str) -> str | None:
-        for endpoint in self.pool.endpoints:
-            if endpoint.name == endpoint_name and endpoint.capabilities is not None:
-                return endpoint.capabilities.served_model or endpoint.capabilities.model
-        return None
 
     def _record_error(self, item: PromptItem, endpoint_name: str, attempts: int, kind: str, status: int | None,
                       message: str, failures: list[str]) -> None:

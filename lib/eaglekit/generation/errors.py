@@ -73,21 +73,17 @@ def classify_status(status: int) -> str:
     return "transient"
 
 
-def parse_retry_after(value: str | None, now: float | None = None) -> float | None:
+def parse_retry_after(value: str | None) -> float | None:
     """Seconds to wait from a `Retry-After` header: delta-seconds or an HTTP date; None when absent or bad."""
-    if value is None or not value.strip():
+    if value is None:
         return None
-    value = value.strip()
     try:
         seconds = float(value)
     except ValueError:
         try:
-            when = email.utils.parsedate_to_datetime(value)
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
         except (TypeError, ValueError, IndexError):
             return None
-        if when is None:
-            return None
-        seconds = when.timestamp() - (time.time() if now is None else now)
     if math.isnan(seconds):
         return None
     return min(max(0.0, seconds), MAX_RETRY_AFTER_S)

@@ -131,9 +131,6 @@ class GenerationLog(ClosesOnExit):
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def __contains__(self, key: tuple[str, str]) -> bool:
-        return key in self.offsets
-
     def get(self, key: tuple[str, str]) -> dict[str, Any] | None:
         offset = self.offsets.get(key)
         if offset is None:

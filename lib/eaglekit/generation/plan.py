@@ -95,12 +95,10 @@ def dataset_answer_lengths(prep_dir: str | Path) -> dict[str, MeasuredLengths]:
             for partition in answers}
 
 
-def plan_generation(params: Params, prompts: list[tuple[str, str, Path]], planning_quantile: float = 0.95,
-                    prep_dir: str | Path | None = None) -> CapacityPlan:
+def plan_generation(params: Params, prompts: list[tuple[str, str, Path]]) -> CapacityPlan:
     """Capacity plan for this run's partitions from measured lengths (see the module docstring).
 
-    prompts: (dataset, partition, prompts file) from prep. prep_dir: where prep wrote the datasets'
-    own answers (default: the prompts files' grandparent folder).
+    prompts: (dataset, partition, prompts file) from prep; the datasets' own answers are in their grandparent folder.
     """
     lengths: dict[str, list[int]] = defaultdict(list)
     for _dataset, partition, path in prompts:
@@ -110,16 +108,14 @@ def plan_generation(params: Params, prompts: list[tuple[str, str, Path]], planni
     measured: dict[str, MeasuredLengths] = {}
     if settings.pilot_dir is not None:
         measured = pilot_lengths(repo_path(settings.pilot_dir))
-    if prep_dir is None and prompts:
-        prep_dir = Path(prompts[0][2]).parent.parent
-    if prep_dir is not None:
-        for partition, found in dataset_answer_lengths(prep_dir).items():
+    if prompts:
+        for partition, found in dataset_answer_lengths(Path(prompts[0][2]).parent.parent).items():
             measured.setdefault(partition, found)
     partitions = []
     for partition in params.generation.partitions:
         prompt_lengths = lengths[partition.name]
         spec = {"name": partition.name, "prompts": len(prompt_lengths),
-                "prompt_tokens": int(np.quantile(prompt_lengths, planning_quantile)) if prompt_lengths else 0,
+                "prompt_tokens": int(np.quantile(prompt_lengths, 0.95)) if prompt_lengths else 0,
                 "max_tokens": partition.max_tokens, "concurrency": partition.concurrency}
         found = measured.get(partition.name)
         if found is not None and prompt_lengths:

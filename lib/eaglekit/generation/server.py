@@ -202,19 +202,11 @@ class EmbeddedServer(ManagedServer):
 
     engine = "embedded"
 
-    def __init__(
-        self,
-        model_dir: str | os.PathLike,
-        port: int | None = None,
-        settings: ServerParams = ServerParams(),
-        log_path: str | os.PathLike | None = None,
-        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-        trust_remote_code: bool = False,
-        cb_page_size: int = 256,
-    ):
+    def __init__(self, model_dir: str | os.PathLike, settings: ServerParams = ServerParams(), cb_page_size: int = 256,
+                 **options):
         """settings: params `server` (dtype, continuous_batching, kv_cache_tokens, threads are read here).
-        cb_page_size: tokens per KV-cache block (transformers' default page size)."""
-        super().__init__(model_dir, port, log_path, startup_timeout_s, trust_remote_code)
+        cb_page_size: tokens per KV-cache block (transformers' default page size). options: `ManagedServer`'s."""
+        super().__init__(model_dir, **options)
         self.settings = settings
         self.cb_page_size = cb_page_size
 
@@ -274,26 +266,14 @@ class VLLMServer(ManagedServer):
 
     engine = "vllm"
 
-    def __init__(
-        self,
-        model_dir: str | os.PathLike,
-        python: str | os.PathLike | None = None,
-        port: int | None = None,
-        dtype: str = "float32",
-        max_model_len: int = 2048,
-        kv_cache_gib: float = 1.0,
-        enforce_eager: bool = True,
-        speculative_config: dict | None = None,
-        kv_transfer_config: dict | None = None,
-        extra_args: tuple[str, ...] = (),
-        env: dict[str, str] | None = None,
-        log_path: str | os.PathLike | None = None,
-        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-        trust_remote_code: bool = False,
-    ):
-        super().__init__(model_dir, port, log_path, startup_timeout_s, trust_remote_code)
+    def __init__(self, model_dir: str | os.PathLike, python: str | os.PathLike | None = None, dtype: str = "float32",
+                 max_model_len: int = 2048, enforce_eager: bool = True, speculative_config: dict | None = None,
+                 kv_transfer_config: dict | None = None, extra_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None, **options):
+        """options: `ManagedServer`'s (port, log_path, startup_timeout_s, trust_remote_code)."""
+        super().__init__(model_dir, **options)
         self.python = Path(python) if python else default_vllm_python()
-        self.dtype, self.max_model_len, self.kv_cache_gib = dtype, max_model_len, kv_cache_gib
+        self.dtype, self.max_model_len = dtype, max_model_len
         self.enforce_eager = enforce_eager
         self.speculative_config, self.kv_transfer_config = speculative_config, kv_transfer_config
         self.extra_args, self.env = tuple(extra_args), dict(env or {})
@@ -321,8 +301,7 @@ class VLLMServer(ManagedServer):
         return command + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        kv_cache = f"{self.kv_cache_gib:g}"
-        return {**super().environment(), "VLLM_CPU_KVCACHE_SPACE": kv_cache, **self.env}
+        return {**super().environment(), "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}  # GiB: the CPU build's KV cache
 
 
 def server_for(params, model_dir: str | os.PathLike, log_path: str | os.PathLike | None = None) -> ManagedServer:
