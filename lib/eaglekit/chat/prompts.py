@@ -14,15 +14,21 @@ from eaglekit.chat.text import turn_end
 from eaglekit.chat.tokens import Rendered, TokenizedConversation, tokenize_marked, tokenized_sample
 
 
+def _setup(tokenizer: Any, messages: Sequence[dict], tools: list | None, template_kwargs: dict | None
+           ) -> tuple[TemplateLayout, Marker, list[dict], Renderer]:
+    """(layout, marker, the marked template messages, a renderer with the marked tools)."""
+    tools = normalize_tools(tools)
+    layout = template_layout(tokenizer, template_kwargs, tools)
+    marker = Marker(layout)
+    renderer = Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
+    return layout, marker, to_template_messages(messages, layout, marker), renderer
+
+
 def prepare(tokenizer: Any, messages: Sequence[dict], tools: list | None, template_kwargs: dict | None
             ) -> tuple[TemplateLayout, Marker, list[dict], Renderer, list[int]]:
     """(layout, marker, the marked template messages, a renderer with the marked tools, the indices of the
     assistant turns) of a conversation to train; ChatTemplateError where it has no assistant turn."""
-    tools = normalize_tools(tools)
-    layout = template_layout(tokenizer, template_kwargs, tools)
-    marker = Marker(layout)
-    template_messages = to_template_messages(messages, layout, marker)
-    renderer = Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
+    layout, marker, template_messages, renderer = _setup(tokenizer, messages, tools, template_kwargs)
     assistant_indices = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
     if not assistant_indices:
         raise ChatTemplateError("the conversation has no assistant turn: nothing to train")
@@ -32,11 +38,7 @@ def prepare(tokenizer: Any, messages: Sequence[dict], tools: list | None, templa
 def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = False,
                         tools: list | None = None, template_kwargs: dict | None = None) -> str:
     """The chat-template text of `messages` (kit schema), reasoning and tool calls placed as the template needs."""
-    tools = normalize_tools(tools)
-    layout = template_layout(tokenizer, template_kwargs, tools)
-    marker = Marker(layout)
-    renderer = Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
-    template_messages = to_template_messages(messages, layout, marker)
+    _, marker, template_messages, renderer = _setup(tokenizer, messages, tools, template_kwargs)
     if add_generation_prompt:
         text = renderer.prompt(template_messages)
     elif template_messages and template_messages[-1]["role"] == "assistant":
@@ -49,11 +51,8 @@ def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation
 def prompt_token_ids(tokenizer: Any, messages: Sequence[dict], tools: list | None = None,
                      template_kwargs: dict | None = None) -> list[int]:
     """The tokens the target reads before answering: `messages` rendered with the generation prompt."""
-    tools = normalize_tools(tools)
-    layout = template_layout(tokenizer, template_kwargs, tools)
-    marker = Marker(layout)
-    renderer = Renderer(tokenizer, layout, marker(tools) if tools else None, dict(template_kwargs or {}))
-    return tokenize_marked(tokenizer, renderer.prompt(to_template_messages(messages, layout, marker)), marker)[0]
+    _, marker, template_messages, renderer = _setup(tokenizer, messages, tools, template_kwargs)
+    return tokenize_marked(tokenizer, renderer.prompt(template_messages), marker)[0]
 
 
 def prompt_token_count(tokenizer: Any, messages: Sequence[dict], tools: list | None = None,
