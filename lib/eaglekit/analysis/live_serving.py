@@ -173,7 +173,8 @@ def run_sglang_requests(url: str, prompts: Sequence[Prompt], max_new_tokens: int
     def record(base: str, prompt_id: str, answer: dict, wall_s: float) -> RequestRecord:
         meta = answer.get("meta_info")
         if meta is None or "completion_tokens" not in meta:
-            raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: is it an SGLang server?")
+            raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: "
+                               "is it an SGLang server?")
         return _record_from_meta(prompt_id, meta, wall_s)
 
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
@@ -192,7 +193,8 @@ def run_openai_requests(url: str, prompts: Sequence[Prompt], model: str, max_tok
         usage = answer.get("usage") or {}
         if "completion_tokens" not in usage:
             raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} has no usage.completion_tokens")
-        return RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None, answer["choices"][0].get("finish_reason"))
+        return RequestRecord(prompt_id, int(usage["completion_tokens"]), wall_s, None, None,
+                             answer["choices"][0].get("finish_reason"))
 
     return _one_at_a_time(url, "/v1/completions", prompts, timeout, lambda ids: {
         "model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature, "stream": False}, record)
@@ -339,9 +341,9 @@ def measure_vllm(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """vLLM with speculation: tau = 1 + delta(accepted) / delta(drafts) around the run; optional baseline.
 
-    Prompts are {"id", "input_ids"}, sent as token ids (`run_openai_requests`), the baseline likewise. Topology is recorded as a chain of as many
-    steps as vLLM reports draft positions. Returns (summary, per_request); summary also carries
-    per-position acceptance (accepted at position i / drafts) as `acceptance_per_position`.
+    Prompts are {"id", "input_ids"}, sent as token ids (`run_openai_requests`), the baseline likewise. Topology is
+    recorded as a chain of as many steps as vLLM reports draft positions. Returns (summary, per_request); summary
+    also carries per-position acceptance (accepted at position i / drafts) as `acceptance_per_position`.
     """
     before = read_vllm_spec_counters(speculative_url, timeout)
     records = run_openai_requests(speculative_url, prompts, model, max_tokens, temperature, timeout)

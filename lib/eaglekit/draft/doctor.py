@@ -502,6 +502,7 @@ def preflight_table(
     """Stage 6's preflight as one table: the exported draft folder checked against the target (rows
     labelled `draft_label`), then the speculative loop's measured accept length (rows labelled "specdec loop").
     Columns: folder, level, check, message, fix."""
-    tables = [findings_frame(run_doctor(target_config, draft_dir=draft_dir, capture_layers=capture_layers)).assign(folder=draft_label),
+    tables = [findings_frame(run_doctor(target_config, draft_dir=draft_dir, capture_layers=capture_layers)
+                             ).assign(folder=draft_label),
               findings_frame(run_doctor(target_config, accept_length=accept_length)).assign(folder="specdec loop")]
     return pd.concat(tables, ignore_index=True)[["folder", "level", "check", "message", "fix"]]
