@@ -276,6 +276,7 @@ def test_library_progress_lines_reach_the_runner_output_and_run_log(tmp_path):
         assert line in result.stderr, result.stderr  # what `nohup eaglekit run ... > run.out` and `tail -f` show
         assert line in run_log
     assert run_log.index("progress 3/3") < run_log.index("stage 07_progress: done")
+    assert "eaglekit.fixture: shutdown race guarded: True" in run_log  # the runner's kernel hook ran in the stage kernel
     notebook = nbformat.read(run_dir / "07_progress.ipynb", as_version=4)
     shown = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
     assert shown.count("progress 3/3 items") == 1  # the executed notebook still shows them, once

@@ -125,7 +125,39 @@ class _NotebookHandler(logging.StreamHandler):
         pass
 
 
-KERNEL_HOOK = "import eaglekit.run_log as _eaglekit_run_log; _eaglekit_run_log.attach_stage_logging(); del _eaglekit_run_log"
+def quiet_iopub_shutdown_race() -> None:
+    """Run inside a stage kernel at start-up: a flush that races the kernel's shutdown prints no traceback.
+
+    ipykernel's IOPubThread.schedule asks whether the IO thread is alive, then wakes it through a pipe. When the
+    kernel shuts down between the two (the control thread flushes after the shutdown reply while the main thread
+    joins the IO thread and closes its pipes), the wake-up raises ENOTSOCK and tornado prints the traceback on
+    the runner's terminal, under the stage's located message. ipykernel 7.4 catches this race in `_really_send`
+    (ipython/ipykernel#1518) but not here. The thread is gone, so the callback runs at once, as schedule does for
+    a dead thread; any other error is raised as before.
+    """
+    try:
+        import zmq
+        from ipykernel.iostream import IOPubThread
+    except ImportError:
+        return
+    schedule = IOPubThread.schedule
+    if getattr(schedule, "eaglekit_quiet", False):
+        return
+
+    def quiet_schedule(self, f):
+        try:
+            schedule(self, f)
+        except zmq.ZMQError as error:
+            if error.errno != zmq.ENOTSOCK or not getattr(self, "_stopped", False):
+                raise
+            f()
+
+    quiet_schedule.eaglekit_quiet = True
+    IOPubThread.schedule = quiet_schedule
+
+
+KERNEL_HOOK = ("import eaglekit.run_log as _eaglekit_run_log; _eaglekit_run_log.attach_stage_logging(); "
+               "_eaglekit_run_log.quiet_iopub_shutdown_race(); del _eaglekit_run_log")
 
 
 # ---- no silent stretch -----------------------------------------------------------------------
