@@ -3,6 +3,8 @@ arrays, `answer.sweep_scaling` over it), checked on their matplotlib artists: on
 figures, log ticks in plain numbers, the benchmark line lighter than the held-out curve, n on per-position points,
 values on the ablation bars."""
 
+import warnings
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -158,4 +160,16 @@ def test_ablation_bars_print_their_values():
     texts = [text.get_text() for text in axes.texts]
     assert texts == [f"{row.tau_pooled:.3f}\n[{row.tau_pooled_low:.3f}, {row.tau_pooled_high:.3f}]" for row in pooled.itertuples()]
     assert axes.get_ylim()[1] > pooled["tau_pooled_high"].max()  # the printed values sit inside the axes
+    plt.close(figure)
+
+    # Drafts that never agree (an untrained smoke draft): every tau is exactly 1 with no interval. The axis still
+    # opens above 1, without matplotlib's singular-limits warning.
+    never, _ = acceptance_tables({"chat": [np.zeros((20, 3), bool)] * 4}, num_resamples=20, seed=0)
+    flat = pd.concat([never.assign(variant=variant, data_size=60) for variant in ("original answers", "regenerated answers")])
+    assert set(flat["tau_pooled_high"]) == {1.0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        figure = plots.plot_ablation(flat)
+    low, high = figure.axes[0].get_ylim()
+    assert low == 1.0 and high > 1.0
     plt.close(figure)

@@ -213,7 +213,8 @@ def plot_ablation(table: pd.DataFrame, pooled_dataset: str = "all") -> Figure:
     topology = pooled.iloc[0]
     axis.set_ylabel(f"held-out tau ({topology['topology']}, {topology['steps']} steps)")
     low = 1.0  # tau >= 1: the bonus token is always emitted
-    axis.set_ylim(low, low + (float(pooled["tau_pooled_high"].max()) - low) * 1.25)  # room for the printed values
+    span = max(float(pooled["tau_pooled_high"].max()) - low, 0.2)  # drafts that never agree still get an axis
+    axis.set_ylim(low, low + span * 1.25)  # room for the printed values
     axis.set_title(f"Ablation: same size ({int(topology['data_size'])} samples), same held-out set")
     figure.tight_layout()
     return figure
