@@ -136,14 +136,9 @@ def read_rank_indexes(output_dir: Path) -> dict[int, list[dict]]:
         match = _RANK_INDEX_PATTERN.match(path.name)
         if match is None:
             continue
-        records = []
-        with open(path, "rb") as handle:
-            lines = handle.read().split(b"\n")
         # The last element is either empty (clean end) or a torn line from a kill: skip it.
-        for raw in lines[:-1]:
-            if raw.strip():
-                records.append(json.loads(raw))
-        records_by_rank[int(match.group(1))] = records
+        lines = path.read_bytes().split(b"\n")[:-1]
+        records_by_rank[int(match.group(1))] = [json.loads(raw) for raw in lines if raw.strip()]
     return records_by_rank
 
 
@@ -309,21 +304,15 @@ def write_merged_index(output_dir: str | os.PathLike, header: dict[str, Any], sa
     Raises when a sample of `sample_order` has no shard: the run is incomplete and must be resumed.
     """
     output_dir = Path(output_dir)
-    by_key: dict[tuple[str, str], dict] = {}
     records, _ = _valid_records(output_dir)  # a sample captured again after its shard broke: the readable copy
-    for record in records:
-        by_key[(record["dataset"], record["id"])] = record
+    by_key = {(record["dataset"], record["id"]): record for record in records}
     missing = [key for key in sample_order if key not in by_key]
     if missing:
         raise RuntimeError(
             f"{len(missing)} samples have no shard in {output_dir} (first: dataset {missing[0][0]!r}, id {missing[0][1]!r}); "
             "the capture did not finish: run it again with the same arguments to resume"
         )
-    samples = []
-    for key in sample_order:
-        record = dict(by_key[key])
-        record.pop("shard_number", None)
-        samples.append(record)
+    samples = [{name: value for name, value in by_key[key].items() if name != "shard_number"} for key in sample_order]
     shards = sorted({record["shard"] for record in samples})
     index = {
         "format_version": INDEX_FORMAT_VERSION,
