@@ -42,8 +42,6 @@ from eaglekit.io import InputError, write_json
 from eaglekit.run_folder import SWEEP_FILE, sweep_path
 from eaglekit.topology import Topology
 from eaglekit.training.checkpoint import CheckpointDigest, check_digest, verify_checkpoint
-from eaglekit.training.loop import TrainResult
-from eaglekit.training.metrics import recent_gain
 
 RECORD_VERSION = 2
 RERUN = "rerun stage 5 (notebook 05, or eaglekit train --params P --run-dir D; trained sizes resume from their checkpoints)"
@@ -81,27 +79,16 @@ class DraftEntry:
 
     @classmethod
     def from_sweep_row(cls, row: dict[str, Any], topology: Topology, run_dir: str | os.PathLike,
-                       noise_seed: int | None = None) -> DraftEntry:
-        """From a `training.train_size_sweep` row; paths made relative to the run folder. `noise_seed`: the row is an
-        extra-seed draft trained with that seed."""
+                       noise_seed: int | None = None, variant: str | None = None) -> DraftEntry:
+        """From a `training.train_size_sweep` row (`sweep.result_row`); paths made relative to the run folder.
+        `noise_seed`: the row is an extra-seed draft trained with that seed; `variant`: an ablation variant's name
+        (default "<size> samples")."""
         known = {item.name for item in fields(cls)} - {"variant", "topology", "noise_seed"}
         values = {key: value for key, value in row.items() if key in known}
         values.update(best_checkpoint=_relative(row["best_checkpoint"], run_dir), metrics_path=_relative(row["metrics_path"], run_dir),
                       **_verified_digest(row["best_checkpoint"], row["best_step"]))
-        variant = f"{row['size']} samples" + ("" if noise_seed is None else f", seed {noise_seed}")
+        variant = variant or f"{row['size']} samples" + ("" if noise_seed is None else f", seed {noise_seed}")
         return cls(variant=variant, topology=topology, noise_seed=noise_seed, **values)
-
-    @classmethod
-    def from_result(cls, variant: str, result: TrainResult, topology: Topology, samples_by_dataset: dict[str, int], heldout_size: int,
-                    schedule: str, patience: int, run_dir: str | os.PathLike) -> DraftEntry:
-        """From one `training.train_draft` run (an ablation variant): the fields a sweep row has."""
-        size = sum(samples_by_dataset.values())
-        return cls(variant=variant, size=size, topology=topology, best_step=result.best_step, best_accept_length=result.best_accept_length,
-                   best_checkpoint=_relative(result.best_checkpoint, run_dir), metrics_path=_relative(result.metrics_path, run_dir),
-                   samples_by_dataset=dict(samples_by_dataset), schedule=schedule, steps=result.steps, step_cap=result.step_cap,
-                   samples_seen=result.samples_seen, epochs=result.samples_seen / size, converged=result.converged,
-                   stopped=result.stopped, improved_step=result.improved_step, heldout_size=heldout_size,
-                   **recent_gain(result.metrics_path, patience), **_verified_digest(result.best_checkpoint, result.best_step))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"topology": self.topology.to_dict()}

@@ -52,7 +52,7 @@ from eaglekit.training.record import SWEEP_FILE, DraftEntry, DraftVocabRecord, S
 from eaglekit.training.settings import TrainSettings
 from eaglekit.training.order import sweep_split
 from eaglekit.training.split import IndexedSubset, nested_subsets, read_conversation_keys, split_selection
-from eaglekit.training.sweep import SweepProgress, train_size_sweep
+from eaglekit.training.sweep import SweepProgress, result_row, train_size_sweep
 from eaglekit.training.teacher import TargetArgmaxCache
 from eaglekit.topology import Topology
 
@@ -242,8 +242,8 @@ def _train_ablation(ablation_pairs: AblationPairs, inputs: SweepInputs, build_mo
         result = train_draft(build_model(), lm_head, variants[variant], IndexedSubset(inputs.samples, inputs.selection),
                              training_dir / "ablation" / variant.split()[0], settings, target_cache=target_cache)
         progress.finish(result)
-        entries.append(DraftEntry.from_result(variant, result, evaluated, samples_by_dataset, len(inputs.selection),
-                                              settings.schedule, settings.patience, out))
+        row = result_row(result, samples_by_dataset, settings, len(inputs.selection))
+        entries.append(DraftEntry.from_sweep_row(row, evaluated, out, variant=variant))
         if metrics is not None:
             metrics.log(event="ablation", **entries[-1].to_dict())
     return entries

@@ -125,13 +125,20 @@ def train_size_sweep(
         result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings,
                              target_cache=target_cache)
         progress.finish(result)
-        per_dataset = dict(Counter(datasets[index] for index in indices))
-        rows.append({
-            "size": size, "samples_by_dataset": per_dataset, "schedule": settings.schedule, "steps": result.steps,
-            "step_cap": result.step_cap, "samples_seen": result.samples_seen, "epochs": result.samples_seen / size,
-            "best_step": result.best_step, "best_accept_length": result.best_accept_length,
-            "converged": result.converged, "stopped": result.stopped, "improved_step": result.improved_step,
-            **recent_gain(result.metrics_path, settings.patience),
-            "best_checkpoint": str(result.best_checkpoint), "metrics_path": str(result.metrics_path), "heldout_size": len(heldout_indices),
-        })
+        rows.append(result_row(result, dict(Counter(datasets[index] for index in indices)), settings, len(heldout_indices)))
     return rows
+
+
+def result_row(result: TrainResult, samples_by_dataset: dict[str, int], settings: TrainSettings, heldout_size: int) -> dict[str, Any]:
+    """A trained draft as one sweep row (what `record.DraftEntry.from_sweep_row` reads): its training samples by
+    dataset, how long it trained and how it stopped, its best held-out tau and `heldout_size` (the samples that
+    picked it), the last improvement (`recent_gain` over the last `patience` evaluations), checkpoint and metrics."""
+    size = sum(samples_by_dataset.values())
+    return {
+        "size": size, "samples_by_dataset": samples_by_dataset, "schedule": settings.schedule, "steps": result.steps,
+        "step_cap": result.step_cap, "samples_seen": result.samples_seen, "epochs": result.samples_seen / size,
+        "best_step": result.best_step, "best_accept_length": result.best_accept_length,
+        "converged": result.converged, "stopped": result.stopped, "improved_step": result.improved_step,
+        **recent_gain(result.metrics_path, settings.patience),
+        "best_checkpoint": str(result.best_checkpoint), "metrics_path": str(result.metrics_path), "heldout_size": heldout_size,
+    }
