@@ -87,7 +87,7 @@ class DraftEntry:
         values = {key: value for key, value in row.items() if key in known}
         values.update(best_checkpoint=_relative(row["best_checkpoint"], run_dir), metrics_path=_relative(row["metrics_path"], run_dir),
                       **_verified_digest(row["best_checkpoint"], row["best_step"]))
-        variant = variant or f"{row['size']} samples" + ("" if noise_seed is None else f", seed {noise_seed}")
+        variant = variant or (f"{row['size']} samples" + ("" if noise_seed is None else f", seed {noise_seed}"))
         return cls(variant=variant, topology=topology, noise_seed=noise_seed, **values)
 
     def to_dict(self) -> dict[str, Any]:

@@ -135,7 +135,7 @@ def result_row(result: TrainResult, samples_by_dataset: dict[str, int], settings
     picked it), the last improvement (`recent_gain` over the last `patience` evaluations), checkpoint and metrics."""
     size = sum(samples_by_dataset.values())
     return {
-        "size": size, "samples_by_dataset": samples_by_dataset, "schedule": settings.schedule, "steps": result.steps,
+        "size": size, "samples_by_dataset": dict(samples_by_dataset), "schedule": settings.schedule, "steps": result.steps,
         "step_cap": result.step_cap, "samples_seen": result.samples_seen, "epochs": result.samples_seen / size,
         "best_step": result.best_step, "best_accept_length": result.best_accept_length,
         "converged": result.converged, "stopped": result.stopped, "improved_step": result.improved_step,
