@@ -46,12 +46,28 @@ from eaglekit.capture.shards import INDEX_FILE
 # Shapes for random-weight stand-ins where the real checkpoint cannot travel (a GPU machine with no hub):
 # throughput, memory and bytes per token depend on the shapes, not on the weights.
 RANDOM_SHAPES = {
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
-                         rope_theta=100000.0),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072,
-                         rope_theta=500000.0),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+    ),
+    "llama-3.1-8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -64,20 +80,26 @@ def build_model(arguments: argparse.Namespace) -> tuple[torch.nn.Module, str]:
 
     torch.manual_seed(arguments.seed)
     with torch.device(arguments.device):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**RANDOM_SHAPES[arguments.random_like]), dtype=dtype)
+        model = AutoModelForCausalLM.from_config(
+            LlamaConfig(**RANDOM_SHAPES[arguments.random_like]), dtype=dtype
+        )
     model.eval()
     model.requires_grad_(False)
     return model, f"random weights shaped like {arguments.random_like}"
 
 
-def make_samples(count: int, min_length: int, max_length: int, vocab_size: int, seed: int) -> list[TokenizedSample]:
+def make_samples(
+    count: int, min_length: int, max_length: int, vocab_size: int, seed: int
+) -> list[TokenizedSample]:
     generator = random.Random(seed)
     samples = []
     for number in range(count):
         length = generator.randint(min_length, max_length)
         input_ids = [generator.randrange(vocab_size) for _ in range(length)]
         loss_mask = [int(position >= length // 3) for position in range(length)]
-        samples.append(TokenizedSample(f"bench-{number}", "bench", input_ids, loss_mask, "memory", number + 1, length))
+        samples.append(
+            TokenizedSample(f"bench-{number}", "bench", input_ids, loss_mask, "memory", number + 1, length)
+        )
     return samples
 
 
@@ -91,8 +113,11 @@ def padded_inputs(samples: list[TokenizedSample], device: torch.device) -> dict[
         attention_mask[row, : len(sample.input_ids)] = 1
     position_ids = torch.arange(padded_length).unsqueeze(0).expand(len(samples), -1)
     has_padding = bool((attention_mask == 0).any())
-    return {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device) if has_padding else None,
-            "position_ids": position_ids.to(device)}
+    return {
+        "input_ids": input_ids.to(device),
+        "attention_mask": attention_mask.to(device) if has_padding else None,
+        "position_ids": position_ids.to(device),
+    }
 
 
 def synchronize(device: str) -> None:
@@ -100,13 +125,19 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_output_hidden_states(model: torch.nn.Module, samples: list[TokenizedSample], layer_ids: list[int]) -> None:
+def run_output_hidden_states(
+    model: torch.nn.Module, samples: list[TokenizedSample], layer_ids: list[int]
+) -> None:
     """The usual alternative: ask for every layer's output, keep three plus the final state."""
     base_model = base_model_of(model)
     inputs = padded_inputs(samples, base_model.get_input_embeddings().weight.device)
     with torch.inference_mode():
         outputs = base_model(**inputs, use_cache=False, output_hidden_states=True)
-        aux = torch.cat([outputs.hidden_states[layer_id] for layer_id in layer_ids], dim=-1).to(torch.bfloat16).cpu()
+        aux = (
+            torch.cat([outputs.hidden_states[layer_id] for layer_id in layer_ids], dim=-1)
+            .to(torch.bfloat16)
+            .cpu()
+        )
         final = outputs.last_hidden_state.to(torch.bfloat16).cpu()
     del aux, final
 
@@ -122,9 +153,13 @@ def resident_bytes(field: str) -> int:
 def memory_probe(arguments: argparse.Namespace) -> None:
     """Subprocess body: load, build the batch, reset the peak, run one approach, print the peak delta."""
     model, _ = build_model(arguments)
-    samples = make_samples(arguments.samples, arguments.min_length, arguments.max_length, model.config.vocab_size, arguments.seed)
-    batch = max(plan_batches([len(s.input_ids) for s in samples], arguments.max_tokens_per_batch),
-                key=lambda positions: len(positions) * max(len(samples[p].input_ids) for p in positions))
+    samples = make_samples(
+        arguments.samples, arguments.min_length, arguments.max_length, model.config.vocab_size, arguments.seed
+    )
+    batch = max(
+        plan_batches([len(s.input_ids) for s in samples], arguments.max_tokens_per_batch),
+        key=lambda positions: len(positions) * max(len(samples[p].input_ids) for p in positions),
+    )
     batch_samples = [samples[position] for position in batch]
     layer_ids = default_capture_layer_ids(model.config.num_hidden_layers)
     # Warm-up on one short sample: the weights are mmapped from safetensors and only become resident
@@ -179,36 +214,61 @@ def print_storage_plan(params_path: str, tokens_per_sample: float) -> None:
     sizes, heldout = params.training.data_sizes, params.training.heldout_size
     total = heldout + sizes[-1]
     tokens = min(tokens_per_sample, capture_length(params))
-    print(f"{params_path}: {layers} layers, hidden {hidden}; capture.engine {params.capture.engine} "
-          f"(TP{params.capture.tensor_parallel}, DP{params.capture.data_parallel}); {total:,} samples x {tokens:,.0f} tokens "
-          f"(capture stops at {capture_length(params):,} = min(capture.max_seq_len, training.max_length))")
+    print(
+        f"{params_path}: {layers} layers, hidden {hidden}; capture.engine {params.capture.engine} "
+        f"(TP{params.capture.tensor_parallel}, DP{params.capture.data_parallel}); {total:,} samples x {tokens:,.0f} tokens "
+        f"(capture stops at {capture_length(params):,} = min(capture.max_seq_len, training.max_length))"
+    )
     for dtype in ("bf16", "fp8"):
-        print(f"  {dtype}: {stored_bytes_per_token(hidden, dtype):,} B/token "
-              f"(features {stored_bytes_per_token(hidden, dtype) - 9:,} + id and mask 9)")
+        print(
+            f"  {dtype}: {stored_bytes_per_token(hidden, dtype):,} B/token "
+            f"(features {stored_bytes_per_token(hidden, dtype) - 9:,} + id and mask 9)"
+        )
         for row in planned_slice_bytes(sizes, heldout, total, tokens, hidden, dtype):
             label = f"size {row['size']:>7,}" if row["size"] is not None else "untrained   "
-            print(f"    slice {label}: {row['samples']:>7,} samples {row['tokens'] / 1e6:>9,.1f} M tokens "
-                  f"{row['bytes'] / 1e12:7.2f} TB  (disk holds {row['cumulative_bytes'] / 1e12:7.2f} TB once it is in)")
+            print(
+                f"    slice {label}: {row['samples']:>7,} samples {row['tokens'] / 1e6:>9,.1f} M tokens "
+                f"{row['bytes'] / 1e12:7.2f} TB  (disk holds {row['cumulative_bytes'] / 1e12:7.2f} TB once it is in)"
+            )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2-135M)")
-    parser.add_argument("--random-like", choices=sorted(RANDOM_SHAPES), default=None,
-                        help="random weights of this shape instead of --model (for machines without the checkpoint)")
+    parser.add_argument(
+        "--random-like",
+        choices=sorted(RANDOM_SHAPES),
+        default=None,
+        help="random weights of this shape instead of --model (for machines without the checkpoint)",
+    )
     parser.add_argument("--samples", type=int, default=6)
     parser.add_argument("--min-length", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--max-tokens-per-batch", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2, help="timed passes per approach, interleaved; the median is reported")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="timed passes per approach, interleaved; the median is reported",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--memory-probe", choices=["hooks", "output_hidden_states"], help=argparse.SUPPRESS)
-    parser.add_argument("--storage-plan", metavar="PARAMS", help="print the per-slice bytes of a params file's run "
-                        "(bf16 and fp8, from --tokens-per-sample) and exit; e.g. params/kimi_k25_big_run.yaml")
-    parser.add_argument("--tokens-per-sample", type=float, default=8192.0,
-                        help="mean captured tokens per sample for --storage-plan (the seed run: ~720M tokens / 87,800 samples)")
+    parser.add_argument(
+        "--storage-plan",
+        metavar="PARAMS",
+        help="print the per-slice bytes of a params file's run "
+        "(bf16 and fp8, from --tokens-per-sample) and exit; e.g. params/kimi_k25_big_run.yaml",
+    )
+    parser.add_argument(
+        "--tokens-per-sample",
+        type=float,
+        default=8192.0,
+        help="mean captured tokens per sample for --storage-plan (the seed run: ~720M tokens / 87,800 samples)",
+    )
     arguments = parser.parse_args()
     if arguments.storage_plan:
         print_storage_plan(arguments.storage_plan, arguments.tokens_per_sample)
@@ -226,15 +286,24 @@ def main() -> None:
     model, description = build_model(arguments)
     hidden_size = model.config.hidden_size
     layer_ids = default_capture_layer_ids(model.config.num_hidden_layers)
-    samples = make_samples(arguments.samples, arguments.min_length, arguments.max_length, model.config.vocab_size, arguments.seed)
-    batches = [[samples[p] for p in batch] for batch in plan_batches([len(s.input_ids) for s in samples], arguments.max_tokens_per_batch)]
+    samples = make_samples(
+        arguments.samples, arguments.min_length, arguments.max_length, model.config.vocab_size, arguments.seed
+    )
+    batches = [
+        [samples[p] for p in batch]
+        for batch in plan_batches([len(s.input_ids) for s in samples], arguments.max_tokens_per_batch)
+    ]
     tokens = sum(len(sample.input_ids) for sample in samples)
     padded = sum(len(batch) * max(len(s.input_ids) for s in batch) for batch in batches)
     base_model = base_model_of(model)
     device = base_model.get_input_embeddings().weight.device
-    print(f"model {description} ({model.config.num_hidden_layers} layers, H={hidden_size}), {arguments.device} {arguments.dtype}, "
-          f"torch threads {torch.get_num_threads()}, capture layers {layer_ids}")
-    print(f"{len(samples)} samples, {tokens} tokens in {len(batches)} batches ({padded} padded tokens, budget {arguments.max_tokens_per_batch})")
+    print(
+        f"model {description} ({model.config.num_hidden_layers} layers, H={hidden_size}), {arguments.device} {arguments.dtype}, "
+        f"torch threads {torch.get_num_threads()}, capture layers {layer_ids}"
+    )
+    print(
+        f"{len(samples)} samples, {tokens} tokens in {len(batches)} batches ({padded} padded tokens, budget {arguments.max_tokens_per_batch})"
+    )
 
     def plain_decoder_forward() -> None:
         with torch.inference_mode():
@@ -250,8 +319,11 @@ def main() -> None:
         for _ in capture_batches(model, batches, layer_ids):
             pass
 
-    approaches = {"plain decoder forward": plain_decoder_forward, "hook capture": hook_capture,
-                  "plain CausalLM forward (lm_head over vocab)": plain_causal_lm_forward}
+    approaches = {
+        "plain decoder forward": plain_decoder_forward,
+        "hook capture": hook_capture,
+        "plain CausalLM forward (lm_head over vocab)": plain_causal_lm_forward,
+    }
     hook_capture()  # warm-up: first-call allocations and lazy initialization
     seconds: dict[str, list[float]] = {name: [] for name in approaches}
     cpu_seconds: dict[str, list[float]] = {name: [] for name in approaches}
@@ -266,41 +338,77 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in seconds.items()}
     cpu_median = {name: statistics.median(values) for name, values in cpu_seconds.items()}
     for name, value in median.items():
-        print(f"throughput {name:45s} {tokens / value:9.1f} tokens/s wall (median of {arguments.repeats}: {value:.2f}s wall, "
-              f"{cpu_median[name]:.2f}s process CPU)")
+        print(
+            f"throughput {name:45s} {tokens / value:9.1f} tokens/s wall (median of {arguments.repeats}: {value:.2f}s wall, "
+            f"{cpu_median[name]:.2f}s process CPU)"
+        )
     plain, lm_head = "plain decoder forward", "plain CausalLM forward (lm_head over vocab)"
     # On a shared CPU, wall time depends on the neighbours; process CPU time counts this process's work only.
-    print(f"throughput ratio hook capture / plain decoder forward = {median[plain] / median['hook capture']:.3f} wall, "
-          f"{cpu_median[plain] / cpu_median['hook capture']:.3f} CPU time (goal >= 0.9)")
-    print(f"throughput ratio hook capture / plain CausalLM forward = {median[lm_head] / median['hook capture']:.3f} wall, "
-          f"{cpu_median[lm_head] / cpu_median['hook capture']:.3f} CPU time")
+    print(
+        f"throughput ratio hook capture / plain decoder forward = {median[plain] / median['hook capture']:.3f} wall, "
+        f"{cpu_median[plain] / cpu_median['hook capture']:.3f} CPU time (goal >= 0.9)"
+    )
+    print(
+        f"throughput ratio hook capture / plain CausalLM forward = {median[lm_head] / median['hook capture']:.3f} wall, "
+        f"{cpu_median[lm_head] / cpu_median['hook capture']:.3f} CPU time"
+    )
 
     memory = {approach: measure_memory(arguments, approach) for approach in ("hooks", "output_hidden_states")}
-    how = "peak CUDA allocated" if arguments.device.startswith("cuda") else "peak RSS (VmHWM after clear_refs) in a fresh process"
+    how = (
+        "peak CUDA allocated"
+        if arguments.device.startswith("cuda")
+        else "peak RSS (VmHWM after clear_refs) in a fresh process"
+    )
     for approach, result in memory.items():
-        print(f"memory {approach:22s} {result['peak_bytes'] / 2**20:8.1f} MiB over the loaded model, one batch of "
-              f"{result['tokens']} tokens ({result['padded_tokens']} padded); {how}")
-    print(f"memory ratio hooks / output_hidden_states = {memory['hooks']['peak_bytes'] / max(memory['output_hidden_states']['peak_bytes'], 1):.3f}")
+        print(
+            f"memory {approach:22s} {result['peak_bytes'] / 2**20:8.1f} MiB over the loaded model, one batch of "
+            f"{result['tokens']} tokens ({result['padded_tokens']} padded); {how}"
+        )
+    print(
+        f"memory ratio hooks / output_hidden_states = {memory['hooks']['peak_bytes'] / max(memory['output_hidden_states']['peak_bytes'], 1):.3f}"
+    )
 
     with tempfile.TemporaryDirectory() as folder:
         folder_path = Path(folder)
         data_path = folder_path / "tokenized_data.jsonl"
         with open(data_path, "w") as handle:
             for sample in samples:
-                handle.write(json.dumps({"id": sample.id, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask,
-                                         "source": "bench", "meta": {}}) + "\n")
+                handle.write(
+                    json.dumps(
+                        {
+                            "id": sample.id,
+                            "input_ids": sample.input_ids,
+                            "loss_mask": sample.loss_mask,
+                            "source": "bench",
+                            "meta": {},
+                        }
+                    )
+                    + "\n"
+                )
         started = time.perf_counter()
-        report = capture_to_shards(model, {"bench": data_path}, folder_path / "shards", model_name=description,
-                                   max_seq_len=arguments.max_length, max_tokens_per_batch=arguments.max_tokens_per_batch,
-                                   progress=False)
+        report = capture_to_shards(
+            model,
+            {"bench": data_path},
+            folder_path / "shards",
+            model_name=description,
+            max_seq_len=arguments.max_length,
+            max_tokens_per_batch=arguments.max_tokens_per_batch,
+            progress=False,
+        )
         elapsed = time.perf_counter() - started
-        shard_bytes = sum(path.stat().st_size for path in (folder_path / "shards").glob("shard-*.safetensors"))
+        shard_bytes = sum(
+            path.stat().st_size for path in (folder_path / "shards").glob("shard-*.safetensors")
+        )
         index_bytes = (folder_path / "shards" / INDEX_FILE).stat().st_size
     formula = hidden_state_bytes_per_token(hidden_size, dtype_bytes=2)
-    print(f"end-to-end capture_to_shards: {report.captured_tokens / elapsed:.1f} tokens/s ({report.shards_written} shards, {elapsed:.2f}s)")
-    print(f"bytes per stored token: shards {shard_bytes / report.captured_tokens:.1f} B vs formula 4H x 2 = {formula} B "
-          f"(ratio {shard_bytes / report.captured_tokens / formula:.4f}; +9 B/token int64 id and uint8 mask, + safetensors header); "
-          f"index.json adds {index_bytes / report.captured_tokens:.1f} B/token")
+    print(
+        f"end-to-end capture_to_shards: {report.captured_tokens / elapsed:.1f} tokens/s ({report.shards_written} shards, {elapsed:.2f}s)"
+    )
+    print(
+        f"bytes per stored token: shards {shard_bytes / report.captured_tokens:.1f} B vs formula 4H x 2 = {formula} B "
+        f"(ratio {shard_bytes / report.captured_tokens / formula:.4f}; +9 B/token int64 id and uint8 mask, + safetensors header); "
+        f"index.json adds {index_bytes / report.captured_tokens:.1f} B/token"
+    )
 
 
 if __name__ == "__main__":

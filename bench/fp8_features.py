@@ -44,10 +44,12 @@ WORDS = ["hello", "thank you", "good night", "water", "friend", "book", "house",
 
 def questions(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    makers = [lambda: f"What is {rng.randint(2, 99)} plus {rng.randint(2, 99)}?",
-              lambda: f"Name three kinds of {rng.choice(THINGS)}.",
-              lambda: f"How do you say '{rng.choice(WORDS)}' in {rng.choice(['French', 'Spanish', 'German'])}?",
-              lambda: f"Give one fact about the {rng.choice(THINGS)} you like most."]
+    makers = [
+        lambda: f"What is {rng.randint(2, 99)} plus {rng.randint(2, 99)}?",
+        lambda: f"Name three kinds of {rng.choice(THINGS)}.",
+        lambda: f"How do you say '{rng.choice(WORDS)}' in {rng.choice(['French', 'Spanish', 'German'])}?",
+        lambda: f"Give one fact about the {rng.choice(THINGS)} you like most.",
+    ]
     return [makers[index % len(makers)]() for index in range(count)]
 
 
@@ -59,23 +61,45 @@ def captured_samples(model_dir: Path, prompts: list[str], max_new_tokens: int) -
     layers = [2, target.config.num_hidden_layers // 2, target.config.num_hidden_layers - 3]
     samples = []
     for index, question in enumerate(prompts):
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)["input_ids"]
-        sequence = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                                   do_sample=False, pad_token_id=tokenizer.eos_token_id)[0]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+        sequence = target.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )[0]
         hidden = target(sequence[None], output_hidden_states=True).hidden_states
         loss_mask = torch.zeros_like(sequence)
-        loss_mask[prompt.shape[1]:] = 1
-        samples.append({"id": f"q{index}", "dataset": "synthetic", "input_ids": sequence, "loss_mask": loss_mask,
-                        "aux_hidden_states": torch.cat([hidden[i][0] for i in layers], dim=-1).to(torch.bfloat16),
-                        "final_hidden_states": target.model.norm(hidden[-1][0]).to(torch.bfloat16)})
+        loss_mask[prompt.shape[1] :] = 1
+        samples.append(
+            {
+                "id": f"q{index}",
+                "dataset": "synthetic",
+                "input_ids": sequence,
+                "loss_mask": loss_mask,
+                "aux_hidden_states": torch.cat([hidden[i][0] for i in layers], dim=-1).to(torch.bfloat16),
+                "final_hidden_states": target.model.norm(hidden[-1][0]).to(torch.bfloat16),
+            }
+        )
     return samples
 
 
 def as_fp8(samples: list[dict]) -> list[dict]:
     """The same samples through the shard format's fp8 codec (what a `feature_dtype: fp8` capture reads back)."""
-    return [{**sample, "aux_hidden_states": decode_fp8(*encode_fp8(sample["aux_hidden_states"], 3)),
-             "final_hidden_states": decode_fp8(*encode_fp8(sample["final_hidden_states"], 1))} for sample in samples]
+    return [
+        {
+            **sample,
+            "aux_hidden_states": decode_fp8(*encode_fp8(sample["aux_hidden_states"], 3)),
+            "final_hidden_states": decode_fp8(*encode_fp8(sample["final_hidden_states"], 1)),
+        }
+        for sample in samples
+    ]
 
 
 def per_sample_chain(draft, target_lm_head: torch.Tensor, heldout: list[dict], steps: int) -> np.ndarray:
@@ -106,19 +130,35 @@ def main() -> int:
     formats = {"bf16": bf16, "fp8": as_fp8(bf16)}
     head = load_target_head_weights(model_dir)
     vocab = select_draft_vocab(count_generated_tokens(bf16, head.config.vocab_size), 2048)
-    settings = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=10, schedule="equal_steps",
-                             max_steps=args.steps, micro_batch_size=4, grad_accumulation_steps=1, eval_interval=args.steps,
-                             max_length=256, decay_steps=0, prefetch_steps=0)
+    settings = TrainSettings(
+        ttt_steps=3,
+        learning_rate=3e-3,
+        min_learning_rate=3e-4,
+        warmup_steps=10,
+        schedule="equal_steps",
+        max_steps=args.steps,
+        micro_batch_size=4,
+        grad_accumulation_steps=1,
+        eval_interval=args.steps,
+        max_length=256,
+        decay_steps=0,
+        prefetch_steps=0,
+    )
     drafts = {}
     with tempfile.TemporaryDirectory() as folder:
         for name, samples in formats.items():
             draft = build_draft_from_target(head, vocab.d2t, vocab.t2d, seed=0)
-            train, heldout = samples[args.heldout:], samples[:args.heldout]
-            result = train_draft(draft, head.lm_head, train, heldout, Path(folder) / name, settings, target_cache=False)
+            train, heldout = samples[args.heldout :], samples[: args.heldout]
+            result = train_draft(
+                draft, head.lm_head, train, heldout, Path(folder) / name, settings, target_cache=False
+            )
             load_draft_weights(draft, load_checkpoint(result.best_checkpoint))
             drafts[name] = draft.eval()
-    rows = {(trained, scored): per_sample_chain(drafts[trained], head.lm_head, formats[scored][:args.heldout], 3)
-            for trained in formats for scored in formats}
+    rows = {
+        (trained, scored): per_sample_chain(drafts[trained], head.lm_head, formats[scored][: args.heldout], 3)
+        for trained in formats
+        for scored in formats
+    }
     rng = np.random.default_rng(0)
     picks = rng.integers(0, args.heldout, size=(args.resamples, args.heldout))
 
@@ -126,16 +166,22 @@ def main() -> int:
         values = np.array([tau(rows[left][pick]) - tau(rows[right][pick]) for pick in picks])
         return tau(rows[left]) - tau(rows[right]), *np.percentile(values, [2.5, 97.5])
 
-    print(f"embedded SmolLM2, {args.prompts - args.heldout} training / {args.heldout} held-out samples x "
-          f"{args.max_new_tokens} tokens, {args.steps} steps, chain 3, draft vocab 2048 ({time.perf_counter() - started:.0f} s)")
+    print(
+        f"embedded SmolLM2, {args.prompts - args.heldout} training / {args.heldout} held-out samples x "
+        f"{args.max_new_tokens} tokens, {args.steps} steps, chain 3, draft vocab 2048 ({time.perf_counter() - started:.0f} s)"
+    )
     print("| trained on | scored on | held-out tau |")
     print("|---|---|---|")
     for (trained, scored), value in rows.items():
         print(f"| {trained} | {scored} | {tau(value):.4f} |")
-    for label, left, right in (("fp8 pipeline - bf16 pipeline", ("fp8", "fp8"), ("bf16", "bf16")),
-                               ("bf16 draft: fp8 - bf16 features", ("bf16", "fp8"), ("bf16", "bf16"))):
+    for label, left, right in (
+        ("fp8 pipeline - bf16 pipeline", ("fp8", "fp8"), ("bf16", "bf16")),
+        ("bf16 draft: fp8 - bf16 features", ("bf16", "fp8"), ("bf16", "bf16")),
+    ):
         point, low, high = difference(left, right)
-        print(f"{label}: {point:+.4f} [{low:+.4f}, {high:+.4f}] (95%, paired bootstrap over held-out samples)")
+        print(
+            f"{label}: {point:+.4f} [{low:+.4f}, {high:+.4f}] (95%, paired bootstrap over held-out samples)"
+        )
     return 0
 
 

@@ -48,18 +48,40 @@ class SlowSamples(Sequence):
     def __getitem__(self, position: int) -> dict:  # type: ignore[override]
         time.sleep(self.seconds)
         sample = self.samples[position]
-        return {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in sample.items()}
+        return {
+            key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in sample.items()
+        }
 
 
-def train_step(model: Eagle3DraftModel, head: torch.Tensor, samples: list[dict], pack_tokens: int, max_length: int, ttt_steps: int) -> float:
+def train_step(
+    model: Eagle3DraftModel,
+    head: torch.Tensor,
+    samples: list[dict],
+    pack_tokens: int,
+    max_length: int,
+    ttt_steps: int,
+) -> float:
     model.zero_grad(set_to_none=True)
     loss_total = 0.0
     packs = packed_micro_batches(samples, pack_tokens, max_length)
     eligible = [eligible_rows(batch, ttt_steps) for batch in packs]
     counts = torch.stack([rows.sum(dim=(1, 2)) for rows in eligible]).sum(0).float()
     for batch, rows in zip(packs, eligible):
-        targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, lengths=batch.lengths.tolist())
-        states = model(batch.input_ids, batch.aux_hidden_states, ttt_steps, batch.position_ids, batch.document_ids, return_normed_states=True)
+        targets = target_signals(
+            batch.final_hidden_states,
+            head,
+            model.draft_to_target_ids(),
+            model.t2d,
+            lengths=batch.lengths.tolist(),
+        )
+        states = model(
+            batch.input_ids,
+            batch.aux_hidden_states,
+            ttt_steps,
+            batch.position_ids,
+            batch.document_ids,
+            return_normed_states=True,
+        )
         loss, _ = chunked_ttt_loss(model, states, targets, rows, counts, 0.8)
         loss.backward()
         loss_total += float(loss.detach())
@@ -67,7 +89,9 @@ def train_step(model: Eagle3DraftModel, head: torch.Tensor, samples: list[dict],
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="smollm2")
     parser.add_argument("--draft-vocab", type=int, default=8_000)
     parser.add_argument("--samples", type=int, default=4, help="samples per step")
@@ -77,19 +101,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per timed round")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--depth", type=int, default=2)
-    parser.add_argument("--read-ms", type=float, default=None, help="simulated read per sample (default: step compute / samples)")
+    parser.add_argument(
+        "--read-ms",
+        type=float,
+        default=None,
+        help="simulated read per sample (default: step compute / samples)",
+    )
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     shape = PRESETS[args.preset]
-    config = DraftConfig(hidden_size=shape["hidden"], intermediate_size=shape["intermediate"], num_attention_heads=shape["heads"],
-                         num_key_value_heads=shape["kv_heads"], head_dim=shape["head_dim"], vocab_size=shape["vocab"],
-                         draft_vocab_size=args.draft_vocab, max_position_embeddings=8192, rms_norm_eps=1e-5)
+    config = DraftConfig(
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        vocab_size=shape["vocab"],
+        draft_vocab_size=args.draft_vocab,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(0)
     model = Eagle3DraftModel(config)
     model.attention_backend = "eager"
-    model.set_draft_vocab(torch.zeros(args.draft_vocab, dtype=torch.int64), torch.arange(config.vocab_size) < args.draft_vocab)
+    model.set_draft_vocab(
+        torch.zeros(args.draft_vocab, dtype=torch.int64), torch.arange(config.vocab_size) < args.draft_vocab
+    )
     head = torch.randn(config.vocab_size, config.hidden_size) * config.hidden_size**-0.5
     pool = make_samples(args.samples * args.steps, args.max_length, config, seed=0)
     step = lambda samples: train_step(model, head, samples, args.pack_tokens, args.max_length, args.ttt_steps)
@@ -102,9 +141,11 @@ def main() -> None:
     read_seconds = (args.read_ms / 1e3) if args.read_ms is not None else compute / args.samples
     reader = SlowSamples(pool, read_seconds)
     read_step = lambda index: [reader[index * args.samples + slot] for slot in range(args.samples)]
-    print(f"{args.preset}-shaped draft H={config.hidden_size}, {args.samples} samples/step (<= {args.max_length} tokens), "
-          f"{torch.get_num_threads()} torch threads; compute alone {compute * 1e3:.0f} ms/step; simulated read "
-          f"{read_seconds * 1e3:.0f} ms/sample ({read_seconds * args.samples * 1e3:.0f} ms/step; the capture here is in memory)")
+    print(
+        f"{args.preset}-shaped draft H={config.hidden_size}, {args.samples} samples/step (<= {args.max_length} tokens), "
+        f"{torch.get_num_threads()} torch threads; compute alone {compute * 1e3:.0f} ms/step; simulated read "
+        f"{read_seconds * 1e3:.0f} ms/sample ({read_seconds * args.samples * 1e3:.0f} ms/step; the capture here is in memory)"
+    )
 
     timings: dict[str, list[float]] = {"synchronous": [], f"prefetch depth {args.depth}": []}
     losses: dict[str, list[float]] = {name: [] for name in timings}
@@ -118,10 +159,14 @@ def main() -> None:
     synchronous = statistics.median(timings["synchronous"])
     for name, seconds in timings.items():
         median = statistics.median(seconds)
-        print(f"{name:20s} {median * 1e3:8.0f} ms/step ({min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f})  {synchronous / median:5.2f}x")
+        print(
+            f"{name:20s} {median * 1e3:8.0f} ms/step ({min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f})  {synchronous / median:5.2f}x"
+        )
     same = losses["synchronous"] == losses[f"prefetch depth {args.depth}"]
-    print(f"same losses with and without prefetch: {'yes' if same else 'NO'}; ideal overlap: "
-          f"{(compute + read_seconds * args.samples) / max(compute, read_seconds * args.samples):.2f}x")
+    print(
+        f"same losses with and without prefetch: {'yes' if same else 'NO'}; ideal overlap: "
+        f"{(compute + read_seconds * args.samples) / max(compute, read_seconds * args.samples):.2f}x"
+    )
 
 
 if __name__ == "__main__":

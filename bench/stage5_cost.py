@@ -34,8 +34,16 @@ from eaglekit.draft.model import build_draft_from_target, load_target_head_weigh
 from eaglekit.draft.head_loss import chunked_ttt_loss
 from eaglekit.target import resolve_model, target_layout
 from eaglekit.capture.shards import ShardDataset
-from eaglekit.training import (IndexedSubset, TargetArgmaxCache, TrainSettings, collate, eligible_rows, per_position_agreement,
-                               target_signals, train_draft)
+from eaglekit.training import (
+    IndexedSubset,
+    TargetArgmaxCache,
+    TrainSettings,
+    collate,
+    eligible_rows,
+    per_position_agreement,
+    target_signals,
+    train_draft,
+)
 from eaglekit.draft.vocab import count_generated_tokens, select_draft_vocab
 
 
@@ -58,7 +66,9 @@ class Timer:
         return Part()
 
 
-def training_step(model, optimizer, head, samples, settings: TrainSettings, cache: TargetArgmaxCache | None, draft_head) -> tuple[dict, float]:
+def training_step(
+    model, optimizer, head, samples, settings: TrainSettings, cache: TargetArgmaxCache | None, draft_head
+) -> tuple[dict, float]:
     """train_draft's step for one padded micro-batch, part by part (same calls, same order)."""
     timer = Timer()
     batch = collate(samples, settings.max_length)
@@ -67,11 +77,24 @@ def training_step(model, optimizer, head, samples, settings: TrainSettings, cach
     lengths = batch.lengths.tolist()
     with timer("teacher"):
         known = cache.batch_argmax(samples, settings.max_length) if cache is not None else None
-        targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, lengths=lengths,
-                                 target_argmax=known, draft_lm_head=draft_head if cache is not None else None)
+        targets = target_signals(
+            batch.final_hidden_states,
+            head,
+            model.draft_to_target_ids(),
+            model.t2d,
+            lengths=lengths,
+            target_argmax=known,
+            draft_lm_head=draft_head if cache is not None else None,
+        )
     with timer("draft forward"):
-        states = model(batch.input_ids, batch.aux_hidden_states, settings.ttt_steps, batch.position_ids, batch.document_ids,
-                       return_normed_states=True)
+        states = model(
+            batch.input_ids,
+            batch.aux_hidden_states,
+            settings.ttt_steps,
+            batch.position_ids,
+            batch.document_ids,
+            return_normed_states=True,
+        )
     with timer("loss (chunked head)"):
         loss, _ = chunked_ttt_loss(model, states, targets, rows, counts, settings.step_weight)
     with timer("backward"):
@@ -100,7 +123,9 @@ def agreement_before(model, head, heldout, settings: TrainSettings) -> list[np.n
         for step, logits in enumerate(step_logits):
             rows = length - 1 - step
             if rows > 0:
-                agree[step, :, :rows] = draft_to_target[logits[:, :rows].argmax(-1)] == target_argmax[:, 1 + step :]
+                agree[step, :, :rows] = (
+                    draft_to_target[logits[:, :rows].argmax(-1)] == target_argmax[:, 1 + step :]
+                )
         complete = eligible.all(dim=0)
         for row in range(len(chunk)):
             start_rows = torch.nonzero(complete[row]).flatten()
@@ -109,23 +134,41 @@ def agreement_before(model, head, heldout, settings: TrainSettings) -> list[np.n
     return results
 
 
-def evaluation(model, head, heldout, settings: TrainSettings, cache: TargetArgmaxCache | None) -> tuple[dict, list[np.ndarray]]:
+def evaluation(
+    model, head, heldout, settings: TrainSettings, cache: TargetArgmaxCache | None
+) -> tuple[dict, list[np.ndarray]]:
     """One held-out evaluation (before: the old code; after: the kit with the cache), and the target argmax alone."""
     timer = Timer()
     with timer("target argmax"):
         if cache is None:
             for start in range(0, len(heldout), settings.micro_batch_size):
-                batch = collate([heldout[i] for i in range(start, min(start + settings.micro_batch_size, len(heldout)))], settings.max_length)
+                batch = collate(
+                    [heldout[i] for i in range(start, min(start + settings.micro_batch_size, len(heldout)))],
+                    settings.max_length,
+                )
                 (batch.final_hidden_states.float() @ head.T).argmax(-1)
         else:
             for start in range(0, len(heldout), settings.micro_batch_size):
-                cache.batch_argmax([heldout[i] for i in range(start, min(start + settings.micro_batch_size, len(heldout)))], settings.max_length)
+                cache.batch_argmax(
+                    [heldout[i] for i in range(start, min(start + settings.micro_batch_size, len(heldout)))],
+                    settings.max_length,
+                )
     with timer("whole evaluation"):
         if cache is None:
             agreements = agreement_before(model, head, heldout, settings)
         else:
-            agreements = [sample.agreement for sample in per_position_agreement(
-                model, head, heldout, settings.ttt_steps, settings.max_length, settings.micro_batch_size, target_cache=cache)]
+            agreements = [
+                sample.agreement
+                for sample in per_position_agreement(
+                    model,
+                    head,
+                    heldout,
+                    settings.ttt_steps,
+                    settings.max_length,
+                    settings.micro_batch_size,
+                    target_cache=cache,
+                )
+            ]
     return timer.parts, agreements
 
 
@@ -134,8 +177,12 @@ def uptime() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--run-dir", required=True, help="a run folder whose capture/ holds shards (read only)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--run-dir", required=True, help="a run folder whose capture/ holds shards (read only)"
+    )
     parser.add_argument("--target", default="embedded:smollm2-135m-instruct")
     parser.add_argument("--draft-vocab", type=int, default=8192)
     parser.add_argument("--ttt-steps", type=int, default=3)
@@ -152,19 +199,34 @@ def main() -> None:
     print(f"before: {uptime()}; torch threads {torch.get_num_threads()}")
 
     samples = ShardDataset(Path(args.run_dir) / "capture")
-    target = load_target_head_weights(target_layout(resolve_model(args.target)))  # any target, a multimodal wrapper too
+    target = load_target_head_weights(
+        target_layout(resolve_model(args.target))
+    )  # any target, a multimodal wrapper too
     head = target.lm_head.float()  # (V, H)
     heldout = IndexedSubset(samples, list(range(args.heldout)))
     train = IndexedSubset(samples, list(range(args.heldout, len(samples))))
-    vocab = select_draft_vocab(count_generated_tokens((train[i] for i in range(len(train))), head.shape[0]), args.draft_vocab)
+    vocab = select_draft_vocab(
+        count_generated_tokens((train[i] for i in range(len(train))), head.shape[0]), args.draft_vocab
+    )
     build = lambda: build_draft_from_target(target, vocab.d2t, vocab.t2d, seed=0)
-    settings = TrainSettings(ttt_steps=args.ttt_steps, micro_batch_size=args.micro_batch, grad_accumulation_steps=1,
-                             max_length=args.max_length, learning_rate=1e-3, warmup_steps=10, max_steps=args.steps or 1,
-                             eval_interval=args.eval_interval, patience=100, log_interval_s=1e9)
+    settings = TrainSettings(
+        ttt_steps=args.ttt_steps,
+        micro_batch_size=args.micro_batch,
+        grad_accumulation_steps=1,
+        max_length=args.max_length,
+        learning_rate=1e-3,
+        warmup_steps=10,
+        max_steps=args.steps or 1,
+        eval_interval=args.eval_interval,
+        patience=100,
+        log_interval_s=1e9,
+    )
     step_samples = [train[i] for i in range(args.micro_batch)]
     tokens = sum(min(len(s["input_ids"]), args.max_length) for s in step_samples)
-    print(f"V {head.shape[0]:,} H {head.shape[1]}, draft vocab {args.draft_vocab:,}, TTT {args.ttt_steps}; step: {args.micro_batch} samples, "
-          f"{tokens} tokens; held-out: {args.heldout} samples, {sum(min(len(heldout[i]['input_ids']), args.max_length) for i in range(len(heldout)))} tokens")
+    print(
+        f"V {head.shape[0]:,} H {head.shape[1]}, draft vocab {args.draft_vocab:,}, TTT {args.ttt_steps}; step: {args.micro_batch} samples, "
+        f"{tokens} tokens; held-out: {args.heldout} samples, {sum(min(len(heldout[i]['input_ids']), args.max_length) for i in range(len(heldout)))} tokens"
+    )
 
     # 1. Breakdown. Each variant has its own draft and optimizer (same init): the steps train them alike.
     variants = {}
@@ -173,13 +235,40 @@ def main() -> None:
         cache = TargetArgmaxCache(head) if name == "after" else None
         draft_head = head[model.draft_to_target_ids()].contiguous() if cache is not None else None
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        variants[name] = dict(model=model, cache=cache, draft_head=draft_head, optimizer=optimizer, step=[], eval=[], loss=[], agreements=None)
-    for variant in variants.values():  # warmup; fills the cache (the first epoch / first evaluation pays the argmax once)
-        training_step(variant["model"], variant["optimizer"], head, step_samples, settings, variant["cache"], variant["draft_head"])
+        variants[name] = dict(
+            model=model,
+            cache=cache,
+            draft_head=draft_head,
+            optimizer=optimizer,
+            step=[],
+            eval=[],
+            loss=[],
+            agreements=None,
+        )
+    for variant in (
+        variants.values()
+    ):  # warmup; fills the cache (the first epoch / first evaluation pays the argmax once)
+        training_step(
+            variant["model"],
+            variant["optimizer"],
+            head,
+            step_samples,
+            settings,
+            variant["cache"],
+            variant["draft_head"],
+        )
         evaluation(variant["model"], head, heldout, settings, variant["cache"])
     for _ in range(args.repeats):
         for variant in variants.values():
-            parts, loss = training_step(variant["model"], variant["optimizer"], head, step_samples, settings, variant["cache"], variant["draft_head"])
+            parts, loss = training_step(
+                variant["model"],
+                variant["optimizer"],
+                head,
+                step_samples,
+                settings,
+                variant["cache"],
+                variant["draft_head"],
+            )
             variant["step"].append(parts)
             variant["loss"].append(loss)
             parts, agreements = evaluation(variant["model"], head, heldout, settings, variant["cache"])
@@ -192,21 +281,33 @@ def main() -> None:
     totals = {}
     for name, variant in variants.items():
         totals[name] = statistics.median(sum(parts.values()) for parts in variant["step"])
-        print(f"{name:12s}" + "".join(f"{median(variant['step'], key):21.3f}" for key in keys) + f"{totals[name]:10.3f}")
-    print(f"step: before / after = {totals['before'] / totals['after']:.2f}x; "
-          f"losses per round before {[round(x, 5) for x in variants['before']['loss']]} after {[round(x, 5) for x in variants['after']['loss']]}")
+        print(
+            f"{name:12s}"
+            + "".join(f"{median(variant['step'], key):21.3f}" for key in keys)
+            + f"{totals[name]:10.3f}"
+        )
+    print(
+        f"step: before / after = {totals['before'] / totals['after']:.2f}x; "
+        f"losses per round before {[round(x, 5) for x in variants['before']['loss']]} after {[round(x, 5) for x in variants['after']['loss']]}"
+    )
     print("\none held-out evaluation, median seconds (target argmax also timed alone):")
     evals = {}
     for name, variant in variants.items():
         evals[name] = median(variant["eval"], "whole evaluation")
-        print(f"{name:12s} whole {evals[name]:7.3f}  target argmax alone {median(variant['eval'], 'target argmax'):7.3f}  "
-              f"({sum(len(a) for a in variant['agreements'])} chain starts)")
+        print(
+            f"{name:12s} whole {evals[name]:7.3f}  target argmax alone {median(variant['eval'], 'target argmax'):7.3f}  "
+            f"({sum(len(a) for a in variant['agreements'])} chain starts)"
+        )
     pairs = list(zip(variants["before"]["agreements"], variants["after"]["agreements"]))
     differing = sum(int((a != b).sum()) if a.shape == b.shape else a.size + b.size for a, b in pairs)
-    print(f"agreement entries that differ, old evaluation code vs the kit with the cache (drafts trained alike): {differing} "
-          f"of {sum(a.size for a, _ in pairs)}")
-    print(f"evaluation: before / after = {evals['before'] / evals['after']:.2f}x; "
-          f"one evaluation = {evals['before'] / totals['before']:.2f} steps before, {evals['after'] / totals['after']:.2f} steps after")
+    print(
+        f"agreement entries that differ, old evaluation code vs the kit with the cache (drafts trained alike): {differing} "
+        f"of {sum(a.size for a, _ in pairs)}"
+    )
+    print(
+        f"evaluation: before / after = {evals['before'] / evals['after']:.2f}x; "
+        f"one evaluation = {evals['before'] / totals['before']:.2f} steps before, {evals['after'] / totals['after']:.2f} steps after"
+    )
 
     # 2. End to end: train_draft with and without the cache, alternating; same metrics expected.
     if args.steps:
@@ -217,19 +318,42 @@ def main() -> None:
                 for name in ("recomputed", "cached"):
                     out = Path(folder) / f"{name}-{round_index}"
                     started = time.perf_counter()
-                    train_draft(build(), head, IndexedSubset(train, list(range(20))), heldout, out, settings, target_cache=name == "cached")
+                    train_draft(
+                        build(),
+                        head,
+                        IndexedSubset(train, list(range(20))),
+                        heldout,
+                        out,
+                        settings,
+                        target_cache=name == "cached",
+                    )
                     seconds[name].append(time.perf_counter() - started)
-                    lines[name] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+                    lines[name] = [
+                        json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+                    ]
         keys_of = lambda line: {k: v for k, v in line.items() if k not in ("seconds",)}
-        loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(lines["recomputed"], lines["cached"]) if a["split"] == "train")
-        tau_diff = max(abs(a["simulated_accept_length"] - b["simulated_accept_length"])
-                       for a, b in zip(lines["recomputed"], lines["cached"]) if a["split"] == "heldout")
-        same_steps = [keys_of(a)["step"] for a in lines["recomputed"]] == [keys_of(b)["step"] for b in lines["cached"]]
+        loss_diff = max(
+            abs(a["loss"] - b["loss"])
+            for a, b in zip(lines["recomputed"], lines["cached"])
+            if a["split"] == "train"
+        )
+        tau_diff = max(
+            abs(a["simulated_accept_length"] - b["simulated_accept_length"])
+            for a, b in zip(lines["recomputed"], lines["cached"])
+            if a["split"] == "heldout"
+        )
+        same_steps = [keys_of(a)["step"] for a in lines["recomputed"]] == [
+            keys_of(b)["step"] for b in lines["cached"]
+        ]
         evaluations = sum(1 for line in lines["cached"] if line["split"] == "heldout")
-        print(f"\ntrain_draft, {args.steps} steps + {evaluations} evaluations (20 training samples), seconds per run "
-              f"recomputed {[round(s, 1) for s in seconds['recomputed']]} cached {[round(s, 1) for s in seconds['cached']]}: "
-              f"{min(seconds['recomputed']) / min(seconds['cached']):.2f}x (best of 2 each)")
-        print(f"same metrics: max |loss diff| {loss_diff:.2e}, max |tau diff| {tau_diff:.2e}, same step lines {same_steps}")
+        print(
+            f"\ntrain_draft, {args.steps} steps + {evaluations} evaluations (20 training samples), seconds per run "
+            f"recomputed {[round(s, 1) for s in seconds['recomputed']]} cached {[round(s, 1) for s in seconds['cached']]}: "
+            f"{min(seconds['recomputed']) / min(seconds['cached']):.2f}x (best of 2 each)"
+        )
+        print(
+            f"same metrics: max |loss diff| {loss_diff:.2e}, max |tau diff| {tau_diff:.2e}, same step lines {same_steps}"
+        )
     print(f"\nafter: {uptime()}")
 
 

@@ -61,16 +61,25 @@ def main() -> int:
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--messages", type=int, default=84)
     parser.add_argument("--templates", default="", help="comma-separated fixture names (default: all)")
-    parser.add_argument("--shape", choices=["chat", "agent"], default="agent",
-                        help="agent: one task then tool rounds (DeepSWE-like); chat: a user turn every few rounds")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per conversation and path; the best counts")
+    parser.add_argument(
+        "--shape",
+        choices=["chat", "agent"],
+        default="agent",
+        help="agent: one task then tool rounds (DeepSWE-like); chat: a user turn every few rounds",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per conversation and path; the best counts"
+    )
     arguments = parser.parse_args()
     try:
         from eaglekit.target import resolve_model
 
         model_dir = resolve_model("embedded:smollm2-135m-instruct")
     except Exception as error:  # the bench needs a real tokenizer; say which and why it is missing
-        print(f"cannot resolve the embedded tokenizer: {error}\ninstall the embedded model (make setup)", file=sys.stderr)
+        print(
+            f"cannot resolve the embedded tokenizer: {error}\ninstall the embedded model (make setup)",
+            file=sys.stderr,
+        )
         return 2
     from test_templates import META, TEMPLATE_KWARGS, conversation, fixture_tokenizer
 
@@ -78,10 +87,14 @@ def main() -> int:
 
     names = [name for name in arguments.templates.split(",") if name] or sorted(META)
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
-    print(f"shape {arguments.shape}, {arguments.conversations} conversations of {arguments.messages} messages per "
-          f"template, best of {arguments.repeats}; load average {load}")
-    print(f"{'template':<18}{'samples/conv':>13}{'fallbacks':>10}{'rejected':>9}{'fast s':>9}{'oracle s':>10}"
-          f"{'ratio':>8}")
+    print(
+        f"shape {arguments.shape}, {arguments.conversations} conversations of {arguments.messages} messages per "
+        f"template, best of {arguments.repeats}; load average {load}"
+    )
+    print(
+        f"{'template':<18}{'samples/conv':>13}{'fallbacks':>10}{'rejected':>9}{'fast s':>9}{'oracle s':>10}"
+        f"{'ratio':>8}"
+    )
     for name in names:
         tokenizer = fixture_tokenizer(model_dir, name)
         kwargs = TEMPLATE_KWARGS.get(name)
@@ -91,7 +104,9 @@ def main() -> int:
         while len(conversations) < arguments.conversations and rejected < 50:
             messages, tools = conversation(name, rng, arguments.messages, agent=arguments.shape == "agent")
             try:
-                tokenize_conversation(tokenizer, messages, tools=tools, template_kwargs=kwargs)  # also warms up
+                tokenize_conversation(
+                    tokenizer, messages, tools=tools, template_kwargs=kwargs
+                )  # also warms up
                 conversations.append((messages, tools))
             except ChatTemplateError:
                 rejected += 1
@@ -99,11 +114,23 @@ def main() -> int:
         samples = fallbacks = 0
         for messages, tools in conversations:
             try:
-                fast, seconds = best_of(arguments.repeats, functools.partial(
-                    tokenize_conversation, tokenizer, messages, tools=tools, template_kwargs=kwargs))
+                fast, seconds = best_of(
+                    arguments.repeats,
+                    functools.partial(
+                        tokenize_conversation, tokenizer, messages, tools=tools, template_kwargs=kwargs
+                    ),
+                )
                 fast_seconds += seconds
-                oracle, seconds = best_of(arguments.repeats, functools.partial(
-                    tokenize_conversation_reference, tokenizer, messages, tools=tools, template_kwargs=kwargs))
+                oracle, seconds = best_of(
+                    arguments.repeats,
+                    functools.partial(
+                        tokenize_conversation_reference,
+                        tokenizer,
+                        messages,
+                        tools=tools,
+                        template_kwargs=kwargs,
+                    ),
+                )
                 oracle_seconds += seconds
             except ChatTemplateError:
                 rejected += 1
@@ -113,8 +140,10 @@ def main() -> int:
             fallbacks += fast.fallback
         done = len(conversations) - (rejected if rejected <= len(conversations) else 0)
         ratio = oracle_seconds / fast_seconds if fast_seconds else float("nan")
-        print(f"{name:<18}{samples / max(done, 1):>13.1f}{fallbacks:>10}{rejected:>9}{fast_seconds:>9.3f}"
-              f"{oracle_seconds:>10.3f}{ratio:>7.1f}x")
+        print(
+            f"{name:<18}{samples / max(done, 1):>13.1f}{fallbacks:>10}{rejected:>9}{fast_seconds:>9.3f}"
+            f"{oracle_seconds:>10.3f}{ratio:>7.1f}x"
+        )
     return 0
 
 

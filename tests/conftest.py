@@ -17,7 +17,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Under `make test`'s workers, each worker (and the servers, kernels and subprocesses it starts) gets its share of
 # the cores for torch's thread pool: every process at full width oversubscribes a 2-core machine twice over.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
 
 EMBEDDED_SPEC = "embedded:smollm2-135m-instruct"
 
@@ -37,15 +39,22 @@ def pytest_collection_modifyitems(config, items):
     # the tests before them (on a fresh clone the build is minutes of pip install nobody waits for).
     vllm_files = {_file(item) for item in items if "vllm_python" in item.fixturenames}
     rank = {name: index for index, name in enumerate(LONGEST_FILES)}
-    items.sort(key=lambda item: (_file(item) in vllm_files, rank.get(_file(item), len(rank))))  # stable: order kept within
+    items.sort(
+        key=lambda item: (_file(item) in vllm_files, rank.get(_file(item), len(rank)))
+    )  # stable: order kept within
     if vllm_files and not VLLM_STAMP.is_file():
         _start_vllm_build()
 
 
 # The longest files measured from a fresh clone (tens of seconds to minutes each: the smoke pipeline, the runner's
 # kill and stop cases, the chaos run, generation against real servers).
-LONGEST_FILES = ("tests/e2e/test_pipeline.py", "tests/test_runner.py", "tests/e2e/test_chaos.py",
-                 "tests/generation/test_generation.py", "tests/test_target.py")
+LONGEST_FILES = (
+    "tests/e2e/test_pipeline.py",
+    "tests/test_runner.py",
+    "tests/e2e/test_chaos.py",
+    "tests/generation/test_generation.py",
+    "tests/test_target.py",
+)
 
 
 def _file(item) -> str:
@@ -93,10 +102,16 @@ def _start_vllm_build() -> None:
     """`make vllm-env` (requirements-vllm.txt; a few minutes) in a process of its own under the venv's file lock:
     it goes on if the worker that started it ends first, and a second start waits for it and finds the venv built
     (make's stamp). Ctrl-C reaches it with the rest of the run."""
-    code = ("import subprocess, sys\nfrom filelock import FileLock\nwith FileLock(sys.argv[1]):\n"
-            "    subprocess.run(['make', '--no-print-directory', 'vllm-env'], cwd=sys.argv[2], capture_output=True)")
-    subprocess.Popen([sys.executable, "-c", code, str(VLLM_LOCK), str(REPO)], stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    code = (
+        "import subprocess, sys\nfrom filelock import FileLock\nwith FileLock(sys.argv[1]):\n"
+        "    subprocess.run(['make', '--no-print-directory', 'vllm-env'], cwd=sys.argv[2], capture_output=True)"
+    )
+    subprocess.Popen(
+        [sys.executable, "-c", code, str(VLLM_LOCK), str(REPO)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -109,10 +124,14 @@ def vllm_python() -> Path:
 
     with FileLock(str(VLLM_LOCK)):
         if not VLLM_STAMP.is_file():
-            result = subprocess.run(["make", "--no-print-directory", "vllm-env"], cwd=REPO, capture_output=True, text=True)
+            result = subprocess.run(
+                ["make", "--no-print-directory", "vllm-env"], cwd=REPO, capture_output=True, text=True
+            )
             if result.returncode != 0:
                 tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
-                pytest.skip(f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}")
+                pytest.skip(
+                    f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}"
+                )
     return VLLM_VENV / "bin" / "python"
 
 

@@ -64,8 +64,20 @@ DIRECTIVE = re.compile(r"#fault:(\w+?)(?:x(\d+))?(?=\s|$)")
 SLEEP = re.compile(r"#sleep:([0-9.]+)")
 TOKENS = re.compile(r"#tokens:(\d+)")
 RETRY_AFTER = re.compile(r"#retryafter:([0-9.]+)")
-KNOWN_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
-                "stop", "seed", "frequency_penalty", "tools", "chat_template_kwargs"}  # transformers serve's own fields
+KNOWN_FIELDS = {
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "stop",
+    "seed",
+    "frequency_penalty",
+    "tools",
+    "chat_template_kwargs",
+}  # transformers serve's own fields
 TRANSIENT_STATUSES = {"500": 500, "502": 502, "503": 503, "504": 504, "429": 429, "408": 408, "404": 404}
 REQUEST_STATUSES = {"400": 400, "413": 413, "422": 422, "401": 401, "403": 403}
 MALFORMED = {"nullchoice", "strchoice", "nomessage", "nochoices", "usagelist", "notjson", "badids"}
@@ -73,16 +85,18 @@ MALFORMED = {"nullchoice", "strchoice", "nomessage", "nochoices", "usagelist", "
 
 @dataclass
 class FaultOptions:
-    token_ids: str | None = None          # None (ignore return_token_ids), "vllm" or "sglang"
-    reasoning_field: str | None = None    # None, "reasoning_content" or "reasoning"
-    strict_fields: bool = False           # 422 on fields outside KNOWN_FIELDS, like `transformers serve`
+    token_ids: str | None = None  # None (ignore return_token_ids), "vllm" or "sglang"
+    reasoning_field: str | None = None  # None, "reasoning_content" or "reasoning"
+    strict_fields: bool = False  # 422 on fields outside KNOWN_FIELDS, like `transformers serve`
     slow_seconds: float = 5.0
     model: str = "fault-model"
-    api_key: str | None = None            # require `Authorization: Bearer <api_key>` on every route
-    served_model: str | None = None       # answers name this model whatever was asked (a restart with another model)
-    drip_seconds: float = 1.0             # #fault:drip: one byte of the answer every this many seconds
-    huge_bytes: int = 256 << 20           # #fault:huge: the answer's content length
-    token_seconds: float = 0.001          # #tokens:N: seconds per generated token
+    api_key: str | None = None  # require `Authorization: Bearer <api_key>` on every route
+    served_model: str | None = (
+        None  # answers name this model whatever was asked (a restart with another model)
+    )
+    drip_seconds: float = 1.0  # #fault:drip: one byte of the answer every this many seconds
+    huge_bytes: int = 256 << 20  # #fault:huge: the answer's content length
+    token_seconds: float = 0.001  # #tokens:N: seconds per generated token
 
 
 def fake_token_ids(text: str) -> list[int]:
@@ -97,15 +111,14 @@ class FaultServer:
     statuses: Counter = field(default_factory=Counter)
     requests: int = 0
     huge_bytes_sent: int = 0
-    service_seconds: float = 0.0   # sum over chat completions of request read -> response written
-    last_headers: dict = field(default_factory=dict)   # of the last chat completion, names lower-cased
-    last_request: dict = field(default_factory=dict)   # the last chat completion's JSON body
+    service_seconds: float = 0.0  # sum over chat completions of request read -> response written
+    last_headers: dict = field(default_factory=dict)  # of the last chat completion, names lower-cased
+    last_request: dict = field(default_factory=dict)  # the last chat completion's JSON body
     chat_requests: list = field(default_factory=list)  # every chat completion's JSON body, in arrival order
     control_headers: list = field(default_factory=list)  # (path, authorization) of GET requests
-    in_flight: int = 0             # chat completions being answered now
-    peak_in_flight: int = 0        # the most answered at once
+    in_flight: int = 0  # chat completions being answered now
+    peak_in_flight: int = 0  # the most answered at once
     spans: list = field(default_factory=list)  # (prompt, start, end) of each #tokens answer, time.monotonic()
-
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -129,7 +142,9 @@ class FaultServer:
                     self.control_headers.append((path, headers.get("authorization")))
                 key = self.options.api_key
                 if key is not None and headers.get("authorization") != f"Bearer {key}":
-                    keep_going = self.send(writer, 401, {"error": {"message": "Invalid API key", "code": 401}})
+                    keep_going = self.send(
+                        writer, 401, {"error": {"message": "Invalid API key", "code": 401}}
+                    )
                     if path.rstrip("/") == "/v1/chat/completions":
                         self.requests += 1
                 else:
@@ -146,10 +161,20 @@ class FaultServer:
         if method == "GET" and path.rstrip("/") in ("/health", "/v1/health"):
             return self.send(writer, 200, {"status": "ok"})
         if method == "GET" and path.rstrip("/") == "/v1/models":
-            return self.send(writer, 200, {"object": "list", "data": [{"id": self.options.model, "object": "model"}]})
+            return self.send(
+                writer, 200, {"object": "list", "data": [{"id": self.options.model, "object": "model"}]}
+            )
         if method == "GET" and path.rstrip("/") == "/stats":
-            return self.send(writer, 200, {"requests": self.requests, "statuses": dict(self.statuses),
-                                           "cpu_seconds": time.process_time(), "service_seconds": self.service_seconds})
+            return self.send(
+                writer,
+                200,
+                {
+                    "requests": self.requests,
+                    "statuses": dict(self.statuses),
+                    "cpu_seconds": time.process_time(),
+                    "service_seconds": self.service_seconds,
+                },
+            )
         if method != "POST" or path.rstrip("/") != "/v1/chat/completions":
             return self.send(writer, 404, {"detail": "Not Found"})
         self.requests += 1
@@ -158,8 +183,20 @@ class FaultServer:
         self.chat_requests.append(request)
         unknown = sorted(set(request) - KNOWN_FIELDS)
         if self.options.strict_fields and unknown:
-            return self.send(writer, 422, {"detail": [{"type": "extra_forbidden", "loc": ["body", name],
-                                                       "msg": "Extra inputs are not permitted"} for name in unknown]})
+            return self.send(
+                writer,
+                422,
+                {
+                    "detail": [
+                        {
+                            "type": "extra_forbidden",
+                            "loc": ["body", name],
+                            "msg": "Extra inputs are not permitted",
+                        }
+                        for name in unknown
+                    ]
+                },
+            )
         prompt = str(request["messages"][-1]["content"])
         self.attempts[prompt] += 1
         attempt = self.attempts[prompt]
@@ -180,10 +217,19 @@ class FaultServer:
             headers = {}
             if (retry_after := RETRY_AFTER.search(prompt)) is not None:
                 headers["retry-after"] = retry_after.group(1)
-            return self.send(writer, TRANSIENT_STATUSES[kind], {"error": {"message": f"injected {kind}"}}, headers)
+            return self.send(
+                writer, TRANSIENT_STATUSES[kind], {"error": {"message": f"injected {kind}"}}, headers
+            )
         if failing and kind == "400":
-            return self.send(writer, 400, {"object": "error", "code": 400, "message":
-                             "This model's maximum context length is 32 tokens. However, you requested 99 tokens."})
+            return self.send(
+                writer,
+                400,
+                {
+                    "object": "error",
+                    "code": 400,
+                    "message": "This model's maximum context length is 32 tokens. However, you requested 99 tokens.",
+                },
+            )
         if failing and kind in REQUEST_STATUSES:
             return self.send(writer, REQUEST_STATUSES[kind], {"error": {"message": f"injected {kind}"}})
         if failing and kind in MALFORMED:
@@ -198,12 +244,16 @@ class FaultServer:
         if failing and kind == "slow":
             await asyncio.sleep(self.options.slow_seconds)
         if failing and kind == "drip":
-            return await self.send_dripping(writer, json.dumps(self.completion(request, prompt, None)).encode())
+            return await self.send_dripping(
+                writer, json.dumps(self.completion(request, prompt, None)).encode()
+            )
         if failing and kind == "huge":
             return await self.send_huge(writer)
         return self.send(writer, 200, self.completion(request, prompt, kind if failing else None))
 
-    async def send_tokens(self, writer: asyncio.StreamWriter, request: dict, prompt: str, wanted: int) -> bool:
+    async def send_tokens(
+        self, writer: asyncio.StreamWriter, request: dict, prompt: str, wanted: int
+    ) -> bool:
         """An answer of `wanted` tokens (one a character), cut at the request's max_tokens, after that many tokens'
         decode time."""
         limit = request.get("max_tokens") or request.get("max_completion_tokens") or wanted
@@ -226,9 +276,11 @@ class FaultServer:
     async def send_dripping(self, writer: asyncio.StreamWriter, body: bytes) -> bool:
         """A whole, valid answer sent one byte every `drip_seconds` (each read arrives well within any read timeout)."""
         self.statuses["drip"] += 1
-        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode())
+        writer.write(
+            f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        )
         for index in range(len(body)):
-            writer.write(body[index:index + 1])
+            writer.write(body[index : index + 1])
             await writer.drain()
             await asyncio.sleep(self.options.drip_seconds)
         return True
@@ -237,13 +289,18 @@ class FaultServer:
         """A valid chat completion whose content is `huge_bytes` long, streamed in 1 MiB chunks; `huge_bytes_sent`
         counts what left before the client stopped reading."""
         self.statuses["huge"] += 1
-        head = b'{"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop", ' \
-               b'"message": {"role": "assistant", "content": "'
+        head = (
+            b'{"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop", '
+            b'"message": {"role": "assistant", "content": "'
+        )
         tail = b'"}}], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
         chunk = b"x" * (1 << 20)
         chunks = self.options.huge_bytes // len(chunk)
-        writer.write(f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
-                     f"{len(head) + chunks * len(chunk) + len(tail)}\r\n\r\n".encode() + head)
+        writer.write(
+            f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+            f"{len(head) + chunks * len(chunk) + len(tail)}\r\n\r\n".encode()
+            + head
+        )
         for _ in range(chunks):
             writer.write(chunk)
             await writer.drain()
@@ -265,14 +322,32 @@ class FaultServer:
             content, finish_reason = None, "tool_calls"
         prompt_text = "".join(str(message["content"]) for message in request["messages"])
         completion_text = (reasoning if self.options.reasoning_field else "") + (content or "")
-        tool_calls = [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": prompt[:20]})}}] if kind == "toolcall" else None
-        ids = fake_token_ids(completion_text) + [0] if request.get("return_token_ids") else None  # + end-of-turn id
+        tool_calls = (
+            [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": prompt[:20]})},
+                }
+            ]
+            if kind == "toolcall"
+            else None
+        )
+        ids = (
+            fake_token_ids(completion_text) + [0] if request.get("return_token_ids") else None
+        )  # + end-of-turn id
         prompt_ids = fake_token_ids(prompt_text) if ids is not None else None
-        usage = {"prompt_tokens": len(prompt_text), "completion_tokens": len(completion_text),
-                 "total_tokens": len(prompt_text) + len(completion_text)}
-        head = {"id": f"chatcmpl-{self.requests}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.options.served_model or request.get("model", self.options.model)}
+        usage = {
+            "prompt_tokens": len(prompt_text),
+            "completion_tokens": len(completion_text),
+            "total_tokens": len(prompt_text) + len(completion_text),
+        }
+        head = {
+            "id": f"chatcmpl-{self.requests}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.options.served_model or request.get("model", self.options.model),
+        }
         dialect = self.options.token_ids
         if dialect == "sglang":
             return self._sglang(head, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage)
@@ -283,7 +358,11 @@ class FaultServer:
             message["tool_calls"] = tool_calls
         if self.options.reasoning_field:
             message[self.options.reasoning_field] = reasoning
-        return {**head, "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}], "usage": usage}
+        return {
+            **head,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+            "usage": usage,
+        }
 
     def _reasoning(self, message: dict, own_field: str, reasoning: str) -> None:
         """The engine's own reasoning field, null without a reasoning parser (`reasoning_field` None);
@@ -293,38 +372,77 @@ class FaultServer:
         if field_name and field_name != own_field:
             message[field_name] = reasoning
 
-    def _sglang(self, head: dict, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage) -> dict:
+    def _sglang(
+        self, head: dict, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage
+    ) -> dict:
         """SGLang 0.5.23's `ChatCompletionResponse.model_dump()` (tests/fixtures/serving/sglang_chat_protocol.json):
         ids on the choice as `response_token_ids` / `prompt_token_ids`, only when asked; None fields dropped
         where its serializers drop them."""
         message = {"role": "assistant", "content": content}
         self._reasoning(message, "reasoning_content", reasoning)
         if tool_calls:
-            message["tool_calls"] = [{"id": call["id"], "index": index, **{key: call[key] for key in ("type", "function")}}
-                                     for index, call in enumerate(tool_calls)]
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
-                  "matched_stop": 0 if finish_reason == "stop" else None}
+            message["tool_calls"] = [
+                {"id": call["id"], "index": index, **{key: call[key] for key in ("type", "function")}}
+                for index, call in enumerate(tool_calls)
+            ]
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "matched_stop": 0 if finish_reason == "stop" else None,
+        }
         if ids is not None:
             choice["prompt_token_ids"], choice["response_token_ids"] = prompt_ids, ids
-        usage = {"prompt_tokens": usage["prompt_tokens"], "total_tokens": usage["total_tokens"],
-                 "completion_tokens": usage["completion_tokens"], "prompt_tokens_details": None,
-                 "reasoning_tokens": 0, "completion_tokens_details": None}
+        usage = {
+            "prompt_tokens": usage["prompt_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "completion_tokens": usage["completion_tokens"],
+            "prompt_tokens_details": None,
+            "reasoning_tokens": 0,
+            "completion_tokens_details": None,
+        }
         return {**head, "choices": [choice], "usage": usage, "metadata": None}
 
-    def _vllm(self, head: dict, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage) -> dict:
+    def _vllm(
+        self, head: dict, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage
+    ) -> dict:
         """vLLM 0.32's `ChatCompletionResponse.model_dump()` (tests/fixtures/serving/vllm_chat_protocol.json):
         generated ids as the choice's `token_ids` (end-of-turn id included), prompt ids top-level."""
-        message = {"role": "assistant", "content": content, "refusal": None, "annotations": None, "audio": None,
-                   "function_call": None}
+        message = {
+            "role": "assistant",
+            "content": content,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+        }
         if tool_calls:
             message["tool_calls"] = tool_calls
         self._reasoning(message, "reasoning", reasoning)
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason,
-                  "stop_reason": None, "token_ids": ids, "routed_experts": None}
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "token_ids": ids,
+            "routed_experts": None,
+        }
         usage = {**usage, "prompt_tokens_details": None, "completion_tokens_details": None}
-        return {**head, "choices": [choice], "service_tier": None, "system_fingerprint": None, "usage": usage,
-                "prompt_logprobs": None, "prompt_token_ids": prompt_ids, "prompt_text": None,
-                "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        return {
+            **head,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": usage,
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt_ids,
+            "prompt_text": None,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+            "metrics": None,
+        }
 
     def send_malformed(self, writer: asyncio.StreamWriter, kind: str, good: dict) -> bool:
         """A 200 that is not a well-formed chat completion, as broken proxies and servers send them."""
@@ -342,19 +460,39 @@ class FaultServer:
         elif kind == "usagelist":
             payload["usage"] = [1, 2, 3]
         elif kind == "badids":
-            payload["choices"] = [{**good["choices"][0], "token_ids": ["a", "b"], "response_token_ids": ["a", "b"]}]
+            payload["choices"] = [
+                {**good["choices"][0], "token_ids": ["a", "b"], "response_token_ids": ["a", "b"]}
+            ]
         return self.send(writer, 200, payload)
 
-    def send(self, writer: asyncio.StreamWriter, status: int, payload: dict | None,
-             headers: dict[str, str] | None = None, raw: bytes | None = None) -> bool:
+    def send(
+        self,
+        writer: asyncio.StreamWriter,
+        status: int,
+        payload: dict | None,
+        headers: dict[str, str] | None = None,
+        raw: bytes | None = None,
+    ) -> bool:
         self.statuses[str(status)] += 1
         body = raw if raw is not None else json.dumps(payload).encode()
-        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
-                  408: "Request Timeout", 413: "Content Too Large", 422: "Unprocessable Entity",
-                  429: "Too Many Requests", 503: "Service Unavailable"}.get(status, "Error")
+        reason = {
+            200: "OK",
+            400: "Bad Request",
+            401: "Unauthorized",
+            403: "Forbidden",
+            404: "Not Found",
+            408: "Request Timeout",
+            413: "Content Too Large",
+            422: "Unprocessable Entity",
+            429: "Too Many Requests",
+            503: "Service Unavailable",
+        }.get(status, "Error")
         extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
-        writer.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n{extra}"
-                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        writer.write(
+            f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n{extra}"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         return True
 
 
@@ -375,7 +513,8 @@ class FaultEndpoint:
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         listener = self._loop.run_until_complete(
-            asyncio.start_server(self.server.handle, "127.0.0.1", self.port, reuse_address=True))
+            asyncio.start_server(self.server.handle, "127.0.0.1", self.port, reuse_address=True)
+        )
         self.port = listener.sockets[0].getsockname()[1]
         self._listener = listener
         self._started.set()
@@ -423,9 +562,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--token-seconds", type=float, default=0.001)
     args = parser.parse_args(argv)
-    options = FaultOptions(token_ids=args.token_ids, reasoning_field=args.reasoning_field,
-                           strict_fields=args.strict_fields, slow_seconds=args.slow_seconds, api_key=args.api_key,
-                           token_seconds=args.token_seconds)
+    options = FaultOptions(
+        token_ids=args.token_ids,
+        reasoning_field=args.reasoning_field,
+        strict_fields=args.strict_fields,
+        slow_seconds=args.slow_seconds,
+        api_key=args.api_key,
+        token_seconds=args.token_seconds,
+    )
     try:
         asyncio.run(serve_forever(options, args.port))
     except KeyboardInterrupt:

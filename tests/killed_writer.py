@@ -23,7 +23,9 @@ with atomic_write(sys.argv[1], "wb") as handle:
 
 def start_writer(target: Path, megabytes: int) -> subprocess.Popen:
     """A process in the middle of writing `target` atomically (it has written `megabytes` MiB and waits)."""
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(target), str(megabytes)], stdout=subprocess.PIPE, text=True)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(target), str(megabytes)], stdout=subprocess.PIPE, text=True
+    )
     if writer.stdout.readline().strip() != "writing":
         writer.kill()
         raise RuntimeError(f"the writer of {target} did not start (exit code {writer.wait()})")
@@ -39,5 +41,7 @@ def kill_mid_write(target: Path, megabytes: int) -> Path:
     """SIGKILL a real process mid-write of `target`; returns the temp file it left (checked: `megabytes` MiB)."""
     kill(start_writer(target, megabytes))
     left = list(target.parent.glob(f".{target.name}.*.tmp"))
-    assert len(left) == 1 and left[0].stat().st_size == megabytes << 20, left  # the fault is real: a large half-written file
+    assert len(left) == 1 and left[0].stat().st_size == megabytes << 20, (
+        left
+    )  # the fault is real: a large half-written file
     return left[0]

@@ -53,7 +53,9 @@ def test_wrong_type_names_key_and_value(tmp_path):
     path = write(tmp_path, "run:\n  name: x\n  seed: '3'\n")
     with pytest.raises(ParamsError) as caught:
         load_params(path)
-    assert f"{path}:3" in str(caught.value) and "'run.seed'" in str(caught.value) and "'3'" in str(caught.value)
+    assert (
+        f"{path}:3" in str(caught.value) and "'run.seed'" in str(caught.value) and "'3'" in str(caught.value)
+    )
 
 
 def test_nested_list_error_points_into_the_list(tmp_path):
@@ -80,7 +82,9 @@ def test_params_are_frozen():
 
 
 def test_api_key_is_read_from_the_environment_at_call_time(monkeypatch):
-    params = params_from_sections({"endpoints": [{"url": "http://a:1/v1", "api_key_env": "EAGLEKIT_TEST_KEY"}]})
+    params = params_from_sections(
+        {"endpoints": [{"url": "http://a:1/v1", "api_key_env": "EAGLEKIT_TEST_KEY"}]}
+    )
     with pytest.raises(ParamsError, match="EAGLEKIT_TEST_KEY is not set"):
         params.endpoints[0].api_key()
     monkeypatch.setenv("EAGLEKIT_TEST_KEY", "sk-secret")
@@ -91,7 +95,9 @@ def test_api_key_is_read_from_the_environment_at_call_time(monkeypatch):
 def _requirement_names(requirements):
     import re
 
-    return {re.split(r"[<>=\[ ;]", requirement.strip(), maxsplit=1)[0].lower() for requirement in requirements}
+    return {
+        re.split(r"[<>=\[ ;]", requirement.strip(), maxsplit=1)[0].lower() for requirement in requirements
+    }
 
 
 def test_environment_yml_lists_the_same_packages_as_pyproject():
@@ -121,18 +127,32 @@ def test_an_alias_bomb_fails_fast_with_a_clear_message(tmp_path):
     assert time.monotonic() - started < 1.0
 
     # Few aliases, each to a large node: refused by the expanded size, also at once.
-    wide = write(tmp_path, "a: &a [" + ", ".join(["x"] * 400) + "]\nb: &b [" + ", ".join(["*a"] * 60) + "]\nc: [*b, *b, *b, *b]\n")
+    wide = write(
+        tmp_path,
+        "a: &a ["
+        + ", ".join(["x"] * 400)
+        + "]\nb: &b ["
+        + ", ".join(["*a"] * 60)
+        + "]\nc: [*b, *b, *b, *b]\n",
+    )
     started = time.monotonic()
     with pytest.raises(ParamsError, match="aliases expand to more than 100,000 nodes"):
         load_params(wide)
     assert time.monotonic() - started < 1.0
-    with pytest.raises(ParamsError, match=r"scenario.yaml:1: not valid YAML: an alias refers to the node that contains it"):
+    with pytest.raises(
+        ParamsError, match=r"scenario.yaml:1: not valid YAML: an alias refers to the node that contains it"
+    ):
         load_params(write(tmp_path, "a: &a [1, *a]\n"))
 
 
 def test_a_few_aliases_are_fine(tmp_path):
-    params = load_params(write(tmp_path, "run: &run\n  name: shared\ntarget:\n  model: embedded:smollm2-135m-instruct\n"
-                                         "training:\n  data_sizes: &sizes [4, 8]\n"))
+    params = load_params(
+        write(
+            tmp_path,
+            "run: &run\n  name: shared\ntarget:\n  model: embedded:smollm2-135m-instruct\n"
+            "training:\n  data_sizes: &sizes [4, 8]\n",
+        )
+    )
     assert params.run.name == "shared" and params.training.data_sizes == [4, 8]
 
 
@@ -142,7 +162,9 @@ def test_a_repeated_key_names_both_lines(tmp_path):
         load_params(path)
     assert f"{path}:4: key 'run.name' repeated (first at line 2)" in str(caught.value)
     nested = write(tmp_path, "endpoints:\n  - url: http://a:1/v1\n    model: m\n    model: n\n")
-    with pytest.raises(ParamsError, match=r"scenario.yaml:4: key 'endpoints.0.model' repeated \(first at line 3\)"):
+    with pytest.raises(
+        ParamsError, match=r"scenario.yaml:4: key 'endpoints.0.model' repeated \(first at line 3\)"
+    ):
         load_params(nested)
     with pytest.raises(ParamsError, match=r"scenario.yaml:3: key 'run' repeated \(first at line 1\)"):
         load_params(write(tmp_path, "run:\n  name: a\nrun:\n  seed: 2\n"))
@@ -153,7 +175,9 @@ def test_a_non_utf8_params_file_names_the_file_and_line(tmp_path):
     path.write_bytes("run:\n  name: caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ParamsError) as caught:
         load_params(path)
-    assert f"{path}:2: not UTF-8 (byte 0xe9" in str(caught.value) and "save the params file as UTF-8" in str(caught.value)
+    assert f"{path}:2: not UTF-8 (byte 0xe9" in str(caught.value) and "save the params file as UTF-8" in str(
+        caught.value
+    )
     bom = tmp_path / "bom.yaml"
     bom.write_bytes("\ufeffrun:\n  name: bom\n".encode("utf-8"))
     assert load_params(bom).run.name == "bom"
@@ -165,7 +189,9 @@ def test_the_cli_reports_bad_params_files_without_a_traceback(tmp_path):
 
     path = tmp_path / "latin1.yaml"
     path.write_bytes(b"run:\n  name: caf\xe9\n")
-    result = subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(path)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "run", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert f"{path}:2: not UTF-8" in result.stderr
 
@@ -179,8 +205,11 @@ def test_training_defaults_live_in_config_only():
     params_defaults, settings_defaults = TrainingParams(), TrainSettings().to_dict()
     shared = [name for name in settings_defaults if name in TrainingParams.model_fields]
     assert len(shared) >= 20  # the recipe, the schedule and the batch shape are all shared
-    differing = {name: (settings_defaults[name], getattr(params_defaults, name)) for name in shared
-                 if settings_defaults[name] != getattr(params_defaults, name)}
+    differing = {
+        name: (settings_defaults[name], getattr(params_defaults, name))
+        for name in shared
+        if settings_defaults[name] != getattr(params_defaults, name)
+    }
     assert differing == {}
 
 
@@ -192,21 +221,40 @@ def test_ttt_steps_default_to_the_served_chain_and_never_fall_short_of_it(tmp_pa
 
     assert TrainingParams().ttt_steps == TrainingParams().speculative_tokens == 3
     assert TrainingParams(speculative_tokens=5).ttt_steps == 5
-    assert load_params(write(tmp_path, "training:\n  ttt_steps: null\n  speculative_tokens: 4\n")).training.ttt_steps == 4
-    assert TrainingParams(ttt_steps=7, speculative_tokens=3).ttt_steps == 7  # deeper than served: fine (the Kimi scenario)
+    assert (
+        load_params(
+            write(tmp_path, "training:\n  ttt_steps: null\n  speculative_tokens: 4\n")
+        ).training.ttt_steps
+        == 4
+    )
+    assert (
+        TrainingParams(ttt_steps=7, speculative_tokens=3).ttt_steps == 7
+    )  # deeper than served: fine (the Kimi scenario)
     resolved = TrainingParams(speculative_tokens=2)
-    assert TrainingParams.model_validate(resolved.model_dump()) == resolved  # a dump re-validates (the runner's round trip)
+    assert (
+        TrainingParams.model_validate(resolved.model_dump()) == resolved
+    )  # a dump re-validates (the runner's round trip)
     # Unset stays unset in a dump: the injected parameters edited to serve deeper follow it; a set value stays.
     assert TrainingParams.model_validate({**resolved.model_dump(), "speculative_tokens": 5}).ttt_steps == 5
-    assert TrainingParams.model_validate({**TrainingParams(ttt_steps=7).model_dump(), "speculative_tokens": 5}).ttt_steps == 7
-    assert load_params(write(tmp_path, "training:\n  ttt_steps: null\n")).sections()["training"]["ttt_steps"] is None
+    assert (
+        TrainingParams.model_validate(
+            {**TrainingParams(ttt_steps=7).model_dump(), "speculative_tokens": 5}
+        ).ttt_steps
+        == 7
+    )
+    assert (
+        load_params(write(tmp_path, "training:\n  ttt_steps: null\n")).sections()["training"]["ttt_steps"]
+        is None
+    )
     path = write(tmp_path, "run:\n  name: x\ntraining:\n  ttt_steps: 2\n")
     with pytest.raises(ParamsError) as caught:
         load_params(path)
     message = str(caught.value)
     assert f"{path}:3" in message and "ttt_steps 2 < speculative_tokens 3" in message
     with pytest.raises(ParamsError, match="speculative_tokens"):
-        load_params(write(tmp_path, "training:\n  speculative_tokens: '3'\n"))  # a wrong type fails on its own key
+        load_params(
+            write(tmp_path, "training:\n  speculative_tokens: '3'\n")
+        )  # a wrong type fails on its own key
 
 
 def test_the_measured_recipe_is_the_default():
@@ -214,8 +262,17 @@ def test_the_measured_recipe_is_the_default():
     from eaglekit.config import TrainingParams
 
     defaults = TrainingParams()
-    assert (defaults.learning_rate, defaults.decay_steps, defaults.decay_fraction, defaults.ttt_steps) == (3.0e-4, None, 0.75, 3)
-    assert (defaults.draft_vocab_size, defaults.micro_batch_size, defaults.grad_accumulation_steps) == (None, 1, 4)  # unchanged
+    assert (defaults.learning_rate, defaults.decay_steps, defaults.decay_fraction, defaults.ttt_steps) == (
+        3.0e-4,
+        None,
+        0.75,
+        3,
+    )
+    assert (defaults.draft_vocab_size, defaults.micro_batch_size, defaults.grad_accumulation_steps) == (
+        None,
+        1,
+        4,
+    )  # unchanged
 
 
 def test_draft_shape_names_are_the_draft_packages_presets():
@@ -225,4 +282,7 @@ def test_draft_shape_names_are_the_draft_packages_presets():
     from eaglekit.config import TrainingParams
     from eaglekit.draft.config import DRAFT_SHAPES
 
-    assert set(typing.get_args(TrainingParams.model_fields["draft_shape"].annotation)) == {"auto", *DRAFT_SHAPES}
+    assert set(typing.get_args(TrainingParams.model_fields["draft_shape"].annotation)) == {
+        "auto",
+        *DRAFT_SHAPES,
+    }

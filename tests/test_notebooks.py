@@ -25,16 +25,27 @@ def test_notebook_is_stripped_and_parameterized(path: Path):
     tagged = [cell for cell in code_cells if "parameters" in cell.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{path.name}: needs exactly one cell tagged `parameters`"
     tree = ast.parse(tagged[0].source)
-    assert all(isinstance(node, (ast.Assign, ast.AnnAssign)) for node in tree.body), "parameters cell holds literal assignments only"
+    assert all(isinstance(node, (ast.Assign, ast.AnnAssign)) for node in tree.body), (
+        "parameters cell holds literal assignments only"
+    )
     for node in tree.body:
         value = node.value
         ast.literal_eval(value)  # literal defaults only: papermill does not recompute derived values
-    definitions = [f"cell {index} line {line}: {kind}" for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
-                   for line, kind in definitions_in(cell.source)]
+    definitions = [
+        f"cell {index} line {line}: {kind}"
+        for index, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code"
+        for line, kind in definitions_in(cell.source)
+    ]
     assert not definitions, f"{path.name}: notebooks are thin, move these into lib/eaglekit: {definitions}"
 
 
-THIN = {ast.FunctionDef: "def", ast.AsyncFunctionDef: "async def", ast.ClassDef: "class", ast.Lambda: "lambda"}
+THIN = {
+    ast.FunctionDef: "def",
+    ast.AsyncFunctionDef: "async def",
+    ast.ClassDef: "class",
+    ast.Lambda: "lambda",
+}
 
 
 def definitions_in(source: str) -> list[tuple[int, str]]:
@@ -43,12 +54,20 @@ def definitions_in(source: str) -> list[tuple[int, str]]:
 
 
 def test_thin_check_finds_every_definition():
-    source = ("rows = [x for x in range(3)]\n"
-              "def helper():\n    return sorted(rows, key=lambda x: -x)\n"
-              "class Holder:\n    pass\n"
-              "if rows:\n    async def later():\n        pass\n"
-              "captured = open(path, load=lambda: model)\n")
-    assert sorted(definitions_in(source)) == [(2, "def"), (3, "lambda"), (4, "class"), (7, "async def"), (9, "lambda")]
+    source = (
+        "rows = [x for x in range(3)]\n"
+        "def helper():\n    return sorted(rows, key=lambda x: -x)\n"
+        "class Holder:\n    pass\n"
+        "if rows:\n    async def later():\n        pass\n"
+        "captured = open(path, load=lambda: model)\n"
+    )
+    assert sorted(definitions_in(source)) == [
+        (2, "def"),
+        (3, "lambda"),
+        (4, "class"),
+        (7, "async def"),
+        (9, "lambda"),
+    ]
     assert definitions_in("table = pd.DataFrame(rows).round(3)\nprint(sorted(rows))") == []
 
 
@@ -66,7 +85,11 @@ def test_papermill_sees_every_parameter(path: Path):
 
     notebook = nbformat.read(path, as_version=4)
     cell = next(cell for cell in notebook.cells if "parameters" in cell.metadata.get("tags", []))
-    assigned = {target.id for node in ast.parse(cell.source).body for target in (node.targets if isinstance(node, ast.Assign) else [node.target])}
+    assigned = {
+        target.id
+        for node in ast.parse(cell.source).body
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+    }
     assert set(papermill.inspect_notebook(str(path))) == assigned
 
 
@@ -76,7 +99,9 @@ def test_each_notebook_names_its_stage_to_the_run_folder(path: Path):
     into a finished stage's folder; a notebook that calls it without its stage has neither guard."""
     from eaglekit.runner import STAGE_FILE
 
-    source = "\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code")
+    source = "\n".join(
+        cell.source for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == "code"
+    )
     stage = STAGE_FILE.match(path.name).group(2)
     assert f'run_dir_for(params, run_dir, stage="{stage}")' in source, path.name
 
@@ -91,9 +116,25 @@ def test_analysis_run_by_hand_with_no_run_folder_says_how_to_name_one_and_leaves
 
     env = {key: value for key, value in os.environ.items() if not key.startswith("EAGLEKIT_")}
     notebook = tmp_path / "06_analysis.ipynb"
-    result = subprocess.run([sys.executable, "-m", "papermill", str(REPO_ROOT / "notebooks" / "06_analysis.ipynb"), str(notebook), "-y",
-                             json.dumps({"run": {"name": "byhand", "outputs_dir": str(tmp_path / "outputs")}})],
-                            capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "papermill",
+            str(REPO_ROOT / "notebooks" / "06_analysis.ipynb"),
+            str(notebook),
+            "-y",
+            json.dumps({"run": {"name": "byhand", "outputs_dir": str(tmp_path / "outputs")}}),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
     assert result.returncode != 0
-    assert "RunFolderError" in result.stderr and "EAGLEKIT_RUN_DIR=outputs/<run id> jupyter nbconvert" in result.stderr, result.stderr[-3000:]
+    assert (
+        "RunFolderError" in result.stderr
+        and "EAGLEKIT_RUN_DIR=outputs/<run id> jupyter nbconvert" in result.stderr
+    ), result.stderr[-3000:]
     assert not (tmp_path / "outputs").exists()

@@ -20,9 +20,19 @@ PARAMS_FILES = sorted(PARAMS_DIR.glob("*.yaml"))
 def test_every_shipped_params_file_plans(params_file):
     plan = plan_run(load_params(params_file))
     text = format_plan(plan)
-    for figure in ("KV cache", "capture storage per slice", "training memory per GPU", "GPU time", "forecast horizon"):
+    for figure in (
+        "KV cache",
+        "capture storage per slice",
+        "training memory per GPU",
+        "GPU time",
+        "forecast horizon",
+    ):
         assert figure in text, f"{params_file.name}: no {figure!r} in the plan"
-    assert {assumption.name for assumption in plan.assumptions} >= {"prompts", "tokens_per_sample", "answer_tokens"}
+    assert {assumption.name for assumption in plan.assumptions} >= {
+        "prompts",
+        "tokens_per_sample",
+        "answer_tokens",
+    }
     assert all(assumption.source for assumption in plan.assumptions)
     sizes = load_params(params_file).training.data_sizes
     assert [row["size"] for row in plan.slices["bf16"] if row["size"] is not None] == sizes
@@ -32,18 +42,35 @@ def test_seed_plan_needs_no_weights_and_matches_design():
     """The seed's checkpoint folder is not on this machine: the plan comes from target.config alone."""
     params = load_params(PARAMS_DIR / "kimi_k25_big_run.yaml")
     assert not Path(params.target.model).exists()
-    completed = subprocess.run([sys.executable, "-m", "eaglekit.cli", "plan", str(PARAMS_DIR / "kimi_k25_big_run.yaml"),
-                                "--json", "--tokens-per-sample", "8200"], capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eaglekit.cli",
+            "plan",
+            str(PARAMS_DIR / "kimi_k25_big_run.yaml"),
+            "--json",
+            "--tokens-per-sample",
+            "8200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr
     plan = json.loads(completed.stdout)
     assert plan["capacity"]["attention"] == "MLA"
-    assert plan["capacity"]["kv_bytes_per_token"] == 61 * 576 * 2  # DESIGN: 70,272 B/token, not the naive 1.75 MB
+    assert (
+        plan["capacity"]["kv_bytes_per_token"] == 61 * 576 * 2
+    )  # DESIGN: 70,272 B/token, not the naive 1.75 MB
     assert plan["target"]["stored_bytes_per_token"]["bf16"] == 4 * 7168 * 2 + 9  # features + id and mask
     first = plan["slices"]["bf16"][0]
     assert first["size"] == 5000 and first["samples"] == 5000 + params.training.heldout_size
     assert first["tokens"] == first["samples"] * 8200
     assert plan["horizon"]["full_data_size"] == 87_800
-    assert {row["name"]: row["source"] for row in plan["assumptions"]}["tokens_per_sample"] == "--tokens-per-sample"
+    assert {row["name"]: row["source"] for row in plan["assumptions"]}[
+        "tokens_per_sample"
+    ] == "--tokens-per-sample"
     short = plan["capacity"]["partitions"][0]
     assert short["recommended_concurrency"] <= short["sequences_that_fit"] < short["requested_concurrency"]
     assert plan["generation"]["gpus_per_server"] == 8 and plan["generation"]["gpu_hours"] > 0

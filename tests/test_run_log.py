@@ -24,12 +24,21 @@ def test_a_quiet_stage_gets_a_line_saying_where_it_is_and_a_talking_one_none(tmp
     run_log = tmp_path / "run.log"
     logger = _logger(run_log, "heartbeat")
     logger.info("stage 06_analysis: running")
-    with StageHeartbeat(run_log, logger, "06_analysis", lambda: " in cell [5] (`result = run_analysis_stage(params, out)`)",
-                        after_s=0.6, poll_s=0.05):
+    with StageHeartbeat(
+        run_log,
+        logger,
+        "06_analysis",
+        lambda: " in cell [5] (`result = run_analysis_stage(params, out)`)",
+        after_s=0.6,
+        poll_s=0.05,
+    ):
         time.sleep(2.0)  # a cell that logs nothing: about three heartbeats
     beats = [line for line in run_log.read_text().splitlines() if "still running" in line]
     assert 2 <= len(beats) <= 4, beats
-    assert "stage 06_analysis: still running in cell [5] (`result = run_analysis_stage(params, out)`); nothing logged for" in beats[0]
+    assert (
+        "stage 06_analysis: still running in cell [5] (`result = run_analysis_stage(params, out)`); nothing logged for"
+        in beats[0]
+    )
 
     talking = tmp_path / "talking.log"
     logger = _logger(talking, "talking")
@@ -45,11 +54,14 @@ def test_silent_stretches_are_the_gaps_between_timestamped_lines(tmp_path):
     run_log.write_text(
         "2026-12-06 10:00:00 INFO stage 04_capture: running\n"
         "2026-12-06 10:00:29 INFO [04_capture] capture: 10 samples\n"
-        "Traceback (most recent call last):\n"          # no timestamp: part of the line before
+        "Traceback (most recent call last):\n"  # no timestamp: part of the line before
         "2026-12-06 10:01:05 INFO [04_capture] capture: 20 samples\n"
-        "2026-12-06 10:01:06 INFO stage 04_capture: done\n")
+        "2026-12-06 10:01:06 INFO stage 04_capture: done\n"
+    )
     stretches = silent_stretches(run_log, limit_s=30)
-    assert [(gap, after.split(" INFO ")[1]) for _, after, gap in stretches] == [(36.0, "[04_capture] capture: 20 samples")]
+    assert [(gap, after.split(" INFO ")[1]) for _, after, gap in stretches] == [
+        (36.0, "[04_capture] capture: 20 samples")
+    ]
     assert silent_stretches(run_log, limit_s=40) == []
 
 
@@ -112,7 +124,9 @@ def test_a_flush_racing_the_kernel_shutdown_runs_without_a_traceback():
         return json.loads(done.stdout)
 
     kit = race("kit")
-    assert kit == {"errors": [], "ran": True}, kit  # and the flush's callback ran: nothing waits out flush_timeout
+    assert kit == {"errors": [], "ran": True}, (
+        kit
+    )  # and the flush's callback ran: nothing waits out flush_timeout
     plain = race("plain")  # ipykernel alone, held the same way
     if not plain["errors"]:
         pytest.skip("this ipykernel no longer races here: run_log.quiet_iopub_shutdown_race can go")

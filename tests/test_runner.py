@@ -21,12 +21,16 @@ def scenario(tmp_path: Path, extra: str = "") -> Path:
 
 
 def eaglekit_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eaglekit.cli", *args], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", *args], capture_output=True, text=True, timeout=600
+    )
 
 
 def test_failing_stage_stops_the_run_and_resume_continues(tmp_path):
     params = scenario(tmp_path)
-    first = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello,gate", "--run-id", "r1")
+    first = eaglekit_cli(
+        "run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello,gate", "--run-id", "r1"
+    )
     assert first.returncode == 1
     assert "stage 02_gate failed in cell" in first.stderr
     assert "raise RuntimeError('second stage refused" in first.stderr  # the failing cell's source
@@ -36,21 +40,40 @@ def test_failing_stage_stops_the_run_and_resume_continues(tmp_path):
     assert (run_dir / "hello.txt").read_text() == "fixture"
     state = json.loads((run_dir / "state.json").read_text())
     assert state["completed"] == ["01_hello"] and state["failed"] == "02_gate" and state["running"] is None
-    assert state["stages"]["02_gate"]["status"] == "failed" and "second stage refused" in state["stages"]["02_gate"]["error"]
+    assert (
+        state["stages"]["02_gate"]["status"] == "failed"
+        and "second stage refused" in state["stages"]["02_gate"]["error"]
+    )
     for name in ("params.yaml", "environment.json", "run.log", "01_hello.ipynb", "02_gate.ipynb"):
         assert (run_dir / name).is_file(), name
     environment = json.loads((run_dir / "environment.json").read_text())
-    assert environment["packages"]["torch"] == "2.13.0+cpu" or environment["packages"]["torch"].startswith("2.13.0")
+    assert environment["packages"]["torch"] == "2.13.0+cpu" or environment["packages"]["torch"].startswith(
+        "2.13.0"
+    )
     assert "git_commit" in environment and "device" in environment
-    assert environment["load"]["cpu_count"] >= 1 and environment["load"]["loadavg_5m"] >= 0  # every timing depends on it
+    assert (
+        environment["load"]["cpu_count"] >= 1 and environment["load"]["loadavg_5m"] >= 0
+    )  # every timing depends on it
     assert state["stages"]["01_hello"]["load"]["loadavg_1m"] >= 0
     assert "stage 01_hello: done in" in first.stderr and " cores)" in first.stderr
 
     (run_dir / "hello.txt").write_text("must stay")  # resume must not rerun finished stages
     (run_dir / "allow_second_stage").touch()
-    second = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello,gate", "--run-id", "r1", "--resume")
+    second = eaglekit_cli(
+        "run",
+        str(params),
+        "--notebooks",
+        str(FIXTURE_NOTEBOOKS),
+        "--stages",
+        "hello,gate",
+        "--run-id",
+        "r1",
+        "--resume",
+    )
     assert second.returncode == 0, second.stderr
-    assert "without encryption" not in second.stderr  # the kernel's sockets use CurveZMQ, so ipykernel stays quiet
+    assert (
+        "without encryption" not in second.stderr
+    )  # the kernel's sockets use CurveZMQ, so ipykernel stays quiet
     assert (run_dir / "second.txt").read_text() == "ok"
     assert (run_dir / "hello.txt").read_text() == "must stay"
     assert json.loads((run_dir / "state.json").read_text())["completed"] == ["01_hello", "02_gate"]
@@ -91,13 +114,18 @@ def test_endpoint_key_never_lands_in_the_run_folder(tmp_path, embedded_server, m
 
 
 def test_runner_starts_and_stops_the_embedded_server(tmp_path):
-    run_dir = run_pipeline(scenario(tmp_path), stages=["ask", "after"], run_id="served", notebooks_dir=FIXTURE_NOTEBOOKS)
+    run_dir = run_pipeline(
+        scenario(tmp_path), stages=["ask", "after"], run_id="served", notebooks_dir=FIXTURE_NOTEBOOKS
+    )
     # stopped once no later stage needs it: stages 4-6 get the server's memory and cores
     assert (run_dir / "server_during_later_stage").read_text() == "down"
     assert "endpoints stopped: no later stage needs them" in (run_dir / "run.log").read_text()
     answer = json.loads((run_dir / "answer.json").read_text())
     assert answer["finish_reason"] in {"length", "stop"}
-    assert "Uvicorn running" in (run_dir / "server.log").read_text() or (run_dir / "server.log").stat().st_size > 0
+    assert (
+        "Uvicorn running" in (run_dir / "server.log").read_text()
+        or (run_dir / "server.log").stat().st_size > 0
+    )
     import httpx
 
     with pytest.raises(httpx.HTTPError):  # stopped with the run
@@ -109,12 +137,30 @@ def test_sigterm_stops_the_run_marks_the_stage_and_leaves_no_server(tmp_path):
     import time
 
     params = scenario(tmp_path)
-    runner = subprocess.Popen([sys.executable, "-m", "eaglekit.cli", "run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS),
-                               "--stages", "wait", "--run-id", "stopped"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runner = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eaglekit.cli",
+            "run",
+            str(params),
+            "--notebooks",
+            str(FIXTURE_NOTEBOOKS),
+            "--stages",
+            "wait",
+            "--run-id",
+            "stopped",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     run_dir = tmp_path / "outputs" / "stopped"
     deadline = time.monotonic() + 300
     while not (run_dir / "waiting").exists():
-        assert runner.poll() is None and time.monotonic() < deadline, runner.stderr.read() if runner.poll() is not None else "timed out"
+        assert runner.poll() is None and time.monotonic() < deadline, (
+            runner.stderr.read() if runner.poll() is not None else "timed out"
+        )
         time.sleep(0.5)
     server_log = (run_dir / "server.log").read_text()
     port = server_log.split("Uvicorn running on http://127.0.0.1:")[1].split(" ")[0]
@@ -131,9 +177,23 @@ def test_sigterm_stops_the_run_marks_the_stage_and_leaves_no_server(tmp_path):
 
 # ---- faults: signals, a dead kernel, two writers, stages with errors, progress in the log ----------
 
+
 def start_runner(params: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "eaglekit.cli", "run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "eaglekit.cli",
+            "run",
+            str(params),
+            "--notebooks",
+            str(FIXTURE_NOTEBOOKS),
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for(path: Path, runner: subprocess.Popen, timeout_s: float = 120) -> None:
@@ -142,7 +202,9 @@ def wait_for(path: Path, runner: subprocess.Popen, timeout_s: float = 120) -> No
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         if runner.poll() is not None:
-            raise AssertionError(f"runner exited {runner.returncode} before {path.name}: {runner.stderr.read()}")
+            raise AssertionError(
+                f"runner exited {runner.returncode} before {path.name}: {runner.stderr.read()}"
+            )
         assert time.monotonic() < deadline, f"no {path.name} after {timeout_s} s"
         time.sleep(0.1)
 
@@ -163,7 +225,9 @@ def test_a_stop_gives_in_flight_work_the_grace_period_and_exits_quietly(tmp_path
     _, stderr = runner.communicate(timeout=60)
     assert runner.returncode == status, stderr
     assert time.monotonic() - stopped < 5.0 + 10.0  # within the grace and the kill margin
-    assert (run_dir / "finished_in_flight").read_text() == "5.0"  # the kernel got the stop and the params' grace
+    assert (
+        run_dir / "finished_in_flight"
+    ).read_text() == "5.0"  # the kernel got the stop and the params' grace
     assert not (run_dir / "busy_done").exists()  # and stopped: later cells never ran
     assert "Traceback" not in stderr and "zmq" not in stderr.lower(), stderr
     assert "--run-id stop --resume" in stderr.splitlines()[-1]
@@ -193,7 +257,9 @@ def test_a_dead_kernel_is_a_failed_stage_with_the_resume_command(tmp_path):
     notebook = nbformat.read(run_dir / "05_busy.ipynb", as_version=4)
     statuses = [cell.metadata.papermill["status"] for cell in notebook.cells]
     waiting = next(index for index, cell in enumerate(notebook.cells) if "time.sleep(300)" in cell.source)
-    assert statuses[waiting] == "failed" and statuses[waiting + 1:] == ["pending"] * (len(statuses) - waiting - 1)
+    assert statuses[waiting] == "failed" and statuses[waiting + 1 :] == ["pending"] * (
+        len(statuses) - waiting - 1
+    )
     assert notebook.cells[waiting].outputs[-1]["ename"] == "DeadKernelError"
     assert notebook.metadata.papermill["exception"] is True
 
@@ -211,7 +277,17 @@ def test_one_writer_per_run_folder_and_a_dead_runners_lock_is_taken_over(tmp_pat
     wait_for(run_dir / "busy", first)
     kernel_pid = int((run_dir / "busy").read_text())
     started = time.monotonic()
-    second = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello", "--run-id", "shared", "--resume")
+    second = eaglekit_cli(
+        "run",
+        str(params),
+        "--notebooks",
+        str(FIXTURE_NOTEBOOKS),
+        "--stages",
+        "hello",
+        "--run-id",
+        "shared",
+        "--resume",
+    )
     assert second.returncode == 1 and time.monotonic() - started < 15
     assert f"in use by another eaglekit process (pid {first.pid} on" in second.stderr, second.stderr
     assert not (run_dir / "hello.txt").exists()  # the second runner wrote nothing
@@ -222,12 +298,24 @@ def test_one_writer_per_run_folder_and_a_dead_runners_lock_is_taken_over(tmp_pat
     try:
         first.kill()
         first.wait()  # not communicate(): the stopped kernel still holds the runner's output pipes
-        with pytest.raises(RunLockedError, match="still locked although its runner .* is gone: a stage kernel"):
+        with pytest.raises(
+            RunLockedError, match="still locked although its runner .* is gone: a stage kernel"
+        ):
             RunFolderLock(run_dir).acquire(wait_for_orphans_s=0.5)
     finally:
         os.kill(kernel_pid, signal.SIGCONT)
     first.communicate(timeout=30)  # the kernel sees its parent gone and exits, closing the pipes
-    third = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello", "--run-id", "shared", "--resume")
+    third = eaglekit_cli(
+        "run",
+        str(params),
+        "--notebooks",
+        str(FIXTURE_NOTEBOOKS),
+        "--stages",
+        "hello",
+        "--run-id",
+        "shared",
+        "--resume",
+    )
     assert third.returncode == 0, third.stderr
     assert (run_dir / "hello.txt").read_text() == "fixture"
     assert "05_busy was running when its runner stopped" in third.stderr
@@ -241,22 +329,49 @@ def test_a_stage_with_errors_is_reported_and_resume_reruns_only_it(tmp_path):
     run_dir = tmp_path / "outputs" / "errs"
     run_dir.mkdir(parents=True)
     (run_dir / "failing").write_text("p1 p2")  # the stage will record two errors
-    first = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "hello,outcome", "--run-id", "errs", "--resume")
+    first = eaglekit_cli(
+        "run",
+        str(params),
+        "--notebooks",
+        str(FIXTURE_NOTEBOOKS),
+        "--stages",
+        "hello,outcome",
+        "--run-id",
+        "errs",
+        "--resume",
+    )
     assert first.returncode == 3, first.stderr
     last_line = first.stderr.strip().splitlines()[-1]
     assert "06_outcome done with 2 errors" in last_line and "--run-id errs --resume" in last_line
     state = json.loads((run_dir / "state.json").read_text())
     assert state["completed"] == ["01_hello"]
-    assert state["stages"]["06_outcome"]["status"] == "done with 2 errors" and state["stages"]["06_outcome"]["errors"] == 2
+    assert (
+        state["stages"]["06_outcome"]["status"] == "done with 2 errors"
+        and state["stages"]["06_outcome"]["errors"] == 2
+    )
 
     (run_dir / "failing").unlink()  # the retried items succeed
     (run_dir / "hello.txt").write_text("must stay")
-    second = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--run-id", "errs", "--resume", "--stages", "hello,outcome")
+    second = eaglekit_cli(
+        "run",
+        str(params),
+        "--notebooks",
+        str(FIXTURE_NOTEBOOKS),
+        "--run-id",
+        "errs",
+        "--resume",
+        "--stages",
+        "hello,outcome",
+    )
     assert second.returncode == 0, second.stderr
     assert "done already 01_hello; to run 06_outcome" in second.stderr
-    assert (run_dir / "outcome_attempts").read_text() == "2" and (run_dir / "hello.txt").read_text() == "must stay"
+    assert (run_dir / "outcome_attempts").read_text() == "2" and (
+        run_dir / "hello.txt"
+    ).read_text() == "must stay"
     state = json.loads((run_dir / "state.json").read_text())
-    assert state["completed"] == ["01_hello", "06_outcome"] and state["stages"]["06_outcome"]["status"] == "done"
+    assert (
+        state["completed"] == ["01_hello", "06_outcome"] and state["stages"]["06_outcome"]["status"] == "done"
+    )
 
 
 def test_library_progress_lines_reach_the_runner_output_and_run_log(tmp_path):
@@ -266,17 +381,34 @@ def test_library_progress_lines_reach_the_runner_output_and_run_log(tmp_path):
     run_dir = tmp_path / "outputs" / "lines"
     run_dir.mkdir(parents=True)  # a run whose first stage is done; the resume asks for another one only
     (run_dir / "state.json").write_text(json.dumps({"completed": ["01_hello"], "failed": None}))
-    result = eaglekit_cli("run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), "--stages", "progress", "--run-id", "lines", "--resume")
+    result = eaglekit_cli(
+        "run",
+        str(params),
+        "--notebooks",
+        str(FIXTURE_NOTEBOOKS),
+        "--stages",
+        "progress",
+        "--run-id",
+        "lines",
+        "--resume",
+    )
     assert result.returncode == 0, result.stderr
     # The third-party-server finding: this said "done already none".
-    assert "done already 01_hello; to run 07_progress" in result.stderr and "done already none" not in result.stderr
+    assert (
+        "done already 01_hello; to run 07_progress" in result.stderr
+        and "done already none" not in result.stderr
+    )
     run_log = (run_dir / "run.log").read_text()
     for done in (1, 2, 3):
         line = f"[07_progress] eaglekit.fixture: progress {done}/3 items | 1.5 req/s"
-        assert line in result.stderr, result.stderr  # what `nohup eaglekit run ... > run.out` and `tail -f` show
+        assert line in result.stderr, (
+            result.stderr
+        )  # what `nohup eaglekit run ... > run.out` and `tail -f` show
         assert line in run_log
     assert run_log.index("progress 3/3") < run_log.index("stage 07_progress: done")
-    assert "eaglekit.fixture: shutdown race guarded: True" in run_log  # the runner's kernel hook ran in the stage kernel
+    assert (
+        "eaglekit.fixture: shutdown race guarded: True" in run_log
+    )  # the runner's kernel hook ran in the stage kernel
     notebook = nbformat.read(run_dir / "07_progress.ipynb", as_version=4)
     shown = "".join(output.get("text", "") for cell in notebook.cells for output in cell.get("outputs", []))
     assert shown.count("progress 3/3 items") == 1  # the executed notebook still shows them, once
@@ -327,7 +459,9 @@ def test_a_stage_that_ignores_the_stop_is_killed_after_the_grace_and_the_margin(
 
 # ---- a full disk -------------------------------------------------------------------------------
 
-SMALL_DISK_BYTES = 4 << 20  # the run folder's whole filesystem: params, logs, the space reserve and one stage's output
+SMALL_DISK_BYTES = (
+    4 << 20
+)  # the run folder's whole filesystem: params, logs, the space reserve and one stage's output
 
 
 @pytest.fixture
@@ -335,8 +469,11 @@ def small_disk(tmp_path):
     """A real 4 MiB filesystem (tmpfs) for the run folder: the disk fills as a real one does, for every writer."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         pytest.skip(f"needs to mount a small tmpfs (root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
     yield mount_point
@@ -346,8 +483,22 @@ def small_disk(tmp_path):
 def _runner_on_small_disk(params: Path, fill: str, *args: str) -> subprocess.CompletedProcess:
     import os
 
-    return subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(params), "--notebooks", str(FIXTURE_NOTEBOOKS), *args],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "EAGLEKIT_TEST_FILL": fill})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eaglekit.cli",
+            "run",
+            str(params),
+            "--notebooks",
+            str(FIXTURE_NOTEBOOKS),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "EAGLEKIT_TEST_FILL": fill},
+    )
 
 
 @pytest.mark.parametrize("fill", ["raise", "quiet"], ids=["the-stage-write-fails", "the-notebook-save-fails"])
@@ -368,7 +519,9 @@ def test_a_full_disk_fails_the_stage_naming_the_path_and_the_resume_and_tears_no
 
     state = json.loads((run_dir / "state.json").read_text())
     stage = state["stages"]["08_fill"]
-    assert state["failed"] == "08_fill" and state["running"] is None and "08_fill" not in state["completed"], state
+    assert (
+        state["failed"] == "08_fill" and state["running"] is None and "08_fill" not in state["completed"]
+    ), state
     assert stage["status"] == "failed" and "No space left on device" in stage["error"]
     assert stage["path"] and stage["path"].startswith(str(run_dir)), stage
     if fill == "raise":  # the stage's own write failed first: that is the error, with its cell
@@ -385,14 +538,20 @@ def test_a_full_disk_fails_the_stage_naming_the_path_and_the_resume_and_tears_no
     assert second.returncode == 0, second.stderr
     assert (run_dir / "filled_done").read_text() == "ok"
     state = json.loads((run_dir / "state.json").read_text())
-    assert state["completed"] == ["08_fill"] and state["failed"] is None and "error" not in state["stages"]["08_fill"], state
+    assert (
+        state["completed"] == ["08_fill"]
+        and state["failed"] is None
+        and "error" not in state["stages"]["08_fill"]
+    ), state
     assert not (run_dir / "space_reserve").exists()
 
 
 def test_a_disk_without_room_for_the_runners_own_records_refuses_to_start(tmp_path):
     disk = tmp_path / "tiny"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"needs to mount a small tmpfs (root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
     try:
@@ -402,7 +561,9 @@ def test_a_disk_without_room_for_the_runners_own_records_refuses_to_start(tmp_pa
             run_pipeline(params, stages=["hello"], run_id="cramped", notebooks_dir=FIXTURE_NOTEBOOKS)
         message = str(refused.value)
         assert "no room to start" in message and "No space left on device (ENOSPC)" in message, message
-        assert str(disk / "cramped" / "space_reserve") in message and "--run-id cramped --resume" in message, message
+        assert (
+            str(disk / "cramped" / "space_reserve") in message and "--run-id cramped --resume" in message
+        ), message
         assert not (disk / "cramped" / "space_reserve").exists()  # what was written of it is given back
         assert not (disk / "cramped" / "01_hello.ipynb").exists()  # no stage ran
     finally:
@@ -414,17 +575,38 @@ def test_one_notebook_alone_through_papermill_gets_only_the_params_it_declares(t
 
     repo = Path(__file__).parent.parent
     notebook = repo / "notebooks" / "03_generation.ipynb"
-    listed = eaglekit_cli("params", str(repo / "params" / "demo.yaml"), str(notebook), "-o", str(tmp_path / "p.yaml"))
+    listed = eaglekit_cli(
+        "params", str(repo / "params" / "demo.yaml"), str(notebook), "-o", str(tmp_path / "p.yaml")
+    )
     assert listed.returncode == 0, listed.stderr
     sections = yaml.safe_load((tmp_path / "p.yaml").read_text())
-    assert "generation" in sections and "capture" not in sections and "analysis" not in sections, sorted(sections)
+    assert "generation" in sections and "capture" not in sections and "analysis" not in sections, sorted(
+        sections
+    )
 
     def prepare(params_file: Path) -> str:
-        done = subprocess.run([sys.executable, "-m", "papermill", "--prepare-only", str(notebook), str(tmp_path / "out.ipynb"),
-                               "-f", str(params_file), "-p", "run_dir", str(tmp_path / "run")],
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "papermill",
+                "--prepare-only",
+                str(notebook),
+                str(tmp_path / "out.ipynb"),
+                "-f",
+                str(params_file),
+                "-p",
+                "run_dir",
+                str(tmp_path / "run"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr
         return done.stderr
 
-    assert "Passed unknown parameter" in prepare(repo / "params" / "demo.yaml")  # every section the notebook lacks
+    assert "Passed unknown parameter" in prepare(
+        repo / "params" / "demo.yaml"
+    )  # every section the notebook lacks
     assert "Passed unknown parameter" not in prepare(tmp_path / "p.yaml")

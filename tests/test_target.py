@@ -36,17 +36,27 @@ def test_embedded_model_answers_like_an_instruct_model(embedded_model_dir):
     model = AutoModelForCausalLM.from_pretrained(embedded_model_dir)
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=8, do_sample=False)
-    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
 
 
 def test_two_processes_resolving_at_once_share_one_clean_conversion(tmp_path):
     code = "import sys; from eaglekit.target import resolve_model; from pathlib import Path; print(resolve_model('embedded:smollm2-135m-instruct', Path(sys.argv[1])))"
-    processes = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     outputs = [process.communicate(timeout=600) for process in processes]
     assert all(process.returncode == 0 for process in processes), [err[-2000:] for _, err in outputs]
     folders = {out.strip().splitlines()[-1] for out, _ in outputs}
@@ -57,7 +67,9 @@ def test_two_processes_resolving_at_once_share_one_clean_conversion(tmp_path):
     (tmp_path / "smollm2-135m-instruct" / COMPLETE_MARKER).unlink()
     (tmp_path / "smollm2-135m-instruct" / "model.safetensors").write_bytes(b"torn")
     resolved = resolve_model("embedded:smollm2-135m-instruct", tmp_path)
-    assert (resolved / COMPLETE_MARKER).is_file() and (resolved / "model.safetensors").stat().st_size > 1_000_000
+    assert (resolved / COMPLETE_MARKER).is_file() and (
+        resolved / "model.safetensors"
+    ).stat().st_size > 1_000_000
 
 
 def test_local_folder_is_used_as_is(embedded_model_dir):
@@ -101,7 +113,9 @@ def test_layout_finds_the_text_model_and_its_head_tensors(tiny_targets, family):
     assert layout.prefix == ("language_model." if family == "kimi_k25" else "")
     assert layout.is_wrapper == (family == "kimi_k25")
     tensors = layout.read_tensors([layout.embed_tokens_name, layout.final_norm_name, layout.lm_head_name])
-    assert tensors[layout.embed_tokens_name].shape == (49152, 64) and tensors[layout.final_norm_name].shape == (64,)
+    assert tensors[layout.embed_tokens_name].shape == (49152, 64) and tensors[
+        layout.final_norm_name
+    ].shape == (64,)
 
 
 @pytest.mark.parametrize("family", ["llama", "kimi_k25"])

@@ -37,7 +37,9 @@ def test_chain_tau_by_hand_ignores_steps_after_first_rejection():
 
     # The definition, literally: tau = 1 + sum_k prod_{i<=k} acc_i with acc_i conditional.
     acc = [4 / 6, (3 / 6) / (4 / 6), (2 / 6) / (3 / 6)]
-    assert pooled_accept_length(counts) == pytest.approx(1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2])
+    assert pooled_accept_length(counts) == pytest.approx(
+        1 + acc[0] + acc[0] * acc[1] + acc[0] * acc[1] * acc[2]
+    )
 
 
 def test_pooled_and_sample_mean_differ_when_lengths_differ():
@@ -77,7 +79,9 @@ def test_vectorized_bootstrap_matches_a_loop_over_resamples():
         chosen = [samples[index] for index in np.repeat(np.arange(25), row)]
         resampled = chain_counts(chosen)
         assert replicates.pooled_tau[resample] == pytest.approx(pooled_accept_length(resampled))
-        assert replicates.sample_mean_tau[resample] == pytest.approx(np.mean(per_sample_accept_length(resampled)))
+        assert replicates.sample_mean_tau[resample] == pytest.approx(
+            np.mean(per_sample_accept_length(resampled))
+        )
 
 
 def test_tables_have_topology_intervals_and_a_pooled_row():
@@ -90,7 +94,11 @@ def test_tables_have_topology_intervals_and_a_pooled_row():
     summary = summary.set_index("dataset")
     assert list(summary.index) == ["easy", "hard", "all"]
     assert (summary["topology"] == "chain").all() and (summary["steps"] == 3).all()
-    assert summary.loc["easy", "tau_pooled"] > summary.loc["all", "tau_pooled"] > summary.loc["hard", "tau_pooled"]
+    assert (
+        summary.loc["easy", "tau_pooled"]
+        > summary.loc["all", "tau_pooled"]
+        > summary.loc["hard", "tau_pooled"]
+    )
     for prefix in ("tau_pooled", "tau_sample_mean"):
         assert (summary[f"{prefix}_low"] <= summary[prefix]).all()
         assert (summary[prefix] <= summary[f"{prefix}_high"]).all()
@@ -98,7 +106,9 @@ def test_tables_have_topology_intervals_and_a_pooled_row():
     # Independent Bernoulli(0.9) per step: every conditional acceptance is near 0.9.
     easy = per_position[per_position["dataset"] == "easy"]
     assert easy["acceptance"].to_numpy() == pytest.approx([0.9] * 3, abs=0.05)
-    assert (easy["acceptance_low"] < easy["acceptance"]).all() and (easy["acceptance"] < easy["acceptance_high"]).all()
+    assert (easy["acceptance_low"] < easy["acceptance"]).all() and (
+        easy["acceptance"] < easy["acceptance_high"]
+    ).all()
     assert easy["positions_reaching"].iloc[0] == 1200
 
     # Same seed, same answer; another seed, other intervals.
@@ -128,7 +138,9 @@ def test_sweep_pairs_bootstrap_across_sizes_and_matches_single_tables():
     # Each size's rows are exactly what acceptance_tables gives for that draft alone.
     for size, agreements in ((16, small), (64, large)):
         alone, per_position = acceptance_tables(agreements, steps=2, num_resamples=200, seed=3)
-        rows = sweep.summary[sweep.summary["data_size"] == size].drop(columns="data_size").reset_index(drop=True)
+        rows = (
+            sweep.summary[sweep.summary["data_size"] == size].drop(columns="data_size").reset_index(drop=True)
+        )
         assert rows.equals(alone)
         assert len(sweep.per_position[sweep.per_position["data_size"] == size]) == len(per_position)
     replicates = sweep.pooled_replicates["all"]
@@ -142,7 +154,9 @@ def test_sweep_rejects_drafts_scored_on_other_heldout_samples():
     from eaglekit.analysis.acceptance import sweep_acceptance
 
     with pytest.raises(ValueError, match="other held-out samples"):
-        sweep_acceptance({1: {"chat": [_rows("10", "00")]}, 2: {"chat": [_rows("10")]}}, steps=2, num_resamples=10)
+        sweep_acceptance(
+            {1: {"chat": [_rows("10", "00")]}, 2: {"chat": [_rows("10")]}}, steps=2, num_resamples=10
+        )
 
 
 def test_tree_depths_read_as_chain_counts_per_depth():
@@ -153,7 +167,12 @@ def test_tree_depths_read_as_chain_counts_per_depth():
     # Two samples' accepted depths per start row (0..S).
     samples = [np.array([3, 0, 1, 2]), np.array([2, 2])]
     arrays = [depth_agreement(depths, tree.steps) for depths in samples]
-    assert arrays[0].tolist() == [[True, True, True], [False, False, False], [True, False, False], [True, True, False]]
+    assert arrays[0].tolist() == [
+        [True, True, True],
+        [False, False, False],
+        [True, False, False],
+        [True, True, False],
+    ]
     # The tree sweep (topology_sweep.sweep_table) pools them as chain counts: 1 + mean accepted depth over the 6 rows.
     assert pooled_accept_length(chain_counts(arrays, tree.steps)) == pytest.approx(1 + 10 / 6)
     # Per depth: P(>= 1) = 5/6, P(>= 2 | >= 1) = 4/5, P(>= 3 | >= 2) = 1/4.

@@ -6,8 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from eaglekit.analysis.curves import (FamilyFits, fit_accelerating_rows, fit_log_linear_rows, fit_saturating_rows, first_crossing,
-                                      leave_one_size_out_error, union_interval)
+from eaglekit.analysis.curves import (
+    FamilyFits,
+    fit_accelerating_rows,
+    fit_log_linear_rows,
+    fit_saturating_rows,
+    first_crossing,
+    leave_one_size_out_error,
+    union_interval,
+)
 from eaglekit.analysis.scaling import ceiling_identification, fit_scaling, local_slope
 
 SIZES = np.array([60, 120, 240, 480, 960.0])
@@ -45,7 +52,9 @@ def test_the_scaling_fit_and_the_forecast_read_one_saturating_fit():
     point = FamilyFits.fit(SIZES, truth[None, :], ceiling=4.0)
     grid = np.geomspace(60, 960, 9)
     np.testing.assert_allclose(scaling.predict(grid), point.raw(grid)["saturating"][0])
-    assert ceiling_identification(SIZES, truth, rows, max_accept_length=4.0).fit.params == pytest.approx(point.saturating[0])
+    assert ceiling_identification(SIZES, truth, rows, max_accept_length=4.0).fit.params == pytest.approx(
+        point.saturating[0]
+    )
 
 
 def test_the_local_slope_is_the_log_linear_family():
@@ -58,7 +67,9 @@ def test_the_local_slope_is_the_log_linear_family():
 
 def test_prediction_is_held_between_the_last_measured_tau_and_the_ceiling():
     falling = np.array([1.5, 1.45, 1.4, 1.35, 1.3])  # a fit that would predict below the largest draft
-    steep = 1.0 + 0.4 * np.log2(SIZES / 60)  # 2.6 at 960, a line that would pass the chain's ceiling of 3 by 7,680
+    steep = 1.0 + 0.4 * np.log2(
+        SIZES / 60
+    )  # 2.6 at 960, a line that would pass the chain's ceiling of 3 by 7,680
     for taus in (falling, steep):
         ahead = FamilyFits.fit(SIZES, taus[None, :], ceiling=3.0).at([7680.0])
         for curve in ahead.values():
@@ -82,6 +93,12 @@ def test_leave_one_size_out_error_predicts_each_size_from_the_others():
         keep = np.arange(len(SIZES)) != left_out
         intercept, slope = fit_log_linear_rows(SIZES[keep], taus[keep][None, :])[0]
         manual.append(intercept + slope * np.log2(SIZES[left_out]) - taus[left_out])
-    assert leave_one_size_out_error(SIZES, taus, "log-linear") == pytest.approx(float(np.sqrt(np.mean(np.square(manual)))))
-    assert leave_one_size_out_error(SIZES, taus, "saturating", ceiling=4.0) < 1e-3  # the true shape predicts what it left out
-    assert leave_one_size_out_error(SIZES[:4], taus[:4], "saturating") is None  # 3 left to fit 3 parameters: nothing tested
+    assert leave_one_size_out_error(SIZES, taus, "log-linear") == pytest.approx(
+        float(np.sqrt(np.mean(np.square(manual))))
+    )
+    assert (
+        leave_one_size_out_error(SIZES, taus, "saturating", ceiling=4.0) < 1e-3
+    )  # the true shape predicts what it left out
+    assert (
+        leave_one_size_out_error(SIZES[:4], taus[:4], "saturating") is None
+    )  # 3 left to fit 3 parameters: nothing tested

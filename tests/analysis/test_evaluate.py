@@ -29,7 +29,9 @@ def target(embedded_model_dir):
 @pytest.fixture(scope="module")
 def fitted(embedded_model_dir, target):
     """A draft overfitted for a few steps on the target's own greedy answers; (draft, prompts, sequences)."""
-    return fit_draft_on_greedy_answers(embedded_model_dir, QUESTIONS, MAX_NEW_TOKENS, steps=10, ttt_steps=2, target=target)
+    return fit_draft_on_greedy_answers(
+        embedded_model_dir, QUESTIONS, MAX_NEW_TOKENS, steps=10, ttt_steps=2, target=target
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +49,15 @@ def prompts_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
     lines = [
         # The kit's conversation schema; the trailing assistant turn is the reference answer and is dropped.
-        {"id": "kit-1", "source": "test", "messages": [{"role": "user", "content": QUESTIONS[0]},
-                                                         {"role": "assistant", "content": "Red and blue."}], "meta": {}},
+        {
+            "id": "kit-1",
+            "source": "test",
+            "messages": [
+                {"role": "user", "content": QUESTIONS[0]},
+                {"role": "assistant", "content": "Red and blue."},
+            ],
+            "meta": {},
+        },
         # OpenAI messages as a bare list.
         [{"role": "system", "content": "You are brief."}, {"role": "user", "content": QUESTIONS[1]}],
     ]
@@ -59,23 +68,49 @@ def prompts_file(tmp_path_factory):
 def test_evaluate_command_end_to_end(tmp_path, embedded_model_dir, exports, prompts_file, capsys):
     sglang_dir, _ = exports
     out = tmp_path / "out.json"
-    code = main(["evaluate", "--target", str(embedded_model_dir), "--draft", str(sglang_dir), "--prompts", str(prompts_file),
-                 "--topology", "chain:2", "--topology", "tree:3,2,6", "--max-new-tokens", str(MAX_NEW_TOKENS),
-                 "--json", str(out), "--resamples", "200"])
+    code = main(
+        [
+            "evaluate",
+            "--target",
+            str(embedded_model_dir),
+            "--draft",
+            str(sglang_dir),
+            "--prompts",
+            str(prompts_file),
+            "--topology",
+            "chain:2",
+            "--topology",
+            "tree:3,2,6",
+            "--max-new-tokens",
+            str(MAX_NEW_TOKENS),
+            "--json",
+            str(out),
+            "--resamples",
+            "200",
+        ]
+    )
     printed = capsys.readouterr().out
     assert code == 0, printed
     report = json.loads(out.read_text())
     chain, tree = report["topologies"]
     assert (chain["topology"], chain["steps"], chain["top_k"], chain["draft_tokens"]) == ("chain:2", 2, 1, 3)
     assert (tree["topology"], tree["steps"], tree["top_k"], tree["draft_tokens"]) == ("tree:3,2,6", 3, 2, 6)
-    assert chain["vllm_speculative_config"]["num_speculative_tokens"] == 2 and tree["vllm_speculative_config"] is None
+    assert (
+        chain["vllm_speculative_config"]["num_speculative_tokens"] == 2
+        and tree["vllm_speculative_config"] is None
+    )
     for record in (chain, tree):
         assert record["outputs_equal"] is True
         rows = record["per_prompt"]
         assert [row["prompt"] for row in rows] == ["kit-1", "line2"]
         # tau_server counts completion tokens (prefill token included, budget cuts applied) per verification.
-        assert record["tau_server"] == pytest.approx(sum(r["output_tokens"] for r in rows) / sum(r["verification_steps"] for r in rows))
-        assert 1.0 <= record["tau_loop"] <= record["steps"] + 1 and 1.0 <= record["tau_offline"] <= record["steps"] + 1
+        assert record["tau_server"] == pytest.approx(
+            sum(r["output_tokens"] for r in rows) / sum(r["verification_steps"] for r in rows)
+        )
+        assert (
+            1.0 <= record["tau_loop"] <= record["steps"] + 1
+            and 1.0 <= record["tau_offline"] <= record["steps"] + 1
+        )
         low, high = record["tau_loop_interval"]
         assert low <= record["tau_loop"] <= high
         assert record["tokens_per_s"] > 0 and record["greedy_tokens_per_s"] > 0
@@ -88,7 +123,10 @@ def test_evaluate_command_end_to_end(tmp_path, embedded_model_dir, exports, prom
 
 def test_vllm_and_sglang_exports_load_the_same_draft(embedded_model_dir, exports, target):
     sglang_dir, vllm_dir = exports
-    from_sglang, from_vllm = load_draft_for_target(sglang_dir, target), load_draft_for_target(vllm_dir, target)
+    from_sglang, from_vllm = (
+        load_draft_for_target(sglang_dir, target),
+        load_draft_for_target(vllm_dir, target),
+    )
     # The two configs spell the capture layers differently (SGLang id + 1); both must land on the same layers.
     assert from_sglang.config.capture_layer_indices == from_vllm.config.capture_layer_indices == (2, 15, 27)
     for name, tensor in from_sglang.state_dict().items():
@@ -98,7 +136,9 @@ def test_vllm_and_sglang_exports_load_the_same_draft(embedded_model_dir, exports
 
 def test_bad_prompts_and_topologies_fail_clearly(tmp_path, embedded_model_dir, exports, capsys):
     path = tmp_path / "bad.jsonl"
-    path.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "robot", "content": "x"}]}\n')
+    path.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "robot", "content": "x"}]}\n'
+    )
     with pytest.raises(InputError, match=r"bad.jsonl:2: field 'messages\[0\].role'"):
         read_prompts(path)
     path.write_text('{"prompt": "hi"}\n')
@@ -107,10 +147,37 @@ def test_bad_prompts_and_topologies_fail_clearly(tmp_path, embedded_model_dir, e
     path.write_text('{"messages": [{"role": "assistant", "content": "only an answer"}]}\n')
     with pytest.raises(InputError, match="only assistant turns"):
         read_prompts(path)
-    assert main(["evaluate", "--target", str(embedded_model_dir), "--draft", str(exports[0]), "--prompts", str(path),
-                 "--topology", "tree:3,1,8"]) == 2
+    assert (
+        main(
+            [
+                "evaluate",
+                "--target",
+                str(embedded_model_dir),
+                "--draft",
+                str(exports[0]),
+                "--prompts",
+                str(path),
+                "--topology",
+                "tree:3,1,8",
+            ]
+        )
+        == 2
+    )
     assert "with top-k 1 the tree is a chain" in capsys.readouterr().err
-    assert main(["evaluate", "--target", str(embedded_model_dir), "--draft", str(exports[0]), "--prompts", str(path)]) == 1
+    assert (
+        main(
+            [
+                "evaluate",
+                "--target",
+                str(embedded_model_dir),
+                "--draft",
+                str(exports[0]),
+                "--prompts",
+                str(path),
+            ]
+        )
+        == 1
+    )
     assert "only assistant turns" in capsys.readouterr().err
 
 
@@ -122,14 +189,24 @@ def heldout_samples(target, fitted):
     with torch.no_grad():
         for index, (prompt, sequence) in enumerate(zip(prompts, sequences)):
             hidden = target(torch.tensor([sequence]), output_hidden_states=True).hidden_states
-            samples.append({"id": f"s{index}", "dataset": "demo", "input_ids": torch.tensor(sequence),
-                            "loss_mask": torch.tensor([0] * len(prompt) + [1] * (len(sequence) - len(prompt))),
-                            "aux_hidden_states": torch.cat([hidden[i] for i in draft.config.capture_layer_indices], dim=-1)[0],
-                            "final_hidden_states": hidden[-1][0]})
+            samples.append(
+                {
+                    "id": f"s{index}",
+                    "dataset": "demo",
+                    "input_ids": torch.tensor(sequence),
+                    "loss_mask": torch.tensor([0] * len(prompt) + [1] * (len(sequence) - len(prompt))),
+                    "aux_hidden_states": torch.cat(
+                        [hidden[i] for i in draft.config.capture_layer_indices], dim=-1
+                    )[0],
+                    "final_hidden_states": hidden[-1][0],
+                }
+            )
     return samples
 
 
-def test_tree_depths_from_captured_features_with_top_k_1_equal_the_chain_evaluation(embedded_model_dir, fitted, heldout_samples):
+def test_tree_depths_from_captured_features_with_top_k_1_equal_the_chain_evaluation(
+    embedded_model_dir, fitted, heldout_samples
+):
     """K = 1 from shards-style samples gives training's chain agreement exactly (same rows, same leading agreements)."""
     import numpy as np
     from eaglekit.topology import Topology
@@ -139,10 +216,16 @@ def test_tree_depths_from_captured_features_with_top_k_1_equal_the_chain_evaluat
     draft = fitted[0]
     lm_head = load_target_head_weights(embedded_model_dir).lm_head
     chain = per_position_agreement(draft, lm_head, heldout_samples, 2)
-    depths = tree_depths_by_dataset(draft, lm_head, heldout_samples, [Topology.chain(2), Topology.parse("tree:2,2,5")])
+    depths = tree_depths_by_dataset(
+        draft, lm_head, heldout_samples, [Topology.chain(2), Topology.parse("tree:2,2,5")]
+    )
     for sample, tree_depths in zip(chain, depths[Topology.chain(2)]["demo"]):
-        assert tree_depths.tolist() == np.logical_and.accumulate(sample.agreement, axis=1).sum(axis=1).tolist()
-    assert sum(int(array.sum()) for array in depths[Topology.chain(2)]["demo"]) > 0  # the draft accepts something
+        assert (
+            tree_depths.tolist() == np.logical_and.accumulate(sample.agreement, axis=1).sum(axis=1).tolist()
+        )
+    assert (
+        sum(int(array.sum()) for array in depths[Topology.chain(2)]["demo"]) > 0
+    )  # the draft accepts something
 
 
 def test_measured_topology_sweep(target, embedded_model_dir, exports, heldout_samples):
@@ -157,11 +240,24 @@ def test_measured_topology_sweep(target, embedded_model_dir, exports, heldout_sa
     )
 
     draft = load_draft_for_target(exports[0], target)
-    costs = measure_step_costs(target, draft, context_length=32, verify_tokens=(1, 8), draft_nodes=(1, 8), repeats=2)
-    assert costs.target_step_s > 0 and costs.verify_base_s > 0 and costs.draft_base_s > 0 and "cpu" in costs.source
+    costs = measure_step_costs(
+        target, draft, context_length=32, verify_tokens=(1, 8), draft_nodes=(1, 8), repeats=2
+    )
+    assert (
+        costs.target_step_s > 0
+        and costs.verify_base_s > 0
+        and costs.draft_base_s > 0
+        and "cpu" in costs.source
+    )
     grid = [Topology.chain(1), Topology.chain(2), Topology.parse("tree:2,2,4"), Topology.parse("tree:2,2,6")]
-    depths = tree_depths_by_dataset(draft, load_target_head_weights(embedded_model_dir).lm_head, heldout_samples, grid)
-    table = sweep_table({topology: pool_datasets(by_dataset) for topology, by_dataset in depths.items()}, costs, num_resamples=100)
+    depths = tree_depths_by_dataset(
+        draft, load_target_head_weights(embedded_model_dir).lm_head, heldout_samples, grid
+    )
+    table = sweep_table(
+        {topology: pool_datasets(by_dataset) for topology, by_dataset in depths.items()},
+        costs,
+        num_resamples=100,
+    )
     assert set(table["topology"]) == {str(topology) for topology in grid}
     # A tree that holds the chain's path with more tokens never accepts less on the same rows.
     by_name = table.set_index("topology")
@@ -178,7 +274,9 @@ def test_an_export_with_nan_weights_is_refused_before_any_tau(tmp_path):
     from support import samples_from_target, tiny_draft, tiny_target
 
     tiny = tiny_target()
-    folder = export_sglang(tiny_draft(tiny, samples_from_target(tiny, 3, seed=5)), tiny.config, tmp_path / "sglang")
+    folder = export_sglang(
+        tiny_draft(tiny, samples_from_target(tiny, 3, seed=5)), tiny.config, tmp_path / "sglang"
+    )
     tensors = load_file(folder / "model.safetensors")
     tensors["lm_head.weight"][3, 1] = float("nan")
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

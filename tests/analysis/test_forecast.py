@@ -27,7 +27,14 @@ import numpy as np
 import pytest
 
 from support import read_strict_json
-from eaglekit.analysis.forecast import MAX_DOUBLINGS_BEYOND, TRAINING_NOISE_PRIOR, Forecast, forecast, paired_bootstrap_means, training_noise
+from eaglekit.analysis.forecast import (
+    MAX_DOUBLINGS_BEYOND,
+    TRAINING_NOISE_PRIOR,
+    Forecast,
+    forecast,
+    paired_bootstrap_means,
+    training_noise,
+)
 
 TRUTHS = {
     "log-linear": lambda n: 1.2 + 0.06 * np.log2(n / 60.0),
@@ -49,12 +56,18 @@ def wrong_go_limit(experiments: int) -> float:
     return 0.05 + 2.0 * math.sqrt(0.05 * 0.95 / experiments)
 
 
-def synthetic(truth, sizes, seed: int, samples: int = 60, training_sd: float = TRAINING_SD) -> tuple[np.ndarray, np.ndarray]:
+def synthetic(
+    truth, sizes, seed: int, samples: int = 60, training_sd: float = TRAINING_SD
+) -> tuple[np.ndarray, np.ndarray]:
     """(measured tau per size, (R, n) paired bootstrap replicates of the held-out set)."""
     rng = np.random.default_rng(seed)
     sizes = np.asarray(sizes)
-    per_sample = (truth(sizes)[None, :] + rng.normal(0.0, 0.25, (samples, 1)) + rng.normal(0.0, 0.15, (samples, len(sizes)))
-                  + rng.normal(0.0, training_sd, (1, len(sizes))))
+    per_sample = (
+        truth(sizes)[None, :]
+        + rng.normal(0.0, 0.25, (samples, 1))
+        + rng.normal(0.0, 0.15, (samples, len(sizes)))
+        + rng.normal(0.0, training_sd, (1, len(sizes)))
+    )
     return per_sample.mean(axis=0), paired_bootstrap_means(per_sample, RESAMPLES, seed + 10_000)
 
 
@@ -66,13 +79,26 @@ def experiments(name: str, sizes: tuple[float, ...]) -> dict:
     for seed in range(EXPERIMENTS):
         taus, replicates = synthetic(truth, sizes, seed)
         break_even = float(truth(np.array(AHEAD[-1]))) + np.random.default_rng(seed + 1).uniform(0.0, 0.02)
-        result = forecast(sizes, taus, replicates, planned_sizes=[*sizes, *AHEAD[:-1]], full_size=AHEAD[-1], break_even=break_even,
-                          max_accept_length=4.0, seed=seed)
+        result = forecast(
+            sizes,
+            taus,
+            replicates,
+            planned_sizes=[*sizes, *AHEAD[:-1]],
+            full_size=AHEAD[-1],
+            break_even=break_even,
+            max_accept_length=4.0,
+            seed=seed,
+        )
         wrong_go += result.verdict == "go"
         for item in result.predictions:
             if not item.measured:
-                hits[item.data_size] += item.tau_low <= float(truth(np.array(item.data_size))) <= item.tau_high
-    return {"coverage": {size: count / EXPERIMENTS for size, count in hits.items()}, "wrong_go": wrong_go / EXPERIMENTS}
+                hits[item.data_size] += (
+                    item.tau_low <= float(truth(np.array(item.data_size))) <= item.tau_high
+                )
+    return {
+        "coverage": {size: count / EXPERIMENTS for size, count in hits.items()},
+        "wrong_go": wrong_go / EXPERIMENTS,
+    }
 
 
 @pytest.mark.parametrize("sizes", [THREE, FIVE], ids=["3 sizes", "5 sizes"])
@@ -98,8 +124,20 @@ def test_re_forecasting_after_every_staged_size_keeps_the_chance_of_ever_a_wrong
         break_even = float(truth(np.array(AHEAD[0]))) + np.random.default_rng(seed + 1).uniform(0.0, 0.02)
         looks = [synthetic(truth, FIVE[:count], seed) for count in range(1, len(FIVE) + 1)]
         looks.append(synthetic(truth, FIVE, seed + 50_000))  # stage 6: the same sizes, other drafts
-        verdicts = [forecast(FIVE[:len(taus)], taus, replicates, planned_sizes=FIVE, full_size=AHEAD[0], break_even=break_even,
-                             max_accept_length=4.0, looks=len(looks), seed=seed).verdict for taus, replicates in looks]
+        verdicts = [
+            forecast(
+                FIVE[: len(taus)],
+                taus,
+                replicates,
+                planned_sizes=FIVE,
+                full_size=AHEAD[0],
+                break_even=break_even,
+                max_accept_length=4.0,
+                looks=len(looks),
+                seed=seed,
+            ).verdict
+            for taus, replicates in looks
+        ]
         ever += "go" in verdicts
     assert ever / sequences <= wrong_go_limit(sequences)
 
@@ -118,7 +156,9 @@ def test_training_noise_pools_the_prior_with_the_seeds():
     assert training_noise({60.0: 1.2}, None).sd == prior_sd
     noise = training_noise({60.0: 1.20, 240.0: 1.30}, {60.0: [1.26], 240.0: [1.36, 1.24]})
     squares = prior_sd**2 * prior_df + 0.5 * 0.06**2 + np.var([1.30, 1.36, 1.24]) * 3
-    assert noise.degrees_of_freedom == prior_df + 3 and noise.sd == pytest.approx(math.sqrt(squares / (prior_df + 3)))
+    assert noise.degrees_of_freedom == prior_df + 3 and noise.sd == pytest.approx(
+        math.sqrt(squares / (prior_df + 3))
+    )
     assert noise.seeds_by_size == {60.0: 1, 240.0: 2}
     with pytest.raises(ValueError, match="not measured"):
         training_noise({60.0: 1.2}, {120.0: [1.3]})
@@ -126,9 +166,19 @@ def test_training_noise_pools_the_prior_with_the_seeds():
 
 def test_measured_seed_to_seed_noise_widens_the_interval():
     taus, replicates = synthetic(TRUTHS["log-linear"], THREE, 4)
-    quiet = forecast(THREE, taus, replicates, planned_sizes=THREE, full_size=3840.0, break_even=2.0, max_accept_length=4.0)
-    noisy = forecast(THREE, taus, replicates, planned_sizes=THREE, full_size=3840.0, break_even=2.0, max_accept_length=4.0,
-                     seed_accept_lengths={60.0: [taus[0] + 0.08, taus[0] - 0.08], 240.0: [taus[1] + 0.1]})
+    quiet = forecast(
+        THREE, taus, replicates, planned_sizes=THREE, full_size=3840.0, break_even=2.0, max_accept_length=4.0
+    )
+    noisy = forecast(
+        THREE,
+        taus,
+        replicates,
+        planned_sizes=THREE,
+        full_size=3840.0,
+        break_even=2.0,
+        max_accept_length=4.0,
+        seed_accept_lengths={60.0: [taus[0] + 0.08, taus[0] - 0.08], 240.0: [taus[1] + 0.1]},
+    )
     width = lambda result: result.predictions[-1].tau_high - result.predictions[-1].tau_low  # noqa: E731
     assert width(noisy) > width(quiet) + 0.05
     assert noisy.training_noise["seeds_by_size"] == {60.0: 2, 240.0: 1}
@@ -136,10 +186,19 @@ def test_measured_seed_to_seed_noise_widens_the_interval():
 
 # ----------------------------------------------------------------------------- what it claims, in words
 
+
 def _forecast(truth, sizes, break_even, seed=3, full_size=7680.0, **kwargs) -> Forecast:
     taus, replicates = synthetic(truth, sizes, seed)
-    return forecast(sizes, taus, replicates, planned_sizes=sizes, full_size=full_size, break_even=break_even, max_accept_length=4.0,
-                    **kwargs)
+    return forecast(
+        sizes,
+        taus,
+        replicates,
+        planned_sizes=sizes,
+        full_size=full_size,
+        break_even=break_even,
+        max_accept_length=4.0,
+        **kwargs,
+    )
 
 
 def test_flat_curve_far_below_break_even_is_a_no_go():
@@ -161,32 +220,50 @@ def test_a_rising_curve_is_not_a_go_until_a_measured_draft_clears_break_even():
     rising = lambda n: 1.2 + 0.08 * np.log2(n / 60.0)  # 1.52 at 960, 1.76 at 7,680
     result = _forecast(rising, FIVE, break_even=1.6)
     assert result.verdict == "not yet known", result.line
-    assert "an interval that contains break-even 1.600" in result.line and "no size can rule out that the curve stops" in result.line
-    assert 960 < result.crossing_size < 7680 and not isinstance(result.crossing_high, float)  # "beyond 7,680": the plateau never crosses
+    assert (
+        "an interval that contains break-even 1.600" in result.line
+        and "no size can rule out that the curve stops" in result.line
+    )
+    assert 960 < result.crossing_size < 7680 and not isinstance(
+        result.crossing_high, float
+    )  # "beyond 7,680": the plateau never crosses
     measured = _forecast(rising, FIVE, break_even=1.4)
-    assert measured.verdict == "go" and measured.line.startswith("go: the draft trained on 960 samples measures tau")
+    assert measured.verdict == "go" and measured.line.startswith(
+        "go: the draft trained on 960 samples measures tau"
+    )
     assert measured.line.endswith("is not expected to score lower.")
 
 
 def test_shrinking_gains_are_said_only_when_their_change_is_resolved():
-    assert "(no change resolved: change -" in _forecast(TRUTHS["saturating"], THREE, break_even=2.2, seed=5).line
-    steep = lambda n: 2.5 - 1.5 * (n / 60.0) ** -0.5  # +0.375 per doubling from 60 to 240, +0.19 from 240 to 960
+    assert (
+        "(no change resolved: change -" in _forecast(TRUTHS["saturating"], THREE, break_even=2.2, seed=5).line
+    )
+    steep = lambda n: (
+        2.5 - 1.5 * (n / 60.0) ** -0.5
+    )  # +0.375 per doubling from 60 to 240, +0.19 from 240 to 960
     assert "(shrinking: change -0.1" in _forecast(steep, THREE, break_even=3.9).line
 
 
 def test_the_horizon_past_three_doublings_is_refused_in_words():
     result = _forecast(TRUTHS["saturating"], THREE, break_even=1.78, full_size=15360.0)
     assert result.verdict == "not yet known"
-    assert "the horizon (15,360 samples) is 4.0 doublings beyond the largest measured size (960), past the 3 a forecast" in result.line
-    assert result.predictions == [item for item in result.predictions if item.measured]  # no number past the reach
-    assert result.crossing_high == f"beyond {960 * 2 ** MAX_DOUBLINGS_BEYOND:,.0f}"
+    assert (
+        "the horizon (15,360 samples) is 4.0 doublings beyond the largest measured size (960), past the 3 a forecast"
+        in result.line
+    )
+    assert result.predictions == [
+        item for item in result.predictions if item.measured
+    ]  # no number past the reach
+    assert result.crossing_high == f"beyond {960 * 2**MAX_DOUBLINGS_BEYOND:,.0f}"
 
 
 def test_crossing_sizes_past_the_reach_are_words_in_answer_json(tmp_path):
     result = _forecast(TRUTHS["flat"], THREE, break_even=3.5)
     assert result.crossing_size == result.crossing_high == "beyond 7,680"
     result.save(tmp_path / "forecast.json")
-    record = read_strict_json(tmp_path / "forecast.json")  # the flat slope never reaches break-even: inf, written as "inf"
+    record = read_strict_json(
+        tmp_path / "forecast.json"
+    )  # the flat slope never reaches break-even: inf, written as "inf"
     assert record["crossing_size"] == "beyond 7,680" and record == result.to_dict()
 
 
@@ -196,17 +273,28 @@ def test_two_sizes_give_a_slope_and_no_doublings_past_the_reach():
     rng = np.random.default_rng(0)
     per_sample = taus[None, :] + rng.normal(0, 0.05, (30, 1)) + rng.normal(0, 0.03, (30, 2))
     per_sample += taus - per_sample.mean(axis=0)
-    result = forecast(sizes, taus, paired_bootstrap_means(per_sample, 1000, 1), planned_sizes=(10, 20, 40, 80), break_even=2.296,
-                      max_accept_length=4.0)
+    result = forecast(
+        sizes,
+        taus,
+        paired_bootstrap_means(per_sample, 1000, 1),
+        planned_sizes=(10, 20, 40, 80),
+        break_even=2.296,
+        max_accept_length=4.0,
+    )
     assert result.verdict == "not yet known" and result.predictions == [] and result.crossing_size is None
-    assert result.line.startswith("not yet known: from 2 sizes (10, 20 samples) only a slope: +0.023 tau per doubling")
+    assert result.line.startswith(
+        "not yet known: from 2 sizes (10, 20 samples) only a slope: +0.023 tau per doubling"
+    )
     assert "is not reached within 2.0 doublings (80 samples, the largest planned size)" in result.line
     assert "more doublings away" not in result.line and "A third size is needed" in result.line
 
 
 def test_two_sizes_within_reach_give_the_doublings():
     result = _forecast(TRUTHS["log-linear"], THREE[:2], break_even=1.40, full_size=15360.0)
-    assert "more doublings away" in result.line and "3.0 doublings reach 1,920 samples, the furthest a slope is read" in result.line
+    assert (
+        "more doublings away" in result.line
+        and "3.0 doublings reach 1,920 samples, the furthest a slope is read" in result.line
+    )
     assert "the full data (15,360 samples) is 6.0 doublings away" in result.line
 
 
@@ -226,10 +314,15 @@ def test_measured_draft_above_break_even_is_a_go_whatever_the_sizes():
 def test_a_measured_full_data_is_a_measurement_not_a_forecast():
     """The horizon is a measured size (params/kimi_k25_big_run.yaml's last size is its full data): this raised KeyError."""
     result = _forecast(TRUTHS["flat"], FIVE, break_even=2.0, full_size=960.0)
-    assert result.verdict == "no-go" and "the draft trained on 960 samples, the full data, measures tau" in result.line
+    assert (
+        result.verdict == "no-go"
+        and "the draft trained on 960 samples, the full data, measures tau" in result.line
+    )
     assert "measured, not forecast" in result.line
     capped = _forecast(TRUTHS["flat"], FIVE, break_even=2.0, full_size=960.0, lower_bound_sizes=[960.0])
-    assert capped.line.startswith("not yet known (its tau is a lower bound): the draft trained on 960 samples")
+    assert capped.line.startswith(
+        "not yet known (its tau is a lower bound): the draft trained on 960 samples"
+    )
     # A smaller size still rising does not move the full data's own measurement (the real curve's 120 did so).
     smaller = _forecast(TRUTHS["flat"], FIVE, break_even=2.0, full_size=960.0, lower_bound_sizes=[120.0])
     assert smaller.verdict == "no-go" and "measured, not forecast" in smaller.line

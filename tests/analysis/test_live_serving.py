@@ -36,15 +36,26 @@ def test_root_url_strips_v1():
 
 
 def test_sglang_generate_with_baseline():
-    with replay.serve(replay.sglang_app(speculative=True)) as spec_url, replay.serve(replay.sglang_app(speculative=False)) as base_url:
-        summary, per_request = measure_sglang(spec_url + "/v1", GENERATE_PROMPTS, baseline_url=base_url, max_new_tokens=128)
+    with (
+        replay.serve(replay.sglang_app(speculative=True)) as spec_url,
+        replay.serve(replay.sglang_app(speculative=False)) as base_url,
+    ):
+        summary, per_request = measure_sglang(
+            spec_url + "/v1", GENERATE_PROMPTS, baseline_url=base_url, max_new_tokens=128
+        )
     speculative = summary[summary["role"] == "speculative"].iloc[0]
     baseline = summary[summary["role"] == "baseline"].iloc[0]
     assert speculative["tau_pooled"] == pytest.approx(TAU_POOLED)
     assert speculative["tau_request_mean"] == pytest.approx(TAU_REQUEST_MEAN)
     assert speculative["verification_steps"] == 96
     # Topology recorded beside tau, from server info.
-    assert (speculative["algorithm"], speculative["topology"], speculative["steps"], speculative["topk"], speculative["draft_tokens"]) == ("EAGLE3", "chain", 3, 1, 4)
+    assert (
+        speculative["algorithm"],
+        speculative["topology"],
+        speculative["steps"],
+        speculative["topk"],
+        speculative["draft_tokens"],
+    ) == ("EAGLE3", "chain", 3, 1, 4)
     assert pd.isna(baseline["tau_pooled"]) and baseline["completion_tokens"] == 232
     assert speculative["tokens_per_s"] == pytest.approx(232 / speculative["wall_s"])
     assert speculative["speedup"] == pytest.approx(speculative["tokens_per_s"] / baseline["tokens_per_s"])
@@ -97,7 +108,13 @@ def test_vllm_counters_parse_sums_engines_and_skips_created():
 
 def test_vllm_measurement_from_metrics_before_and_after():
     with replay.serve(replay.vllm_app()) as url, replay.serve(replay.vllm_app()) as baseline_url:
-        summary, per_request = measure_vllm(url + "/v1", GENERATE_PROMPTS, model="meta-llama/Llama-3.1-8B-Instruct", baseline_url=baseline_url, max_tokens=128)
+        summary, per_request = measure_vllm(
+            url + "/v1",
+            GENERATE_PROMPTS,
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            baseline_url=baseline_url,
+            max_tokens=128,
+        )
     speculative = summary[summary["role"] == "speculative"].iloc[0]
     assert speculative["tau_pooled"] == pytest.approx(1 + 136 / 96)
     assert (speculative["topology"], speculative["steps"], speculative["draft_tokens"]) == ("chain", 3, 4)
@@ -131,16 +148,33 @@ def test_live_serving_without_endpoints_sends_nothing_and_says_so():
 
 def test_live_serving_sglang_sends_token_ids_with_its_baseline():
     spec_app, base_app = replay.sglang_app(speculative=True), replay.sglang_app(speculative=False)
-    prompts = [{**prompt, "dataset": "chitchat"} for prompt in GENERATE_PROMPTS]  # loop prompts carry more than id and ids
+    prompts = [
+        {**prompt, "dataset": "chitchat"} for prompt in GENERATE_PROMPTS
+    ]  # loop prompts carry more than id and ids
     with replay.serve(spec_app) as spec_url, replay.serve(base_app) as base_url:
-        live = measure_live_serving(prompts, max_new_tokens=96, sglang_endpoint=spec_url, baseline_endpoint=base_url)
-    assert [body["input_ids"] for body in spec_app.state.requests_seen] == [prompt["input_ids"] for prompt in GENERATE_PROMPTS]
-    assert base_app.state.requests_seen == spec_app.state.requests_seen  # the baseline gets the very same requests
-    assert all(body["sampling_params"] == {"max_new_tokens": 96, "temperature": 0.0} for body in spec_app.state.requests_seen)
-    assert live.summary["role"].tolist() == ["speculative", "baseline"] and list(live.per_request) == ["sglang"]
+        live = measure_live_serving(
+            prompts, max_new_tokens=96, sglang_endpoint=spec_url, baseline_endpoint=base_url
+        )
+    assert [body["input_ids"] for body in spec_app.state.requests_seen] == [
+        prompt["input_ids"] for prompt in GENERATE_PROMPTS
+    ]
+    assert (
+        base_app.state.requests_seen == spec_app.state.requests_seen
+    )  # the baseline gets the very same requests
+    assert all(
+        body["sampling_params"] == {"max_new_tokens": 96, "temperature": 0.0}
+        for body in spec_app.state.requests_seen
+    )
+    assert live.summary["role"].tolist() == ["speculative", "baseline"] and list(live.per_request) == [
+        "sglang"
+    ]
     assert live.summary["tau_pooled"].iloc[0] == pytest.approx(TAU_POOLED)
     records = live.records()
-    assert records[0]["endpoint"] == spec_url and records[0]["verification_steps"] == 96 and records[1]["endpoint"] == base_url
+    assert (
+        records[0]["endpoint"] == spec_url
+        and records[0]["verification_steps"] == 96
+        and records[1]["endpoint"] == base_url
+    )
     assert len(live.per_request["sglang"]) == 6 and "2 endpoint(s)" in live.note()
 
 
@@ -150,13 +184,21 @@ def test_live_serving_vllm_gets_the_same_token_ids_under_the_served_name():
     with replay.serve(app) as url:
         live = measure_live_serving(prompts, max_new_tokens=128, vllm_endpoint=url + "/v1")
     # Token ids on /v1/completions, as SGLang's /generate gets them: no second chat template around the prompt.
-    assert [body["prompt"] for body in app.state.requests_seen] == [prompt["input_ids"] for prompt in GENERATE_PROMPTS]
+    assert [body["prompt"] for body in app.state.requests_seen] == [
+        prompt["input_ids"] for prompt in GENERATE_PROMPTS
+    ]
     assert {body["model"] for body in app.state.requests_seen} == {"meta-llama/Llama-3.1-8B-Instruct"}
     assert all(body["max_tokens"] == 128 and body["temperature"] == 0.0 for body in app.state.requests_seen)
     row = live.summary.iloc[0]
-    assert (row["server"], row["tau_pooled"], row["completion_tokens"]) == ("vllm", pytest.approx(1 + 136 / 96), 232)
+    assert (row["server"], row["tau_pooled"], row["completion_tokens"]) == (
+        "vllm",
+        pytest.approx(1 + 136 / 96),
+        232,
+    )
     assert live.per_request["vllm"]["finish_reason"].tolist() == ["length", "length", "stop"]
-    assert list(live.per_request) == ["vllm"] and live.per_request["vllm"]["prompt_id"].tolist() == [p["id"] for p in PROMPTS]
+    assert list(live.per_request) == ["vllm"] and live.per_request["vllm"]["prompt_id"].tolist() == [
+        p["id"] for p in PROMPTS
+    ]
 
 
 def test_vllm_completions_refuses_prompts_without_token_ids():
@@ -179,5 +221,7 @@ def test_request_without_verification_steps_counts_as_zero_steps():
     speculative = summary[summary["role"] == "speculative"].iloc[0]
     assert speculative["verification_steps"] == 30 + 45 and speculative["completion_tokens"] == 64 + 128 + 1
     assert speculative["tau_pooled"] == pytest.approx((64 + 128 + 1) / (30 + 45))
-    assert speculative["tau_request_mean"] == pytest.approx((64 / 30 + 128 / 45) / 2)  # a 0-step request has no tau
+    assert speculative["tau_request_mean"] == pytest.approx(
+        (64 / 30 + 128 / 45) / 2
+    )  # a 0-step request has no tau
     assert per_request["verification_steps"].tolist() == [30, 45, 0]

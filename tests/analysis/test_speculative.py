@@ -16,7 +16,13 @@ from eaglekit.analysis.acceptance import chain_counts, pooled_accept_length
 from eaglekit.analysis.checkpoints import evaluate_speculative_loop
 from eaglekit.draft.model import Eagle3DraftModel, build_draft_from_target, load_target_head_weights
 from eaglekit.analysis.offline_estimate import offline_chain_agreement, offline_tree_acceptance
-from eaglekit.analysis.speculative import OracleDraft, accept, greedy_decode, speculative_decode, tree_speculative_decode
+from eaglekit.analysis.speculative import (
+    OracleDraft,
+    accept,
+    greedy_decode,
+    speculative_decode,
+    tree_speculative_decode,
+)
 from eaglekit.topology import Topology
 from eaglekit.draft.vocab import select_draft_vocab
 
@@ -42,8 +48,10 @@ def eos_token_id(embedded_model_dir) -> int:
 @pytest.fixture(scope="module")
 def prompts(embedded_model_dir) -> list[list[int]]:
     tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir)
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-               for question in QUESTIONS]
+    encoded = [
+        tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+        for question in QUESTIONS
+    ]
     return [list(item if isinstance(item, list) else item["input_ids"]) for item in encoded]
 
 
@@ -54,9 +62,15 @@ def references(target, prompts, eos_token_id) -> list[list[int]]:
     with torch.inference_mode():
         for prompt in prompts:
             input_ids = torch.tensor([prompt])
-            generated = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=MAX_NEW_TOKENS,
-                                        do_sample=False, eos_token_id=[eos_token_id], pad_token_id=eos_token_id)
-            outputs.append(generated[0, len(prompt):].tolist())
+            generated = target.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=MAX_NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=[eos_token_id],
+                pad_token_id=eos_token_id,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
 
 
@@ -71,7 +85,9 @@ def draft_vocab(target, prompts, references):
 
 @pytest.fixture(scope="module")
 def random_draft(embedded_model_dir, draft_vocab) -> Eagle3DraftModel:
-    return build_draft_from_target(load_target_head_weights(embedded_model_dir), draft_vocab.d2t, draft_vocab.t2d, seed=0).eval()
+    return build_draft_from_target(
+        load_target_head_weights(embedded_model_dir), draft_vocab.d2t, draft_vocab.t2d, seed=0
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +101,11 @@ def fitted_draft(random_draft, target, prompts, references) -> Eagle3DraftModel:
     with torch.no_grad():  # not inference_mode: these tensors feed autograd below
         for sequence in sequences:
             outputs = target(sequence, output_hidden_states=True)
-            features.append(torch.cat([outputs.hidden_states[i] for i in draft.config.capture_layer_indices], dim=-1).clone())
+            features.append(
+                torch.cat(
+                    [outputs.hidden_states[i] for i in draft.config.capture_layer_indices], dim=-1
+                ).clone()
+            )
     target_to_draft = torch.cumsum(draft.t2d.long(), 0) - 1  # draft id of each in-vocab target token
     optimizer = torch.optim.Adam([p for p in draft.parameters() if p.requires_grad], lr=2e-3)
     torch.manual_seed(0)
@@ -95,8 +115,10 @@ def fitted_draft(random_draft, target, prompts, references) -> Eagle3DraftModel:
         for sequence, aux, prompt in zip(sequences, features, prompts):
             step_logits = draft(sequence, aux, steps)
             for step, logits in enumerate(step_logits):
-                rows = slice(len(prompt) - 1, sequence.shape[1] - 2 - step)  # row t predicts token t + 2 + step
-                labels = target_to_draft[sequence[0, len(prompt) + 1 + step:]]
+                rows = slice(
+                    len(prompt) - 1, sequence.shape[1] - 2 - step
+                )  # row t predicts token t + 2 + step
+                labels = target_to_draft[sequence[0, len(prompt) + 1 + step :]]
                 loss = loss + F.cross_entropy(logits[0, rows], labels)
         loss.backward()
         optimizer.step()
@@ -124,14 +146,19 @@ def test_plain_greedy_loop_equals_generate(target, prompts, references, eos_toke
 def test_accept_rule():
     proposals = torch.tensor([5, 6, 7])
     assert accept(proposals, torch.tensor([5, 6, 7, 8])) == 3  # all drafts + bonus
-    assert accept(proposals, torch.tensor([5, 9, 7, 8])) == 1  # stops at the first disagreement, later matches ignored
+    assert (
+        accept(proposals, torch.tensor([5, 9, 7, 8])) == 1
+    )  # stops at the first disagreement, later matches ignored
     assert accept(proposals, torch.tensor([4, 6, 7, 8])) == 0  # only the target's own token
 
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_random_draft_output_equals_greedy(target, random_draft, prompts, references, eos_token_id, steps):
     """Whatever the draft proposes, the output is the target's greedy output (EOS and budget stops too)."""
-    for prompt, reference, max_new_tokens in [(prompts[0], references[0], MAX_NEW_TOKENS), (prompts[1], references[1], 9)]:
+    for prompt, reference, max_new_tokens in [
+        (prompts[0], references[0], MAX_NEW_TOKENS),
+        (prompts[1], references[1], 9),
+    ]:
         result = speculative_decode(target, random_draft, prompt, steps, max_new_tokens, [eos_token_id])
         assert result.output_ids == expected_output(reference, max_new_tokens, eos_token_id)
         assert sum(result.emitted_per_step) + 1 == len(result.output_ids)  # + the prefill token
@@ -152,8 +179,14 @@ def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, refe
         # to the end of the known sequence: past it the oracle does not know the target's answer).
         for row, accepted in zip(result.chain_start_rows, result.accepted_per_step):
             proposed_positions = range(row + 2, row + 2 + steps)
-            expected = next((j for j, position in enumerate(proposed_positions)
-                             if position in wrong or position >= len(sequence)), steps)
+            expected = next(
+                (
+                    j
+                    for j, position in enumerate(proposed_positions)
+                    if position in wrong or position >= len(sequence)
+                ),
+                steps,
+            )
             assert accepted == expected
         if max_new_tokens == 1:
             assert result.verification_steps == 0  # the prefill token alone: nothing verified
@@ -168,19 +201,25 @@ def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, refe
 
 
 @pytest.mark.parametrize("steps", [2, 4])
-def test_fitted_draft_loop_matches_offline_chain(target, fitted_draft, prompts, references, eos_token_id, steps):
+def test_fitted_draft_loop_matches_offline_chain(
+    target, fitted_draft, prompts, references, eos_token_id, steps
+):
     """The loop's accepted counts are the offline chain's leading agreements at the rows the loop visits."""
     loop_tokens, loop_steps, offline_arrays, accepted_counts = [], [], [], []
     for prompt, reference in zip(prompts, references):
         result = speculative_decode(target, fitted_draft, prompt, steps, MAX_NEW_TOKENS, [eos_token_id])
         assert result.output_ids == reference
         offline = offline_chain_agreement(target, fitted_draft, prompt + reference, len(prompt), steps)
-        leading = np.logical_and.accumulate(offline.agreement, axis=1).sum(axis=1)  # (P,) leading agreements per row
+        leading = np.logical_and.accumulate(offline.agreement, axis=1).sum(
+            axis=1
+        )  # (P,) leading agreements per row
         by_row = dict(zip(offline.start_rows.tolist(), leading.tolist()))
         compared = 0
         for row, accepted in zip(result.chain_start_rows, result.accepted_per_step):
             if row in by_row:  # rows too close to the end have no complete offline chain
-                assert accepted == by_row[row], f"row {row}: loop accepted {accepted}, offline chain agrees on {by_row[row]}"
+                assert accepted == by_row[row], (
+                    f"row {row}: loop accepted {accepted}, offline chain agrees on {by_row[row]}"
+                )
                 compared += 1
         assert compared >= 1
         loop_tokens.append(len(result.output_ids))
@@ -204,24 +243,43 @@ def test_fitted_draft_loop_matches_offline_chain(target, fitted_draft, prompts, 
 
 
 def test_evaluate_reports_server_style_tau_and_topology(target, fitted_draft, prompts, eos_token_id):
-    report = evaluate_speculative_loop(target, fitted_draft, prompts[:2], steps=3, max_new_tokens=6,
-                                       eos_token_ids=[eos_token_id], warmup=False)
+    report = evaluate_speculative_loop(
+        target,
+        fitted_draft,
+        prompts[:2],
+        steps=3,
+        max_new_tokens=6,
+        eos_token_ids=[eos_token_id],
+        warmup=False,
+    )
     summary = report.summary
     assert summary["outputs_equal"] is True
     assert (summary["topology"], summary["steps"], summary["draft_tokens"]) == ("chain", 3, 4)
     tokens = sum(len(result.output_ids) for result in report.speculative)
     verifications = sum(result.verification_steps for result in report.speculative)
     assert summary["tau_loop_pooled"] == pytest.approx(tokens / verifications)
-    assert 1.0 <= summary["tau_loop_pooled"] <= 4.0 + 1.0  # a chain of k steps: at most k + 1 (+ the prefill token)
-    assert summary["speedup"] == pytest.approx(summary["speculative_tokens_per_second"] / summary["greedy_tokens_per_second"])
+    assert (
+        1.0 <= summary["tau_loop_pooled"] <= 4.0 + 1.0
+    )  # a chain of k steps: at most k + 1 (+ the prefill token)
+    assert summary["speedup"] == pytest.approx(
+        summary["speculative_tokens_per_second"] / summary["greedy_tokens_per_second"]
+    )
     assert len(report.per_prompt) == 2 and all(row["outputs_equal"] for row in report.per_prompt)
 
 
 def test_draft_for_another_target_fails_fast(target, random_draft, prompts):
     from eaglekit.draft.model import DraftConfig
 
-    config = DraftConfig.from_dict({**random_draft.config.to_dict(), "hidden_size": 64, "head_dim": 16,
-                                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128})
+    config = DraftConfig.from_dict(
+        {
+            **random_draft.config.to_dict(),
+            "hidden_size": 64,
+            "head_dim": 16,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 128,
+        }
+    )
     with pytest.raises(ValueError, match="hidden_size"):
         speculative_decode(target, Eagle3DraftModel(config), prompts[0], 2, 4)
     with pytest.raises(ValueError, match="k must be"):
@@ -234,7 +292,11 @@ def test_load_draft_checkpoint_round_trips_a_training_checkpoint(tmp_path, embed
     from eaglekit.analysis.checkpoints import load_draft_checkpoint
     from eaglekit.training import TrainSettings, save_checkpoint
 
-    state = {name: tensor for name, tensor in fitted_draft.state_dict().items() if not name.startswith("embed_tokens.")}
+    state = {
+        name: tensor
+        for name, tensor in fitted_draft.state_dict().items()
+        if not name.startswith("embed_tokens.")
+    }
     save_checkpoint(tmp_path / "best.pt", state, {}, {"step": 1}, TrainSettings(), fitted_draft)
     head = load_target_head_weights(embedded_model_dir)
     loaded = load_draft_checkpoint(tmp_path / "best.pt", head.embed_tokens)
@@ -252,16 +314,35 @@ def test_heldout_prompts_cut_before_the_first_generated_token():
 
     assert prompt_before_first_answer([5, 6, 7, 8, 9], [0, 0, 1, 1, 0]) == [5, 6]
     samples = [
-        {"id": "none", "dataset": "a", "input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]},  # nothing generated: skipped
-        {"id": "long", "dataset": "a", "input_ids": list(range(20)), "loss_mask": [0] * 10 + [1] * 10},  # prompt too long
-        {"id": "ok", "dataset": "b", "input_ids": torch.tensor([4, 5, 6, 7]), "loss_mask": torch.tensor([0, 0, 1, 1])},
+        {
+            "id": "none",
+            "dataset": "a",
+            "input_ids": [1, 2, 3],
+            "loss_mask": [0, 0, 0],
+        },  # nothing generated: skipped
+        {
+            "id": "long",
+            "dataset": "a",
+            "input_ids": list(range(20)),
+            "loss_mask": [0] * 10 + [1] * 10,
+        },  # prompt too long
+        {
+            "id": "ok",
+            "dataset": "b",
+            "input_ids": torch.tensor([4, 5, 6, 7]),
+            "loss_mask": torch.tensor([0, 0, 1, 1]),
+        },
     ]
-    assert heldout_prompts(samples, count=3, max_prompt_tokens=8) == [{"id": "ok", "dataset": "b", "input_ids": [4, 5]}]
+    assert heldout_prompts(samples, count=3, max_prompt_tokens=8) == [
+        {"id": "ok", "dataset": "b", "input_ids": [4, 5]}
+    ]
     with pytest.raises(ValueError, match="max_prompt_tokens"):
         heldout_prompts(samples[:2], count=3, max_prompt_tokens=8)
 
 
-def test_offline_agreements_group_by_dataset_in_sample_order(target, fitted_draft, prompts, references, embedded_model_dir):
+def test_offline_agreements_group_by_dataset_in_sample_order(
+    target, fitted_draft, prompts, references, embedded_model_dir
+):
     from eaglekit.analysis.checkpoints import offline_agreements_by_dataset
 
     samples = []
@@ -269,16 +350,26 @@ def test_offline_agreements_group_by_dataset_in_sample_order(target, fitted_draf
         sequence = torch.tensor([prompt + output])
         with torch.no_grad():
             hidden = target(sequence, output_hidden_states=True).hidden_states
-        samples.append({
-            "id": f"s{index}", "dataset": "even" if index % 2 == 0 else "odd", "input_ids": sequence[0],
-            "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(output)),
-            "aux_hidden_states": torch.cat([hidden[i] for i in fitted_draft.config.capture_layer_indices], dim=-1)[0].bfloat16(),
-            "final_hidden_states": hidden[-1][0].bfloat16(),
-        })
+        samples.append(
+            {
+                "id": f"s{index}",
+                "dataset": "even" if index % 2 == 0 else "odd",
+                "input_ids": sequence[0],
+                "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(output)),
+                "aux_hidden_states": torch.cat(
+                    [hidden[i] for i in fitted_draft.config.capture_layer_indices], dim=-1
+                )[0].bfloat16(),
+                "final_hidden_states": hidden[-1][0].bfloat16(),
+            }
+        )
     head = load_target_head_weights(embedded_model_dir)
     grouped = offline_agreements_by_dataset(fitted_draft, head.lm_head, samples, steps=2, max_length=512)
     assert sorted(grouped) == ["even", "odd"] and len(grouped["even"]) == 2 and len(grouped["odd"]) == 1
-    assert all(array.dtype == np.bool_ and array.shape[1] == 2 and array.shape[0] > 0 for arrays in grouped.values() for array in arrays)
+    assert all(
+        array.dtype == np.bool_ and array.shape[1] == 2 and array.shape[0] > 0
+        for arrays in grouped.values()
+        for array in arrays
+    )
     # The fitted draft agrees with the target on its training sequences more often than never.
     assert any(array[:, 0].any() for arrays in grouped.values() for array in arrays)
 
@@ -290,12 +381,16 @@ TREES = ["tree:2,2,4", "tree:3,3,8"]
 
 
 @pytest.mark.parametrize("text", TREES)
-def test_tree_loop_output_equals_greedy_random_and_fitted(target, random_draft, fitted_draft, prompts, references, eos_token_id, text):
+def test_tree_loop_output_equals_greedy_random_and_fitted(
+    target, random_draft, fitted_draft, prompts, references, eos_token_id, text
+):
     """Whatever the tree holds, the output is the target's greedy output, through EOS and budget cuts."""
     topology = Topology.parse(text)
-    for draft, prompt, reference, max_new_tokens in [(random_draft, prompts[0], references[0], MAX_NEW_TOKENS),
-                                                     (fitted_draft, prompts[1], references[1], 11),
-                                                     (fitted_draft, prompts[2], references[2], MAX_NEW_TOKENS)]:
+    for draft, prompt, reference, max_new_tokens in [
+        (random_draft, prompts[0], references[0], MAX_NEW_TOKENS),
+        (fitted_draft, prompts[1], references[1], 11),
+        (fitted_draft, prompts[2], references[2], MAX_NEW_TOKENS),
+    ]:
         result = tree_speculative_decode(target, draft, prompt, topology, max_new_tokens, [eos_token_id])
         assert result.output_ids == expected_output(reference, max_new_tokens, eos_token_id)
         assert sum(result.emitted_per_step) + 1 == len(result.output_ids)
@@ -307,19 +402,28 @@ def test_tree_loop_with_top_k_1_is_the_chain_loop(target, fitted_draft, prompts,
     """The tree code with K = 1 (its own draft attention, cache rollback by index) accepts what the chain loop accepts."""
     for prompt in prompts[1:]:
         chain = speculative_decode(target, fitted_draft, prompt, 3, MAX_NEW_TOKENS, [eos_token_id])
-        tree = tree_speculative_decode(target, fitted_draft, prompt, Topology.chain(3), MAX_NEW_TOKENS, [eos_token_id])
+        tree = tree_speculative_decode(
+            target, fitted_draft, prompt, Topology.chain(3), MAX_NEW_TOKENS, [eos_token_id]
+        )
         assert tree.output_ids == chain.output_ids
-        assert tree.accepted_per_step == chain.accepted_per_step and tree.chain_start_rows == chain.chain_start_rows
+        assert (
+            tree.accepted_per_step == chain.accepted_per_step
+            and tree.chain_start_rows == chain.chain_start_rows
+        )
 
 
-def test_tree_oracle_accepts_deep_paths_and_stops_mid_block(target, random_draft, prompts, references, eos_token_id):
+def test_tree_oracle_accepts_deep_paths_and_stops_mid_block(
+    target, random_draft, prompts, references, eos_token_id
+):
     """Forced right except one position: whole paths of depth S accepted where the oracle is right, budget cuts
     and an EOS inside an accepted block."""
     prompt, reference = prompts[1], references[1]
     sequence = prompt + reference
     wrong = [len(prompt) + 6]
     oracle = OracleDraft(random_draft, sequence, len(prompt), wrong_positions=wrong)
-    topology = Topology.parse("tree:3,2,7")  # 2 + 2*4 = 10 candidates; the oracle's top-1 path is the best-scored
+    topology = Topology.parse(
+        "tree:3,2,7"
+    )  # 2 + 2*4 = 10 candidates; the oracle's top-1 path is the best-scored
     for max_new_tokens in (1, 2, 5, MAX_NEW_TOKENS):
         result = tree_speculative_decode(target, oracle, prompt, topology, max_new_tokens, [eos_token_id])
         assert result.output_ids == reference[:max_new_tokens]
@@ -332,18 +436,30 @@ def test_tree_oracle_accepts_deep_paths_and_stops_mid_block(target, random_draft
             assert accepted == by_row[row]
     eos = reference[8]
     result = tree_speculative_decode(target, oracle, prompt, topology, MAX_NEW_TOKENS, [eos])
-    assert result.output_ids == expected_output(reference, MAX_NEW_TOKENS, eos) and result.stop_reason == "eos"
+    assert (
+        result.output_ids == expected_output(reference, MAX_NEW_TOKENS, eos) and result.stop_reason == "eos"
+    )
 
 
-def test_tree_loop_with_true_ancestor_attention_is_lossless_and_matches_its_offline(target, fitted_draft, prompts, references, eos_token_id):
+def test_tree_loop_with_true_ancestor_attention_is_lossless_and_matches_its_offline(
+    target, fitted_draft, prompts, references, eos_token_id
+):
     """The other draft-attention choice ("ancestors", EAGLE's tree mask): lossless, and loop == offline at visited rows."""
     topology = Topology.parse("tree:3,3,8")
     prompt, reference = prompts[2], references[2]
-    result = tree_speculative_decode(target, fitted_draft, prompt, topology, MAX_NEW_TOKENS, [eos_token_id], draft_attention="ancestors")
+    result = tree_speculative_decode(
+        target, fitted_draft, prompt, topology, MAX_NEW_TOKENS, [eos_token_id], draft_attention="ancestors"
+    )
     assert result.output_ids == reference
-    offline = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), topology, draft_attention="ancestors")
+    offline = offline_tree_acceptance(
+        target, fitted_draft, prompt + reference, len(prompt), topology, draft_attention="ancestors"
+    )
     by_row = dict(zip(offline.start_rows.tolist(), offline.accepted_depths.tolist()))
-    visited = [(row, accepted) for row, accepted in zip(result.chain_start_rows, result.accepted_per_step) if row in by_row]
+    visited = [
+        (row, accepted)
+        for row, accepted in zip(result.chain_start_rows, result.accepted_per_step)
+        if row in by_row
+    ]
     assert visited and all(accepted == by_row[row] for row, accepted in visited)
 
 
@@ -351,10 +467,17 @@ def test_offline_tree_with_top_k_1_is_the_offline_chain(target, fitted_draft, pr
     """K = 1: the tree's accepted depth at every start row is the chain's leading agreement count there."""
     for prompt, reference in zip(prompts, references):
         chain = offline_chain_agreement(target, fitted_draft, prompt + reference, len(prompt), 3)
-        tree = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), Topology.chain(3))
+        tree = offline_tree_acceptance(
+            target, fitted_draft, prompt + reference, len(prompt), Topology.chain(3)
+        )
         assert tree.start_rows.tolist() == chain.start_rows.tolist()
-        assert tree.accepted_depths.tolist() == np.logical_and.accumulate(chain.agreement, axis=1).sum(axis=1).tolist()
-        assert pooled_accept_length(chain_counts([tree.agreement])) == pooled_accept_length(chain_counts([chain.agreement]))
+        assert (
+            tree.accepted_depths.tolist()
+            == np.logical_and.accumulate(chain.agreement, axis=1).sum(axis=1).tolist()
+        )
+        assert pooled_accept_length(chain_counts([tree.agreement])) == pooled_accept_length(
+            chain_counts([chain.agreement])
+        )
 
 
 def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts, references, eos_token_id):
@@ -363,20 +486,28 @@ def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts
     topology = Topology.parse("tree:3,3,8")
     loop_accepted, offline_arrays, chain_arrays = [], [], []
     for prompt, reference in zip(prompts, references):
-        result = tree_speculative_decode(target, fitted_draft, prompt, topology, MAX_NEW_TOKENS, [eos_token_id])
+        result = tree_speculative_decode(
+            target, fitted_draft, prompt, topology, MAX_NEW_TOKENS, [eos_token_id]
+        )
         offline = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), topology)
-        chain = offline_tree_acceptance(target, fitted_draft, prompt + reference, len(prompt), Topology.chain(3))
+        chain = offline_tree_acceptance(
+            target, fitted_draft, prompt + reference, len(prompt), Topology.chain(3)
+        )
         by_row = dict(zip(offline.start_rows.tolist(), offline.accepted_depths.tolist()))
         compared = 0
         for row, accepted in zip(result.chain_start_rows, result.accepted_per_step):
             if row in by_row:
-                assert accepted == by_row[row], f"row {row}: loop accepted {accepted}, offline tree {by_row[row]}"
+                assert accepted == by_row[row], (
+                    f"row {row}: loop accepted {accepted}, offline tree {by_row[row]}"
+                )
                 compared += 1
         assert compared >= 1
         loop_accepted.extend(result.accepted_per_step)
         offline_arrays.append(offline.agreement)
         chain_arrays.append(chain.agreement)
-        assert (offline.accepted_depths >= chain.accepted_depths).mean() > 0.9  # the tree holds the chain's path almost always
+        assert (
+            offline.accepted_depths >= chain.accepted_depths
+        ).mean() > 0.9  # the tree holds the chain's path almost always
     tau_offline = pooled_accept_length(chain_counts(offline_arrays))
     assert tau_offline >= pooled_accept_length(chain_counts(chain_arrays))
     tau_loop = 1 + float(np.mean(loop_accepted))
@@ -386,19 +517,33 @@ def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts
     assert tau_offline > 1.2 and abs(tau_loop - tau_offline) / tau_offline < 0.15, (tau_loop, tau_offline)
 
 
-def test_offline_grid_reads_every_topology_off_one_growth_per_top_k(target, fitted_draft, prompts, references):
+def test_offline_grid_reads_every_topology_off_one_growth_per_top_k(
+    target, fitted_draft, prompts, references
+):
     """Slicing a deeper tree's candidates gives exactly the shallower tree's depths, for every S and T."""
     from eaglekit.analysis.tree import offline_tree_depths_grid
     from eaglekit.analysis.speculative import target_forward
     from transformers import DynamicCache
 
     sequence = torch.tensor(prompts[2] + references[2])
-    choices, aux = target_forward(target, sequence.view(1, -1), DynamicCache(config=target.config), list(fitted_draft.config.capture_layer_indices))
+    choices, aux = target_forward(
+        target,
+        sequence.view(1, -1),
+        DynamicCache(config=target.config),
+        list(fitted_draft.config.capture_layer_indices),
+    )
     rows = torch.arange(len(prompts[2]) - 1, len(sequence) - 1 - 3)
-    topologies = [Topology.parse(text) for text in ("chain:1", "chain:3", "tree:2,2,3", "tree:2,2,6", "tree:3,2,5", "tree:3,3,12")]
+    topologies = [
+        Topology.parse(text)
+        for text in ("chain:1", "chain:3", "tree:2,2,3", "tree:2,2,6", "tree:3,2,5", "tree:3,3,12")
+    ]
     with torch.inference_mode():
-        grid = offline_tree_depths_grid(fitted_draft, sequence, aux[0], choices, rows, topologies, rows_per_chunk=5)
+        grid = offline_tree_depths_grid(
+            fitted_draft, sequence, aux[0], choices, rows, topologies, rows_per_chunk=5
+        )
         for topology in topologies:
-            alone = offline_tree_depths_grid(fitted_draft, sequence, aux[0], choices, rows, [topology])[topology]
+            alone = offline_tree_depths_grid(fitted_draft, sequence, aux[0], choices, rows, [topology])[
+                topology
+            ]
             assert grid[topology].tolist() == alone.tolist(), topology
     assert grid[Topology.chain(3)].max() >= 1  # the fitted draft accepts something here

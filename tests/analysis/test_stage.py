@@ -35,7 +35,10 @@ def test_stage_6_scores_only_the_held_out_side_that_did_not_pick_the_checkpoints
     heldout = [("alpha", "a-1"), ("beta", "b-2"), ("alpha", "a-7"), ("beta", "b-9")]
     captured = Captured([("alpha", "t-0"), *reversed(heldout)])
     sweep = dataclasses.replace(record(), heldout=heldout, selection=[("alpha", "a-7"), ("beta", "b-2")])
-    assert [(sample["dataset"], sample["id"]) for sample in scored_samples(sweep, captured)] == [("alpha", "a-1"), ("beta", "b-9")]
+    assert [(sample["dataset"], sample["id"]) for sample in scored_samples(sweep, captured)] == [
+        ("alpha", "a-1"),
+        ("beta", "b-9"),
+    ]
     # A sweep.json from before the split picked on all of its held-out samples: all are scored, as they were.
     old = dataclasses.replace(sweep, selection=[])
     assert [(sample["dataset"], sample["id"]) for sample in scored_samples(old, captured)] == heldout

@@ -17,13 +17,22 @@ from eaglekit.analysis.tree import (
 
 def _candidates(tokens, scores, parents, depths) -> TreeCandidates:
     as_long = lambda values: torch.tensor([values], dtype=torch.long)
-    return TreeCandidates(tokens=as_long(tokens), scores=torch.tensor([scores]), parents=as_long(parents), depths=as_long(depths))
+    return TreeCandidates(
+        tokens=as_long(tokens),
+        scores=torch.tensor([scores]),
+        parents=as_long(parents),
+        depths=as_long(depths),
+    )
 
 
 def test_select_keeps_the_best_by_cumulative_score_in_candidate_order():
     # S=2, K=2: candidates 0,1 (depth 1) and 2..5 (children of 0: 2,3; of 1: 4,5).
-    candidates = _candidates(tokens=[10, 11, 20, 21, 22, 23], scores=[-0.1, -1.0, -0.5, -3.0, -1.2, -4.0],
-                             parents=[-1, -1, 0, 0, 1, 1], depths=[1, 1, 2, 2, 2, 2])
+    candidates = _candidates(
+        tokens=[10, 11, 20, 21, 22, 23],
+        scores=[-0.1, -1.0, -0.5, -3.0, -1.2, -4.0],
+        parents=[-1, -1, 0, 0, 1, 1],
+        depths=[1, 1, 2, 2, 2, 2],
+    )
     tree = select_tree(candidates, draft_tokens=4, root_tokens=torch.tensor([7]))
     # T - 1 = 3 best: candidates 0 (-0.1), 2 (-0.5), 1 (-1.0) -> in candidate order 0, 1, 2.
     assert tree.tokens.tolist() == [[7, 10, 11, 20]]
@@ -43,13 +52,17 @@ def test_select_keeps_the_best_by_cumulative_score_in_candidate_order():
     depth, _ = accept_tree(tree, choice_at_parent=torch.tensor([[0, 99, 99, 20]]))
     assert int(depth) == 0
     # Teacher-forced data: node 1 matches the target but not the sample, so nothing below it is trusted.
-    depth, node = accept_tree(tree, torch.tensor([[0, 10, 10, 20]]), consistent=torch.tensor([[True, False, True, True]]))
+    depth, node = accept_tree(
+        tree, torch.tensor([[0, 10, 10, 20]]), consistent=torch.tensor([[True, False, True, True]])
+    )
     assert (int(depth), int(node)) == (1, 1)
 
 
 def test_a_node_whose_parent_was_not_chosen_is_unreachable():
     # Scores that break the parent >= child order (SGLang's exact ties can): child 2 chosen, its parent 1 not.
-    candidates = _candidates(tokens=[10, 11, 20], scores=[-0.1, -2.0, -1.5], parents=[-1, -1, 1], depths=[1, 1, 2])
+    candidates = _candidates(
+        tokens=[10, 11, 20], scores=[-0.1, -2.0, -1.5], parents=[-1, -1, 1], depths=[1, 1, 2]
+    )
     tree = select_tree(candidates, draft_tokens=3, root_tokens=torch.tensor([7]))
     assert tree.tokens.tolist() == [[7, 10, 20]]
     assert tree.reachable.tolist() == [[True, True, False]] and tree.parents.tolist() == [[-1, 0, -1]]
@@ -76,15 +89,24 @@ def test_grow_expands_the_top_k_by_cumulative_log_prob():
     vocab = 4
     log = math.log
     # Root proposes 0 (p .6) and 1 (p .4); after 0: 2 (.55) 3 (.45); after 1: 2 (.9) 3 (.1).
-    table = {0: [log(1e-9), log(1e-9), log(.55), log(.45)], 1: [log(1e-9), log(1e-9), log(.9), log(.1)]}
+    table = {0: [log(1e-9), log(1e-9), log(0.55), log(0.45)], 1: [log(1e-9), log(1e-9), log(0.9), log(0.1)]}
     draft = ScriptedDraft(table, vocab)
-    first = torch.tensor([[log(.6), log(.4), log(1e-9), log(1e-9)]])
+    first = torch.tensor([[log(0.6), log(0.4), log(1e-9), log(1e-9)]])
     keys = torch.zeros(1, 1, 3, 2)
-    candidates = grow_tree(draft, first, torch.zeros(1, 2), torch.tensor([2]), keys, keys, 3, 2,
-                           draft_to_target=torch.arange(vocab))
+    candidates = grow_tree(
+        draft,
+        first,
+        torch.zeros(1, 2),
+        torch.tensor([2]),
+        keys,
+        keys,
+        3,
+        2,
+        draft_to_target=torch.arange(vocab),
+    )
     scores = candidates.scores[0].exp()
     # Step 1 children: from 0: .33, .27; from 1: .36, .04. Best two to expand: (1->2) .36 and (0->2) .33.
-    assert torch.allclose(scores[:6], torch.tensor([.6, .4, .33, .27, .36, .04]), atol=1e-6)
+    assert torch.allclose(scores[:6], torch.tensor([0.6, 0.4, 0.33, 0.27, 0.36, 0.04]), atol=1e-6)
     assert candidates.parents[0, :6].tolist() == [-1, -1, 0, 0, 1, 1]
     # Step 2 expands candidates 4 (token 2) and 2 (token 2), in score order.
     assert candidates.parents[0, 6:].tolist() == [4, 4, 2, 2]
@@ -107,8 +129,12 @@ def test_draft_attention_slots_versus_ancestors():
         key_values = TreeKeyValues(prefix, prefix, torch.zeros(2, dtype=torch.long), mode)
         key_values.attend(query, step_one_keys, step_one_values, scale=1.0)
         key_values.follow(torch.tensor([1, 1]))  # both next nodes are children of slot 1
-        outputs[mode] = key_values.attend(query, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), scale=1.0)[0, 0]
+        outputs[mode] = key_values.attend(query, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), scale=1.0)[
+            0, 0
+        ]
     # ancestors: both nodes see slot 1's key/value; slots: node 0 sees slot 0's (a large score on dimension 0).
     assert torch.allclose(outputs[ANCESTORS][0], outputs[ANCESTORS][1])
     assert outputs[SGLANG_SLOTS][0, 0] > 0.5 and outputs[ANCESTORS][0, 0] < 0.01
-    assert torch.allclose(outputs[SGLANG_SLOTS][1], outputs[ANCESTORS][1])  # slot 1's parent is slot 1 in both
+    assert torch.allclose(
+        outputs[SGLANG_SLOTS][1], outputs[ANCESTORS][1]
+    )  # slot 1's parent is slot 1 in both

@@ -39,8 +39,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=TINY_LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=TINY_LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=TINY_VOCAB,
+        max_position_embeddings=256,
     )
     torch.manual_seed(0)
     model_dir = tmp_path_factory.mktemp("tiny-llama")
@@ -58,13 +63,18 @@ def write_tokenized(path: Path, count: int, seed: int, max_length: int = 50) -> 
     with open(path, "w") as handle:
         for number in range(count):
             length = generator.randint(1, max_length)
-            handle.write(json.dumps({
-                "id": f"{path.stem}-{number}",
-                "input_ids": [generator.randrange(TINY_VOCAB) for _ in range(length)],
-                "loss_mask": [generator.randint(0, 1) for _ in range(length)],
-                "source": path.stem,
-                "meta": {},
-            }) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "id": f"{path.stem}-{number}",
+                        "input_ids": [generator.randrange(TINY_VOCAB) for _ in range(length)],
+                        "loss_mask": [generator.randint(0, 1) for _ in range(length)],
+                        "source": path.stem,
+                        "meta": {},
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -77,7 +87,9 @@ def data_files(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-RUN_SETTINGS = dict(model_name="tiny", max_seq_len=40, max_tokens_per_batch=160, max_shard_bytes=12_000, progress=False)
+RUN_SETTINGS = dict(
+    model_name="tiny", max_seq_len=40, max_tokens_per_batch=160, max_shard_bytes=12_000, progress=False
+)
 
 
 def read_all(output_dir: Path) -> list[dict]:
@@ -102,7 +114,9 @@ def test_hook_features_equal_output_hidden_states_on_the_embedded_model(embedded
     with torch.inference_mode():
         outputs = model(torch.tensor([input_ids]), output_hidden_states=True)
     hidden_states = outputs.hidden_states
-    expected_aux = torch.cat([hidden_states[layer_id][0] for layer_id in layer_ids], dim=-1).to(torch.bfloat16)
+    expected_aux = torch.cat([hidden_states[layer_id][0] for layer_id in layer_ids], dim=-1).to(
+        torch.bfloat16
+    )
     assert captured.aux_hidden_states.shape == (len(input_ids), 3 * 576)
     torch.testing.assert_close(captured.aux_hidden_states, expected_aux, rtol=0, atol=0)
     # The final state is what lm_head consumes: applying the target's lm_head to it gives its logits.
@@ -118,7 +132,15 @@ def test_padded_batch_equals_each_sample_alone(tiny_model):
     generator = random.Random(7)
     lengths = [37, 5, 1, 22, 36]
     samples = [
-        TokenizedSample(f"s{n}", "d", [generator.randrange(TINY_VOCAB) for _ in range(length)], [1] * length, "memory", n, length)
+        TokenizedSample(
+            f"s{n}",
+            "d",
+            [generator.randrange(TINY_VOCAB) for _ in range(length)],
+            [1] * length,
+            "memory",
+            n,
+            length,
+        )
         for n, length in enumerate(lengths)
     ]
     layer_ids = default_capture_layer_ids(TINY_LAYERS)
@@ -157,7 +179,9 @@ def test_clean_run_stores_every_sample_with_its_tokens_and_counts_truncation(cle
     assert "final norm" in index["final_hidden_states"]
     truncated = sum(dataset_stats.truncated_samples for dataset_stats in stats.values())
     assert truncated > 0 and report.truncated_samples == truncated == index["truncated_samples"]
-    assert report.truncated_tokens == sum(sample.original_length - len(sample.input_ids) for sample in samples)
+    assert report.truncated_tokens == sum(
+        sample.original_length - len(sample.input_ids) for sample in samples
+    )
     assert report.shards_written > 3 and report.captured_samples == 50
 
 
@@ -179,7 +203,9 @@ def capture_killed_after(tiny_model, data_files, out_dir: Path, forwards: int, m
     monkeypatch.undo()
 
 
-def test_run_interrupted_midway_and_resumed_writes_the_same_shards(tiny_model, data_files, clean_run, tmp_path, monkeypatch):
+def test_run_interrupted_midway_and_resumed_writes_the_same_shards(
+    tiny_model, data_files, clean_run, tmp_path, monkeypatch
+):
     clean_dir, _ = clean_run
     capture_killed_after(tiny_model, data_files, tmp_path, forwards=6, monkeypatch=monkeypatch)
     assert not (tmp_path / INDEX_FILE).exists()
@@ -213,20 +239,43 @@ def test_resume_with_other_settings_is_refused(tiny_model, data_files, clean_run
 def test_two_process_torchrun_matches_one_process(tiny_model_dir, data_files, clean_run, tmp_path):
     clean_dir, _ = clean_run
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "eaglekit.capture", "--model", str(tiny_model_dir), "--model-name", "tiny",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "eaglekit.capture",
+        "--model",
+        str(tiny_model_dir),
+        "--model-name",
+        "tiny",
         *[argument for name, path in data_files.items() for argument in ("--data", f"{name}={path}")],
-        "--output-dir", str(tmp_path), "--max-seq-len", "40", "--max-tokens-per-batch", "160",
-        "--max-shard-mb", str(12_000 / 2**20), "--device", "cpu", "--no-progress",
+        "--output-dir",
+        str(tmp_path),
+        "--max-seq-len",
+        "40",
+        "--max-tokens-per-batch",
+        "160",
+        "--max-shard-mb",
+        str(12_000 / 2**20),
+        "--device",
+        "cpu",
+        "--no-progress",
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert list(tmp_path.glob("shard-r00-*")) and list(tmp_path.glob("shard-r01-*")), "both ranks must write shards"
+    assert list(tmp_path.glob("shard-r00-*")) and list(tmp_path.glob("shard-r01-*")), (
+        "both ranks must write shards"
+    )
     two_process, one_process = read_all(tmp_path), read_all(clean_dir)
     assert [item["id"] for item in two_process] == [item["id"] for item in one_process]
     for left, right in zip(two_process, one_process, strict=True):
-        assert torch.equal(left["input_ids"], right["input_ids"]) and torch.equal(left["loss_mask"], right["loss_mask"])
+        assert torch.equal(left["input_ids"], right["input_ids"]) and torch.equal(
+            left["loss_mask"], right["loss_mask"]
+        )
         torch.testing.assert_close(left["aux_hidden_states"], right["aux_hidden_states"])
         torch.testing.assert_close(left["final_hidden_states"], right["final_hidden_states"])
 
@@ -234,9 +283,21 @@ def test_two_process_torchrun_matches_one_process(tiny_model_dir, data_files, cl
 @pytest.mark.parametrize(
     ("record", "field", "reason"),
     [
-        ({"id": "bad-token", "input_ids": [1, 2, TINY_VOCAB], "loss_mask": [0, 1, 1]}, "input_ids", f"token {TINY_VOCAB} at position 2"),
-        ({"id": "bad-token", "input_ids": [1, -4], "loss_mask": [0, 1]}, "input_ids", "token -4 at position 1"),
-        ({"id": "short-mask", "input_ids": [1, 2, 3], "loss_mask": [0, 1]}, "loss_mask", "length 2 != input_ids length 3"),
+        (
+            {"id": "bad-token", "input_ids": [1, 2, TINY_VOCAB], "loss_mask": [0, 1, 1]},
+            "input_ids",
+            f"token {TINY_VOCAB} at position 2",
+        ),
+        (
+            {"id": "bad-token", "input_ids": [1, -4], "loss_mask": [0, 1]},
+            "input_ids",
+            "token -4 at position 1",
+        ),
+        (
+            {"id": "short-mask", "input_ids": [1, 2, 3], "loss_mask": [0, 1]},
+            "loss_mask",
+            "length 2 != input_ids length 3",
+        ),
         ({"id": "empty", "input_ids": [], "loss_mask": []}, "input_ids", "empty sample"),
         ({"id": "bad-mask", "input_ids": [1, 2], "loss_mask": [0, 2]}, "loss_mask", "value 2 at position 1"),
         ({"input_ids": [1], "loss_mask": [1]}, "id", "missing"),
@@ -264,7 +325,9 @@ def test_duplicate_ids_are_refused(tmp_path):
 
 
 def test_disk_check_refuses_with_the_numbers(tmp_path):
-    with pytest.raises(InsufficientDiskError, match=r"needs 1,000,000,000,000,000,000 bytes .* only [\d,]+ bytes"):
+    with pytest.raises(
+        InsufficientDiskError, match=r"needs 1,000,000,000,000,000,000 bytes .* only [\d,]+ bytes"
+    ):
         check_disk_space(tmp_path, 10**18)
     assert check_disk_space(tmp_path, 1) > 1
 
@@ -285,7 +348,9 @@ def test_shard_tensors_are_bf16_and_bounded(clean_run):
     for path in clean_dir.glob("shard-*.safetensors"):
         tensors = load_file(path)
         assert tensors["aux_hidden_states"].dtype == tensors["final_hidden_states"].dtype == torch.bfloat16
-        assert sum(tensor.nbytes for tensor in tensors.values()) <= 12_000 or tensors["input_ids"].numel() == 40
+        assert (
+            sum(tensor.nbytes for tensor in tensors.values()) <= 12_000 or tensors["input_ids"].numel() == 40
+        )
 
 
 def test_storage_plan_counts_truncated_tokens_and_picks_the_mode(tiny_model, data_files, clean_run, tmp_path):
@@ -312,7 +377,9 @@ def test_sample_check_accepts_the_shards_and_names_a_mismatch(clean_run, data_fi
     assert [row["id"] for row in rows] == [sample["id"] for sample in samples]
     norms = feature_norms(samples, [2, 4, 5])
     assert list(norms) == ["layer 2", "layer 4", "layer 5", "final"]
-    assert all(values.shape == (sum(len(sample["input_ids"]) for sample in samples),) for values in norms.values())
+    assert all(
+        values.shape == (sum(len(sample["input_ids"]) for sample in samples),) for values in norms.values()
+    )
     broken = dict(samples[0], loss_mask=1 - samples[0]["loss_mask"])
     with pytest.raises(ValueError, match=f"{samples[0]['id']}.*loss_mask differs"):
         check_captured_samples([broken], data_files, 32)
@@ -326,12 +393,16 @@ def test_online_samples_by_index_equal_the_shards(tiny_model, data_files, clean_
     keep = {("alpha", "alpha-3"), ("beta", "beta-7")}
     subset = write_sample_subset(data_files, keep, tmp_path)
     online = OnlineCaptureSamples(tiny_model, subset, max_seq_len=RUN_SETTINGS["max_seq_len"])
-    assert {(sample["dataset"], sample["id"]) for sample in (online[0], online[1])} == keep and len(online) == 2
+    assert {(sample["dataset"], sample["id"]) for sample in (online[0], online[1])} == keep and len(
+        online
+    ) == 2
     for position in range(2):
         sample = online[position]
         reference = stored[(sample["dataset"], sample["id"])]
         assert torch.equal(sample["input_ids"], reference["input_ids"])
-        torch.testing.assert_close(sample["aux_hidden_states"].float(), reference["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(
+            sample["aux_hidden_states"].float(), reference["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2
+        )
 
 
 def test_offline_and_online_samples_share_one_interface(tiny_model, data_files, clean_run, tmp_path):
@@ -354,7 +425,9 @@ def test_offline_and_online_samples_share_one_interface(tiny_model, data_files, 
         raise AssertionError("offline samples must not load the target")
 
     offline = open_captured_samples(offline_dir, data_files, never)
-    online = open_captured_samples(online_dir, data_files, lambda: tiny_model, max_seq_len=RUN_SETTINGS["max_seq_len"])
+    online = open_captured_samples(
+        online_dir, data_files, lambda: tiny_model, max_seq_len=RUN_SETTINGS["max_seq_len"]
+    )
     assert isinstance(offline, ShardDataset) and isinstance(online, OnlineCaptureSamples)
     assert isinstance(offline, CapturedSamples) and isinstance(online, CapturedSamples)
     assert sorted(offline.keys) == sorted(online.keys) and len(offline.keys) == 50
@@ -364,14 +437,20 @@ def test_offline_and_online_samples_share_one_interface(tiny_model, data_files, 
         key = offline.keys[position]
         stored, computed = offline.tokens(position), online.tokens(online_position[key])
         assert (stored["dataset"], stored["id"]) == key == (computed["dataset"], computed["id"])
-        assert torch.equal(stored["input_ids"], computed["input_ids"]) and torch.equal(stored["loss_mask"], computed["loss_mask"])
+        assert torch.equal(stored["input_ids"], computed["input_ids"]) and torch.equal(
+            stored["loss_mask"], computed["loss_mask"]
+        )
         assert torch.equal(stored["input_ids"], offline[position]["input_ids"])
     item = online[online_position[offline.keys[3]]]
-    torch.testing.assert_close(item["aux_hidden_states"].float(), offline[3]["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        item["aux_hidden_states"].float(), offline[3]["aux_hidden_states"].float(), atol=2e-2, rtol=2e-2
+    )
     # The loaded target itself serves as well as a loader: the very model, the same features.
     given = open_captured_samples(online_dir, data_files, tiny_model, max_seq_len=RUN_SETTINGS["max_seq_len"])
     assert given.model is tiny_model and given.keys == online.keys
-    assert torch.equal(given[online_position[offline.keys[3]]]["aux_hidden_states"], item["aux_hidden_states"])
+    assert torch.equal(
+        given[online_position[offline.keys[3]]]["aux_hidden_states"], item["aux_hidden_states"]
+    )
 
     write_json(online_dir / "plan.json", {"mode": "auto"})
     with pytest.raises(InputError, match=r"plan.json: field 'mode': expected 'offline' or 'online'"):
@@ -380,7 +459,9 @@ def test_offline_and_online_samples_share_one_interface(tiny_model, data_files, 
         open_captured_samples(tmp_path / "nothing", data_files, never)
 
 
-def test_resume_verifies_shards_and_captures_a_truncated_ones_samples_again(tiny_model, data_files, clean_run, tmp_path, monkeypatch):
+def test_resume_verifies_shards_and_captures_a_truncated_ones_samples_again(
+    tiny_model, data_files, clean_run, tmp_path, monkeypatch
+):
     clean_dir, _ = clean_run
     capture_killed_after(tiny_model, data_files, tmp_path, forwards=8, monkeypatch=monkeypatch)
     indexed = [json.loads(line) for line in (tmp_path / rank_index_name(0)).read_text().splitlines()]
@@ -397,7 +478,9 @@ def test_resume_verifies_shards_and_captures_a_truncated_ones_samples_again(tiny
     index = json.loads((tmp_path / INDEX_FILE).read_text())
     assert shards[0] not in index["shards"]
     resumed, clean = read_all(tmp_path), read_all(clean_dir)
-    assert [(item["dataset"], item["id"]) for item in resumed] == [(item["dataset"], item["id"]) for item in clean]
+    assert [(item["dataset"], item["id"]) for item in resumed] == [
+        (item["dataset"], item["id"]) for item in clean
+    ]
     for got, want in zip(resumed, clean, strict=True):
         for name in ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states"):
             assert torch.equal(got[name], want[name]), (got["id"], name)

@@ -80,7 +80,11 @@ def test_a_sample_larger_than_the_bound_gets_its_own_shard(tmp_path):
     writer.add(make_sample("after", 4, seed=3))
     writer.close()
     records = [json.loads(line) for line in (tmp_path / rank_index_name(0)).read_text().splitlines()]
-    assert [(record["id"], record["shard_number"]) for record in records] == [("small", 0), ("large", 1), ("after", 2)]
+    assert [(record["id"], record["shard_number"]) for record in records] == [
+        ("small", 0),
+        ("large", 1),
+        ("after", 2),
+    ]
 
 
 def test_torn_index_tail_is_ignored_and_unflushed_samples_are_not_done(tmp_path):
@@ -140,8 +144,15 @@ def test_a_truncated_or_replaced_shard_is_not_done_and_reading_it_names_the_file
     with open(first, "r+b") as handle:  # a copy or a full disk cut the file short
         handle.truncate(first.stat().st_size - 40)
     sample = make_sample("b", 3, seed=9)  # a shorter shard under the same name: fewer tokens than indexed
-    save_file({"aux_hidden_states": sample.aux_hidden_states, "final_hidden_states": sample.final_hidden_states,
-               "input_ids": sample.input_ids, "loss_mask": sample.loss_mask}, second)
+    save_file(
+        {
+            "aux_hidden_states": sample.aux_hidden_states,
+            "final_hidden_states": sample.final_hidden_states,
+            "input_ids": sample.input_ids,
+            "loss_mask": sample.loss_mask,
+        },
+        second,
+    )
     assert completed_sample_keys(tmp_path) == {("d", "c")}
     dataset = ShardDataset(tmp_path)
     with pytest.raises(CorruptShardError, match=f"shard {first}: cannot be read .*incomplete metadata"):
@@ -150,35 +161,59 @@ def test_a_truncated_or_replaced_shard_is_not_done_and_reading_it_names_the_file
 
 
 def test_fp8_features_round_trip_within_e4m3_precision(tmp_path):
-    from eaglekit.capture.shards import ShardDataset, ShardWriter, decode_fp8, encode_fp8, stored_bytes_per_token, write_merged_index
+    from eaglekit.capture.shards import (
+        ShardDataset,
+        ShardWriter,
+        decode_fp8,
+        encode_fp8,
+        stored_bytes_per_token,
+        write_merged_index,
+    )
 
     generator = torch.Generator().manual_seed(0)
     hidden = 16
     # Per-layer magnitudes that differ by orders (as a deep layer's residual does): one scale per token and layer.
-    aux = torch.cat([torch.randn(7, hidden, generator=generator) * scale for scale in (0.1, 10.0, 3000.0)], dim=-1)
+    aux = torch.cat(
+        [torch.randn(7, hidden, generator=generator) * scale for scale in (0.1, 10.0, 3000.0)], dim=-1
+    )
     encoded, scale = encode_fp8(aux, 3)
     assert encoded.dtype == torch.float8_e4m3fn and scale.shape == (7, 3)
     decoded = decode_fp8(encoded, scale).float()
-    block_max = aux.reshape(7, 3, hidden).abs().amax(-1, keepdim=True).expand(7, 3, hidden).reshape(7, 3 * hidden)
+    block_max = (
+        aux.reshape(7, 3, hidden).abs().amax(-1, keepdim=True).expand(7, 3, hidden).reshape(7, 3 * hidden)
+    )
     # e4m3: 3 mantissa bits, so at most 2^-4 relative per entry, plus subnormal steps near zero (2^-9 of the block max).
     assert ((decoded - aux).abs() <= aux.abs() / 16 + block_max * 2**-9 + block_max * 2**-8).all()
-    assert stored_bytes_per_token(7168, "fp8") == 4 * 7168 + 16 + 9 and stored_bytes_per_token(7168) == 57344 + 9
+    assert (
+        stored_bytes_per_token(7168, "fp8") == 4 * 7168 + 16 + 9 and stored_bytes_per_token(7168) == 57344 + 9
+    )
 
     from eaglekit.capture.shards import CapturedSample
 
     writer = ShardWriter(tmp_path, 0, 1 << 20, feature_dtype="fp8")
-    sample = CapturedSample("s", "d", torch.arange(7), torch.ones(7, dtype=torch.uint8), aux.to(torch.bfloat16),
-                            aux[:, :hidden].to(torch.bfloat16), 7)
+    sample = CapturedSample(
+        "s",
+        "d",
+        torch.arange(7),
+        torch.ones(7, dtype=torch.uint8),
+        aux.to(torch.bfloat16),
+        aux[:, :hidden].to(torch.bfloat16),
+        7,
+    )
     writer.add(sample)
     writer.close()
     write_merged_index(tmp_path, {"hidden_size": hidden, "capture_layer_ids": [1, 2, 3]}, [("d", "s")])
     read = ShardDataset(tmp_path)[0]
     assert read["aux_hidden_states"].dtype == torch.bfloat16  # readers see bf16 whatever the shard holds
-    assert torch.equal(read["aux_hidden_states"], decode_fp8(*encode_fp8(aux.to(torch.bfloat16), 3)))  # the writer encodes its bf16 input
+    assert torch.equal(
+        read["aux_hidden_states"], decode_fp8(*encode_fp8(aux.to(torch.bfloat16), 3))
+    )  # the writer encodes its bf16 input
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "shard-r00-00000.safetensors"), framework="pt") as handle:
-        assert handle.get_slice("aux_hidden_states").get_dtype() == "F8_E4M3" and handle.get_slice("aux_hidden_states_scale").get_shape() == [7, 3]
+        assert handle.get_slice("aux_hidden_states").get_dtype() == "F8_E4M3" and handle.get_slice(
+            "aux_hidden_states_scale"
+        ).get_shape() == [7, 3]
 
 
 def test_slices_follow_training_split_and_report_bytes(tmp_path):
@@ -190,14 +225,30 @@ def test_slices_follow_training_split_and_report_bytes(tmp_path):
     path = tmp_path / "tokenized_data.jsonl"
     with open(path, "w") as handle:
         for index in range(20):
-            handle.write(json_module.dumps({"id": f"s-{index}", "input_ids": [1] * (3 + index), "loss_mask": [1] * (3 + index)}) + "\n")
+            handle.write(
+                json_module.dumps(
+                    {"id": f"s-{index}", "input_ids": [1] * (3 + index), "loss_mask": [1] * (3 + index)}
+                )
+                + "\n"
+            )
     files = {"alpha": path}
     slices = nested_capture_slices(files, 100, 16, [4, 8, 12], heldout_size=3, seed=0)
-    assert [part["size"] for part in slices] == [4, 8, 12, None] and [part["samples"] for part in slices] == [7, 4, 4, 5]
+    assert [part["size"] for part in slices] == [4, 8, 12, None] and [part["samples"] for part in slices] == [
+        7,
+        4,
+        4,
+        5,
+    ]
     heldout, order = split_heldout(["alpha"] * 20, 3, 0)
     subsets = nested_subsets(order, [4, 8, 12])
     first = {tuple(key) for key in slices[0]["keys"]}
-    assert first == {("alpha", f"s-{index}") for index in heldout + subsets[4]}  # size 4 can train on slice 0 alone
+    assert first == {
+        ("alpha", f"s-{index}") for index in heldout + subsets[4]
+    }  # size 4 can train on slice 0 alone
     plan = plan_capture_storage(files, 8, 100, 16, tmp_path / "out", feature_dtype="bf16", slices=slices)
-    assert sum(part["bytes"] for part in plan.slices) == plan.planned_bytes == plan.slices[-1]["cumulative_bytes"]
+    assert (
+        sum(part["bytes"] for part in plan.slices)
+        == plan.planned_bytes
+        == plan.slices[-1]["cumulative_bytes"]
+    )
     assert "size       4" in format_slice_plan(plan)

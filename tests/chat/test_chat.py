@@ -24,6 +24,7 @@ def one(result):
     assert len(result.samples) == 1
     return result.samples[0]
 
+
 # Llama 3 puts "\n\n" after <|end_header_id|>; SmolLM2's BPE tokenizes a trailing "\n\n" differently
 # from "\n\n" followed by text, so a per-prefix diff would not be an oracle there (the real Llama-3
 # tokenizer keeps "\n\n" one token either way). The header here ends in one "\n", which is stable.
@@ -90,7 +91,10 @@ MULTI_TURN = [
 TOOL_TURNS = [
     {"role": "system", "content": "You can call tools."},
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'},
+    {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    },
     {"role": "tool", "content": '{"temp_c": 18}'},
     {"role": "assistant", "content": "It is 18 degrees."},
     {"role": "user", "content": "Thanks!"},
@@ -107,9 +111,16 @@ UNICODE = [
     {"role": "user", "content": "Ελληνικά;"},
     {"role": "assistant", "content": "Καφές."},
 ]
-LAST_TURN_REASONING = MULTI_TURN[:3] + [{"role": "assistant", "content": "Berlin.", "reasoning": "Germany's capital is Berlin."}]
-CONVERSATIONS = {"multi_turn": MULTI_TURN, "tool_turns": TOOL_TURNS, "empty_system": EMPTY_SYSTEM, "unicode": UNICODE,
-                 "last_turn_reasoning": LAST_TURN_REASONING}
+LAST_TURN_REASONING = MULTI_TURN[:3] + [
+    {"role": "assistant", "content": "Berlin.", "reasoning": "Germany's capital is Berlin."}
+]
+CONVERSATIONS = {
+    "multi_turn": MULTI_TURN,
+    "tool_turns": TOOL_TURNS,
+    "empty_system": EMPTY_SYSTEM,
+    "unicode": UNICODE,
+    "last_turn_reasoning": LAST_TURN_REASONING,
+}
 
 
 def masked_text(tokenizer, tokenized) -> str:
@@ -125,7 +136,8 @@ def test_one_pass_matches_per_prefix_reference(tokenizers, template, conversatio
     reference = one(tokenize_conversation_reference(tokenizer, messages))
     assert fast == reference
     rendered = tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages], tokenize=False)
+        [{"role": m["role"], "content": m["content"]} for m in messages], tokenize=False
+    )
     if not any(m.get("reasoning") for m in messages):
         assert fast.input_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     assert sum(fast.loss_mask) > 0
@@ -144,7 +156,9 @@ def test_mask_is_exactly_assistant_bodies_and_end_of_turn(tokenizers, template):
         if message["role"] != "assistant" and message["content"]:
             assert message["content"] in unmasked
     eot_positions = [i for i, t in enumerate(tokenized.input_ids) if t == layout.end_of_turn_id]
-    assert sum(tokenized.loss_mask[i] for i in eot_positions) == 3  # only the assistant turns' end-of-turn tokens
+    assert (
+        sum(tokenized.loss_mask[i] for i in eot_positions) == 3
+    )  # only the assistant turns' end-of-turn tokens
 
 
 def test_template_layouts(tokenizers):
@@ -156,8 +170,10 @@ def test_template_layouts(tokenizers):
 
 
 def test_default_system_prompt_is_not_trainable(tokenizers):
-    for name, text in (("chatml", "You are a helpful AI assistant named SmolLM"),
-                       ("default_system", "You are a friendly assistant who answers briefly.")):
+    for name, text in (
+        ("chatml", "You are a helpful AI assistant named SmolLM"),
+        ("default_system", "You are a friendly assistant who answers briefly."),
+    ):
         tokenizer = tokenizers[name]
         tokenized = one(tokenize_conversation(tokenizer, MULTI_TURN))
         assert text in tokenizer.decode(tokenized.input_ids)
@@ -179,7 +195,8 @@ def test_thinking_template_drops_earlier_reasoning_split_and_visible(tokenizers)
     assert split.samples == tokenize_conversation_reference(tokenizer, messages).samples
     assert [masked_text(tokenizer, sample) for sample in split.samples] == [
         "<think>\nEARLIER-REASONING two plus two\n</think>\n\n4<|im_end|>",
-        "<think>\nLATER-REASONING three plus three\n</think>\n\n6<|im_end|>"]
+        "<think>\nLATER-REASONING three plus three\n</think>\n\n6<|im_end|>",
+    ]
     assert "EARLIER" not in tokenizer.decode(split.samples[1].input_ids)  # the history the server sent
     assert split.trained_tokens == split.generated_tokens
     # visible: one sequence; the dropped reasoning is not trained, and the counts say so.
@@ -200,16 +217,27 @@ def test_generation_engine_call_with_reasoning_on_a_template_without_reasoning(t
     tokenizer = tokenizers["chatml"]
     answer = {"role": "assistant", "content": "The answer is 42.", "reasoning": "6 times 7 is 42."}
     tokenized = one(tokenize_conversation(tokenizer, MULTI_TURN[:1] + [answer]))
-    assert masked_text(tokenizer, tokenized) == "<think>\n6 times 7 is 42.\n</think>\n\nThe answer is 42.<|im_end|>"
+    assert (
+        masked_text(tokenizer, tokenized)
+        == "<think>\n6 times 7 is 42.\n</think>\n\nThe answer is 42.<|im_end|>"
+    )
     assert tokenized == one(tokenize_conversation_reference(tokenizer, MULTI_TURN[:1] + [answer]))
 
 
 def test_long_agent_conversation_matches_reference(tokenizers):
     messages = [{"role": "system", "content": "You are a coding agent."}]
     for step in range(20):
-        messages += [{"role": "user", "content": f"Step {step}: run the tests"} if step == 0 else
-                     {"role": "tool", "content": f"output of step {step - 1}: {'ok ' * step}"},
-                     {"role": "assistant", "content": f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "pytest -k {step}"}}}}\n</tool_call>'}]
+        messages += [
+            {"role": "user", "content": f"Step {step}: run the tests"}
+            if step == 0
+            else {"role": "tool", "content": f"output of step {step - 1}: {'ok ' * step}"},
+            {
+                "role": "assistant",
+                "content": f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "pytest -k {step}"}}}}\n</tool_call>',
+            },
+        ]
     for name in ("chatml", "llama3"):
-        assert tokenize_conversation(tokenizers[name], messages).samples == \
-            tokenize_conversation_reference(tokenizers[name], messages).samples
+        assert (
+            tokenize_conversation(tokenizers[name], messages).samples
+            == tokenize_conversation_reference(tokenizers[name], messages).samples
+        )

@@ -19,8 +19,10 @@ from support import TOOLS, fixture_tokenizer  # noqa: E402  (shared test helpers
 
 @pytest.fixture(scope="module")
 def tokenizers(embedded_model_dir):
-    return {name: fixture_tokenizer(embedded_model_dir, name)
-            for name in ("kimi_k25", "glm46", "hermes3_tool_use", "minimax_m2", "deepseek_v31")}
+    return {
+        name: fixture_tokenizer(embedded_model_dir, name)
+        for name in ("kimi_k25", "glm46", "hermes3_tool_use", "minimax_m2", "deepseek_v31")
+    }
 
 
 def trained_turns(tokenizer, result) -> list[tuple[str, str]]:
@@ -36,14 +38,21 @@ def trained_turns(tokenizer, result) -> list[tuple[str, str]]:
             end = position
             while end < len(mask) and mask[end]:
                 end += 1
-            turns.append((tokenizer.decode(sample.input_ids[:position]), tokenizer.decode(sample.input_ids[position:end])))
+            turns.append(
+                (
+                    tokenizer.decode(sample.input_ids[:position]),
+                    tokenizer.decode(sample.input_ids[position:end]),
+                )
+            )
             position = end
     return turns
 
 
 def both_paths(tokenizer, messages, tools=None, template_kwargs=None):
     fast = tokenize_conversation(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
-    oracle = tokenize_conversation_reference(tokenizer, messages, tools=tools, template_kwargs=template_kwargs)
+    oracle = tokenize_conversation_reference(
+        tokenizer, messages, tools=tools, template_kwargs=template_kwargs
+    )
     assert fast.samples == oracle.samples
     assert (fast.trained_tokens, fast.generated_tokens) == (oracle.trained_tokens, oracle.generated_tokens)
     return fast, oracle
@@ -55,11 +64,20 @@ def assert_turns_as_served(tokenizer, messages, result, expected, tools=None, te
     turns = trained_turns(tokenizer, result)
     assert [text for _, text in turns] == expected
     for (before, _), index in zip(turns, assistant):
-        assert before == render_conversation(tokenizer, messages[:index], add_generation_prompt=True, tools=tools,
-                                             template_kwargs=template_kwargs)
+        assert before == render_conversation(
+            tokenizer,
+            messages[:index],
+            add_generation_prompt=True,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
 
 
-KIMI_CALL = {"id": "functions.bash:0", "type": "function", "function": {"name": "bash", "arguments": {"cmd": "ls"}}}
+KIMI_CALL = {
+    "id": "functions.bash:0",
+    "type": "function",
+    "function": {"name": "bash", "arguments": {"cmd": "ls"}},
+}
 KIMI_CONVERSATION = [
     {"role": "system", "content": "You are Kimi."},
     {"role": "user", "content": "What is 2+2?"},
@@ -79,12 +97,16 @@ def test_kimi_k25_reasoning_is_placed_inside_the_think_block_its_generation_prom
     `</think>`, content, calls and `<|im_end|>` (no second think block in the content, as "fold" wrote it)."""
     tokenizer = tokenizers["kimi_k25"]
     fast, _ = both_paths(tokenizer, KIMI_CONVERSATION, tools=TOOLS)
-    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.bash:0<|tool_call_argument_begin|>'
-            '{"cmd": "ls"}<|tool_call_end|><|tool_calls_section_end|>')
-    expected = ["Two plus two is four.</think>4.<|im_end|>",
-                "I should run ls.</think>" + call + "<|im_end|>",
-                "The tool listed two files.</think>a.py and b.py.<|im_end|>",
-                "</think>You are welcome.<|im_end|>"]
+    call = (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.bash:0<|tool_call_argument_begin|>"
+        '{"cmd": "ls"}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    expected = [
+        "Two plus two is four.</think>4.<|im_end|>",
+        "I should run ls.</think>" + call + "<|im_end|>",
+        "The tool listed two files.</think>a.py and b.py.<|im_end|>",
+        "</think>You are welcome.<|im_end|>",
+    ]
     assert_turns_as_served(tokenizer, KIMI_CONVERSATION, fast, expected, tools=TOOLS)
     for before, _ in trained_turns(tokenizer, fast):
         assert before.endswith("<|im_assistant|>assistant<|im_middle|><think>")
@@ -92,7 +114,11 @@ def test_kimi_k25_reasoning_is_placed_inside_the_think_block_its_generation_prom
 
 
 def call(name: str = "bash", call_id: str = "call00001", **arguments) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments or {"cmd": "ls"}}}
+    return {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": name, "arguments": arguments or {"cmd": "ls"}},
+    }
 
 
 GLM_CONVERSATION = [
@@ -113,16 +139,23 @@ def test_glm46_turn_closed_by_the_next_role_token_trains_that_token(tokenizers):
     tokenizer = tokenizers["glm46"]
     fast, _ = both_paths(tokenizer, GLM_CONVERSATION, tools=TOOLS)
     calls = "\n<tool_call>bash\n<arg_key>cmd</arg_key>\n<arg_value>ls</arg_value>\n</tool_call>"
-    expected = ["\n<think>Two plus two.</think>\n4.<|user|>",
-                "\n<think>Run ls.</think>" + calls + "<|observation|>",
-                "\n<think></think>\na.py and b.py.<|user|>"]
+    expected = [
+        "\n<think>Two plus two.</think>\n4.<|user|>",
+        "\n<think>Run ls.</think>" + calls + "<|observation|>",
+        "\n<think></think>\na.py and b.py.<|user|>",
+    ]
     assert_turns_as_served(tokenizer, GLM_CONVERSATION, fast, expected, tools=TOOLS)
     layout = template_layout(tokenizer)
-    assert (layout.end_of_turn, layout.call_end_of_turn, layout.closers) == \
-        ("<|user|>", "<|observation|>", ("<|user|>", "<|observation|>"))
+    assert (layout.end_of_turn, layout.call_end_of_turn, layout.closers) == (
+        "<|user|>",
+        "<|observation|>",
+        ("<|user|>", "<|observation|>"),
+    )
     cut = tokenize_conversation(tokenizer, GLM_CONVERSATION, tools=TOOLS, truncated=True)
-    assert cut.samples == tokenize_conversation_reference(tokenizer, GLM_CONVERSATION, tools=TOOLS,
-                                                          truncated=True).samples
+    assert (
+        cut.samples
+        == tokenize_conversation_reference(tokenizer, GLM_CONVERSATION, tools=TOOLS, truncated=True).samples
+    )
     assert trained_turns(tokenizer, cut)[-1][1] == "\n<think></think>\na.py and b.py."
 
 
@@ -144,8 +177,11 @@ def test_hermes3_tool_use_is_probed_with_the_conversations_tools(tokenizers):
     trained after the prompt the server sent (`</tool_response><|im_end|>`), as generated."""
     tokenizer = tokenizers["hermes3_tool_use"]
     fast, _ = both_paths(tokenizer, HERMES_CONVERSATION, tools=TOOLS)
-    expected = ['<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>',
-                "a.py and b.py.<|im_end|>", "You are welcome.<|im_end|>"]
+    expected = [
+        '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>',
+        "a.py and b.py.<|im_end|>",
+        "You are welcome.<|im_end|>",
+    ]
     assert_turns_as_served(tokenizer, HERMES_CONVERSATION, fast, expected, tools=TOOLS)
     assert template_layout(tokenizer, tools=TOOLS).end_of_turn == "<|im_end|>"
     assert template_layout(tokenizer).end_of_turn == "<|im_end|>"  # probed with a probe tool
@@ -167,7 +203,9 @@ def test_minimax_m2_turn_without_reasoning_is_a_counted_reject_and_the_others_ar
     turn is left out (listed in rejected_turns, mask 0 where it is context); the others are trained."""
     tokenizer = tokenizers["minimax_m2"]
     fast, oracle = both_paths(tokenizer, MINIMAX_CONVERSATION)
-    assert [index for index, _ in oracle.rejected_turns] == [3] and fast.rejected_turns == oracle.rejected_turns
+    assert [index for index, _ in oracle.rejected_turns] == [
+        3
+    ] and fast.rejected_turns == oracle.rejected_turns
     kept = [message for index, message in enumerate(MINIMAX_CONVERSATION) if index != 3]
     expected = ["Two plus two.\n</think>\n\n4.[e~[", "Four plus four.\n</think>\n\n8.[e~["]
     turns = trained_turns(tokenizer, fast)

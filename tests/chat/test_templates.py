@@ -41,7 +41,9 @@ def text(rng: random.Random, low: int = 2, high: int = 12) -> str:
     return " ".join(rng.choices(WORDS, k=rng.randint(low, high)))
 
 
-def conversation(name: str, rng: random.Random, messages: int, agent: bool = False) -> tuple[list[dict], list | None]:
+def conversation(
+    name: str, rng: random.Random, messages: int, agent: bool = False
+) -> tuple[list[dict], list | None]:
     """A conversation the template accepts: user, then tool-call rounds, then a final answer, repeated.
 
     agent: one user task, then tool-call rounds up to the length (the DeepSWE trajectory shape)."""
@@ -64,9 +66,18 @@ def conversation(name: str, rng: random.Random, messages: int, agent: bool = Fal
                 call_number += 1
                 function = rng.choice(TOOLS)["function"]["name"]
                 argument = "cmd" if function == "bash" else "path"
-                calls.append({"id": f"call{call_number:05d}", "type": "function",
-                              "function": {"name": function, "arguments": {argument: text(rng, 1, 4)}}})
-            turn = {"role": "assistant", "content": "" if rng.random() < 0.5 else text(rng), "tool_calls": calls}
+                calls.append(
+                    {
+                        "id": f"call{call_number:05d}",
+                        "type": "function",
+                        "function": {"name": function, "arguments": {argument: text(rng, 1, 4)}},
+                    }
+                )
+            turn = {
+                "role": "assistant",
+                "content": "" if rng.random() < 0.5 else text(rng),
+                "tool_calls": calls,
+            }
             if rng.random() < 0.5:
                 turn["reasoning"] = text(rng, 5, 20)
             out.append(turn)
@@ -115,11 +126,18 @@ def test_fast_path_equals_per_prefix_oracle_on_generated_conversations(tokenizer
             continue
         # The truncated variant: the last answer's mask ends at its last generated token, no end-of-turn.
         cut = tokenize_conversation(tokenizer, messages, tools=tools, truncated=True, template_kwargs=kwargs)
-        assert cut.samples == tokenize_conversation_reference(tokenizer, messages, tools=tools, truncated=True,
-                                                             template_kwargs=kwargs).samples
+        assert (
+            cut.samples
+            == tokenize_conversation_reference(
+                tokenizer, messages, tools=tools, truncated=True, template_kwargs=kwargs
+            ).samples
+        )
         last = cut.samples[-1]
         if not any(index == len(messages) - 1 for index, _ in cut.rejected_turns):
-            assert last.loss_mask[-1] == 1 and last.input_ids[-1] != template_layout(tokenizer, kwargs).end_of_turn_id
+            assert (
+                last.loss_mask[-1] == 1
+                and last.input_ids[-1] != template_layout(tokenizer, kwargs).end_of_turn_id
+            )
     # MiniMax-M2: both paths refuse a conversation whose every turn lacks reasoning (none can be defined).
     assert rejected <= (len(lengths) - 1 if name in ("deepseek_r1", "minimax_m2") else 0)
     # No template hands these conversations to the oracle, Mistral with a system prompt and tools included
@@ -138,13 +156,18 @@ def fast_and_oracle(tokenizer, name: str, messages: list[dict], tools, truncated
     """(fast path, oracle) on one conversation, or None when the template cannot hold it (both paths say so)."""
     kwargs = TEMPLATE_KWARGS.get(name)
     try:
-        oracle = tokenize_conversation_reference(tokenizer, messages, tools=tools, truncated=truncated,
-                                                 template_kwargs=kwargs)
+        oracle = tokenize_conversation_reference(
+            tokenizer, messages, tools=tools, truncated=truncated, template_kwargs=kwargs
+        )
     except ChatTemplateError:
         with pytest.raises(ChatTemplateError):
-            tokenize_conversation(tokenizer, messages, tools=tools, truncated=truncated, template_kwargs=kwargs)
+            tokenize_conversation(
+                tokenizer, messages, tools=tools, truncated=truncated, template_kwargs=kwargs
+            )
         return None
-    return tokenize_conversation(tokenizer, messages, tools=tools, truncated=truncated, template_kwargs=kwargs), oracle
+    return tokenize_conversation(
+        tokenizer, messages, tools=tools, truncated=truncated, template_kwargs=kwargs
+    ), oracle
 
 
 @pytest.mark.parametrize("agent", [False, True], ids=["chat", "agent"])
@@ -163,7 +186,10 @@ def test_composed_split_samples_equal_the_oracle(tokenizers, name, agent):
             continue
         fast, oracle = pair
         assert fast.samples == oracle.samples, f"{name}: conversation {number}, {len(messages)} messages"
-        assert (fast.trained_tokens, fast.generated_tokens) == (oracle.trained_tokens, oracle.generated_tokens)
+        assert (fast.trained_tokens, fast.generated_tokens) == (
+            oracle.trained_tokens,
+            oracle.generated_tokens,
+        )
         assert not fast.fallback or fast.rejected_turns
         split += fast.split
     # DeepSeek-R1 cannot hold consecutive tool rounds (see above): both paths reject all of its agent
@@ -174,10 +200,17 @@ def test_composed_split_samples_equal_the_oracle(tokenizers, name, agent):
 def user_after_tools(name: str, seed: int) -> tuple[list[dict], list | None]:
     """A chat conversation whose answers between tool results and a user message are left out."""
     messages, tools = conversation(name, random.Random(f"hole-{seed}"), 40)
-    return [message for number, message in enumerate(messages)
-            if not (message["role"] == "assistant" and not message.get("tool_calls")
-                    and 0 < number < len(messages) - 1 and messages[number - 1]["role"] == "tool"
-                    and messages[number + 1]["role"] == "user")], tools
+    return [
+        message
+        for number, message in enumerate(messages)
+        if not (
+            message["role"] == "assistant"
+            and not message.get("tool_calls")
+            and 0 < number < len(messages) - 1
+            and messages[number - 1]["role"] == "tool"
+            and messages[number + 1]["role"] == "user"
+        )
+    ], tools
 
 
 @pytest.mark.parametrize("name", ["kimi_k2_thinking", "qwen3"])
@@ -218,8 +251,11 @@ def test_property_check_catches_a_fast_path_that_takes_history_as_final(tokenize
     own checks, and the oracle comparison must catch it."""
     from eaglekit.chat import split
 
-    monkeypatch.setattr(split._Composer, "_anchor",
-                        lambda self, first: None if first == 0 else (first - 1, len(self.indices) - 1))
+    monkeypatch.setattr(
+        split._Composer,
+        "_anchor",
+        lambda self, first: None if first == 0 else (first - 1, len(self.indices) - 1),
+    )
     tokenizer = tokenizers["qwen3"]
     differing = 0
     for seed in (3, 4, 6, 8):  # conversations with tool rounds inside chat stretches
@@ -241,7 +277,7 @@ def test_property_check_catches_prompts_read_off_the_full_rendering(tokenizers, 
         text, turns = self.sources[len(self.indices) - 1]
         if last == self.stretch_end[last]:
             return None
-        return text[turns[anchor_position][1]: turns[last][0]] + self.generated[last].header
+        return text[turns[anchor_position][1] : turns[last][0]] + self.generated[last].header
 
     monkeypatch.setattr(split._Composer, "_read_after_anchor", read_off_full)
     tokenizer = tokenizers["qwen3"]
@@ -263,10 +299,15 @@ def test_template_that_rewrites_earlier_tool_rounds_is_not_read(embedded_model_d
     tokenizer = fixture_tokenizer(embedded_model_dir, "qwen3")
     condition = "{%- if loop.index0 > ns.last_query_index %}"
     assert condition in tokenizer.chat_template
-    tokenizer.chat_template = tokenizer.chat_template.replace(condition, (
-        "{%- set here = loop.index0 %}{%- set later = namespace(count=0) %}{%- for other in messages[here + 1:] %}"
-        '{%- if other.role == "assistant" %}{%- set later.count = later.count + 1 %}{%- endif %}{%- endfor %}'
-        "{%- if here > ns.last_query_index and later.count < 2 %}"), 1)
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        condition,
+        (
+            "{%- set here = loop.index0 %}{%- set later = namespace(count=0) %}{%- for other in messages[here + 1:] %}"
+            '{%- if other.role == "assistant" %}{%- set later.count = later.count + 1 %}{%- endif %}{%- endfor %}'
+            "{%- if here > ns.last_query_index and later.count < 2 %}"
+        ),
+        1,
+    )
     conversations = [conversation("qwen3", random.Random(f"recent-{seed}"), 40) for seed in (0, 2, 4)]
     assert not template_layout(tokenizer).reads_tool_rounds and template_layout(tokenizer).tools_in_preamble
     for messages, tools in conversations:
@@ -275,13 +316,18 @@ def test_template_that_rewrites_earlier_tool_rounds_is_not_read(embedded_model_d
     monkeypatch.setattr(layout, "_LAYOUT_CACHE", {})
     monkeypatch.setattr(layout, "_reads_tool_rounds", lambda *arguments: True)
     assert template_layout(tokenizer).reads_tool_rounds
-    differing = sum(pair[0].samples != pair[1].samples for pair in
-                    (fast_and_oracle(tokenizer, "qwen3", messages, tools) for messages, tools in conversations))
+    differing = sum(
+        pair[0].samples != pair[1].samples
+        for pair in (
+            fast_and_oracle(tokenizer, "qwen3", messages, tools) for messages, tools in conversations
+        )
+    )
     assert differing > 0
 
 
-def mistral_conversation(rng: random.Random, length: int, agent: bool, system: bool,
-                         tools: bool) -> tuple[list[dict], list | None]:
+def mistral_conversation(
+    rng: random.Random, length: int, agent: bool, system: bool, tools: bool
+) -> tuple[list[dict], list | None]:
     """A Mistral conversation with or without a system prompt (legal only first) and tool definitions."""
     messages, _ = conversation("mistral", rng, length, agent=agent)
     messages = [message for message in messages if message["role"] != "system"]
@@ -300,12 +346,16 @@ def test_mistral_composed_prompts_equal_the_oracle(tokenizers, agent):
     tokenizer = tokenizers["mistral"]
     rng = random.Random(f"mistral-{agent}")
     split = 0
-    for number, (length, system, tools) in enumerate([(60, True, True), (40, True, False), (30, False, True),
-                                                       (30, True, True)]):
+    for number, (length, system, tools) in enumerate(
+        [(60, True, True), (40, True, False), (30, False, True), (30, True, True)]
+    ):
         messages, tool_list = mistral_conversation(rng, length, agent, system, tools)
         fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tool_list, truncated=number == 3)
         assert fast.samples == oracle.samples, f"conversation {number}: {len(messages)} messages"
-        assert (fast.trained_tokens, fast.generated_tokens) == (oracle.trained_tokens, oracle.generated_tokens)
+        assert (fast.trained_tokens, fast.generated_tokens) == (
+            oracle.trained_tokens,
+            oracle.generated_tokens,
+        )
         assert not fast.fallback
         split += fast.split
     assert split >= 3
@@ -322,7 +372,9 @@ def test_mistral_composition_without_the_system_prompt_is_caught_by_the_real_che
     fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
     assert fast.samples == oracle.samples and not fast.fallback and fast.split
     original = injected._stretch_prefix
-    monkeypatch.setattr(injected, "_stretch_prefix", lambda messages, system, anchor: original(messages, [], anchor))
+    monkeypatch.setattr(
+        injected, "_stretch_prefix", lambda messages, system, anchor: original(messages, [], anchor)
+    )
     fast, oracle = fast_and_oracle(tokenizer, "mistral", messages, tools)
     assert fast.fallback and fast.samples == oracle.samples
 
@@ -389,7 +441,9 @@ def test_split_trains_every_generated_turn_exactly_once(tokenizers, name):
             break
         except ChatTemplateError:
             continue
-    masked = "".join(tokenizer.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m]) for s in result.samples)
+    masked = "".join(
+        tokenizer.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m]) for s in result.samples
+    )
     rejected = {index for index, _ in result.rejected_turns}
     for index, message in enumerate(messages):
         if message["role"] == "assistant" and index not in rejected:
@@ -397,8 +451,11 @@ def test_split_trains_every_generated_turn_exactly_once(tokenizers, name):
             # Llama 3 and Mistral write a tool-call turn as the call alone, dropping content and folded reasoning
             # (a known limit, see README): its model generates no text beside a call.
             # Hermes-3 tool_use writes it as the calls alone too.
-            piece = "" if name in ("llama3", "mistral", "hermes3_tool_use") and message.get("tool_calls") else \
-                message.get("reasoning") or message["content"]
+            piece = (
+                ""
+                if name in ("llama3", "mistral", "hermes3_tool_use") and message.get("tool_calls")
+                else message.get("reasoning") or message["content"]
+            )
             if piece:
                 assert masked.count(piece) >= 1, (name, piece)
     # Nothing the user, system or tools wrote is ever trained.
@@ -410,17 +467,21 @@ def test_split_trains_every_generated_turn_exactly_once(tokenizers, name):
 
 def test_history_rewriting_templates_split_and_visible_counts(tokenizers):
     tokenizer = tokenizers["qwen3"]
-    messages = [{"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4", "reasoning": "EARLIER two plus two"},
-                {"role": "user", "content": "3+3?"},
-                {"role": "assistant", "content": "6", "reasoning": "LATER three plus three"}]
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "reasoning": "EARLIER two plus two"},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "6", "reasoning": "LATER three plus three"},
+    ]
     split = tokenize_conversation(tokenizer, messages)
     assert len(split.samples) == 2  # Qwen3 drops the first turn's reasoning once a user speaks again
     first = tokenizer.decode([t for t, m in zip(split.samples[0].input_ids, split.samples[0].loss_mask) if m])
     assert first == "<think>\nEARLIER two plus two\n</think>\n\n4<|im_end|>"
     visible = tokenize_conversation(tokenizer, messages, history="visible")
     assert len(visible.samples) == 1
-    shown = tokenizer.decode([t for t, m in zip(visible.samples[0].input_ids, visible.samples[0].loss_mask) if m])
+    shown = tokenizer.decode(
+        [t for t, m in zip(visible.samples[0].input_ids, visible.samples[0].loss_mask) if m]
+    )
     assert "EARLIER" not in shown and shown.startswith("4<|im_end|>") and "LATER three plus three" in shown
     assert visible.trained_tokens < visible.generated_tokens == split.generated_tokens
     with pytest.raises(ValueError, match="history"):
@@ -431,9 +492,14 @@ def test_history_rewriting_templates_split_and_visible_counts(tokenizers):
 def test_quoted_special_tokens_are_text(tokenizers, name):
     tokenizer = tokenizers[name]
     quoted = "Explain <|im_start|>assistant and <|eot_id|> and <|im_end|> please"
-    messages = [{"role": "user", "content": quoted}, {"role": "assistant", "content": "They are control tokens."}]
+    messages = [
+        {"role": "user", "content": quoted},
+        {"role": "assistant", "content": "They are control tokens."},
+    ]
     sample = tokenize_conversation(tokenizer, messages).samples[0]
-    plain = tokenize_conversation(tokenizer, [{"role": "user", "content": "Explain please"}, messages[1]]).samples[0]
+    plain = tokenize_conversation(
+        tokenizer, [{"role": "user", "content": "Explain please"}, messages[1]]
+    ).samples[0]
     special_ids = set(tokenizer.all_special_ids)
     # The quote adds only text tokens: the count of control tokens is the template's own.
     assert sum(t in special_ids for t in sample.input_ids) == sum(t in special_ids for t in plain.input_ids)
@@ -444,9 +510,20 @@ def test_quoted_special_tokens_are_text(tokenizers, name):
 def test_template_without_tool_syntax_keeps_calls_as_text(tokenizers):
     tokenizer = tokenizers["smollm2"]
     assert template_layout(tokenizer).tool_calls == "hermes-text"
-    messages = [{"role": "user", "content": "List files"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"id": "call00001", "type": "function", "function": {"name": "bash", "arguments": {"cmd": "ls"}}}]}]
+    messages = [
+        {"role": "user", "content": "List files"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call00001",
+                    "type": "function",
+                    "function": {"name": "bash", "arguments": {"cmd": "ls"}},
+                }
+            ],
+        },
+    ]
     sample = tokenize_conversation(tokenizer, messages).samples[0]
     masked = tokenizer.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if m])
     assert masked == '<tool_call>\n{"name": "bash", "arguments": {"cmd": "ls"}}\n</tool_call><|im_end|>'
@@ -454,11 +531,21 @@ def test_template_without_tool_syntax_keeps_calls_as_text(tokenizers):
 
 def test_template_that_cannot_render_a_conversation_raises_chat_template_error(tokenizers):
     with pytest.raises(ChatTemplateError, match="System role not supported"):
-        tokenize_conversation(tokenizers["gemma"], [{"role": "system", "content": "x"}, {"role": "user", "content": "a"},
-                                                    {"role": "assistant", "content": "b"}])
-    with pytest.raises(ChatTemplateError, match="thinking"):  # V3.1 with thinking off has no place for reasoning
-        tokenize_conversation(tokenizers["deepseek_v31"], [{"role": "user", "content": "a"},
-                                                           {"role": "assistant", "content": "b", "reasoning": "r"}])
+        tokenize_conversation(
+            tokenizers["gemma"],
+            [
+                {"role": "system", "content": "x"},
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+            ],
+        )
+    with pytest.raises(
+        ChatTemplateError, match="thinking"
+    ):  # V3.1 with thinking off has no place for reasoning
+        tokenize_conversation(
+            tokenizers["deepseek_v31"],
+            [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning": "r"}],
+        )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -472,7 +559,9 @@ def test_visible_policy_is_one_sequence_that_trains_only_assistant_text(tokenize
         except ChatTemplateError:
             continue
         try:
-            visible = tokenize_conversation(tokenizer, messages, tools=tools, history="visible", template_kwargs=kwargs)
+            visible = tokenize_conversation(
+                tokenizer, messages, tools=tools, history="visible", template_kwargs=kwargs
+            )
         except NotPrefixStableError:
             # The oracle's "visible" is defined only for conversations the template does not rewrite, and the
             # fast path hands it those with a turn it cannot define (rejected_turns) and Hermes-3 tool_use's
@@ -493,7 +582,8 @@ def test_visible_policy_is_one_sequence_that_trains_only_assistant_text(tokenize
         # `<|observation|>`).
         closers = template_layout(tokenizer, kwargs, tools).closers
         assert sum(masked.count(closer) for closer in closers) == sum(
-            message["role"] == "assistant" for message in messages) - len(visible.rejected_turns)
+            message["role"] == "assistant" for message in messages
+        ) - len(visible.rejected_turns)
         break
     else:
         if name != "hermes3_tool_use":  # every generated conversation of it has tool results
@@ -510,7 +600,9 @@ def test_shape_cache_is_bounded_when_every_record_has_its_own_tools(tokenizers, 
     tokenizer = tokenizers["llama3"]  # tools inside the first user message: small renders keep them
     messages, _ = conversation("llama3", random.Random("bounded"), 9)
     for number in range(5):
-        tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "description": f"Run a shell command {number}"}}]
+        tools = [
+            {**TOOLS[0], "function": {**TOOLS[0]["function"], "description": f"Run a shell command {number}"}}
+        ]
         fast, oracle = fast_and_oracle(tokenizer, "llama3", messages, tools)
         assert fast.samples == oracle.samples
     assert len(turns._SHAPE_CACHE) == 3
@@ -524,7 +616,9 @@ def test_template_whose_rendering_does_not_extend_the_last_prompt_renders_it(tok
     from eaglekit.chat import layout
 
     tokenizer = tokenizers["kimi_k2_thinking"]
-    assert not template_layout(tokenizer).extends_prompt and template_layout(tokenizers["qwen3"]).extends_prompt
+    assert (
+        not template_layout(tokenizer).extends_prompt and template_layout(tokenizers["qwen3"]).extends_prompt
+    )
     monkeypatch.setattr(layout, "_LAYOUT_CACHE", {})
     monkeypatch.setattr(layout, "_extends_prompt", lambda *arguments: True)
     differing = 0
@@ -568,9 +662,13 @@ def test_fast_path_equals_the_oracle_with_system_messages_anywhere(tokenizers, n
 
 def test_deepseek_v31_turn_before_a_late_system_message_is_trained_without_it(tokenizers):
     tokenizer = tokenizers["deepseek_v31"]
-    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4."},
-                {"role": "system", "content": "Answer in French."}, {"role": "user", "content": "3+3?"},
-                {"role": "assistant", "content": "Six."}]
+    messages = [
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "3+3?"},
+        {"role": "assistant", "content": "Six."},
+    ]
     fast = tokenize_conversation(tokenizer, messages)
     assert fast.samples == tokenize_conversation_reference(tokenizer, messages).samples
     first = tokenizer.decode(fast.samples[0].input_ids)

@@ -43,9 +43,17 @@ def test_sharegpt_from_value_with_system_and_glaive_tool_turns():
     assert "🎨" in good[1].messages[1]["content"]
     assert roles(good[2]) == ["user", "assistant", "tool", "assistant"]
     # Glaive's function_call turn becomes a structured call; its observation answers it by id.
-    assert good[2].messages[1] == {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "call00001", "type": "function",
-         "function": {"name": "search_recipes", "arguments": {"ingredients": ["rice"]}}}]}
+    assert good[2].messages[1] == {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call00001",
+                "type": "function",
+                "function": {"name": "search_recipes", "arguments": {"ingredients": ["rice"]}},
+            }
+        ],
+    }
     assert good[2].messages[2]["tool_call_id"] == "call00001"
     assert isinstance(good[2].meta["tools"], list)  # Glaive's JSON text parsed
 
@@ -56,22 +64,31 @@ def test_openai_tool_calls_tool_turns_content_parts_and_reasoning():
     assert roles(good[0]) == ["system", "user", "assistant", "tool", "assistant"]
     assert good[0].messages[0]["content"] == ""  # empty system prompt is kept
     assert good[0].messages[2]["content"] == "" and good[0].messages[2]["tool_calls"] == [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    ]
     assert good[0].messages[3]["tool_call_id"] == "c1"
     assert good[1].messages[0]["role"] == "system" and good[1].messages[1]["content"] == "Say hi"
-    assert good[1].messages[2] == {"role": "assistant", "content": "hi", "reasoning": "The user wants a greeting."}
+    assert good[1].messages[2] == {
+        "role": "assistant",
+        "content": "hi",
+        "reasoning": "The user wants a greeting.",
+    }
 
 
 def test_alpaca_instruction_input_output_and_history_from_json_array():
     good, bad = records(SourceSpec(name="al", format="alpaca", path=str(DATA / "alpaca.json")))
     assert not bad and len(good) == 3
-    assert good[0].messages == [{"role": "user", "content": "Translate to French\n\nGood morning"},
-                                {"role": "assistant", "content": "Bonjour"}]
+    assert good[0].messages == [
+        {"role": "user", "content": "Translate to French\n\nGood morning"},
+        {"role": "assistant", "content": "Bonjour"},
+    ]
     assert roles(good[2]) == ["system", "user", "assistant", "user", "assistant"]
 
 
 def test_problem_solution_with_think_block_and_prompt_only():
-    good, _ = records(SourceSpec(name="ps", format="problem_solution", path=str(DATA / "problem_solution.jsonl")))
+    good, _ = records(
+        SourceSpec(name="ps", format="problem_solution", path=str(DATA / "problem_solution.jsonl"))
+    )
     assert good[0].messages[1] == {"role": "assistant", "content": "144", "reasoning": "12*12 = 144"}
     assert roles(good[1]) == ["user"]
 
@@ -93,15 +110,32 @@ def test_each_adapter_reads_its_own_reasoning_field_first_and_names_it_when_wron
 
     where = RecordLocation("x", 1, 1)
     both = {"reasoning_content": "from reasoning_content", "reasoning": "from reasoning"}
-    openai = adapt_openai({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **both}]}, where)
+    openai = adapt_openai(
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", **both}]}, where
+    )
     assert openai.messages[1]["reasoning"] == "from reasoning_content"
     sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", **both}]}
     assert adapt_reasoning(sharegpt, where).messages[1]["reasoning"] == "from reasoning"
     with pytest.raises(InputError, match=r"messages\[1\]\.reasoning_content"):
-        adapt_openai({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": 3}]}, where)
+        adapt_openai(
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "a", "reasoning": 3},
+                ]
+            },
+            where,
+        )
     with pytest.raises(InputError, match=r"conversations\[1\]\.reasoning"):
-        adapt_reasoning({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a", "reasoning_content": 3}]},
-                        where)
+        adapt_reasoning(
+            {
+                "conversations": [
+                    {"from": "human", "value": "q"},
+                    {"from": "gpt", "value": "a", "reasoning_content": 3},
+                ]
+            },
+            where,
+        )
 
 
 def test_agent_trajectories_swe_agent_history_nebius_and_openai():
@@ -121,6 +155,7 @@ def test_packaged_schemas_on_fixtures_chitchat_tooltalk_humaneval_asdiv():
     assert roles(good[0]) == ["user", "assistant", "user"]
     from eaglekit.data.adapters import adapt_tooltalk
     from eaglekit.data.readers import RecordLocation
+
     document = json.loads((DATA / "tooltalk_conversation.json").read_text())
     adapted = adapt_tooltalk(document, RecordLocation("x", 1, 1))
     assert [m["role"] for m in adapted.messages] == ["user", "assistant", "tool", "assistant", "user"]
@@ -147,8 +182,9 @@ def test_truncated_json_yields_complete_records_and_reports_torn_tail():
 
 def test_json_reader_survives_chunk_boundaries(tmp_path, monkeypatch):
     import eaglekit.data.readers as record_readers
+
     monkeypatch.setattr(record_readers, "_CHUNK_CHARS", 7)  # every record, string and \\u escape spans chunks
-    values = [{"text": "caf\u00e9 \\u00e9 \"quoted\"", "n": i, "emoji": "🎉"} for i in range(20)]
+    values = [{"text": 'caf\u00e9 \\u00e9 "quoted"', "n": i, "emoji": "🎉"} for i in range(20)]
     path = tmp_path / "a.json"
     path.write_text(json.dumps(values, indent=1), encoding="utf-8")
     read = [item for item in iter_json_records(path)]
@@ -171,8 +207,13 @@ def test_bad_input_each_case_located_by_line_and_field():
 
 
 def test_multi_turn_policy_first_and_last_user():
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
-                {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
+    messages = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q1"},
+        {"role": "assistant", "content": "A1"},
+        {"role": "user", "content": "Q2"},
+        {"role": "assistant", "content": "A2"},
+    ]
     prompt, answer = prompt_messages(messages, "first_user")
     assert prompt == messages[:2] and answer == messages[2]
     prompt, answer = prompt_messages(messages, "last_user")
@@ -186,7 +227,9 @@ def test_source_spec_validation():
         SourceSpec(name="x", format="csv", path="a.csv")
     with pytest.raises(ValueError, match=r"unknown keys \['colour'\]"):
         SourceSpec.from_params({"name": "x", "format": "openai", "path": "a.jsonl", "colour": "red"})
-    spec = SourceSpec.from_params({"name": "x", "package": "asdiv", "data_class": "B", "multi_turn": "last_user"})
+    spec = SourceSpec.from_params(
+        {"name": "x", "package": "asdiv", "data_class": "B", "multi_turn": "last_user"}
+    )
     assert spec.multi_turn == "last_user"
 
 
@@ -194,6 +237,7 @@ def test_hub_source_without_datasets_package_says_what_to_do():
     spec = SourceSpec(name="uc", format="openai", hf_id="HuggingFaceH4/ultrachat_200k", hf_split="train_sft")
     try:
         import datasets  # noqa: F401
+
         pytest.skip("`datasets` is installed; the offline error path is not reachable")
     except ImportError:
         pass
@@ -234,7 +278,10 @@ def test_fetch_llamafactory_is_idempotent_when_present(tmp_path, monkeypatch):
     for name in ("alpaca_en_demo.json", "glaive_toolcall_en_demo.json"):
         (dest / name).write_text("[]")
     import subprocess
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("pip must not run when data is present"))
+
+    monkeypatch.setattr(
+        subprocess, "run", lambda *a, **k: pytest.fail("pip must not run when data is present")
+    )
     assert fetch_llamafactory_data(dest) == dest
 
 
@@ -247,22 +294,32 @@ def test_missing_llamafactory_data_says_how_to_fetch(tmp_path, monkeypatch):
 def test_hermes_text_tool_calls_are_parsed_into_the_structure():
     from eaglekit.data.adapters import structure_tool_calls
 
-    messages = structure_tool_calls([
-        {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-                                         '\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": '
-                                         '\\"Rome\\"}"}\n</tool_call>'},
-        {"role": "tool", "content": "18"}, {"role": "tool", "content": "25"},
-        {"role": "assistant", "content": "<tool_call>not json</tool_call>"}])
+    messages = structure_tool_calls(
+        [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {
+                "role": "assistant",
+                "content": 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+                '\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": "{\\"city\\": '
+                '\\"Rome\\"}"}\n</tool_call>',
+            },
+            {"role": "tool", "content": "18"},
+            {"role": "tool", "content": "25"},
+            {"role": "assistant", "content": "<tool_call>not json</tool_call>"},
+        ]
+    )
     assert messages[1]["content"] == "Checking."
     assert [(c["id"], c["function"]["arguments"]) for c in messages[1]["tool_calls"]] == [
-        ("call00001", {"city": "Paris"}), ("call00002", {"city": "Rome"})]
+        ("call00001", {"city": "Paris"}),
+        ("call00002", {"city": "Rome"}),
+    ]
     assert [m["tool_call_id"] for m in messages[2:4]] == ["call00001", "call00002"]
     assert messages[4] == {"role": "assistant", "content": "<tool_call>not json</tool_call>"}  # kept as text
 
 
 # -------------------------------------------------------------------------------------------------
 # Every source failure is a located reject under `skip` (issue 13)
+
 
 def test_truncated_jsonl_gz_keeps_records_before_the_tear_and_names_the_file(tmp_path):
     import gzip
@@ -290,11 +347,16 @@ def test_corrupt_parquet_is_a_per_file_reject_and_the_next_file_is_read(tmp_path
 
 def test_reasoning_record_with_an_unexpected_key_is_a_record_reject(tmp_path):
     path = tmp_path / "r.jsonl"
-    path.write_text(json.dumps({"items": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]}) + "\n"
-                    + json.dumps({"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}],
-                                  "system": 5}) + "\n"
-                    + json.dumps({"conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]})
-                    + "\n")
+    path.write_text(
+        json.dumps({"items": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]})
+        + "\n"
+        + json.dumps(
+            {"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}], "system": 5}
+        )
+        + "\n"
+        + json.dumps({"conversations": [{"from": "human", "value": "Q2"}, {"from": "gpt", "value": "A2"}]})
+        + "\n"
+    )
     good, bad = records(SourceSpec(name="r", format="reasoning", path=str(path)))
     assert [g.messages[0]["content"] for g in good] == ["Hi", "Q2"]
     assert len(bad) == 1 and bad[0].error.line == 2 and bad[0].error.field == "system"
@@ -310,7 +372,9 @@ def test_an_adapter_crash_is_a_record_reject_naming_file_and_line(tmp_path, monk
 
     monkeypatch.setitem(format_adapters.ADAPTERS, "alpaca", broken)
     path = tmp_path / "a.jsonl"
-    path.write_text("".join(json.dumps({"instruction": text, "output": "x"}) + "\n" for text in ("a", "boom", "c")))
+    path.write_text(
+        "".join(json.dumps({"instruction": text, "output": "x"}) + "\n" for text in ("a", "boom", "c"))
+    )
     good, bad = records(SourceSpec(name="a", format="alpaca", path=str(path)))
     assert [g.messages[0]["content"] for g in good] == ["a", "c"]
     assert bad[0].error.line == 2 and "unexpected record shape for format 'alpaca'" in bad[0].error.reason

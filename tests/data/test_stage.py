@@ -14,12 +14,21 @@ DATA = Path(__file__).resolve().parents[1] / "fixtures" / "data"
 
 @pytest.fixture(scope="module")
 def params(embedded_model_dir):
-    return params_from_sections({
-        "target": {"model": str(embedded_model_dir)},
-        "datasets": [{"name": "chat_a", "format": "sharegpt", "path": str(DATA / "sharegpt.jsonl"), "data_class": "A"},
-                     {"name": "alpaca_b", "format": "alpaca", "path": str(DATA / "alpaca.json")}],
-        "prep": {"context_length": 256, "long_prompt_threshold": 40},
-    })
+    return params_from_sections(
+        {
+            "target": {"model": str(embedded_model_dir)},
+            "datasets": [
+                {
+                    "name": "chat_a",
+                    "format": "sharegpt",
+                    "path": str(DATA / "sharegpt.jsonl"),
+                    "data_class": "A",
+                },
+                {"name": "alpaca_b", "format": "alpaca", "path": str(DATA / "alpaca.json")},
+            ],
+            "prep": {"context_length": 256, "long_prompt_threshold": 40},
+        }
+    )
 
 
 def test_survey_stage_saves_tables_and_figures(params, tmp_path):
@@ -32,7 +41,10 @@ def test_survey_stage_saves_tables_and_figures(params, tmp_path):
 def test_prep_stage_writes_the_stage_folder_and_the_partition_figure(params, tmp_path):
     prepared = run_prep_stage(params, tmp_path)
     table = prepared.table().set_index("source")
-    assert table.loc["chat_a", "kept"] == 3 and table.loc["alpaca_b", "short"] + table.loc["alpaca_b", "long"] == 3
+    assert (
+        table.loc["chat_a", "kept"] == 3
+        and table.loc["alpaca_b", "short"] + table.loc["alpaca_b", "long"] == 3
+    )
     assert prepared.prep_dir == tmp_path / "prep" and (tmp_path / "prep" / "summary.json").is_file()
     assert Path("chat_a/tokenized_data.jsonl") in prepared.files and prepared.figure.is_file()
     assert prepared.first_sample is not None and "background" in prepared.first_sample_html

@@ -27,8 +27,16 @@ def main(export_dir: str, inputs_path: str, out_dir: str) -> None:
     model = SpeculatorModel.from_pretrained(export_dir).eval()
     file_tensors = load_file(str(Path(export_dir) / "model.safetensors"))
     state = model.state_dict()
-    differing = [name for name, tensor in file_tensors.items() if name in state and not torch.equal(state[name].to(tensor.dtype), tensor)]
-    nan_tensors = [name for name, tensor in state.items() if name not in LOSS_ONLY and tensor.is_floating_point() and tensor.isnan().any()]
+    differing = [
+        name
+        for name, tensor in file_tensors.items()
+        if name in state and not torch.equal(state[name].to(tensor.dtype), tensor)
+    ]
+    nan_tensors = [
+        name
+        for name, tensor in state.items()
+        if name not in LOSS_ONLY and tensor.is_floating_point() and tensor.isnan().any()
+    ]
     report = {
         "model_class": type(model).__name__,
         "norm_before_residual": bool(model.config.norm_before_residual),
@@ -41,13 +49,22 @@ def main(export_dir: str, inputs_path: str, out_dir: str) -> None:
     }
     inputs = load_file(inputs_path)
     logits: list[torch.Tensor] = []
-    hook = model.lm_head.register_forward_hook(lambda module, args, output: logits.append(output.detach().float()))
+    hook = model.lm_head.register_forward_hook(
+        lambda module, args, output: logits.append(output.detach().float())
+    )
     with torch.no_grad():
-        model.float()(hidden_states=inputs["aux_hidden_states"].float(), input_ids=inputs["input_ids"],
-                      document_ids=torch.zeros_like(inputs["input_ids"]), position_ids=inputs["position_ids"],
-                      ttt_steps=int(inputs["ttt_steps"]))
+        model.float()(
+            hidden_states=inputs["aux_hidden_states"].float(),
+            input_ids=inputs["input_ids"],
+            document_ids=torch.zeros_like(inputs["input_ids"]),
+            position_ids=inputs["position_ids"],
+            ttt_steps=int(inputs["ttt_steps"]),
+        )
     hook.remove()
-    save_file({f"step{index}": step[0].contiguous() for index, step in enumerate(logits)}, str(out / "logits.safetensors"))
+    save_file(
+        {f"step{index}": step[0].contiguous() for index, step in enumerate(logits)},
+        str(out / "logits.safetensors"),
+    )
     (out / "report.json").write_text(json.dumps(report, indent=1))
 
 

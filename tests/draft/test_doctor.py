@@ -24,11 +24,30 @@ from eaglekit.draft.doctor import (
 
 
 # A 30-layer target (SmolLM2's depth) with tiny widths: default capture [2, 15, 27] -> ids [1, 14, 26].
-TARGET = {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "num_hidden_layers": 30, "num_attention_heads": 4,
-          "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 8192, "tie_word_embeddings": True}
-DRAFT = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 4, "intermediate_size": 32, "vocab_size": 64, "draft_vocab_size": 8,
-         "max_position_embeddings": 8192, "tie_word_embeddings": False, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}}
+TARGET = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 16,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+}
+DRAFT = {
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "hidden_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 4,
+    "intermediate_size": 32,
+    "vocab_size": 64,
+    "draft_vocab_size": 8,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 26]},
+}
 
 
 def _tensors(config: dict) -> dict[str, torch.Tensor]:
@@ -53,7 +72,11 @@ def _write(folder: Path, config: dict, tensors: dict[str, torch.Tensor] | None =
 
 
 def _errors(findings) -> dict[str, str]:
-    return {finding.check: finding.message + " || " + finding.fix for finding in findings if finding.level == "error"}
+    return {
+        finding.check: finding.message + " || " + finding.fix
+        for finding in findings
+        if finding.level == "error"
+    }
 
 
 def test_a_good_draft_passes(tmp_path):
@@ -61,8 +84,17 @@ def test_a_good_draft_passes(tmp_path):
     findings = run_doctor(tmp_path / "target_config.json", draft)
     assert _errors(findings) == {}
     frame = findings_frame(findings)
-    assert set(frame["check"]) >= {"architectures", "hidden_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
-                                   "capture_layers", "tensor_names", "tensor_shapes", "vocab_maps"}
+    assert set(frame["check"]) >= {
+        "architectures",
+        "hidden_size",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "capture_layers",
+        "tensor_names",
+        "tensor_shapes",
+        "vocab_maps",
+    }
 
 
 @pytest.mark.parametrize(
@@ -75,13 +107,23 @@ def test_a_good_draft_passes(tmp_path):
         ({"draft_vocab_size": None}, "draft_vocab_size", "loads lm_head from the target"),
         ({"max_position_embeddings": 2048}, "max_position_embeddings", '"max_position_embeddings": 8192'),
         ({"tie_word_embeddings": True}, "tie_word_embeddings", '"tie_word_embeddings": false'),
-        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}}, "capture_layers", "SGLang adds 1 to each"),
-        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 25]}}, "capture_layers", "[1, 14, 26]"),
+        (
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27]}},
+            "capture_layers",
+            "SGLang adds 1 to each",
+        ),
+        (
+            {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 14, 25]}},
+            "capture_layers",
+            "[1, 14, 26]",
+        ),
     ],
 )
 def test_each_config_mistake_is_an_error_with_its_fix(tmp_path, change, check, says):
     config = {**copy.deepcopy(DRAFT), **change}
-    findings = run_doctor(tmp_path / "target_config.json", _write(tmp_path / "draft", config, _tensors(DRAFT)))
+    findings = run_doctor(
+        tmp_path / "target_config.json", _write(tmp_path / "draft", config, _tensors(DRAFT))
+    )
     errors = _errors(findings)
     assert check in errors, errors
     assert says in errors[check]
@@ -95,13 +137,20 @@ def test_capture_layers_given_by_the_training_run(tmp_path):
     # No ids in the config: SGLang's default [2, 15, 27] matches the default training layers.
     no_ids = {key: value for key, value in DRAFT.items() if key != "eagle_config"}
     assert _errors(run_doctor(tmp_path / "target_config.json", _write(tmp_path / "d2", no_ids))) == {}
-    assert "captures its default" in _errors(run_doctor(tmp_path / "target_config.json", tmp_path / "d2", capture_layers=[3, 15, 27]))["capture_layers"]
+    assert (
+        "captures its default"
+        in _errors(run_doctor(tmp_path / "target_config.json", tmp_path / "d2", capture_layers=[3, 15, 27]))[
+            "capture_layers"
+        ]
+    )
 
 
 def test_preflight_table_labels_the_folder_and_the_loop_rows(tmp_path):
     draft = _write(tmp_path / "draft", DRAFT)
     # Trained on [3, 15, 27] (SGLang would capture [2, 15, 27]) and a bypassed draft in the loop: both surface, each under its label.
-    table = preflight_table(tmp_path / "target_config.json", draft, "training/export/sglang", [3, 15, 27], 1.05)
+    table = preflight_table(
+        tmp_path / "target_config.json", draft, "training/export/sglang", [3, 15, 27], 1.05
+    )
     assert list(table.columns) == ["folder", "level", "check", "message", "fix"]
     folder_rows = table[table["folder"] == "training/export/sglang"]
     loop_rows = table[table["folder"] == "specdec loop"]
@@ -117,8 +166,14 @@ def test_misnamed_tensors_are_named_with_a_rename(tmp_path):
     tensors["layers.0.self_attn.q_proj.weight"] = tensors.pop("midlayer.self_attn.q_proj.weight")
     tensors["model.norm.weight"] = tensors.pop("norm.weight")
     errors = _errors(run_doctor(tmp_path / "target_config.json", _write(tmp_path / "draft", DRAFT, tensors)))
-    assert "midlayer.self_attn.q_proj.weight" in errors["tensor_names"] and "norm.weight" in errors["tensor_names"]
-    assert "rename layers.0.self_attn.q_proj.weight to midlayer.self_attn.q_proj.weight" in errors["tensor_names"]
+    assert (
+        "midlayer.self_attn.q_proj.weight" in errors["tensor_names"]
+        and "norm.weight" in errors["tensor_names"]
+    )
+    assert (
+        "rename layers.0.self_attn.q_proj.weight to midlayer.self_attn.q_proj.weight"
+        in errors["tensor_names"]
+    )
     assert "rename model.norm.weight to norm.weight" in errors["tensor_names"]
 
 
@@ -145,12 +200,16 @@ def test_exported_embedding_is_a_warning(tmp_path):
 
 def test_endpoint_running_eagle_instead_of_eagle3(tmp_path):
     info = replay.load("sglang_server_info_eagle3.json")
-    with replay.serve(replay.sglang_app(speculative=True, server_info={**info, "speculative_algorithm": "EAGLE"})) as url:
+    with replay.serve(
+        replay.sglang_app(speculative=True, server_info={**info, "speculative_algorithm": "EAGLE"})
+    ) as url:
         findings = run_doctor(TARGET, endpoint=url + "/v1")
     assert "--speculative-algorithm EAGLE3" in _errors(findings)["speculative_algorithm"]
 
     bypassed = {**info, "internal_states": [{"avg_spec_accept_length": 1.02}]}
-    with replay.serve(replay.sglang_app(speculative=True, server_info=bypassed, new_server_info_route=True)) as url:
+    with replay.serve(
+        replay.sglang_app(speculative=True, server_info=bypassed, new_server_info_route=True)
+    ) as url:
         findings = run_doctor(TARGET, endpoint=url)
     assert _errors(findings) == {}
     assert any(f.level == "warning" and f.check == "accept_length" and "1.020" in f.message for f in findings)
@@ -167,12 +226,31 @@ def test_measured_accept_length_below_1_1_warns():
 
 def test_cli(tmp_path, capsys):
     draft = _write(tmp_path / "draft", {**DRAFT, "tie_word_embeddings": True})
-    assert main(["doctor", "--draft", str(draft), "--target-config", str(tmp_path / "target_config.json")]) == 1
+    assert (
+        main(["doctor", "--draft", str(draft), "--target-config", str(tmp_path / "target_config.json")]) == 1
+    )
     output = capsys.readouterr().out
-    assert "ERROR" in output and "tie_word_embeddings" in output and 'fix: set "tie_word_embeddings": false' in output
+    assert (
+        "ERROR" in output
+        and "tie_word_embeddings" in output
+        and 'fix: set "tie_word_embeddings": false' in output
+    )
     good = _write(tmp_path / "good", DRAFT)
-    completed = subprocess.run([sys.executable, "-m", "eaglekit.cli", "doctor", "--draft", str(good), "--target-config", str(tmp_path / "target_config.json")],
-                               capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eaglekit.cli",
+            "doctor",
+            "--draft",
+            str(good),
+            "--target-config",
+            str(tmp_path / "target_config.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "0 error(s)" in completed.stdout
 
@@ -195,7 +273,9 @@ def test_planned_eagle_flag_is_an_error_offline(capsys):
     assert main(["doctor", "--target-config", kimi, "--sglang-args", planned]) == 1
     output = capsys.readouterr().out
     assert "ERROR" in output and "runs EAGLE, not EAGLE3" in output and "planned launch" in output
-    assert main(["doctor", "--target-config", kimi, "--sglang-args", planned.replace("EAGLE ", "EAGLE3 ")]) == 0
+    assert (
+        main(["doctor", "--target-config", kimi, "--sglang-args", planned.replace("EAGLE ", "EAGLE3 ")]) == 0
+    )
     assert main(["doctor", "--target-config", kimi, "--sglang-args", "--tp 8"]) == 1  # no speculation at all
     assert "without speculative decoding" in capsys.readouterr().out
 

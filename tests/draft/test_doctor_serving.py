@@ -18,7 +18,11 @@ from support import tiny_target_folder
 
 
 def _errors(findings) -> dict[str, str]:
-    return {finding.check: finding.message + " || " + finding.fix for finding in findings if finding.level == "error"}
+    return {
+        finding.check: finding.message + " || " + finding.fix
+        for finding in findings
+        if finding.level == "error"
+    }
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +32,9 @@ def kimi_exports(tmp_path_factory):
     layout = target_layout(target)
     head = load_target_head_weights(layout)
     vocab = 256  # a reduced draft vocab, as every kit draft has
-    draft = build_draft_from_target(head, torch.zeros(vocab, dtype=torch.int64), torch.arange(head.config.vocab_size) < vocab)
+    draft = build_draft_from_target(
+        head, torch.zeros(vocab, dtype=torch.int64), torch.arange(head.config.vocab_size) < vocab
+    )
     return target, export_sglang(draft, layout, root / "sglang"), export_vllm(draft, layout, root / "vllm")
 
 
@@ -39,15 +45,30 @@ def test_the_wrapper_folder_is_read_through_its_text_config(kimi_exports):
         findings = run_doctor(target, draft_dir=export)
         assert _errors(findings) == {}, export
         checks = {finding.check for finding in findings if finding.level == "ok"}
-        assert {"hidden_size", "vocab_size", "max_position_embeddings", "tensor_names", "tensor_shapes", "vllm_capture_layers"} <= checks
+        assert {
+            "hidden_size",
+            "vocab_size",
+            "max_position_embeddings",
+            "tensor_names",
+            "tensor_shapes",
+            "vllm_capture_layers",
+        } <= checks
 
 
 def test_a_reduced_vocab_draft_warns_about_rejection_sampling(kimi_exports):
     target, sglang, _ = kimi_exports
-    warnings = [f for f in run_doctor(target, draft_dir=sglang) if f.level == "warning" and f.check == "rejection_sampling"]
+    warnings = [
+        f
+        for f in run_doctor(target, draft_dir=sglang)
+        if f.level == "warning" and f.check == "rejection_sampling"
+    ]
     assert len(warnings) == 1 and "--speculative-use-rejection-sampling" in warnings[0].message
-    planned = run_doctor(target, draft_dir=sglang, sglang_args="--speculative-algorithm EAGLE3 --speculative-use-rejection-sampling "
-                                                               "--speculative-eagle-topk 4")
+    planned = run_doctor(
+        target,
+        draft_dir=sglang,
+        sglang_args="--speculative-algorithm EAGLE3 --speculative-use-rejection-sampling "
+        "--speculative-eagle-topk 4",
+    )
     errors = [f.message for f in planned if f.level == "error" and f.check == "rejection_sampling"]
     assert any("share one vocab" in message or "reduced draft vocab" in message for message in errors)
     assert any("topk 4" in message for message in errors)
@@ -78,14 +99,28 @@ def test_speculators_folder_problems(kimi_exports, tmp_path):
     target, sglang, vllm = kimi_exports
     no_flag = _rewrite(vllm, tmp_path, "no_flag", lambda config: config.pop("norm_before_residual"))
     assert "vLLM reads it as true" in _errors(run_doctor(target, draft_dir=no_flag))["norm_before_residual"]
-    sglang_ids = _rewrite(vllm, tmp_path, "sglang_ids", lambda config: config.update(eagle_aux_hidden_state_layer_ids=[1, 2, 2]))
-    assert "SGLang's layer-output ids" in _errors(run_doctor(target, draft_dir=sglang_ids))["vllm_capture_layers"]
+    sglang_ids = _rewrite(
+        vllm, tmp_path, "sglang_ids", lambda config: config.update(eagle_aux_hidden_state_layer_ids=[1, 2, 2])
+    )
+    assert (
+        "SGLang's layer-output ids"
+        in _errors(run_doctor(target, draft_dir=sglang_ids))["vllm_capture_layers"]
+    )
     # A vLLM folder with SGLang's tensor names: speculators would leave the layer random.
     midlayer = _rewrite(vllm, tmp_path, "midlayer", lambda config: None)
     (midlayer / "model.safetensors").write_bytes((sglang / "model.safetensors").read_bytes())
-    names = [f.message + " || " + f.fix for f in run_doctor(target, draft_dir=midlayer) if f.level == "error" and f.check == "tensor_names"]
-    assert any("missing" in text and "layers.0.self_attn.q_proj.weight" in text and "speculators" in text for text in names)
+    names = [
+        f.message + " || " + f.fix
+        for f in run_doctor(target, draft_dir=midlayer)
+        if f.level == "error" and f.check == "tensor_names"
+    ]
+    assert any(
+        "missing" in text and "layers.0.self_attn.q_proj.weight" in text and "speculators" in text
+        for text in names
+    )
     assert any("rename midlayer.hidden_norm.weight to layers.0.hidden_norm.weight" in text for text in names)
     # The SGLang folder's top-level ids are vLLM's: a wrong value there is caught too.
-    shifted = _rewrite(sglang, tmp_path, "shifted", lambda config: config.update(eagle_aux_hidden_state_layer_ids=[3, 4, 4]))
+    shifted = _rewrite(
+        sglang, tmp_path, "shifted", lambda config: config.update(eagle_aux_hidden_state_layer_ids=[3, 4, 4])
+    )
     assert "vllm_capture_layers" in _errors(run_doctor(target, draft_dir=shifted))

@@ -46,7 +46,10 @@ EXPECTED = {
 }
 # The vLLM / speculators folder: speculators' module names (`layers.0.*`) and the target's embedding
 # (speculators without a verifier would run on its NaN-initialized table otherwise).
-EXPECTED_VLLM = {("layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name): shape for name, shape in EXPECTED.items()}
+EXPECTED_VLLM = {
+    ("layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name): shape
+    for name, shape in EXPECTED.items()
+}
 EXPECTED_VLLM["embed_tokens.weight"] = (VOCAB, H)
 
 
@@ -81,7 +84,11 @@ def test_sglang_export_names_shapes_dtypes_and_config(trained, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
-    assert (config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]) == (H, VOCAB, DRAFT_VOCAB)
+    assert (config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]) == (
+        H,
+        VOCAB,
+        DRAFT_VOCAB,
+    )
     assert config["max_position_embeddings"] >= target.config.max_position_embeddings
     # The tiny target has 6 layers: captures are the inputs of layers [2, 3, 3]; SGLang adds 1 to each id.
     assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]
@@ -91,19 +98,30 @@ def test_sglang_export_names_shapes_dtypes_and_config(trained, tmp_path):
 
 def test_vllm_export_speculators_config(trained, tmp_path):
     target, _, model = trained
-    folder = export_vllm(model, target.config, tmp_path / "vllm", verifier_name_or_path="tiny-target", speculative_tokens=3)
+    folder = export_vllm(
+        model, target.config, tmp_path / "vllm", verifier_name_or_path="tiny-target", speculative_tokens=3
+    )
     tensors = read_tensors(folder / "model.safetensors")
     assert {name: tuple(tensor.shape) for name, tensor in tensors.items()} == EXPECTED_VLLM
-    assert torch.equal(tensors["embed_tokens.weight"], target.model.embed_tokens.weight.detach().to(torch.bfloat16))
+    assert torch.equal(
+        tensors["embed_tokens.weight"], target.model.embed_tokens.weight.detach().to(torch.bfloat16)
+    )
     config = json.loads((folder / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     assert config["norm_before_residual"] is False  # vLLM's reader would default it to True
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3]  # vLLM uses ids as layer inputs
     assert config["draft_vocab_size"] == DRAFT_VOCAB and config["target_hidden_size"] == H
     layer = config["transformer_layer_config"]
-    assert layer["num_hidden_layers"] == 1 and layer["vocab_size"] == VOCAB and layer["tie_word_embeddings"] is False
+    assert (
+        layer["num_hidden_layers"] == 1
+        and layer["vocab_size"] == VOCAB
+        and layer["tie_word_embeddings"] is False
+    )
     method = config["speculators_config"]["proposal_methods"][0]
-    assert method["speculative_tokens"] == 3 and config["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    assert (
+        method["speculative_tokens"] == 3
+        and config["speculators_config"]["verifier"]["name_or_path"] == "tiny-target"
+    )
 
 
 @pytest.mark.parametrize("kind", ["sglang", "vllm"])
@@ -127,11 +145,16 @@ def test_reload_gives_identical_outputs(trained, tmp_path, kind):
 
 def test_float32_export_reloads_bit_exact(trained, tmp_path):
     target, samples, model = trained
-    reloaded = load_export(export_sglang(model, target.config, tmp_path, dtype=torch.float32), target.model.embed_tokens.weight.detach())
+    reloaded = load_export(
+        export_sglang(model, target.config, tmp_path, dtype=torch.float32),
+        target.model.embed_tokens.weight.detach(),
+    )
     sample = samples[1]
     with torch.no_grad():
-        assert torch.equal(model(sample["input_ids"][None], sample["aux_hidden_states"][None], 2)[1],
-                           reloaded(sample["input_ids"][None], sample["aux_hidden_states"][None], 2)[1])
+        assert torch.equal(
+            model(sample["input_ids"][None], sample["aux_hidden_states"][None], 2)[1],
+            reloaded(sample["input_ids"][None], sample["aux_hidden_states"][None], 2)[1],
+        )
 
 
 def test_refuses_draft_that_contradicts_target(trained, tmp_path):
@@ -177,7 +200,9 @@ def test_an_export_killed_mid_write_leaves_no_temp_file_once_it_runs_again(train
     assert sorted(path.name for path in folder.iterdir()) == ["config.json", "model.safetensors"]
     reloaded = load_export(folder)
     with torch.no_grad():
-        expected = cast_weights(copy.deepcopy(model), torch.bfloat16)(samples[0]["input_ids"][None], samples[0]["aux_hidden_states"][None], 2)
+        expected = cast_weights(copy.deepcopy(model), torch.bfloat16)(
+            samples[0]["input_ids"][None], samples[0]["aux_hidden_states"][None], 2
+        )
         actual = reloaded(samples[0]["input_ids"][None], samples[0]["aux_hidden_states"][None], 2)
     assert all(torch.equal(one, two) for one, two in zip(expected, actual))
 
@@ -188,7 +213,10 @@ def test_validate_catches_misnamed_and_misshaped_tensors(trained, tmp_path):
     tensors = read_tensors(folder / "model.safetensors")
     tensors["midlayer.self_attn.qkv_proj.weight"] = tensors.pop("midlayer.self_attn.q_proj.weight")
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(InputError, match="missing midlayer.self_attn.q_proj.weight.*unexpected midlayer.self_attn.qkv_proj.weight"):
+    with pytest.raises(
+        InputError,
+        match="missing midlayer.self_attn.q_proj.weight.*unexpected midlayer.self_attn.qkv_proj.weight",
+    ):
         validate_export(folder)
     tensors = read_tensors(tmp_path / "model.safetensors")
     tensors["midlayer.self_attn.q_proj.weight"] = tensors.pop("midlayer.self_attn.qkv_proj.weight")

@@ -13,7 +13,12 @@ from eaglekit.draft.model import (
     load_target_head_weights,
     shift_left,
 )
-from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
+from eaglekit.draft.vocab import (
+    count_generated_tokens,
+    coverage_curve,
+    default_draft_vocab_size,
+    select_draft_vocab,
+)
 from support import tiny_target, samples_from_target, tiny_draft, randomize_norms, serve_chain  # noqa: E402  (shared test helpers, tests/support.py)
 
 
@@ -94,7 +99,9 @@ def test_off_by_one_decode_position_changes_logits(target, samples):
         unrolled = model(input_ids[None], aux[None], 3)
         chain_tokens = [int(input_ids[6 + step]) for step in range(1, 3)]
         served_old_rule = serve_chain(model, input_ids, aux, 5, chain_tokens, position_offset=1)
-    torch.testing.assert_close(unrolled[0][0, 5], served_old_rule[0], rtol=1e-4, atol=1e-4)  # the extend row is unaffected
+    torch.testing.assert_close(
+        unrolled[0][0, 5], served_old_rule[0], rtol=1e-4, atol=1e-4
+    )  # the extend row is unaffected
     assert (unrolled[1][0, 5] - served_old_rule[1]).abs().max() > 1e-3
 
 
@@ -104,7 +111,16 @@ def test_draft_vocab_mapping_and_coverage():
     assert vocab.draft_to_target.tolist() == [0, 2, 3, 7]  # the four most frequent, ascending
     assert vocab.d2t.dtype == torch.int64 and vocab.d2t.tolist() == [0, 1, 1, 4]
     assert (torch.arange(4) + vocab.d2t).tolist() == vocab.draft_to_target.tolist()
-    assert vocab.t2d.dtype == torch.bool and vocab.t2d.tolist() == [True, False, True, True, False, False, False, True]
+    assert vocab.t2d.dtype == torch.bool and vocab.t2d.tolist() == [
+        True,
+        False,
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
     assert vocab.coverage == pytest.approx(30 / 34)
     # Ties break on lower id; unseen tokens fill the rest in id order.
     assert select_draft_vocab(torch.tensor([0, 2, 2, 0, 0]), 3).draft_to_target.tolist() == [0, 1, 2]
@@ -115,8 +131,10 @@ def test_draft_vocab_mapping_and_coverage():
 
 
 def test_vocab_counts_only_generated_tokens():
-    samples = [{"id": "a", "input_ids": torch.tensor([1, 2, 3, 3]), "loss_mask": torch.tensor([0, 0, 1, 1])},
-               {"id": "b", "input_ids": torch.tensor([4, 1]), "loss_mask": torch.tensor([1, 0])}]
+    samples = [
+        {"id": "a", "input_ids": torch.tensor([1, 2, 3, 3]), "loss_mask": torch.tensor([0, 0, 1, 1])},
+        {"id": "b", "input_ids": torch.tensor([4, 1]), "loss_mask": torch.tensor([1, 0])},
+    ]
     assert count_generated_tokens(samples, 6).tolist() == [0, 0, 0, 2, 1, 0]
     with pytest.raises(ValueError, match="'a'.*vocab_size"):
         count_generated_tokens(samples, 3)
@@ -143,7 +161,9 @@ def test_load_target_head_weights_from_folder(tmp_path, target):
 
 def test_real_model_capture_indices_and_shapes(embedded_model_dir):
     weights = load_target_head_weights(embedded_model_dir)
-    config = DraftConfig.from_target_config(weights.config, default_draft_vocab_size(weights.config.vocab_size))
+    config = DraftConfig.from_target_config(
+        weights.config, default_draft_vocab_size(weights.config.vocab_size)
+    )
     assert config.capture_layer_indices == (2, 15, 27)
     assert (config.hidden_size, config.vocab_size, config.draft_vocab_size) == (576, 49_152, 32_000)
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (9, 3, 64)

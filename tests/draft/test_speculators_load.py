@@ -35,20 +35,41 @@ def speculators_run(tmp_path_factory, vllm_python):
     head = load_target_head_weights(target)
     vocab = 256
     # Distinct capture layers: speculators refuses repeated ids (a 6-layer target's default is [2, 3, 3]).
-    draft = build_draft_from_target(head, torch.zeros(vocab, dtype=torch.int64), torch.arange(head.config.vocab_size) < vocab,
-                                    capture_layer_indices=(1, 3, 5), seed=3)
+    draft = build_draft_from_target(
+        head,
+        torch.zeros(vocab, dtype=torch.int64),
+        torch.arange(head.config.vocab_size) < vocab,
+        capture_layer_indices=(1, 3, 5),
+        seed=3,
+    )
     randomize_norms(draft)
     export = export_vllm(draft, target_layout(target), root / "export", dtype=torch.float32)
     generator = torch.Generator().manual_seed(0)
-    length, ttt_steps = 128, 3  # one flex-attention block: speculators (default flex attention) crops its mask per step
+    length, ttt_steps = (
+        128,
+        3,
+    )  # one flex-attention block: speculators (default flex attention) crops its mask per step
     input_ids = torch.randint(0, vocab, (1, length), generator=generator)
     features = torch.randn(1, length, 3 * head.config.hidden_size, generator=generator)
     positions = torch.arange(length)[None]
     # speculators' step 0 embeds the tokens it is given; the kit's embeds input_ids shifted by one.
-    save_file({"input_ids": shift_left(input_ids, 1).contiguous(), "aux_hidden_states": features, "position_ids": positions.contiguous(),
-               "ttt_steps": torch.tensor(ttt_steps)}, str(root / "inputs.safetensors"))
-    result = subprocess.run([python, str(PROBE), str(export), str(root / "inputs.safetensors"), str(root)], cwd=root,
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    save_file(
+        {
+            "input_ids": shift_left(input_ids, 1).contiguous(),
+            "aux_hidden_states": features,
+            "position_ids": positions.contiguous(),
+            "ttt_steps": torch.tensor(ttt_steps),
+        },
+        str(root / "inputs.safetensors"),
+    )
+    result = subprocess.run(
+        [python, str(PROBE), str(export), str(root / "inputs.safetensors"), str(root)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((root / "report.json").read_text())
     theirs = load_file(str(root / "logits.safetensors"))
@@ -63,7 +84,9 @@ def test_speculators_loads_every_tensor_of_the_vllm_export(speculators_run):
     assert report["model_class"] == "Eagle3DraftModel"
     assert report["missing_from_file"] == []  # nothing left at its random (or NaN) initialization
     assert report["unexpected_in_file"] == []  # nothing in the file the module ignored
-    assert report["differing_from_file"] == []  # the loader kept the file's values (the verifier did not overwrite them)
+    assert (
+        report["differing_from_file"] == []
+    )  # the loader kept the file's values (the verifier did not overwrite them)
     assert report["nan_tensors"] == []
     assert report["norm_before_residual"] is False
     assert report["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]

@@ -30,7 +30,13 @@ TOTAL = 120
 # Answers of every kind the counters track: truncated, repetition loop, empty, always-400 (an error
 # that --resume retries and that stays an error), plain. Each takes 0.3 s, so kills land mid-run.
 KINDS = ["#fault:length", "#fault:loop", "#fault:empty", "#fault:400", "", "", "", ""]
-SETTINGS = {"concurrency": 4, "max_tokens": 16, "max_attempts": 6, "backoff_base_s": 0.1, "backoff_max_s": 0.5}
+SETTINGS = {
+    "concurrency": 4,
+    "max_tokens": 16,
+    "max_attempts": 6,
+    "backoff_base_s": 0.1,
+    "backoff_max_s": 0.5,
+}
 
 
 def free_port() -> int:
@@ -40,7 +46,9 @@ def free_port() -> int:
 
 
 def start_endpoint(port: int) -> subprocess.Popen:
-    endpoint = subprocess.Popen([sys.executable, str(FAULT_ENDPOINT), "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    endpoint = subprocess.Popen(
+        [sys.executable, str(FAULT_ENDPOINT), "--port", str(port)], stdout=subprocess.PIPE, text=True
+    )
     assert endpoint.stdout.readline().startswith("READY"), "fault endpoint did not start"
     return endpoint
 
@@ -52,8 +60,17 @@ def write_prepared_run(run_dir: Path) -> Path:
     with open(path, "w", encoding="utf-8") as handle:
         for index in range(TOTAL):
             text = f"q{index} {KINDS[index % len(KINDS)]} #sleep:0.3"
-            handle.write(json.dumps({"id": f"p{index}", "source": "chaos", "messages": [{"role": "user", "content": text}],
-                                     "meta": {"prompt_tokens": 12, "partition": "short"}}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "id": f"p{index}",
+                        "source": "chaos",
+                        "messages": [{"role": "user", "content": text}],
+                        "meta": {"prompt_tokens": 12, "partition": "short"},
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -79,7 +96,9 @@ def wait_for_lock_holder(run_dir: Path, runner: subprocess.Popen, timeout_s: flo
                 return
         except (OSError, ValueError, KeyError):
             pass
-        assert runner.poll() is None and time.monotonic() < deadline, "the runner never took the run folder's lock"
+        assert runner.poll() is None and time.monotonic() < deadline, (
+            "the runner never took the run folder's lock"
+        )
         time.sleep(0.02)
 
 
@@ -100,16 +119,26 @@ def stage_kernel_of(runner_pid: int) -> int:
 
 def wait_gone(pid: int, timeout_s: float = 15) -> None:
     deadline = time.monotonic() + timeout_s
-    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.monotonic() < deadline, f"orphaned kernel {pid} still running {timeout_s} s after its runner died"
+    while (
+        Path(f"/proc/{pid}").exists()
+        and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    ):
+        assert time.monotonic() < deadline, (
+            f"orphaned kernel {pid} still running {timeout_s} s after its runner died"
+        )
         time.sleep(0.05)
 
 
 def counters(metrics_line: dict) -> dict:
-    return {name: metrics_line[name] for name in ("done", "total", "errors", "truncated", "flags", "mean_completion_tokens")}
+    return {
+        name: metrics_line[name]
+        for name in ("done", "total", "errors", "truncated", "flags", "mean_completion_tokens")
+    }
 
 
-def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupted_run(tmp_path, embedded_model_dir):
+def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupted_run(
+    tmp_path, embedded_model_dir
+):
     port = free_port()
     params = tmp_path / "chaos.yaml"
     params.write_text(
@@ -122,7 +151,18 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
     )
     run_dir = tmp_path / "outputs" / "chaos"
     prompts = write_prepared_run(run_dir)
-    resume = [sys.executable, "-m", "eaglekit.cli", "run", str(params), "--stages", "generation", "--run-id", "chaos", "--resume"]
+    resume = [
+        sys.executable,
+        "-m",
+        "eaglekit.cli",
+        "run",
+        str(params),
+        "--stages",
+        "generation",
+        "--run-id",
+        "chaos",
+        "--resume",
+    ]
 
     endpoint = start_endpoint(port)
     try:
@@ -130,12 +170,20 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
         # and restarted in three of them; a second resume is tried during one.
         # After two of the endpoint kills the session goes on with the restarted endpoint (it waits
         # for its health check); after the other the kernel is killed at once.
-        sessions = [("runner", "recover", False), ("kernel", "restart", False), ("runner", "recover", True),
-                    ("kernel", None, False), ("runner", None, False), ("kernel", None, False)]
+        sessions = [
+            ("runner", "recover", False),
+            ("kernel", "restart", False),
+            ("runner", "recover", True),
+            ("kernel", None, False),
+            ("runner", None, False),
+            ("kernel", None, False),
+        ]
         started = time.monotonic()
         for victim, kill_endpoint, second_resume in sessions:
-            print(f"{time.monotonic() - started:6.1f} s: {records_on_file(run_dir)} records; next session ends with "
-                  f"a kill of the {victim} (endpoint: {kill_endpoint or 'left alone'})")
+            print(
+                f"{time.monotonic() - started:6.1f} s: {records_on_file(run_dir)} records; next session ends with "
+                f"a kill of the {victim} (endpoint: {kill_endpoint or 'left alone'})"
+            )
             before = records_on_file(run_dir)
             runner = subprocess.Popen(resume, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             if second_resume:  # started once the first holds the run folder, while its kernel starts
@@ -162,7 +210,10 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
                 os.kill(stage_kernel_of(runner.pid), signal.SIGKILL)
                 _, stderr = runner.communicate(timeout=60)
                 assert runner.returncode == 1, stderr
-                assert "stage 03_generation failed: the kernel died" in stderr and "--run-id chaos --resume" in stderr
+                assert (
+                    "stage 03_generation failed: the kernel died" in stderr
+                    and "--run-id chaos --resume" in stderr
+                )
             runner.stdout.close()
             assert records_on_file(run_dir) < TOTAL - 10, "the run finished before the kills: make it longer"
 
@@ -179,16 +230,29 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
 
     # The uninterrupted reference: the same prompts, settings and fault behaviour, one session.
     source = [PromptSource("chaos", "short", prompts)]
-    partitions = [PartitionParams(name="short", concurrency=SETTINGS["concurrency"], max_tokens=SETTINGS["max_tokens"])]
-    retry = GenerationParams(max_attempts=SETTINGS["max_attempts"], backoff_base_s=SETTINGS["backoff_base_s"], backoff_max_s=SETTINGS["backoff_max_s"])
+    partitions = [
+        PartitionParams(name="short", concurrency=SETTINGS["concurrency"], max_tokens=SETTINGS["max_tokens"])
+    ]
+    retry = GenerationParams(
+        max_attempts=SETTINGS["max_attempts"],
+        backoff_base_s=SETTINGS["backoff_base_s"],
+        backoff_max_s=SETTINGS["backoff_max_s"],
+    )
     reference_port = free_port()
     reference_endpoint = start_endpoint(reference_port)
     try:
         from eaglekit.generation.client import EndpointSpec
 
-        reference = generate(source, [EndpointSpec(f"http://127.0.0.1:{reference_port}/v1", model="fault-model", name="fault")],
-                             tmp_path / "reference", partitions, temperature=0.0, retry=retry, log_interval_s=60.0,
-                             progress_bar=False)
+        reference = generate(
+            source,
+            [EndpointSpec(f"http://127.0.0.1:{reference_port}/v1", model="fault-model", name="fault")],
+            tmp_path / "reference",
+            partitions,
+            temperature=0.0,
+            retry=retry,
+            log_interval_s=60.0,
+            progress_bar=False,
+        )
     finally:
         reference_endpoint.kill()
         reference_endpoint.wait()
@@ -203,7 +267,11 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
     recount = summarize_generations(generation_dir, source).datasets["chaos"]
     expected_counts = reference.datasets["chaos"]
     assert (recount.done, recount.errors, recount.truncated, recount.flags) == (
-        expected_counts.done, expected_counts.errors, expected_counts.truncated, expected_counts.flags)
+        expected_counts.done,
+        expected_counts.errors,
+        expected_counts.truncated,
+        expected_counts.flags,
+    )
     assert recount.done + recount.errors == TOTAL
 
     # Exactly once: every answered prompt has one record; every still-failing prompt one error line.

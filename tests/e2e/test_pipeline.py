@@ -22,8 +22,12 @@ def smoke_run(tmp_path_factory):
     scenario["run"]["outputs_dir"] = str(root / "outputs")
     params_path = root / "smoke.yaml"
     params_path.write_text(yaml.safe_dump(scenario))
-    result = subprocess.run([sys.executable, "-m", "eaglekit.cli", "run", str(params_path), "--run-id", "smoke", "--staged"],
-                            capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "eaglekit.cli", "run", str(params_path), "--run-id", "smoke", "--staged"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     return root / "outputs" / "smoke"
 
@@ -52,13 +56,26 @@ def test_run_log_says_which_draft_stage_5_trains_and_which_part_stage_6_is_in(sm
     import re
 
     log = (smoke_run / "run.log").read_text()
-    starts = re.findall(r"\[05_training\] eaglekit\.training\.sweep: stage 5: draft (\d+) of (\d+), ([^;\n]+); the sweep's time left (.*)", log)
+    starts = re.findall(
+        r"\[05_training\] eaglekit\.training\.sweep: stage 5: draft (\d+) of (\d+), ([^;\n]+); the sweep's time left (.*)",
+        log,
+    )
     total = int(starts[0][1])
     # smoke.yaml: sizes 4, 8, 12, one extra seed at the smallest size, the ablation pair
-    assert [(int(index), int(of)) for index, of, _, _ in starts] == [(index, total) for index in range(1, total + 1)] and total == 6
-    assert [label for _, _, label, _ in starts] == ["size 4", "size 8", "size 12", "size 4, seed 1", "ablation: original answers",
-                                                    "ablation: regenerated answers"]
-    assert starts[0][3].startswith("not yet known") and all(left.startswith("at most") for *_, left in starts[1:])
+    assert [(int(index), int(of)) for index, of, _, _ in starts] == [
+        (index, total) for index in range(1, total + 1)
+    ] and total == 6
+    assert [label for _, _, label, _ in starts] == [
+        "size 4",
+        "size 8",
+        "size 12",
+        "size 4, seed 1",
+        "ablation: original answers",
+        "ablation: regenerated answers",
+    ]
+    assert starts[0][3].startswith("not yet known") and all(
+        left.startswith("at most") for *_, left in starts[1:]
+    )
     parts = re.findall(r"\[06_analysis\] eaglekit\.analysis\.stage: stage 6, part (\d) of 9 done in", log)
     assert parts == [str(index) for index in range(1, 10)]
 
@@ -71,15 +88,21 @@ def test_executed_notebooks_hold_no_progress_bar_frozen_at_its_first_frame(smoke
         for cell in notebook.cells:
             for output in cell.get("outputs", []):
                 data = output.get("data", {})
-                assert "application/vnd.jupyter.widget-view+json" not in data, f"{stage}: a tqdm widget in cell [{cell.execution_count}]"
-                assert "0%|" not in output.get("text", ""), f"{stage}: a tqdm bar in cell [{cell.execution_count}]"
+                assert "application/vnd.jupyter.widget-view+json" not in data, (
+                    f"{stage}: a tqdm widget in cell [{cell.execution_count}]"
+                )
+                assert "0%|" not in output.get("text", ""), (
+                    f"{stage}: a tqdm bar in cell [{cell.execution_count}]"
+                )
 
 
 def test_stage_outputs_feed_the_next_stage(smoke_run):
     prep = json.loads((smoke_run / "prep" / "summary.json").read_text())
     assert {source["source"] for source in prep["sources"]} == {"tooltalk", "sharegpt", "humaneval", "asdiv"}
     generations = (smoke_run / "generation" / "generations.jsonl").read_text().splitlines()
-    assert len(generations) == sum(source["kept"] for source in prep["sources"] if source["data_class"] == "B")
+    assert len(generations) == sum(
+        source["kept"] for source in prep["sources"] if source["data_class"] == "B"
+    )
     assert (smoke_run / "capture" / "index.json").is_file()
     assert (smoke_run / "training" / "export" / "sglang" / "model.safetensors").is_file()
     summary = json.loads((smoke_run / "analysis" / "scaling_summary.json").read_text())
@@ -93,8 +116,11 @@ def test_survey_notebook_runs_directly_with_papermill(tmp_path):
 
     params = yaml.safe_load((REPO_ROOT / "params" / "smoke.yaml").read_text())
     papermill.execute_notebook(
-        str(NOTEBOOKS_DIR / "01_survey.ipynb"), str(tmp_path / "01_survey.ipynb"),
-        parameters={**params, "run_dir": str(tmp_path / "run")}, cwd=str(NOTEBOOKS_DIR), progress_bar=False,
+        str(NOTEBOOKS_DIR / "01_survey.ipynb"),
+        str(tmp_path / "01_survey.ipynb"),
+        parameters={**params, "run_dir": str(tmp_path / "run")},
+        cwd=str(NOTEBOOKS_DIR),
+        progress_bar=False,
     )
     assert (tmp_path / "run" / "survey").is_dir()
     assert list((tmp_path / "run" / "figures").glob("*.png"))
@@ -116,7 +142,9 @@ def test_the_sweep_splits_by_the_order_prep_planned_before_any_answer(smoke_run)
     assert set(heldout) <= set(order.heldout)
     if set(keys) == set(order.heldout) | set(order.train):
         conversations = read_conversation_keys(tokenized_data_files(smoke_run), keys)
-        oracle, _ = split_heldout([dataset for dataset, _ in keys], order.heldout_size, order.seed, conversations)
+        oracle, _ = split_heldout(
+            [dataset for dataset, _ in keys], order.heldout_size, order.seed, conversations
+        )
         assert heldout == [keys[index] for index in oracle]
     # Stage 3 said, before its first request, when each size could train.
     smallest = min(yaml.safe_load((smoke_run / "params.yaml").read_text())["training"]["data_sizes"])
@@ -162,7 +190,9 @@ def test_the_staged_worker_trains_each_size_on_the_subset_stage_5_trained_it_on(
         assert record.slices[size].status == "done"
     assert record.vocab_counted_over == sizes[0]
     history = read_forecast_history(run_dir)
-    assert [entry["sizes"] for entry in history] == [[float(size) for size in sizes[:count]] for count in range(1, len(sizes) + 1)]
+    assert [entry["sizes"] for entry in history] == [
+        [float(size) for size in sizes[:count]] for count in range(1, len(sizes) + 1)
+    ]
     assert history[0]["line"].startswith(("not yet known: one size measured", "go:")), history[0]["line"]
     assert all(entry["generation_running"] for entry in history)
     answer = json.loads((run_dir / "analysis" / "answer.json").read_text())

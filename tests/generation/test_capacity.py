@@ -8,13 +8,33 @@ import pytest
 from eaglekit.generation import capacity
 from eaglekit.io import InputError
 
-LLAMA_31_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-               "num_key_value_heads": 8, "head_dim": 128}
+LLAMA_31_8B = {
+    "num_hidden_layers": 32,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
 # Kimi-K2.5 wraps its DeepSeek-V3-style decoder in text_config (multimodal wrapper).
-KIMI_K25 = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": {
-    "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}}
-SMOLLM2_135M = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3}
+KIMI_K25 = {
+    "architectures": ["KimiK25ForConditionalGeneration"],
+    "text_config": {
+        "num_hidden_layers": 61,
+        "hidden_size": 7168,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+    },
+}
+SMOLLM2_135M = {
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+}
 
 
 def test_llama_kv_bytes_per_token():
@@ -56,10 +76,29 @@ def test_hidden_state_storage():
 def test_plan_llama_on_one_h100(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_31_8B))
     plan = capacity.plan_capacity(
-        tmp_path, gpu_memory_bytes=80 * 10**9, memory_fraction=0.9, weight_bytes=16 * 10**9,
-        partitions=[{"name": "short", "prompts": 1000, "prompt_tokens": 2048, "max_tokens": 10_240, "concurrency": 150},
-                    {"name": "long", "prompts": 100, "prompt_tokens": 16_384, "max_tokens": 16_384, "concurrency": 32}],
-        measured_requests_per_second={"short": 2.0, "long": 0.5}, expected_total_tokens=1_000_000)
+        tmp_path,
+        gpu_memory_bytes=80 * 10**9,
+        memory_fraction=0.9,
+        weight_bytes=16 * 10**9,
+        partitions=[
+            {
+                "name": "short",
+                "prompts": 1000,
+                "prompt_tokens": 2048,
+                "max_tokens": 10_240,
+                "concurrency": 150,
+            },
+            {
+                "name": "long",
+                "prompts": 100,
+                "prompt_tokens": 16_384,
+                "max_tokens": 16_384,
+                "concurrency": 32,
+            },
+        ],
+        measured_requests_per_second={"short": 2.0, "long": 0.5},
+        expected_total_tokens=1_000_000,
+    )
     pool = 72 * 10**9 - 16 * 10**9
     assert plan.kv_pool_bytes_per_rank == pool
     assert plan.kv_pool_tokens == pool // 131_072 == 427_246
@@ -74,8 +113,13 @@ def test_plan_llama_on_one_h100(tmp_path):
 
 def test_plan_kimi_on_eight_gpus_gains_no_kv_room_from_tp():
     plan = capacity.plan_capacity(
-        KIMI_K25, gpu_memory_bytes=141 * 10**9, memory_fraction=0.85, weight_bytes=8 * 80 * 10**9,
-        tensor_parallel=8, partitions=[{"name": "short", "prompts": 10, "prompt_tokens": 1000, "max_tokens": 10_240}])
+        KIMI_K25,
+        gpu_memory_bytes=141 * 10**9,
+        memory_fraction=0.85,
+        weight_bytes=8 * 80 * 10**9,
+        tensor_parallel=8,
+        partitions=[{"name": "short", "prompts": 10, "prompt_tokens": 1000, "max_tokens": 10_240}],
+    )
     pool = int(141e9 * 0.85 - 80e9)
     assert plan.kv_pool_tokens == pool // 70_272
     assert plan.partitions[0].recommended_concurrency == plan.partitions[0].sequences_that_fit
@@ -90,18 +134,30 @@ def test_capacity_failures():
     with pytest.raises(InputError, match="num_hidden_layers"):
         capacity.kv_cache_bytes_per_token({"hidden_size": 8, "num_attention_heads": 2})
     with pytest.raises(InputError, match="max_tokens"):
-        capacity.plan_capacity(LLAMA_31_8B, gpu_memory_bytes=80 * 10**9, memory_fraction=0.9, weight_bytes=0,
-                               partitions=[{"name": "x", "prompts": 1, "prompt_tokens": 5}])
+        capacity.plan_capacity(
+            LLAMA_31_8B,
+            gpu_memory_bytes=80 * 10**9,
+            memory_fraction=0.9,
+            weight_bytes=0,
+            partitions=[{"name": "x", "prompts": 1, "prompt_tokens": 5}],
+        )
     with pytest.raises(ValueError, match="'short': throughput must be positive, got -2.0"):
-        capacity.plan_capacity(LLAMA_31_8B, gpu_memory_bytes=80 * 10**9, memory_fraction=0.9, weight_bytes=16 * 10**9,
-                               partitions=[{"name": "short", "prompts": 10, "prompt_tokens": 64, "max_tokens": 64}],
-                               measured_requests_per_second={"short": -2.0})
+        capacity.plan_capacity(
+            LLAMA_31_8B,
+            gpu_memory_bytes=80 * 10**9,
+            memory_fraction=0.9,
+            weight_bytes=16 * 10**9,
+            partitions=[{"name": "short", "prompts": 10, "prompt_tokens": 64, "max_tokens": 64}],
+            measured_requests_per_second={"short": -2.0},
+        )
 
 
 # -------------------------------------------------------------------------------------------------
 # Concurrency from length distributions
 
-KIMI_H200_TP8 = dict(gpu_memory_bytes=141 * 10**9, memory_fraction=0.85, weight_bytes=594 * 10**9, tensor_parallel=8)
+KIMI_H200_TP8 = dict(
+    gpu_memory_bytes=141 * 10**9, memory_fraction=0.85, weight_bytes=594 * 10**9, tensor_parallel=8
+)
 
 
 def scenario_lengths(seed: int = 0, n: int = 5000):
@@ -114,7 +170,13 @@ def scenario_lengths(seed: int = 0, n: int = 5000):
 
 def test_reference_scenario_worst_case_53_and_length_plan_keeps_the_requested_150():
     prompts, completions = scenario_lengths()
-    short = {"name": "short", "prompts": 80_000, "prompt_tokens": 2000, "max_tokens": 10_240, "concurrency": 150}
+    short = {
+        "name": "short",
+        "prompts": 80_000,
+        "prompt_tokens": 2000,
+        "max_tokens": 10_240,
+        "concurrency": 150,
+    }
     old = capacity.plan_capacity(KIMI_K25, **KIMI_H200_TP8, partitions=[short])
     assert old.kv_bytes_per_token == old.kv_bytes_per_token_per_rank == 70_272
     pool_tokens = int(141e9 * 0.85 - 594e9 / 8) // 70_272
@@ -122,9 +184,19 @@ def test_reference_scenario_worst_case_53_and_length_plan_keeps_the_requested_15
     plan = old.partitions[0]
     assert (plan.sequences_that_fit, plan.recommended_concurrency) == (53, 53)  # what the old plan said
     assert "worst case" in plan.reason and plan.retraction_concurrency is None
-    measured = capacity.plan_capacity(KIMI_K25, **KIMI_H200_TP8, partitions=[
-        {**short, "prompt_lengths": prompts, "completion_lengths": completions, "completion_source": "pilot"}],
-        measured_requests_per_second={"short": 1.24})
+    measured = capacity.plan_capacity(
+        KIMI_K25,
+        **KIMI_H200_TP8,
+        partitions=[
+            {
+                **short,
+                "prompt_lengths": prompts,
+                "completion_lengths": completions,
+                "completion_source": "pilot",
+            }
+        ],
+        measured_requests_per_second={"short": 1.24},
+    )
     plan = measured.partitions[0]
     assert plan.sequences_that_fit == 53  # the no-preemption worst case, still reported
     assert plan.recommended_concurrency == 150 and plan.retraction_concurrency > 400
@@ -132,8 +204,11 @@ def test_reference_scenario_worst_case_53_and_length_plan_keeps_the_requested_15
     assert "set the requested 150" in plan.reason and "53" in plan.reason
     assert plan.eta_seconds == pytest.approx(80_000 / 1.24)
     # Answers that all run to max_tokens: then 150 does not fit and the plan says so.
-    long_answers = capacity.plan_capacity(KIMI_K25, **KIMI_H200_TP8, partitions=[
-        {**short, "prompt_lengths": prompts, "completion_lengths": np.full(100, 20_000)}]).partitions[0]
+    long_answers = capacity.plan_capacity(
+        KIMI_K25,
+        **KIMI_H200_TP8,
+        partitions=[{**short, "prompt_lengths": prompts, "completion_lengths": np.full(100, 20_000)}],
+    ).partitions[0]
     assert long_answers.mean_completion_tokens == 10_240  # clipped to max_tokens
     assert 53 < long_answers.recommended_concurrency < 150 and "not the requested 150" in long_answers.reason
 
@@ -179,25 +254,54 @@ def test_plan_generation_measures_lengths_from_a_pilot_else_the_datasets_answers
 
     prep = tmp_path / "prep" / "ds"
     prep.mkdir(parents=True)
-    with open(prep / "prompts.short.jsonl", "w") as prompts, open(prep / "original_tokenized_data.jsonl", "w") as answers:
+    with (
+        open(prep / "prompts.short.jsonl", "w") as prompts,
+        open(prep / "original_tokenized_data.jsonl", "w") as answers,
+    ):
         for index in range(40):
             meta = {"prompt_tokens": 20 + index, "partition": "short"}
-            prompts.write(json.dumps({"id": f"p{index}", "messages": [{"role": "user", "content": "q"}], "meta": meta}) + "\n")
-            answers.write(json.dumps({"id": f"p{index}", "input_ids": [1] * 30, "loss_mask": [0] * 20 + [1] * 10,
-                                      "meta": meta}) + "\n")
+            prompts.write(
+                json.dumps({"id": f"p{index}", "messages": [{"role": "user", "content": "q"}], "meta": meta})
+                + "\n"
+            )
+            answers.write(
+                json.dumps(
+                    {"id": f"p{index}", "input_ids": [1] * 30, "loss_mask": [0] * 20 + [1] * 10, "meta": meta}
+                )
+                + "\n"
+            )
     pilot = tmp_path / "pilot"
     pilot.mkdir()
     with open(pilot / "generations.jsonl", "w") as handle:
         for index in range(10):  # ten answers of 50 tokens, one finished every second from t = 1000
-            handle.write(json.dumps({"dataset": "ds", "id": f"p{index}", "partition": "short", "endpoint": "e",
-                                     "latency_s": 1.0, "prompt_tokens": 25, "completion_tokens": 50,
-                                     "finished_at": 1001.0 + index, "truncated": index == 0, "content": "x"}) + "\n")
-    sections = {"target": {"model": "embedded:smollm2-135m-instruct", "config": SMOLLM2_135M},
-                "server": {"kv_cache_tokens": 4096},
-                "generation": {"partitions": [{"name": "short", "concurrency": 8, "max_tokens": 64}]}}
+            handle.write(
+                json.dumps(
+                    {
+                        "dataset": "ds",
+                        "id": f"p{index}",
+                        "partition": "short",
+                        "endpoint": "e",
+                        "latency_s": 1.0,
+                        "prompt_tokens": 25,
+                        "completion_tokens": 50,
+                        "finished_at": 1001.0 + index,
+                        "truncated": index == 0,
+                        "content": "x",
+                    }
+                )
+                + "\n"
+            )
+    sections = {
+        "target": {"model": "embedded:smollm2-135m-instruct", "config": SMOLLM2_135M},
+        "server": {"kv_cache_tokens": 4096},
+        "generation": {"partitions": [{"name": "short", "concurrency": 8, "max_tokens": 64}]},
+    }
     files = [("ds", "short", prep / "prompts.short.jsonl")]
     from_answers = plan_generation(params_from_sections(sections), files).partitions[0]
-    assert from_answers.completion_source.startswith("datasets' own answers") and from_answers.mean_completion_tokens == 10
+    assert (
+        from_answers.completion_source.startswith("datasets' own answers")
+        and from_answers.mean_completion_tokens == 10
+    )
     assert from_answers.eta_seconds is None
     sections["generation"]["plan"] = {"pilot_dir": str(pilot)}
     plan = plan_generation(params_from_sections(sections), files)
@@ -213,4 +317,7 @@ def test_plan_generation_measures_lengths_from_a_pilot_else_the_datasets_answers
     assert plan_generation(params_from_sections(sections), files).kv_pool_tokens == 4096
     sections["endpoints"] = [{"url": "http://gpu-node:30000/v1", "name": "sglang"}]
     sections["generation"]["plan"].update(gpu_memory_gb=80.0, memory_fraction=0.9, weight_gb=2.0)
-    assert plan_generation(params_from_sections(sections), files).kv_pool_tokens == int(80e9 * 0.9 - 2e9) // 23_040
+    assert (
+        plan_generation(params_from_sections(sections), files).kv_pool_tokens
+        == int(80e9 * 0.9 - 2e9) // 23_040
+    )

@@ -30,7 +30,9 @@ class Partition:
 RUN = (Partition("short", 6000, 256, 4096, 900), Partition("long", 300, 32, 16384, 4000))
 
 
-def simulate(partitions=RUN, overlap: bool = True, speed: float = 25.0, prefill_s: float = 2.0, seed: int = 0):
+def simulate(
+    partitions=RUN, overlap: bool = True, speed: float = 25.0, prefill_s: float = 2.0, seed: int = 0
+):
     """(partition, sent, ended, tokens) of every request, sent as the engine sends them (`capacity.SharedPool`)."""
     rng = np.random.default_rng(seed)
     requests, heap, room, now = [], [], Fraction(0), 0.0
@@ -61,10 +63,17 @@ def works_at(requests, t: float, partitions=RUN) -> list[PartitionWork]:
         recent = [request for request in done if request[2] > t - ETA_WINDOW_S] or done[-64:]
         if len(recent) < 64:
             recent = done[-64:]
-        works.append(PartitionWork(partition.name, partition.prompts - len(done) - len(running),
-                                   [t - request[1] for request in running], [request[3] for request in done],
-                                   [(request[3], request[2] - request[1]) for request in recent],
-                                   partition.concurrency, partition.max_tokens))
+        works.append(
+            PartitionWork(
+                partition.name,
+                partition.prompts - len(done) - len(running),
+                [t - request[1] for request in running],
+                [request[3] for request in done],
+                [(request[3], request[2] - request[1]) for request in recent],
+                partition.concurrency,
+                partition.max_tokens,
+            )
+        )
     return works
 
 
@@ -91,9 +100,13 @@ def test_a_partition_without_answers_is_bounded_by_max_tokens_never_priced_at_an
     for t in ticks:
         etas, total = run_etas(works_at(requests, t), t, overlap=overlap)
         assert etas["short"].kind in ("estimate", "range")
-        assert etas["long"].kind == "at most" and "0 answers of it yet: up to max_tokens" in etas["long"].words()
+        assert (
+            etas["long"].kind == "at most" and "0 answers of it yet: up to max_tokens" in etas["long"].words()
+        )
         assert etas["long"].seconds >= long_alone
-        assert total.kind == "not yet known" and total.words().startswith("not yet known (long has no answers yet: at most")
+        assert total.kind == "not yet known" and total.words().startswith(
+            "not yet known (long has no answers yet: at most"
+        )
 
 
 def test_the_predicted_end_does_not_climb_while_long_answers_are_awaited():
@@ -128,7 +141,9 @@ def test_the_remaining_time_lies_within_the_eta_once_one_is_given(overlap, seed)
         inside += 0.9 * low - 60.0 <= end - t <= 1.1 * total.seconds + 60.0
     assert given >= 0.6 * (end - 30.0) / 10.0  # a figure for most of the run
     # The old estimator's figure held the remaining time at 2-5% of the ticks of these runs.
-    assert inside >= 0.85 * given, f"the remaining time was outside the ETA at {given - inside} of {given} ticks"
+    assert inside >= 0.85 * given, (
+        f"the remaining time was outside the ETA at {given - inside} of {given} ticks"
+    )
 
 
 def test_work_left_counts_new_answers_and_the_rest_of_running_ones():
@@ -144,11 +159,22 @@ def test_work_left_counts_new_answers_and_the_rest_of_running_ones():
 def test_the_progress_line_says_the_eta_in_words():
     requests = simulate()
     etas, total = run_etas(works_at(requests, 600.0), 600.0)
-    snapshot = {"elapsed_s": 600.0, "done": {"chat": 10}, "total": {"chat": 20}, "errors": 0, "truncated": 0,
-                "requests_per_s": 1.0, "completion_tokens_per_s": 100.0, "mean_completion_tokens": 100.0,
-                "in_flight": 3, "eta_s": {name: eta.seconds for name, eta in etas.items()},
-                "eta": {name: eta.words() for name, eta in etas.items()}, "eta_total_s": total.seconds,
-                "eta_total": total.words(), "rate_window_s": 60.0}
+    snapshot = {
+        "elapsed_s": 600.0,
+        "done": {"chat": 10},
+        "total": {"chat": 20},
+        "errors": 0,
+        "truncated": 0,
+        "requests_per_s": 1.0,
+        "completion_tokens_per_s": 100.0,
+        "mean_completion_tokens": 100.0,
+        "in_flight": 3,
+        "eta_s": {name: eta.seconds for name, eta in etas.items()},
+        "eta": {name: eta.words() for name, eta in etas.items()},
+        "eta_total_s": total.seconds,
+        "eta_total": total.words(),
+        "rate_window_s": 60.0,
+    }
     line = progress_line(snapshot)
     assert f"ETA short {etas['short'].words()}, long at most " in line
     assert line.endswith(f"total {total.words()}")

@@ -37,7 +37,9 @@ def test_client_reads_ids_and_reasoning_as_each_engine_sends_them(engine):
     cases = fixture_cases(engine)
     answer = parse_chat_response(cases["answer"])
     assert answer.token_ids == ANSWER_IDS  # SGLang: choice response_token_ids; vLLM: choice token_ids
-    assert answer.prompt_token_ids == cases["answer"]["choices"][0].get("prompt_token_ids", cases["answer"].get("prompt_token_ids"))
+    assert answer.prompt_token_ids == cases["answer"]["choices"][0].get(
+        "prompt_token_ids", cases["answer"].get("prompt_token_ids")
+    )
     assert len(answer.prompt_token_ids) == 37 and answer.content == "The capital of France is Paris."
     reasoning = parse_chat_response(cases["reasoning"])
     assert reasoning.reasoning == "The user asks for a capital. France's is Paris."
@@ -50,18 +52,33 @@ def test_client_reads_ids_and_reasoning_as_each_engine_sends_them(engine):
 
 def fault_answers(engine: str) -> dict:
     """One answer of each kind from the fault endpoint in the engine's mode, asked with return_token_ids."""
-    kinds = {"answer": "hello", "reasoning": "hello", "tool_call": "weather #fault:toolcall",
-             "length": "cut #fault:length", "abort": "gave up #fault:abort", "think_only": "#fault:think"}
+    kinds = {
+        "answer": "hello",
+        "reasoning": "hello",
+        "tool_call": "weather #fault:toolcall",
+        "length": "cut #fault:length",
+        "abort": "gave up #fault:abort",
+        "think_only": "#fault:think",
+    }
     answers = {}
     for reasoning_field in (None, {"sglang": "reasoning_content", "vllm": "reasoning"}[engine]):
         with FaultEndpoint(FaultOptions(token_ids=engine, reasoning_field=reasoning_field)) as endpoint:
             for name, prompt in kinds.items():
                 if (name == "reasoning") != (reasoning_field is not None) and name != "think_only":
                     continue
-                body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}],
-                                   "max_tokens": 8, "return_token_ids": True}).encode()
-                request = urllib.request.Request(f"{endpoint.base_url}/chat/completions", data=body,
-                                                 headers={"Content-Type": "application/json"})
+                body = json.dumps(
+                    {
+                        "model": "m",
+                        "messages": [{"role": "user", "content": prompt}],
+                        "max_tokens": 8,
+                        "return_token_ids": True,
+                    }
+                ).encode()
+                request = urllib.request.Request(
+                    f"{endpoint.base_url}/chat/completions",
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                )
                 with urllib.request.urlopen(request, timeout=10) as response:
                     answers[f"{name}/{reasoning_field}"] = json.loads(response.read())
     return answers
@@ -77,8 +94,13 @@ def check_with_engine_models(python: tuple[Path, dict | None], answers: dict, tm
     path = tmp_path / "answers.json"
     path.write_text(json.dumps(answers))
     executable, env = python
-    completed = subprocess.run([str(executable), str(CHECK_SCRIPT), "check", str(path)], capture_output=True,
-                               text=True, timeout=300, env=env)
+    completed = subprocess.run(
+        [str(executable), str(CHECK_SCRIPT), "check", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(completed.stdout.strip().splitlines()[-1])
 

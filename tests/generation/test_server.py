@@ -22,8 +22,18 @@ def test_server_settings_build_themselves_from_params(monkeypatch, tmp_path):
     from eaglekit.generation.server import serving_endpoints
 
     (tmp_path / "config.json").write_text("{}")  # resolve_model takes a local folder with a config
-    params = params_from_sections({"server": {"continuous_batching": False, "dtype": "bfloat16", "kv_cache_tokens": 1024,
-                                              "threads": 1, "startup_timeout_s": 12.0}, "target": {"model": str(tmp_path)}})
+    params = params_from_sections(
+        {
+            "server": {
+                "continuous_batching": False,
+                "dtype": "bfloat16",
+                "kv_cache_tokens": 1024,
+                "threads": 1,
+                "startup_timeout_s": 12.0,
+            },
+            "target": {"model": str(tmp_path)},
+        }
+    )
     started = []
     monkeypatch.setattr(EmbeddedServer, "start", lambda self: started.append(self) or self)
     monkeypatch.setattr(EmbeddedServer, "stop", lambda self: None)
@@ -38,6 +48,7 @@ def test_server_settings_build_themselves_from_params(monkeypatch, tmp_path):
     batching = EmbeddedServer(tmp_path, settings=ServerParams(kv_cache_tokens=1000)).command()
     assert batching[batching.index("--cb-num-blocks") + 1] == "4" and "--continuous-batching" in batching
 
+
 def test_health_and_models(embedded_server):
     assert embedded_server.base_url.startswith("http://127.0.0.1:")
     assert httpx.get(f"{embedded_server.root_url}/health").status_code == 200
@@ -48,7 +59,8 @@ def test_health_and_models(embedded_server):
 def test_chat_completion_truncated_at_max_tokens(embedded_server):
     client = openai.OpenAI(base_url=embedded_server.base_url, api_key="unused")
     answer = client.chat.completions.create(
-        model=embedded_server.model_name, max_tokens=5,
+        model=embedded_server.model_name,
+        max_tokens=5,
         messages=[{"role": "user", "content": "Write a long essay about the history of Rome."}],
     )
     assert answer.choices[0].finish_reason == "length"
@@ -58,8 +70,14 @@ def test_chat_completion_truncated_at_max_tokens(embedded_server):
 def test_unknown_request_fields_are_rejected_with_422(embedded_server):
     # Why the generation engine probes endpoints: this server cannot return token ids.
     response = httpx.post(
-        f"{embedded_server.base_url}/chat/completions", timeout=60,
-        json={"model": embedded_server.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "return_token_ids": True},
+        f"{embedded_server.base_url}/chat/completions",
+        timeout=60,
+        json={
+            "model": embedded_server.model_name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "return_token_ids": True,
+        },
     )
     assert response.status_code == 422
 
@@ -69,7 +87,8 @@ def test_concurrent_requests_all_complete(embedded_server):
 
     async def ask(number: int):
         return await client.chat.completions.create(
-            model=embedded_server.model_name, max_tokens=6,
+            model=embedded_server.model_name,
+            max_tokens=6,
             messages=[{"role": "user", "content": f"Count to {number}."}],
         )
 
@@ -108,7 +127,9 @@ def test_server_dies_with_a_killed_parent(embedded_model_dir, tmp_path):
         "import sys, time; from eaglekit.generation.server import EmbeddedServer;"
         "s = EmbeddedServer(sys.argv[1]).start(); print(s._process.pid, flush=True); time.sleep(600)"
     )
-    parent = subprocess.Popen([sys.executable, "-c", code, str(embedded_model_dir)], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", code, str(embedded_model_dir)], stdout=subprocess.PIPE, text=True
+    )
     server_pid = int(parent.stdout.readline())
     parent.send_signal(signal.SIGKILL)
     parent.wait()
@@ -141,7 +162,11 @@ def test_server_started_from_a_finished_thread_keeps_running(embedded_model_dir,
     import time
 
     holder = {}
-    worker = threading.Thread(target=lambda: holder.setdefault("server", EmbeddedServer(embedded_model_dir, log_path=tmp_path / "s.log").start()))
+    worker = threading.Thread(
+        target=lambda: holder.setdefault(
+            "server", EmbeddedServer(embedded_model_dir, log_path=tmp_path / "s.log").start()
+        )
+    )
     worker.start()
     worker.join()
     server = holder["server"]

@@ -21,10 +21,20 @@ from eaglekit.generation.client import EndpointSpec  # noqa: E402
 from eaglekit.generation.server import ServerError, VLLMServer, serving_endpoints, server_for  # noqa: E402
 from support import write_prompts  # noqa: E402
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?",
-             "Say hello in Spanish."]
-FAST = dict(retry=GenerationParams(max_attempts=4, backoff_base_s=0.1, backoff_max_s=0.5), log_interval_s=5.0,
-            flush_interval_s=0.2, health_interval_s=1.0, progress_bar=False, probe_wait_s=60.0)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Say hello in Spanish.",
+]
+FAST = dict(
+    retry=GenerationParams(max_attempts=4, backoff_base_s=0.1, backoff_max_s=0.5),
+    log_interval_s=5.0,
+    flush_interval_s=0.2,
+    health_interval_s=1.0,
+    progress_bar=False,
+    probe_wait_s=60.0,
+)
 
 
 def test_missing_vllm_python_says_make_vllm_env(tmp_path):
@@ -35,8 +45,12 @@ def test_missing_vllm_python_says_make_vllm_env(tmp_path):
 
 def test_server_engine_vllm_starts_vllm_with_the_params_python(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    params = params_from_sections({"server": {"engine": "vllm", "vllm_python": "/opt/vllm/bin/python",
-                                              "startup_timeout_s": 99.0}, "target": {"model": str(tmp_path)}})
+    params = params_from_sections(
+        {
+            "server": {"engine": "vllm", "vllm_python": "/opt/vllm/bin/python", "startup_timeout_s": 99.0},
+            "target": {"model": str(tmp_path)},
+        }
+    )
     started = []
     monkeypatch.setattr(VLLMServer, "start", lambda self: started.append(self) or self)
     monkeypatch.setattr(VLLMServer, "stop", lambda self: None)
@@ -46,7 +60,12 @@ def test_server_engine_vllm_starts_vllm_with_the_params_python(monkeypatch, tmp_
     server.port = 1234
     command = server.command()
     assert command[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    for flag, value in [("--dtype", "float32"), ("--max-model-len", "2048"), ("--host", "127.0.0.1"), ("--port", "1234")]:
+    for flag, value in [
+        ("--dtype", "float32"),
+        ("--max-model-len", "2048"),
+        ("--host", "127.0.0.1"),
+        ("--port", "1234"),
+    ]:
         assert command[command.index(flag) + 1] == value
     assert "--enforce-eager" in command and server.environment()["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert server.startup_timeout_s == 99.0
@@ -55,9 +74,12 @@ def test_server_engine_vllm_starts_vllm_with_the_params_python(monkeypatch, tmp_
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python, embedded_model_dir, tmp_path_factory):
-    params = params_from_sections({"server": {"engine": "vllm", "vllm_python": str(vllm_python),
-                                              "startup_timeout_s": 600.0},
-                                   "target": {"model": str(embedded_model_dir)}})
+    params = params_from_sections(
+        {
+            "server": {"engine": "vllm", "vllm_python": str(vllm_python), "startup_timeout_s": 600.0},
+            "target": {"model": str(embedded_model_dir)},
+        }
+    )
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     with server_for(params, embedded_model_dir, log_path) as server:
         print(f"vLLM healthy and answering after {server.startup_s:.1f} s")
@@ -72,13 +94,25 @@ def test_records_carry_vllm_ids_that_decode_to_the_answer_and_resume_by_id(vllm_
     assert httpx.get(f"{vllm_server.root_url}/health").status_code == 200
     prompts = write_prompts(tmp_path / "prompts.jsonl", QUESTIONS[:2])
     partitions = [PartitionParams(name="short", concurrency=4, max_tokens=24)]
-    first = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(vllm_server.base_url)], tmp_path / "out",
-                     partitions, temperature=0.0, **FAST)
+    first = generate(
+        [PromptSource("ds", "short", prompts)],
+        [EndpointSpec(vllm_server.base_url)],
+        tmp_path / "out",
+        partitions,
+        temperature=0.0,
+        **FAST,
+    )
     assert first.endpoints[0]["accepts_token_ids"] and first.endpoints[0]["returns_prompt_token_ids"]
     # Resume: two more prompts in the same file; only those are requested.
     write_prompts(prompts, QUESTIONS)
-    second = generate([PromptSource("ds", "short", prompts)], [EndpointSpec(vllm_server.base_url)], tmp_path / "out",
-                      partitions, temperature=0.0, **FAST)
+    second = generate(
+        [PromptSource("ds", "short", prompts)],
+        [EndpointSpec(vllm_server.base_url)],
+        tmp_path / "out",
+        partitions,
+        temperature=0.0,
+        **FAST,
+    )
     records = read_generations(tmp_path / "out")
     assert sorted(record["id"] for record in records.values()) == ["p0", "p1", "p2", "p3"]
     assert second.datasets["ds"].done == 4 and second.errors == 0
@@ -92,8 +126,13 @@ def test_records_carry_vllm_ids_that_decode_to_the_answer_and_resume_by_id(vllm_
             assert ids[-1] == end_of_turn  # vLLM's token_ids end with the end-of-turn id
         assert tokenizer.decode(ids, skip_special_tokens=True).strip() == record["content"].strip()
         # The prompt ids are the server's rendering of the conversation: prep's template, same ids.
-        conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[int(record["id"][1:])]}]
-        expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=True)
+        conversation = [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": QUESTIONS[int(record["id"][1:])]},
+        ]
+        expected = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
         assert record["prompt_token_ids"] == list(expected["input_ids"])
 
 
@@ -109,10 +148,16 @@ def test_generation_stage_against_vllm(vllm_server, tmp_path):
     for line in lines:  # prep measures each prompt (the capacity plan reads it)
         line["meta"].update(prompt_tokens=40, partition="short")
     prompts_file.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    params = params_from_sections({
-        "target": {"model": str(vllm_server.model_dir)},
-        "endpoints": [{"url": vllm_server.base_url, "name": "vllm", "model": vllm_server.model_name}],
-        "generation": {"partitions": [{"name": "short", "concurrency": 4, "max_tokens": 24}], "log_interval_s": 5.0}})
+    params = params_from_sections(
+        {
+            "target": {"model": str(vllm_server.model_dir)},
+            "endpoints": [{"url": vllm_server.base_url, "name": "vllm", "model": vllm_server.model_name}],
+            "generation": {
+                "partitions": [{"name": "short", "concurrency": 4, "max_tokens": 24}],
+                "log_interval_s": 5.0,
+            },
+        }
+    )
     result = run_generation_stage(params, run_dir)
     assert result.summary.errors == 0 and result.summary.datasets["ds"].done == 3
     assert result.tokenized.from_token_ids == 3  # trained on vLLM's own ids, not re-tokenized text

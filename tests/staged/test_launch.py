@@ -23,9 +23,12 @@ def waiting_run_folder(tmp_path: Path) -> Path:
     from eaglekit.config import load_params
 
     params = load_params(ROOT / "params" / "smoke.yaml")
-    order = TrainingOrder(seed=params.run.seed, heldout_size=params.training.heldout_size,
-                          heldout=tuple(("d", f"h{i}") for i in range(params.training.heldout_size)),
-                          train=tuple(("d", f"t{i}") for i in range(20)))
+    order = TrainingOrder(
+        seed=params.run.seed,
+        heldout_size=params.training.heldout_size,
+        heldout=tuple(("d", f"h{i}") for i in range(params.training.heldout_size)),
+        train=tuple(("d", f"t{i}") for i in range(20)),
+    )
     (tmp_path / "prep").mkdir()
     (tmp_path / "prep" / ORDER_FILE).write_text(json.dumps(order.to_dict()))
     (tmp_path / "params.yaml").write_text((ROOT / "params" / "smoke.yaml").read_text())
@@ -78,7 +81,9 @@ def test_a_runner_killed_with_minus_9_takes_its_worker_and_the_lock_with_it(tmp_
     runner = subprocess.Popen([sys.executable, "-c", RUNNER, str(run_dir)], stdout=subprocess.PIPE, text=True)
     worker_pid, holder_pid = map(int, runner.stdout.readline().split())
     try:
-        time.sleep(3.0)  # the worker is up (or still importing: its watch holds the runner's pid from the start)
+        time.sleep(
+            3.0
+        )  # the worker is up (or still importing: its watch holds the runner's pid from the start)
         with pytest.raises(RunLockedError):
             RunFolderLock(run_dir).acquire(wait_for_orphans_s=0.0)  # held by the runner and its worker
         runner.send_signal(signal.SIGKILL)
@@ -116,8 +121,12 @@ def test_without_a_gpu_the_embedded_server_gets_the_cores_the_worker_leaves(monk
     monkeypatch.setattr(os, "cpu_count", lambda: 5)
     assert cpu_threads_split() == (2, 3)
     assert staged_serving_params(params_from_sections({})).server.threads == 3
-    assert staged_serving_params(params_from_sections({"server": {"threads": 4}})).server.threads == 4  # the user's choice
+    assert (
+        staged_serving_params(params_from_sections({"server": {"threads": 4}})).server.threads == 4
+    )  # the user's choice
     served = params_from_sections({"endpoints": [{"url": "http://10.0.0.5:30000/v1"}]})
     assert staged_serving_params(served) is served  # a remote engine's threads are not ours to set
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_threads_split() is None and staged_serving_params(params_from_sections({})).server.threads is None
+    assert (
+        cpu_threads_split() is None and staged_serving_params(params_from_sections({})).server.threads is None
+    )

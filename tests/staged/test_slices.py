@@ -5,8 +5,16 @@ import json
 import pytest
 
 from eaglekit.io import InputError
-from eaglekit.staged.slices import (Prefix, Settled, SliceEntry, StagedRecord, planned_prompt_count, read_settled, settled_prefix,
-                                    slice_for)
+from eaglekit.staged.slices import (
+    Prefix,
+    Settled,
+    SliceEntry,
+    StagedRecord,
+    planned_prompt_count,
+    read_settled,
+    settled_prefix,
+    slice_for,
+)
 from eaglekit.training.order import TrainingOrder
 
 HELDOUT = (("d", "h0"), ("d", "h1"))
@@ -59,10 +67,18 @@ def test_slice_for_takes_the_first_samples_that_tokenized_and_waits_when_there_a
 def test_read_settled_skips_a_torn_last_line_and_a_retried_answer_wins_over_its_error(tmp_path):
     generation = tmp_path / "generation"
     generation.mkdir()
-    answer = lambda key: json.dumps({"dataset": key[0], "id": key[1], "partition": "short", "content": "x"}) + "\n"
-    (generation / "generations.jsonl").write_text(answer(TRAIN[0]) + answer(TRAIN[1]) + answer(TRAIN[2])[:-9])  # torn mid-write
-    (generation / "errors.jsonl").write_text(json.dumps({"dataset": "d", "id": "t1", "error": "timeout"}) + "\n"
-                                             + json.dumps({"dataset": "d", "id": "t3", "error": "HTTP 400"}) + "\n")
+    answer = lambda key: (
+        json.dumps({"dataset": key[0], "id": key[1], "partition": "short", "content": "x"}) + "\n"
+    )
+    (generation / "generations.jsonl").write_text(
+        answer(TRAIN[0]) + answer(TRAIN[1]) + answer(TRAIN[2])[:-9]
+    )  # torn mid-write
+    (generation / "errors.jsonl").write_text(
+        json.dumps({"dataset": "d", "id": "t1", "error": "timeout"})
+        + "\n"
+        + json.dumps({"dataset": "d", "id": "t3", "error": "HTTP 400"})
+        + "\n"
+    )
     state = read_settled(tmp_path, frozenset())
     assert state.answered == {TRAIN[0], TRAIN[1]}
     assert state.failed == {TRAIN[3]}
@@ -95,7 +111,9 @@ def test_the_record_refuses_another_split_naming_file_and_field(tmp_path, seed, 
 def test_a_malformed_record_names_the_entry(tmp_path):
     path = StagedRecord.path(tmp_path)
     path.parent.mkdir()
-    path.write_text(json.dumps({"seed": 0, "heldout_size": 2, "slices": [{"size": 2, "train": []}, {"train": []}]}))
+    path.write_text(
+        json.dumps({"seed": 0, "heldout_size": 2, "slices": [{"size": 2, "train": []}, {"train": []}]})
+    )
     with pytest.raises(InputError, match=r"slices\[1\]"):
         StagedRecord.load(tmp_path, seed=0, heldout_size=2)
     path.write_text('{"seed": 0,')
@@ -105,14 +123,24 @@ def test_a_malformed_record_names_the_entry(tmp_path):
 
 # ---- the slice is stage 5's: errors stage 3 retries, the recorded ids, prep's order ------------------
 
+
 def write_logs(run_dir, answered=(), errors=()):
     """generations.jsonl with `answered` keys; errors.jsonl with (key, session) pairs."""
     generation = run_dir / "generation"
     generation.mkdir(parents=True, exist_ok=True)
-    (generation / "generations.jsonl").write_text("".join(
-        json.dumps({"dataset": key[0], "id": key[1], "partition": "short", "session": 1, "content": "x"}) + "\n" for key in answered))
-    (generation / "errors.jsonl").write_text("".join(
-        json.dumps({"dataset": key[0], "id": key[1], "session": session, "error": "timeout"}) + "\n" for key, session in errors))
+    (generation / "generations.jsonl").write_text(
+        "".join(
+            json.dumps({"dataset": key[0], "id": key[1], "partition": "short", "session": 1, "content": "x"})
+            + "\n"
+            for key in answered
+        )
+    )
+    (generation / "errors.jsonl").write_text(
+        "".join(
+            json.dumps({"dataset": key[0], "id": key[1], "session": session, "error": "timeout"}) + "\n"
+            for key, session in errors
+        )
+    )
 
 
 def test_an_error_an_earlier_session_left_is_not_settled_while_this_session_retries_it(tmp_path):
@@ -122,7 +150,10 @@ def test_an_error_an_earlier_session_left_is_not_settled_while_this_session_retr
     state = read_settled(tmp_path, frozenset(), first_session=2)
     assert state.failed == {TRAIN[3]} and not state.settled(TRAIN[1])  # session 1's error: retried now
     assert settled_prefix(ORDER, state).train == [TRAIN[0]]  # waits at t1 instead of skipping it
-    assert read_settled(tmp_path, frozenset(), first_session=None).failed == {TRAIN[1], TRAIN[3]}  # generation ended
+    assert read_settled(tmp_path, frozenset(), first_session=None).failed == {
+        TRAIN[1],
+        TRAIN[3],
+    }  # generation ended
 
 
 def test_next_session_is_the_session_stage_3_writes_next(tmp_path):
@@ -140,16 +171,26 @@ def test_a_recorded_slice_is_checked_against_prep_order_and_the_slice_the_answer
     recorded = SliceEntry(size=2, train=[TRAIN[0], TRAIN[2]])  # t1 had failed when it was recorded
     assert slice_mismatch(recorded, [TRAIN[0], TRAIN[2]], ORDER) is None
     problem = slice_mismatch(recorded, [TRAIN[0], TRAIN[1]], ORDER)  # t1 was answered since
-    assert "stage 5 would train size 2 on other samples" in problem and "('d', 't2')" in problem and "('d', 't1')" in problem
-    assert "not in prep/order.json" in slice_mismatch(SliceEntry(size=2, train=[TRAIN[0], HELDOUT[0]]), [], ORDER)
-    assert "not in prep/order.json's training order" in slice_mismatch(SliceEntry(size=2, train=[TRAIN[2], TRAIN[0]]), [], ORDER)
+    assert (
+        "stage 5 would train size 2 on other samples" in problem
+        and "('d', 't2')" in problem
+        and "('d', 't1')" in problem
+    )
+    assert "not in prep/order.json" in slice_mismatch(
+        SliceEntry(size=2, train=[TRAIN[0], HELDOUT[0]]), [], ORDER
+    )
+    assert "not in prep/order.json's training order" in slice_mismatch(
+        SliceEntry(size=2, train=[TRAIN[2], TRAIN[0]]), [], ORDER
+    )
 
 
 def test_the_record_keeps_the_hash_of_its_ids_and_of_prep_order(tmp_path):
     from eaglekit.staged.slices import check_order, keys_sha256, order_sha256
 
     record = StagedRecord(seed=3, heldout_size=2, heldout=list(HELDOUT), order_sha256=order_sha256(ORDER))
-    record.slices[2] = SliceEntry(size=2, train=list(TRAIN[:2]), train_sha256=keys_sha256(TRAIN[:2]), status="done")
+    record.slices[2] = SliceEntry(
+        size=2, train=list(TRAIN[:2]), train_sha256=keys_sha256(TRAIN[:2]), status="done"
+    )
     record.save(tmp_path)
     assert StagedRecord.load(tmp_path, seed=3, heldout_size=2) == record
     check_order(record, ORDER, tmp_path)

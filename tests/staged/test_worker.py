@@ -39,8 +39,12 @@ def test_a_pipe_with_data_written_is_still_running():
 
 
 def planned_run_folder(tmp_path: Path, seed: int, heldout_size: int) -> Path:
-    order = TrainingOrder(seed=seed, heldout_size=heldout_size, heldout=tuple(("d", f"h{i}") for i in range(heldout_size)),
-                          train=tuple(("d", f"t{i}") for i in range(20)))
+    order = TrainingOrder(
+        seed=seed,
+        heldout_size=heldout_size,
+        heldout=tuple(("d", f"h{i}") for i in range(heldout_size)),
+        train=tuple(("d", f"t{i}") for i in range(20)),
+    )
     (tmp_path / "prep").mkdir(parents=True)
     (tmp_path / "prep" / ORDER_FILE).write_text(json.dumps(order.to_dict()))
     return tmp_path
@@ -60,6 +64,7 @@ def test_without_a_planned_order_nothing_is_staged(tmp_path):
 
 # ---- a staged slice is the one stage 5 trains: waited for, checked, set aside when it differs -----------
 
+
 class EndsAtFirstWait:
     """Generation running until the worker first waits for it; then ended."""
 
@@ -78,11 +83,21 @@ def staged_folder(tmp_path: Path, params, answered, errors, sessions: int) -> Pa
     run_dir = planned_run_folder(tmp_path, params.run.seed, params.training.heldout_size)
     generation = run_dir / "generation"
     generation.mkdir()
-    (generation / "generations.jsonl").write_text("".join(
-        json.dumps({"dataset": "d", "id": name, "partition": "short", "content": "x"}) + "\n" for name in answered))
-    (generation / "errors.jsonl").write_text("".join(
-        json.dumps({"dataset": "d", "id": name, "session": session, "error": "timeout"}) + "\n" for name, session in errors))
-    (generation / "sessions.jsonl").write_text("".join(json.dumps({"session": number}) + "\n" for number in range(1, sessions + 1)))
+    (generation / "generations.jsonl").write_text(
+        "".join(
+            json.dumps({"dataset": "d", "id": name, "partition": "short", "content": "x"}) + "\n"
+            for name in answered
+        )
+    )
+    (generation / "errors.jsonl").write_text(
+        "".join(
+            json.dumps({"dataset": "d", "id": name, "session": session, "error": "timeout"}) + "\n"
+            for name, session in errors
+        )
+    )
+    (generation / "sessions.jsonl").write_text(
+        "".join(json.dumps({"session": number}) + "\n" for number in range(1, sessions + 1))
+    )
     return run_dir
 
 
@@ -107,13 +122,20 @@ def test_a_slice_waits_for_the_retry_of_an_error_an_earlier_session_left(tmp_pat
     params = load_params(ROOT / "params" / "smoke.yaml")
     heldout = [f"h{i}" for i in range(params.training.heldout_size)]
     # t1 failed in session 1; session 2 (this generation) retries it and has not answered it yet.
-    run_dir = staged_folder(tmp_path, params, [*heldout, *(f"t{i}" for i in range(20) if i != 1)], [("t1", 1)], sessions=1)
+    run_dir = staged_folder(
+        tmp_path, params, [*heldout, *(f"t{i}" for i in range(20) if i != 1)], [("t1", 1)], sessions=1
+    )
     staged = stub_training(monkeypatch)
     assert StagedWorker(params, run_dir, EndsAtFirstWait()).run() == []
-    assert staged == [] and StagedRecord.load(run_dir, params.run.seed, params.training.heldout_size).slices == {}
+    assert (
+        staged == []
+        and StagedRecord.load(run_dir, params.run.seed, params.training.heldout_size).slices == {}
+    )
 
 
-def test_a_recorded_size_whose_samples_are_no_longer_stage_5s_is_reported_and_staged_again(tmp_path, monkeypatch, caplog):
+def test_a_recorded_size_whose_samples_are_no_longer_stage_5s_is_reported_and_staged_again(
+    tmp_path, monkeypatch, caplog
+):
     from eaglekit.staged.slices import SliceEntry, keys_sha256
 
     params = load_params(ROOT / "params" / "smoke.yaml")
@@ -121,16 +143,22 @@ def test_a_recorded_size_whose_samples_are_no_longer_stage_5s_is_reported_and_st
     # An earlier session left t1 failed and size 4 was staged without it; a resume answered t1.
     run_dir = staged_folder(tmp_path, params, [*heldout, *(f"t{i}" for i in range(20))], [], sessions=2)
     old = [("d", "t0"), ("d", "t2"), ("d", "t3"), ("d", "t4")]
-    record = StagedRecord(params.run.seed, params.training.heldout_size, heldout=[("d", name) for name in heldout])
+    record = StagedRecord(
+        params.run.seed, params.training.heldout_size, heldout=[("d", name) for name in heldout]
+    )
     record.slices[4] = SliceEntry(size=4, train=old, train_sha256=keys_sha256(old), status="done")
     record.save(run_dir)
     (run_dir / "staged" / "training" / "size-0000004").mkdir(parents=True)
     staged = stub_training(monkeypatch)
     with caplog.at_level("WARNING", logger="eaglekit.staged.worker"):
-        assert StagedWorker(params, run_dir, GenerationSignal(running=True)).run() == sorted(params.training.data_sizes)
+        assert StagedWorker(params, run_dir, GenerationSignal(running=True)).run() == sorted(
+            params.training.data_sizes
+        )
     assert staged[0] == (4, [("d", f"t{i}") for i in range(4)])
     record = StagedRecord.load(run_dir, params.run.seed, params.training.heldout_size)
     (aside,) = record.set_aside
     assert aside["size"] == 4 and "stage 5 would train size 4 on other samples" in aside["problem"]
-    assert (run_dir / aside["folder"]).exists() and not (run_dir / "staged" / "training" / "size-0000004").exists()
+    assert (run_dir / aside["folder"]).exists() and not (
+        run_dir / "staged" / "training" / "size-0000004"
+    ).exists()
     assert "staged size 4: stage 5 would train size 4 on other samples" in caplog.text

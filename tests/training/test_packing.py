@@ -12,7 +12,15 @@ import torch
 from eaglekit.draft.model import TrainingTimeTestKeyValues
 from eaglekit.draft.head_loss import chunked_ttt_loss
 from eaglekit.training.packing import assign_packs, empty_pack, pack_samples, packed_micro_batches
-from eaglekit.training import TrainSettings, collate, eligible_rows, load_checkpoint, target_signals, train_draft, ttt_loss
+from eaglekit.training import (
+    TrainSettings,
+    collate,
+    eligible_rows,
+    load_checkpoint,
+    target_signals,
+    train_draft,
+    ttt_loss,
+)
 from support import randomize_norms, samples_from_target, serve_chain, tiny_draft, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,7 +56,9 @@ def test_pack_layout(world):
         assert batch.position_ids[0, start : start + length].tolist() == list(range(length))
         assert (batch.document_ids[0, start : start + length] == document).all()
         start += length
-    assert not batch.loss_mask[0, start:].any() and (batch.document_ids[0, start:] == 3).all()  # the tail: its own document
+    assert (
+        not batch.loss_mask[0, start:].any() and (batch.document_ids[0, start:] == 3).all()
+    )  # the tail: its own document
     # Cutting at max_length: a sample counts only its first max_length tokens.
     assert int(pack_samples(samples[:1], 100, max_length=5).lengths) == 5
     with pytest.raises(ValueError, match="do not fit"):
@@ -72,19 +82,29 @@ def test_packed_unroll_equals_each_sample_alone_and_serving(world):
     _, samples, model = world
     batch = pack_samples(samples[:3], 96, max_length=64)
     with torch.no_grad():
-        packed = model(batch.input_ids, batch.aux_hidden_states.float(), TTT_STEPS, batch.position_ids, batch.document_ids)
+        packed = model(
+            batch.input_ids,
+            batch.aux_hidden_states.float(),
+            TTT_STEPS,
+            batch.position_ids,
+            batch.document_ids,
+        )
         start = 0
         for sample in samples[:3]:
             length = len(sample["input_ids"])
             alone = model(sample["input_ids"][None], sample["aux_hidden_states"][None].float(), TTT_STEPS)
             for step in range(TTT_STEPS):
-                torch.testing.assert_close(packed[step][0, start : start + length], alone[step][0], rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(
+                    packed[step][0, start : start + length], alone[step][0], rtol=1e-4, atol=1e-4
+                )
             input_ids, aux = sample["input_ids"], sample["aux_hidden_states"].float()
             for last_row in (0, length // 2, length - TTT_STEPS - 2):
                 chain_tokens = [int(input_ids[last_row + 1 + step]) for step in range(1, TTT_STEPS)]
                 served = serve_chain(model, input_ids, aux, last_row, chain_tokens)
                 for step in range(TTT_STEPS):
-                    torch.testing.assert_close(packed[step][0, start + last_row], served[step], rtol=1e-4, atol=1e-4)
+                    torch.testing.assert_close(
+                        packed[step][0, start + last_row], served[step], rtol=1e-4, atol=1e-4
+                    )
             start += length
 
 
@@ -94,7 +114,9 @@ def test_without_document_mask_packing_would_leak(world):
     batch = pack_samples(samples[:2], 80, max_length=64)
     first = len(samples[0]["input_ids"])
     with torch.no_grad():
-        masked = model(batch.input_ids, batch.aux_hidden_states.float(), 2, batch.position_ids, batch.document_ids)
+        masked = model(
+            batch.input_ids, batch.aux_hidden_states.float(), 2, batch.position_ids, batch.document_ids
+        )
         leaked = model(batch.input_ids, batch.aux_hidden_states.float(), 2, batch.position_ids, None)
     assert (masked[0][0, first + 3] - leaked[0][0, first + 3]).abs().max() > 1e-3
 
@@ -105,12 +127,23 @@ def test_flex_attention_mask_equals_eager(world):
     _, samples, _ = world
     batch = pack_samples(samples[:3], 96, max_length=64)
     generator = torch.Generator().manual_seed(0)
-    eager, flex = TrainingTimeTestKeyValues(batch.document_ids, "eager"), TrainingTimeTestKeyValues(batch.document_ids, "flex")
+    eager, flex = (
+        TrainingTimeTestKeyValues(batch.document_ids, "eager"),
+        TrainingTimeTestKeyValues(batch.document_ids, "flex"),
+    )
     with torch.no_grad():
         for _ in range(3):
             query = torch.randn(1, 4, 96, 16, generator=generator)
-            key, value = torch.randn(1, 2, 96, 16, generator=generator), torch.randn(1, 2, 96, 16, generator=generator)
-            torch.testing.assert_close(flex.attend(query, key, value, 0.25), eager.attend(query, key, value, 0.25), rtol=1e-4, atol=1e-5)
+            key, value = (
+                torch.randn(1, 2, 96, 16, generator=generator),
+                torch.randn(1, 2, 96, 16, generator=generator),
+            )
+            torch.testing.assert_close(
+                flex.attend(query, key, value, 0.25),
+                eager.attend(query, key, value, 0.25),
+                rtol=1e-4,
+                atol=1e-5,
+            )
 
 
 def _loss_and_grads(model, batches, loss_fn, target, lengths: bool = False):
@@ -121,26 +154,47 @@ def _loss_and_grads(model, batches, loss_fn, target, lengths: bool = False):
     model.zero_grad(set_to_none=True)
     total, stats = torch.zeros(()), torch.zeros(TTT_STEPS, 4, dtype=torch.float64)
     for batch, rows in zip(batches, eligible):
-        targets = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=7,
-                                 lengths=batch.lengths.tolist() if lengths else None)
+        targets = target_signals(
+            batch.final_hidden_states,
+            head,
+            model.draft_to_target_ids(),
+            model.t2d,
+            chunk_rows=7,
+            lengths=batch.lengths.tolist() if lengths else None,
+        )
         loss, micro_stats = loss_fn(batch, targets, rows, counts)
         loss.backward()
         total, stats = total + loss.detach(), stats + micro_stats
-    grads = {name: parameter.grad.clone() for name, parameter in model.named_parameters() if parameter.grad is not None}
+    grads = {
+        name: parameter.grad.clone()
+        for name, parameter in model.named_parameters()
+        if parameter.grad is not None
+    }
     return total, stats, grads
 
 
 def reference_loss(model):
     def loss_fn(batch, targets, rows, counts):
-        logits = model(batch.input_ids, batch.aux_hidden_states, TTT_STEPS, batch.position_ids, batch.document_ids)
+        logits = model(
+            batch.input_ids, batch.aux_hidden_states, TTT_STEPS, batch.position_ids, batch.document_ids
+        )
         return ttt_loss(logits, targets, rows, counts, 0.8, model.draft_to_target_ids())
+
     return loss_fn
 
 
 def chunked_loss(model, chunk_rows):
     def loss_fn(batch, targets, rows, counts):
-        states = model(batch.input_ids, batch.aux_hidden_states, TTT_STEPS, batch.position_ids, batch.document_ids, return_normed_states=True)
+        states = model(
+            batch.input_ids,
+            batch.aux_hidden_states,
+            TTT_STEPS,
+            batch.position_ids,
+            batch.document_ids,
+            return_normed_states=True,
+        )
         return chunked_ttt_loss(model, states, targets, rows, counts, 0.8, chunk_rows=chunk_rows)
+
     return loss_fn
 
 
@@ -168,9 +222,13 @@ def test_packing_gives_the_same_loss_and_gradients_as_padding(world):
     """One step over six samples: padded micro-batches with the reference loss vs packs with the chunked loss."""
     target, samples, model = world
     model.train()
-    padded = _loss_and_grads(model, [collate(samples[:3], 64), collate(samples[3:], 64)], reference_loss(model), target)
+    padded = _loss_and_grads(
+        model, [collate(samples[:3], 64), collate(samples[3:], 64)], reference_loss(model), target
+    )
     packs = packed_micro_batches(samples, 64, 64)
-    assert len(packs) >= 2 and sum(int(pack.lengths.sum()) for pack in packs) == sum(len(sample["input_ids"]) for sample in samples)
+    assert len(packs) >= 2 and sum(int(pack.lengths.sum()) for pack in packs) == sum(
+        len(sample["input_ids"]) for sample in samples
+    )
     _assert_same(_loss_and_grads(model, packs, chunked_loss(model, 16), target), padded)
     # Packs cut after their last sample (the CPU layout) and a teacher computed on real tokens only: the same.
     trimmed = packed_micro_batches(samples, 64, 64, fixed_length=False)
@@ -185,15 +243,48 @@ def test_training_with_packs_follows_the_padded_curve(tmp_path):
     target = tiny_target()
     samples = samples_from_target(target, 12, seed=3)
     train, heldout = samples[:9], samples[9:]
-    settings = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=1, schedule="equal_steps", max_steps=3,
-                             micro_batch_size=3, grad_accumulation_steps=1, eval_interval=3, max_length=48)
-    padded = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "padded", settings)
-    packed = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "packed",
-                         dataclasses.replace(settings, pack_tokens=64))
-    read = lambda result: [record for record in map(eval_json, result.metrics_path.read_text().splitlines()) if record["split"] == "train"]
+    settings = TrainSettings(
+        ttt_steps=3,
+        learning_rate=3e-3,
+        min_learning_rate=3e-4,
+        warmup_steps=1,
+        schedule="equal_steps",
+        max_steps=3,
+        micro_batch_size=3,
+        grad_accumulation_steps=1,
+        eval_interval=3,
+        max_length=48,
+    )
+    padded = train_draft(
+        tiny_draft(target, train),
+        target.lm_head.weight.detach(),
+        train,
+        heldout,
+        tmp_path / "padded",
+        settings,
+    )
+    packed = train_draft(
+        tiny_draft(target, train),
+        target.lm_head.weight.detach(),
+        train,
+        heldout,
+        tmp_path / "packed",
+        dataclasses.replace(settings, pack_tokens=64),
+    )
+    read = lambda result: [
+        record
+        for record in map(eval_json, result.metrics_path.read_text().splitlines())
+        if record["split"] == "train"
+    ]
     for a, b in zip(read(padded), read(packed), strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["counted_rows_by_position"] == a["counted_rows_by_position"]
-    padded_state, packed_state = load_checkpoint(padded.last_checkpoint)["model"], load_checkpoint(packed.last_checkpoint)["model"]
+        assert (
+            b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+            and b["counted_rows_by_position"] == a["counted_rows_by_position"]
+        )
+    padded_state, packed_state = (
+        load_checkpoint(padded.last_checkpoint)["model"],
+        load_checkpoint(packed.last_checkpoint)["model"],
+    )
     for name in padded_state:
         # Adam turns float-rounding gradient differences into updates of up to ~lr * 1e-3; each step moves weights by ~lr.
         torch.testing.assert_close(packed_state[name], padded_state[name], rtol=1e-4, atol=2e-5, msg=name)
@@ -215,9 +306,18 @@ def test_flex_backend_on_cuda_equals_eager_forward_and_backward(world):
     for backend in ("eager", "flex"):
         model.attention_backend = backend
         model.zero_grad(set_to_none=True)
-        logits = model(batch.input_ids, batch.aux_hidden_states.float(), TTT_STEPS, batch.position_ids, batch.document_ids)
+        logits = model(
+            batch.input_ids,
+            batch.aux_hidden_states.float(),
+            TTT_STEPS,
+            batch.position_ids,
+            batch.document_ids,
+        )
         sum(step.float().square().mean() for step in logits).backward()
-        results[backend] = ([step.detach() for step in logits], {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+        results[backend] = (
+            [step.detach() for step in logits],
+            {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None},
+        )
     for eager, flex in zip(results["eager"][0], results["flex"][0]):
         torch.testing.assert_close(flex, eager, rtol=2e-3, atol=2e-3)
     for name, grad in results["eager"][1].items():
@@ -240,9 +340,17 @@ def test_packed_micro_batch_makes_no_host_sync_on_cuda(world):
         try:
             on_device = batch.to(device)
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                targets = target_signals(on_device.final_hidden_states, head, model.draft_to_target_ids(), model.t2d)
-                states = model(on_device.input_ids, on_device.aux_hidden_states, TTT_STEPS, on_device.position_ids,
-                               on_device.document_ids, return_normed_states=True)
+                targets = target_signals(
+                    on_device.final_hidden_states, head, model.draft_to_target_ids(), model.t2d
+                )
+                states = model(
+                    on_device.input_ids,
+                    on_device.aux_hidden_states,
+                    TTT_STEPS,
+                    on_device.position_ids,
+                    on_device.document_ids,
+                    return_normed_states=True,
+                )
                 loss, _ = chunked_ttt_loss(model, states, targets, eligible, counts, 0.8)
             loss.backward()
         finally:

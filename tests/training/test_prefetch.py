@@ -45,7 +45,9 @@ def test_reads_run_ahead_of_the_consumer_in_a_background_thread():
     with Prefetcher(read, itertools.count(), depth=3) as items:
         assert next(items) == 0
         deadline = time.monotonic() + 5
-        while items._queue.qsize() < 3 and time.monotonic() < deadline:  # the queue fills while nothing consumes
+        while (
+            items._queue.qsize() < 3 and time.monotonic() < deadline
+        ):  # the queue fills while nothing consumes
             time.sleep(0.01)
         assert items._queue.qsize() == 3
     assert threads == {"eaglekit-prefetch"}
@@ -108,14 +110,29 @@ def small_run():
 def test_train_draft_with_and_without_prefetch_is_the_same_run(small_run, tmp_path):
     target, samples = small_run
     train, heldout = IndexedSubset(samples, range(2, 10)), IndexedSubset(samples, range(2))
-    settings = TrainSettings(ttt_steps=2, micro_batch_size=2, grad_accumulation_steps=1, max_steps=5, eval_interval=2,
-                             schedule="equal_steps", learning_rate=3e-3, warmup_steps=1, max_length=48, log_interval_s=60)
+    settings = TrainSettings(
+        ttt_steps=2,
+        micro_batch_size=2,
+        grad_accumulation_steps=1,
+        max_steps=5,
+        eval_interval=2,
+        schedule="equal_steps",
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_length=48,
+        log_interval_s=60,
+    )
     results = {}
     for depth in (0, 2):
-
         run_settings = dataclasses.replace(settings, prefetch_steps=depth)
-        results[depth] = train_draft(tiny_draft(target, samples), target_head(target).lm_head, train, heldout, tmp_path / f"d{depth}",
-                                     run_settings)
+        results[depth] = train_draft(
+            tiny_draft(target, samples),
+            target_head(target).lm_head,
+            train,
+            heldout,
+            tmp_path / f"d{depth}",
+            run_settings,
+        )
         assert not prefetch_threads()
     lines = {depth: (tmp_path / f"d{depth}" / "metrics.jsonl").read_text().splitlines() for depth in results}
     strip = lambda line: {key: value for key, value in json.loads(line).items() if key != "seconds"}
@@ -127,15 +144,35 @@ def test_train_draft_with_and_without_prefetch_is_the_same_run(small_run, tmp_pa
 def test_an_early_stop_and_resume_leave_no_reader_running(small_run, tmp_path):
     target, samples = small_run
     train, heldout = IndexedSubset(samples, range(2, 10)), IndexedSubset(samples, range(2))
-    settings = TrainSettings(ttt_steps=2, micro_batch_size=2, grad_accumulation_steps=1, max_steps=6, eval_interval=2,
-                             schedule="equal_steps", learning_rate=3e-3, warmup_steps=1, max_length=48, log_interval_s=60,
-                             prefetch_steps=3)
+    settings = TrainSettings(
+        ttt_steps=2,
+        micro_batch_size=2,
+        grad_accumulation_steps=1,
+        max_steps=6,
+        eval_interval=2,
+        schedule="equal_steps",
+        learning_rate=3e-3,
+        warmup_steps=1,
+        max_length=48,
+        log_interval_s=60,
+        prefetch_steps=3,
+    )
 
-    full = train_draft(tiny_draft(target, samples), target_head(target).lm_head, train, heldout, tmp_path / "full", settings)
-    stopped = train_draft(tiny_draft(target, samples), target_head(target).lm_head, train, heldout, tmp_path / "split",
-                          dataclasses.replace(settings, stop_at_step=2))
+    full = train_draft(
+        tiny_draft(target, samples), target_head(target).lm_head, train, heldout, tmp_path / "full", settings
+    )
+    stopped = train_draft(
+        tiny_draft(target, samples),
+        target_head(target).lm_head,
+        train,
+        heldout,
+        tmp_path / "split",
+        dataclasses.replace(settings, stop_at_step=2),
+    )
     assert stopped.steps == 2 and not prefetch_threads()
-    resumed = train_draft(tiny_draft(target, samples), target_head(target).lm_head, train, heldout, tmp_path / "split", settings)
+    resumed = train_draft(
+        tiny_draft(target, samples), target_head(target).lm_head, train, heldout, tmp_path / "split", settings
+    )
     assert resumed.steps == full.steps == 6 and not prefetch_threads()
     one, two = (load_checkpoint(result.last_checkpoint)["model"] for result in (full, resumed))
     assert all(torch.equal(one[name], two[name]) for name in one)

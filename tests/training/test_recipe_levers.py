@@ -17,8 +17,18 @@ from support import samples_from_target, target_head, tiny_draft, tiny_target
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SETTINGS = TrainSettings(ttt_steps=2, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=0, schedule="equal_steps", max_steps=2,
-                         micro_batch_size=2, grad_accumulation_steps=1, eval_interval=2, max_length=64)
+SETTINGS = TrainSettings(
+    ttt_steps=2,
+    learning_rate=3e-3,
+    min_learning_rate=3e-4,
+    warmup_steps=0,
+    schedule="equal_steps",
+    max_steps=2,
+    micro_batch_size=2,
+    grad_accumulation_steps=1,
+    eval_interval=2,
+    max_length=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +40,13 @@ def world():
 
 def teacher(world, distill: str):
     target, train, _ = world
-    draft = tiny_draft(target, train, draft_vocab_size=40)  # small vocab: some target argmaxes fall outside it
+    draft = tiny_draft(
+        target, train, draft_vocab_size=40
+    )  # small vocab: some target argmaxes fall outside it
     final = torch.stack([sample["final_hidden_states"][:12] for sample in train])  # (B, T, H)
-    signals = target_signals(final, target.lm_head.weight.detach(), draft.draft_to_target_ids(), draft.t2d, distill=distill)
+    signals = target_signals(
+        final, target.lm_head.weight.detach(), draft.draft_to_target_ids(), draft.t2d, distill=distill
+    )
     return draft, signals
 
 
@@ -53,7 +67,9 @@ def test_argmax_loss_equals_cross_entropy_on_the_greedy_labels(world):
     draft, signals = teacher(world, "argmax")
     batch, length = signals.argmax.shape
     generator = torch.Generator().manual_seed(0)
-    step_logits = [torch.randn(batch, length, draft.lm_head.weight.shape[0], generator=generator) for _ in range(2)]
+    step_logits = [
+        torch.randn(batch, length, draft.lm_head.weight.shape[0], generator=generator) for _ in range(2)
+    ]
     eligible = torch.ones(2, batch, length, dtype=torch.bool)
     counts = torch.tensor([50.0, 40.0])
     loss, _ = ttt_loss(step_logits, signals, eligible, counts, 0.8, draft.draft_to_target_ids())
@@ -65,7 +81,9 @@ def test_argmax_loss_equals_cross_entropy_on_the_greedy_labels(world):
     for step, logits in enumerate(step_logits):
         labels = signals.argmax[:, 1 + step :]
         keep = signals.in_draft[:, 1 + step :]
-        cross_entropy = F.cross_entropy(logits[:, : length - 1 - step][keep], target_to_draft[labels[keep]], reduction="sum")
+        cross_entropy = F.cross_entropy(
+            logits[:, : length - 1 - step][keep], target_to_draft[labels[keep]], reduction="sum"
+        )
         expected = expected + 0.8**step * cross_entropy / counts[step]
     torch.testing.assert_close(loss, expected)
     _, soft = teacher(world, "soft")
@@ -75,7 +93,9 @@ def test_argmax_loss_equals_cross_entropy_on_the_greedy_labels(world):
 
 def test_feature_noise_has_the_stated_scale_and_zero_is_the_identity():
     generator = torch.Generator().manual_seed(0)
-    features = torch.randn(4, 300, 96, generator=generator) * torch.linspace(0.1, 30.0, 300)[None, :, None]  # token scales differ
+    features = (
+        torch.randn(4, 300, 96, generator=generator) * torch.linspace(0.1, 30.0, 300)[None, :, None]
+    )  # token scales differ
     assert add_feature_noise(features, 0.0) is features
     torch.manual_seed(1)
     noisy = add_feature_noise(features, 0.2)
@@ -92,7 +112,9 @@ def test_feature_noise_has_the_stated_scale_and_zero_is_the_identity():
 def first_train_loss(world, tmp_path, **changes) -> float:
     target, train, heldout = world
     settings = TrainSettings(**{**SETTINGS.__dict__, **changes})
-    result = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path, settings)
+    result = train_draft(
+        tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path, settings
+    )
     records = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
     return next(record["loss"] for record in records if record["split"] == "train")
 

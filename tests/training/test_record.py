@@ -29,7 +29,10 @@ def test_saved_record_loads_equal_and_every_entry_carries_its_topology(tmp_path)
     loaded = SweepRecord.load_run(tmp_path)
     assert loaded == record()
     assert loaded.largest.size == 40 and loaded.still_improving() == {40.0: 0.02}
-    assert loaded.checkpoints(tmp_path, verify=False) == {20: tmp_path / "training/size-0000020/best.pt", 40: tmp_path / "training/size-0000040/best.pt"}
+    assert loaded.checkpoints(tmp_path, verify=False) == {
+        20: tmp_path / "training/size-0000020/best.pt",
+        40: tmp_path / "training/size-0000040/best.pt",
+    }
     assert [entry.variant for entry in loaded.ablation] == ["original answers", "regenerated answers"]
     assert "STILL IMPROVING" in loaded.convergence_lines()[1] and "converged" in loaded.convergence_lines()[0]
     assert list(loaded.table().index) == [20, 40]
@@ -57,22 +60,29 @@ def _set(record: dict, where: str, value) -> None:
         record[int(last) if last.isdigit() else last] = value
 
 
-@pytest.mark.parametrize(("where", "value", "message"), [
-    ("runs[1].best_checkpoint", 3, "expected str, got 3"),
-    ("runs[0].size", _DELETE, "missing"),
-    ("runs[0].size", True, "expected int, got True"),
-    ("runs[1].converged", "yes", "expected bool, got 'yes'"),
-    ("runs[1].recent_gain", "0.1", "expected float or null"),
-    ("ablation[1].topology", _DELETE, "missing"),
-    ("ablation[0].variant", None, "expected str, got None"),
-    ("topology", {"topology": "chain", "steps": 3, "top_k": 2, "draft_tokens": 6}, "says 'chain' but top_k 2"),
-    ("heldout[0]", ["alpha"], "expected 2 strings"),
-    ("draft_vocab.coverage", "high", "expected float"),
-    ("export", ["sglang"], "expected dict"),
-    ("export.sglang", 5, "expected str, got 5"),
-    ("capture_layer_ids[1]", "15", "expected int, got '15'"),
-    ("version", 3, "this eaglekit reads version 2"),
-])
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        ("runs[1].best_checkpoint", 3, "expected str, got 3"),
+        ("runs[0].size", _DELETE, "missing"),
+        ("runs[0].size", True, "expected int, got True"),
+        ("runs[1].converged", "yes", "expected bool, got 'yes'"),
+        ("runs[1].recent_gain", "0.1", "expected float or null"),
+        ("ablation[1].topology", _DELETE, "missing"),
+        ("ablation[0].variant", None, "expected str, got None"),
+        (
+            "topology",
+            {"topology": "chain", "steps": 3, "top_k": 2, "draft_tokens": 6},
+            "says 'chain' but top_k 2",
+        ),
+        ("heldout[0]", ["alpha"], "expected 2 strings"),
+        ("draft_vocab.coverage", "high", "expected float"),
+        ("export", ["sglang"], "expected dict"),
+        ("export.sglang", 5, "expected str, got 5"),
+        ("capture_layer_ids[1]", "15", "expected int, got '15'"),
+        ("version", 3, "this eaglekit reads version 2"),
+    ],
+)
 def test_a_malformed_file_names_the_file_and_the_field(tmp_path, where, value, message):
     written = record().to_dict()
     _set(written, where, value)
@@ -96,10 +106,23 @@ def test_not_json_and_missing_file_say_what_to_do(tmp_path):
 def unversioned() -> dict:
     """A sweep.json as stage 5 wrote it before the record had a version (the shape of the demo runs' files)."""
     new = record().to_dict()
-    runs = [{key: value for key, value in item.items() if key not in ("variant", "topology")} for item in new["runs"]]
-    return {"sizes": [20, 40], "runs": runs, "heldout": new["heldout"], "topology": {"kind": "chain", "draft_steps": 3, "top_k": 1},
-            "draft_vocab": {"size": 300, "coverage": 0.97, "counted_tokens": 1234}, "capture_dir": "capture", "capture_mode": "offline",
-            "capture_layer_ids": [1, 2, 3], "split_seed": 0, "export": new["export"], "ablation": []}
+    runs = [
+        {key: value for key, value in item.items() if key not in ("variant", "topology")}
+        for item in new["runs"]
+    ]
+    return {
+        "sizes": [20, 40],
+        "runs": runs,
+        "heldout": new["heldout"],
+        "topology": {"kind": "chain", "draft_steps": 3, "top_k": 1},
+        "draft_vocab": {"size": 300, "coverage": 0.97, "counted_tokens": 1234},
+        "capture_dir": "capture",
+        "capture_mode": "offline",
+        "capture_layer_ids": [1, 2, 3],
+        "split_seed": 0,
+        "export": new["export"],
+        "ablation": [],
+    }
 
 
 def test_an_unversioned_sweep_from_an_earlier_run_still_reads(tmp_path):
@@ -112,8 +135,16 @@ def test_an_unversioned_sweep_from_an_earlier_run_still_reads(tmp_path):
 
     # Its ablation rows carried only six fields: not enough for an entry, so the user is told to rerun.
     old = copy.deepcopy(unversioned())
-    old["ablation"] = [{"variant": "original answers", "size": 16, "best_step": 8, "best_accept_length": 1.2,
-                        "best_checkpoint": "training/ablation/original/best.pt", "metrics_path": "training/ablation/original/metrics.jsonl"}]
+    old["ablation"] = [
+        {
+            "variant": "original answers",
+            "size": 16,
+            "best_step": 8,
+            "best_accept_length": 1.2,
+            "best_checkpoint": "training/ablation/original/best.pt",
+            "metrics_path": "training/ablation/original/metrics.jsonl",
+        }
+    ]
     path.write_text(json.dumps(old))
     with pytest.raises(InputError, match=r"field 'ablation\[0\].samples_by_dataset': missing; rerun stage 5"):
         SweepRecord.load(path)
@@ -125,19 +156,31 @@ def test_an_unversioned_sweep_from_an_earlier_run_still_reads(tmp_path):
 
 def test_entry_from_a_sweep_row_makes_paths_relative(tmp_path):
     row = {key: value for key, value in entry(20).to_dict().items() if key not in ("variant", "topology")}
-    row.update(best_checkpoint=str(tmp_path / "training/size-0000020/best.pt"), metrics_path=str(tmp_path / "training/size-0000020/metrics.jsonl"))
+    row.update(
+        best_checkpoint=str(tmp_path / "training/size-0000020/best.pt"),
+        metrics_path=str(tmp_path / "training/size-0000020/metrics.jsonl"),
+    )
     (tmp_path / "training/size-0000020").mkdir(parents=True)
-    torch.save({"progress": {"step": row["best_step"]}}, row["best_checkpoint"])  # the entry lists only a checkpoint that loads
+    torch.save(
+        {"progress": {"step": row["best_step"]}}, row["best_checkpoint"]
+    )  # the entry lists only a checkpoint that loads
     digest = file_digest(row["best_checkpoint"])
-    assert DraftEntry.from_sweep_row(row, CHAIN, tmp_path) == dataclasses.replace(entry(20), checkpoint_bytes=digest.bytes,
-                                                                                 checkpoint_sha256=digest.sha256)
+    assert DraftEntry.from_sweep_row(row, CHAIN, tmp_path) == dataclasses.replace(
+        entry(20), checkpoint_bytes=digest.bytes, checkpoint_sha256=digest.sha256
+    )
     with pytest.raises(ValueError):
         DraftEntry.from_sweep_row(dict(row, best_checkpoint="/elsewhere/best.pt"), CHAIN, tmp_path)
 
 
-def test_a_record_from_before_the_selection_split_still_reads_and_says_its_checkpoints_were_picked_on_the_scored_samples(tmp_path):
+def test_a_record_from_before_the_selection_split_still_reads_and_says_its_checkpoints_were_picked_on_the_scored_samples(
+    tmp_path,
+):
     """A version-1 sweep.json has no `selection` and no `noise_seeds`: it loads, with neither, flagged optimistic."""
-    written = {key: value for key, value in record().to_dict().items() if key not in ("selection", "scored", "noise_seeds")} | {"version": 1}
+    written = {
+        key: value
+        for key, value in record().to_dict().items()
+        if key not in ("selection", "scored", "noise_seeds")
+    } | {"version": 1}
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(written))
     loaded = SweepRecord.load(path)
@@ -151,18 +194,31 @@ def seeded_record(tmp_path):
     best.parent.mkdir(parents=True)
     torch.save({"progress": {"step": 8}}, best)
     digest = file_digest(best)
-    extra = dataclasses.replace(entry(20), variant="20 samples, seed 1", best_checkpoint="training/seed-1/size-0000020/best.pt",
-                                metrics_path="training/seed-1/size-0000020/metrics.jsonl", noise_seed=1,
-                                checkpoint_bytes=digest.bytes, checkpoint_sha256=digest.sha256)
+    extra = dataclasses.replace(
+        entry(20),
+        variant="20 samples, seed 1",
+        best_checkpoint="training/seed-1/size-0000020/best.pt",
+        metrics_path="training/seed-1/size-0000020/metrics.jsonl",
+        noise_seed=1,
+        checkpoint_bytes=digest.bytes,
+        checkpoint_sha256=digest.sha256,
+    )
     heldout = [("alpha", "a-1"), ("beta", "b-2"), ("alpha", "a-7"), ("beta", "b-9")]
-    return dataclasses.replace(record(), heldout=heldout, selection=[("alpha", "a-7"), ("beta", "b-2")], noise_seeds=[extra]), best
+    return dataclasses.replace(
+        record(), heldout=heldout, selection=[("alpha", "a-7"), ("beta", "b-2")], noise_seeds=[extra]
+    ), best
 
 
-def test_the_extra_seed_drafts_and_the_selection_split_round_trip_and_their_checkpoints_are_verified(tmp_path):
+def test_the_extra_seed_drafts_and_the_selection_split_round_trip_and_their_checkpoints_are_verified(
+    tmp_path,
+):
     sweep, best = seeded_record(tmp_path)
     path = sweep.save(tmp_path / "training" / "sweep.json")
     written = json.loads(path.read_text())
-    assert written["selection"] == [["alpha", "a-7"], ["beta", "b-2"]] and written["scored"] == [["alpha", "a-1"], ["beta", "b-9"]]
+    assert written["selection"] == [["alpha", "a-7"], ["beta", "b-2"]] and written["scored"] == [
+        ["alpha", "a-1"],
+        ["beta", "b-9"],
+    ]
     assert written["noise_seeds"][0]["noise_seed"] == 1
     loaded = SweepRecord.load_run(tmp_path)
     assert loaded == sweep and not loaded.picked_on_scored
@@ -175,18 +231,25 @@ def test_the_extra_seed_drafts_and_the_selection_split_round_trip_and_their_chec
         loaded.seed_checkpoints(tmp_path)
 
 
-@pytest.mark.parametrize(("where", "value", "message"), [
-    ("selection[0]", ["alpha", "a-9"], "1 selection samples are not held out (first ['alpha', 'a-9'])"),
-    ("scored", [["alpha", "a-1"], ["beta", "b-2"]], "not the 2 held-out samples outside `selection`"),
-    ("noise_seeds[0].noise_seed", None, "needs its noise_seed"),
-    ("noise_seeds[0].size", 30, "a size of `runs` [20, 40]"),
-    ("selection", _DELETE, "missing"),
-])
-def test_a_selection_that_overlaps_the_scored_set_or_a_stray_seed_is_refused_naming_the_field(tmp_path, where, value, message):
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        ("selection[0]", ["alpha", "a-9"], "1 selection samples are not held out (first ['alpha', 'a-9'])"),
+        ("scored", [["alpha", "a-1"], ["beta", "b-2"]], "not the 2 held-out samples outside `selection`"),
+        ("noise_seeds[0].noise_seed", None, "needs its noise_seed"),
+        ("noise_seeds[0].size", 30, "a size of `runs` [20, 40]"),
+        ("selection", _DELETE, "missing"),
+    ],
+)
+def test_a_selection_that_overlaps_the_scored_set_or_a_stray_seed_is_refused_naming_the_field(
+    tmp_path, where, value, message
+):
     written = seeded_record(tmp_path)[0].to_dict()
     _set(written, where, value)
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(written))
     with pytest.raises(InputError) as raised:
         SweepRecord.load(path)
-    assert str(raised.value).startswith(f"{path}: field '{where.split('[')[0]}") and message in str(raised.value), str(raised.value)
+    assert str(raised.value).startswith(f"{path}: field '{where.split('[')[0]}") and message in str(
+        raised.value
+    ), str(raised.value)

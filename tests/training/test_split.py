@@ -31,12 +31,19 @@ def test_the_two_sides_are_disjoint_cover_the_set_and_keep_datasets_and_conversa
     selection, scored = split_selection(keys, 0.5, seed=3, conversations=conversations)
     assert set(selection).isdisjoint(scored) and sorted(selection + scored) == list(range(len(keys)))
     assert abs(len(selection) - 15) <= 2  # half, give or take a last conversation's extra turns
-    by_side = {name: Counter(keys[position][0] for position in side) for name, side in (("selection", selection), ("scored", scored))}
-    assert all(by_side[side]["beta"] >= 4 for side in by_side), by_side  # stratified: beta (a third) on both sides
+    by_side = {
+        name: Counter(keys[position][0] for position in side)
+        for name, side in (("selection", selection), ("scored", scored))
+    }
+    assert all(by_side[side]["beta"] >= 4 for side in by_side), (
+        by_side
+    )  # stratified: beta (a third) on both sides
     side_of = {}
     for position in selection + scored:
         side = position in selection
-        assert side_of.setdefault(conversations[position], side) == side, f"conversation {conversations[position]} on both sides"
+        assert side_of.setdefault(conversations[position], side) == side, (
+            f"conversation {conversations[position]} on both sides"
+        )
 
 
 def test_the_split_depends_on_the_keys_and_the_seed_never_on_their_order():

@@ -41,22 +41,63 @@ def captured_run(tmp_path_factory) -> tuple[Path, Path]:
         folder = run_dir / "prep" / dataset
         folder.mkdir(parents=True)
         with open(folder / "tokenized_data.jsonl", "w") as handle:
-            for sample in samples_from_target(target, 7, seed=len(dataset), datasets=(dataset,), max_length=30):
-                handle.write(json.dumps({"id": sample["id"], "input_ids": sample["input_ids"].tolist(),
-                                         "loss_mask": sample["loss_mask"].tolist(), "source": dataset, "meta": {}}) + "\n")
+            for sample in samples_from_target(
+                target, 7, seed=len(dataset), datasets=(dataset,), max_length=30
+            ):
+                handle.write(
+                    json.dumps(
+                        {
+                            "id": sample["id"],
+                            "input_ids": sample["input_ids"].tolist(),
+                            "loss_mask": sample["loss_mask"].tolist(),
+                            "source": dataset,
+                            "meta": {},
+                        }
+                    )
+                    + "\n"
+                )
     files = {dataset: run_dir / "prep" / dataset / "tokenized_data.jsonl" for dataset in ("alpha", "beta")}
-    capture_to_shards(target, files, run_dir / "capture", model_name=str(target_dir), capture_layer_ids=[1, 2, 3], max_seq_len=64,
-                      progress=False)
+    capture_to_shards(
+        target,
+        files,
+        run_dir / "capture",
+        model_name=str(target_dir),
+        capture_layer_ids=[1, 2, 3],
+        max_seq_len=64,
+        progress=False,
+    )
     write_json(run_dir / "capture" / "plan.json", {"mode": "offline"})
     return run_dir, target_dir
 
 
 def write_params(path: Path, target_dir: Path, **training) -> Path:
-    settings = {"data_sizes": SIZES, "heldout_size": 4, "ttt_steps": 2, "speculative_tokens": 2, "learning_rate": 3.0e-3, "min_learning_rate": 3.0e-4,
-                "warmup_steps": 1, "schedule": "equal_steps", "max_steps": 4, "micro_batch_size": 1, "grad_accumulation_steps": 2,
-                "eval_interval": 2, "max_length": 48, "log_interval_s": 0.01, **training}
-    path.write_text(yaml.safe_dump({"run": {"name": "stage5", "outputs_dir": str(path.parent)}, "target": {"model": str(target_dir)},
-                                    "training": settings, "analysis": {"chain_steps": 2, "ablation": False}}))
+    settings = {
+        "data_sizes": SIZES,
+        "heldout_size": 4,
+        "ttt_steps": 2,
+        "speculative_tokens": 2,
+        "learning_rate": 3.0e-3,
+        "min_learning_rate": 3.0e-4,
+        "warmup_steps": 1,
+        "schedule": "equal_steps",
+        "max_steps": 4,
+        "micro_batch_size": 1,
+        "grad_accumulation_steps": 2,
+        "eval_interval": 2,
+        "max_length": 48,
+        "log_interval_s": 0.01,
+        **training,
+    }
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "stage5", "outputs_dir": str(path.parent)},
+                "target": {"model": str(target_dir)},
+                "training": settings,
+                "analysis": {"chain_steps": 2, "ablation": False},
+            }
+        )
+    )
     return path
 
 
@@ -69,7 +110,9 @@ def fresh_run(captured_run, name: str) -> Path:
 
 def train_losses(run_dir: Path, size: int) -> list[tuple[int, float]]:
     lines = (run_dir / "training" / f"size-{size:07d}" / "metrics.jsonl").read_text().splitlines()
-    return [(record["step"], record["loss"]) for record in map(json.loads, lines) if record["split"] == "train"]
+    return [
+        (record["step"], record["loss"]) for record in map(json.loads, lines) if record["split"] == "train"
+    ]
 
 
 def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured_run, tmp_path):
@@ -81,7 +124,9 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
 
     # torchrun, 2 gloo processes, packed: 2 ranks x 1 sample x 2 micro-batches, through the notebook's launcher.
     parallel_dir = fresh_run(captured_run, "torchrun")
-    parallel_params = load_params(write_params(tmp_path / "ddp.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64))
+    parallel_params = load_params(
+        write_params(tmp_path / "ddp.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64)
+    )
     lines: list[str] = []
     sweep = launch_training_stage(parallel_params, parallel_dir, on_line=lines.append)
     assert any("step 4/4" in line for line in lines), lines[-20:]  # progress lines streamed as they came
@@ -89,13 +134,17 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
     for key in ("sizes", "heldout", "draft_vocab", "capture_layer_ids", "topology", "export", "capture_mode"):
         assert getattr(sweep, key) == getattr(single, key), key
     assert sweep.draft_vocab.coverage_curve[-1] == [300, 1.0] and sweep.sizes == SIZES
-    assert sweep.topology == Topology.chain(2) and all(entry.topology == Topology.chain(2) for entry in sweep.runs)
+    assert sweep.topology == Topology.chain(2) and all(
+        entry.topology == Topology.chain(2) for entry in sweep.runs
+    )
     for size in SIZES:
         one = load_checkpoint(single_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]
         two = load_checkpoint(parallel_dir / "training" / f"size-{size:07d}" / "last.pt")["model"]
         for name in one:
             torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=2e-5, msg=f"size {size}: {name}")
-        assert [loss for _, loss in train_losses(parallel_dir, size)] == pytest.approx([loss for _, loss in train_losses(single_dir, size)], rel=1e-5)
+        assert [loss for _, loss in train_losses(parallel_dir, size)] == pytest.approx(
+            [loss for _, loss in train_losses(single_dir, size)], rel=1e-5
+        )
     assert (parallel_dir / "training" / "export" / "sglang" / "model.safetensors").exists()
 
     # Kill the torchrun group after the first size's third step, launch again: the same curve.
@@ -103,7 +152,10 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
     metrics = killed_dir / "training" / f"size-{SIZES[0]:07d}" / "metrics.jsonl"
 
     def interrupt_after_step_three(line: str) -> None:
-        if metrics.exists() and sum('"split": "train"' in record for record in metrics.read_text().splitlines()) >= 3:
+        if (
+            metrics.exists()
+            and sum('"split": "train"' in record for record in metrics.read_text().splitlines()) >= 3
+        ):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -120,7 +172,11 @@ def test_online_capture_trains_through_the_same_interface_as_the_shards(captured
     _, target_dir = captured_run
     path = write_params(tmp_path / "p.yaml", target_dir)
     scenario = yaml.safe_load(path.read_text())
-    scenario["target"]["capture_layers"] = [1, 2, 3]  # as the shards were captured (the tiny target's defaults collide)
+    scenario["target"]["capture_layers"] = [
+        1,
+        2,
+        3,
+    ]  # as the shards were captured (the tiny target's defaults collide)
     path.write_text(yaml.safe_dump(scenario))
     params = load_params(path)
     offline = run_training_stage(params, fresh_run(captured_run, "offline"))
@@ -134,7 +190,9 @@ def test_online_capture_trains_through_the_same_interface_as_the_shards(captured
     assert online.capture_layer_ids == offline.capture_layer_ids == [1, 2, 3]
     # Online features are float32 where the shards hold bf16: the taus agree to bf16 rounding.
     for one, two in zip(online.runs, offline.runs):
-        assert one.size == two.size and one.best_accept_length == pytest.approx(two.best_accept_length, abs=0.05)
+        assert one.size == two.size and one.best_accept_length == pytest.approx(
+            two.best_accept_length, abs=0.05
+        )
 
 
 def test_a_nan_in_a_capture_shard_stops_stage_5_naming_the_shard_and_the_sample(captured_run, tmp_path):
@@ -152,9 +210,16 @@ def test_a_nan_in_a_capture_shard_stops_stage_5_naming_the_shard_and_the_sample(
     params = load_params(write_params(tmp_path / "p.yaml", target_dir))
     captured = ShardDataset(run_dir / "capture")
     keys = captured.keys
-    _, order = sweep_split(run_dir, keys, params.training.heldout_size, params.run.seed,
-                           read_conversation_keys(tokenized_data_files(run_dir), keys))
-    record = captured.samples[nested_subsets(order, SIZES)[SIZES[0]][0]]  # a sample the smallest size trains on
+    _, order = sweep_split(
+        run_dir,
+        keys,
+        params.training.heldout_size,
+        params.run.seed,
+        read_conversation_keys(tokenized_data_files(run_dir), keys),
+    )
+    record = captured.samples[
+        nested_subsets(order, SIZES)[SIZES[0]][0]
+    ]  # a sample the smallest size trains on
     shard = run_dir / "capture" / record["shard"]
     tensors = load_file(shard)
     tensors["aux_hidden_states"][record["offset"] + 3, 0] = float("nan")
@@ -175,12 +240,16 @@ def test_a_torn_best_checkpoint_is_found_on_read_and_retrained_on_rerun(captured
     best = run_dir / first.runs[0].best_checkpoint
     with open(best, "r+b") as handle:
         handle.truncate(best.stat().st_size // 2)
-    with pytest.raises(ValueError, match=f"{best}: torn checkpoint: .*bytes, sweep.json recorded"):  # TornCheckpointError
+    with pytest.raises(
+        ValueError, match=f"{best}: torn checkpoint: .*bytes, sweep.json recorded"
+    ):  # TornCheckpointError
         SweepRecord.load_run(run_dir).checkpoints(run_dir)
     second = run_training_stage(params, run_dir)
     assert load_checkpoint(best)["progress"]["step"] == second.runs[0].best_step
     assert list(second.checkpoints(run_dir)) == SIZES  # every checkpoint verified against sweep.json
-    assert [entry.best_accept_length for entry in second.runs] == [entry.best_accept_length for entry in first.runs]
+    assert [entry.best_accept_length for entry in second.runs] == [
+        entry.best_accept_length for entry in first.runs
+    ]
 
 
 def test_params_and_sizes_are_checked_before_training(captured_run, tmp_path):
@@ -205,18 +274,36 @@ def test_notebook_05_launches_torchrun_streams_its_lines_and_plots_the_sweep(cap
     _, target_dir = captured_run
     run_dir = fresh_run(captured_run, "notebook")
     (run_dir / "figures").mkdir(exist_ok=True)
-    params = load_params(write_params(tmp_path / "nb.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64))
+    params = load_params(
+        write_params(tmp_path / "nb.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64)
+    )
     notebook = NOTEBOOKS_DIR / "05_training.ipynb"
     declared = set(papermill.inspect_notebook(str(notebook)))
-    parameters = {key: value for key, value in dict(params.sections(), run_dir=str(run_dir)).items() if key in declared}
+    parameters = {
+        key: value for key, value in dict(params.sections(), run_dir=str(run_dir)).items() if key in declared
+    }
     executed = tmp_path / "05_training.ipynb"
-    papermill.execute_notebook(str(notebook), str(executed), parameters=parameters, kernel_name="python3",
-                               cwd=str(notebook.parent), progress_bar=False)
-    printed = "".join("".join(output["text"]) for cell in json.loads(executed.read_text())["cells"]
-                      for output in cell.get("outputs", []) if output.get("output_type") == "stream")
+    papermill.execute_notebook(
+        str(notebook),
+        str(executed),
+        parameters=parameters,
+        kernel_name="python3",
+        cwd=str(notebook.parent),
+        progress_bar=False,
+    )
+    printed = "".join(
+        "".join(output["text"])
+        for cell in json.loads(executed.read_text())["cells"]
+        for output in cell.get("outputs", [])
+        if output.get("output_type") == "stream"
+    )
     assert f"size-{SIZES[-1]:07d}: step 4/4" in printed, printed[-2000:]  # a worker's progress line, streamed
     assert SweepRecord.load_run(run_dir).sizes == SIZES
-    for figure in ("05_vocab_coverage.png", "05_loss_accuracy_by_position.png", "05_heldout_accept_length.png"):
+    for figure in (
+        "05_vocab_coverage.png",
+        "05_loss_accuracy_by_position.png",
+        "05_heldout_accept_length.png",
+    ):
         assert (run_dir / "figures" / figure).stat().st_size > 0, figure
 
 
@@ -227,11 +314,17 @@ def test_head_tensors_are_the_text_models_own(family, tmp_path):
     text_model = layout.load_text_model(dtype=torch.float32)
     assert head.config.hidden_size == layout.hidden_size and head.config.vocab_size == layout.vocab_size
     assert head.config.num_hidden_layers == layout.num_hidden_layers
-    torch.testing.assert_close(head.embed_tokens, text_model.get_input_embeddings().weight.detach(), rtol=0, atol=0)
-    torch.testing.assert_close(head.lm_head, text_model.get_output_embeddings().weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        head.embed_tokens, text_model.get_input_embeddings().weight.detach(), rtol=0, atol=0
+    )
+    torch.testing.assert_close(
+        head.lm_head, text_model.get_output_embeddings().weight.detach(), rtol=0, atol=0
+    )
     torch.testing.assert_close(head.final_norm, text_model.model.norm.weight.detach(), rtol=0, atol=0)
     draft_vocab = 16
-    draft = build_draft_from_target(head, torch.zeros(draft_vocab, dtype=torch.int64), torch.arange(layout.vocab_size) < draft_vocab)
+    draft = build_draft_from_target(
+        head, torch.zeros(draft_vocab, dtype=torch.int64), torch.arange(layout.vocab_size) < draft_vocab
+    )
     assert draft.config.hidden_size == layout.hidden_size and draft.config.vocab_size == layout.vocab_size
     assert draft.config.target_num_hidden_layers == layout.num_hidden_layers
 
@@ -258,20 +351,59 @@ def test_stage5_on_moe_mla_targets(family, tmp_path):
         with open(files[dataset], "w") as handle:
             for index in range(6):
                 length = int(torch.randint(12, 24, (1,), generator=generator))
-                input_ids = torch.randint(0, 400, (length,), generator=generator).tolist()  # a vocab prefix: the draft vocab stays small
+                input_ids = torch.randint(
+                    0, 400, (length,), generator=generator
+                ).tolist()  # a vocab prefix: the draft vocab stays small
                 loss_mask = [0] * 4 + [1] * (length - 4)
-                handle.write(json.dumps({"id": f"{dataset}-{index}", "input_ids": input_ids, "loss_mask": loss_mask,
-                                         "source": dataset, "meta": {}}) + "\n")
-    capture_to_shards(model, files, run_dir / "capture", model_name=str(target_dir), capture_layer_ids=[1, 2, 3], max_seq_len=32,
-                      progress=False)
+                handle.write(
+                    json.dumps(
+                        {
+                            "id": f"{dataset}-{index}",
+                            "input_ids": input_ids,
+                            "loss_mask": loss_mask,
+                            "source": dataset,
+                            "meta": {},
+                        }
+                    )
+                    + "\n"
+                )
+    capture_to_shards(
+        model,
+        files,
+        run_dir / "capture",
+        model_name=str(target_dir),
+        capture_layer_ids=[1, 2, 3],
+        max_seq_len=32,
+        progress=False,
+    )
     write_json(run_dir / "capture" / "plan.json", {"mode": "offline"})
     params_path = tmp_path / "params.yaml"
-    params_path.write_text(yaml.safe_dump({
-        "run": {"name": "layout", "outputs_dir": str(tmp_path)}, "target": {"model": str(target_dir), "capture_layers": [1, 2, 3]},
-        "training": {"data_sizes": [4, 8], "heldout_size": 4, "ttt_steps": 2, "speculative_tokens": 2, "draft_vocab_size": 64,
-                     "learning_rate": 3.0e-3, "min_learning_rate": 3.0e-4, "warmup_steps": 1, "schedule": "equal_steps", "max_steps": 2,
-                     "micro_batch_size": 1, "grad_accumulation_steps": 2, "eval_interval": 2, "max_length": 32, "log_interval_s": 60},
-        "analysis": {"chain_steps": 2, "ablation": False}}))
+    params_path.write_text(
+        yaml.safe_dump(
+            {
+                "run": {"name": "layout", "outputs_dir": str(tmp_path)},
+                "target": {"model": str(target_dir), "capture_layers": [1, 2, 3]},
+                "training": {
+                    "data_sizes": [4, 8],
+                    "heldout_size": 4,
+                    "ttt_steps": 2,
+                    "speculative_tokens": 2,
+                    "draft_vocab_size": 64,
+                    "learning_rate": 3.0e-3,
+                    "min_learning_rate": 3.0e-4,
+                    "warmup_steps": 1,
+                    "schedule": "equal_steps",
+                    "max_steps": 2,
+                    "micro_batch_size": 1,
+                    "grad_accumulation_steps": 2,
+                    "eval_interval": 2,
+                    "max_length": 32,
+                    "log_interval_s": 60,
+                },
+                "analysis": {"chain_steps": 2, "ablation": False},
+            }
+        )
+    )
     sweep = run_training_stage(load_params(params_path), run_dir)
     assert sweep == SweepRecord.load_run(run_dir) and sweep.sizes == [4, 8]
     assert sweep.draft_vocab.size == 64 and sweep.capture_layer_ids == [1, 2, 3]
@@ -281,10 +413,14 @@ def test_stage5_on_moe_mla_targets(family, tmp_path):
 
 
 def _draft_lines(caplog) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.getMessage().startswith("stage 5: draft")]
+    return [
+        record.getMessage() for record in caplog.records if record.getMessage().startswith("stage 5: draft")
+    ]
 
 
-def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage_6_as_measured_noise(captured_run, tmp_path, caplog):
+def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage_6_as_measured_noise(
+    captured_run, tmp_path, caplog
+):
     """Stage 5 cuts the held-out set in two: every draft's best checkpoint is picked on the selection side (its best
     tau is that side's), sweep.json's `heldout` is the other side alone; both are stable across a resume. The extra
     seed at the small size trains on that size's samples, is listed with its checkpoint verified, and stage 6 scores
@@ -300,21 +436,30 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
 
     _, target_dir = captured_run
     run_dir = fresh_run(captured_run, "selection")
-    params = load_params(write_params(tmp_path / "p.yaml", target_dir, heldout_size=6, noise_seeds=1, noise_seed_max_size=4))
+    params = load_params(
+        write_params(tmp_path / "p.yaml", target_dir, heldout_size=6, noise_seeds=1, noise_seed_max_size=4)
+    )
     caplog.set_level("INFO", logger="eaglekit.training.sweep")
     sweep = run_training_stage(params, run_dir)
     # The log counts every draft of the stage (two sizes, then the extra seed) and prices the rest from timed steps.
     lines = _draft_lines(caplog)
     assert [line.split(";")[0].split(", done")[0] for line in lines] == [
-        "stage 5: draft 1 of 3, size 4", "stage 5: draft 1 of 3, size 4", "stage 5: draft 2 of 3, size 8",
-        "stage 5: draft 2 of 3, size 8", "stage 5: draft 3 of 3, size 4, seed 1", "stage 5: draft 3 of 3, size 4, seed 1"]
+        "stage 5: draft 1 of 3, size 4",
+        "stage 5: draft 1 of 3, size 4",
+        "stage 5: draft 2 of 3, size 8",
+        "stage 5: draft 2 of 3, size 8",
+        "stage 5: draft 3 of 3, size 4, seed 1",
+        "stage 5: draft 3 of 3, size 4, seed 1",
+    ]
     assert "time left not yet known (12 steps at the step caps" in lines[0]
     assert "time left about " in lines[2] and "(8 steps at " in lines[2] and "time left about " in lines[4]
     assert "done: 4 steps in" in lines[1] and "(step_cap)" in lines[1]
     caplog.clear()
     captured = ShardDataset(run_dir / "capture")
     keys = captured.keys
-    heldout_indices, _ = sweep_split(run_dir, keys, 6, params.run.seed, read_conversation_keys(tokenized_data_files(run_dir), keys))
+    heldout_indices, _ = sweep_split(
+        run_dir, keys, 6, params.run.seed, read_conversation_keys(tokenized_data_files(run_dir), keys)
+    )
     assert sweep.heldout == [keys[index] for index in heldout_indices]  # every sample no draft trained on
     assert sweep.selection and sweep.scored and set(sweep.selection).isdisjoint(sweep.scored)
     assert sorted(sweep.selection + sweep.scored) == sorted(sweep.heldout)
@@ -326,19 +471,27 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     def tau_on(entry, side):
         draft = load_draft_checkpoint(run_dir / entry.best_checkpoint, head.embed_tokens)
         samples = IndexedSubset(captured, [position[key] for key in side])
-        return simulated_accept_length(per_position_agreement(draft, head.lm_head, samples, 2, 48), 2)["simulated_accept_length"]
+        return simulated_accept_length(per_position_agreement(draft, head.lm_head, samples, 2, 48), 2)[
+            "simulated_accept_length"
+        ]
 
     for entry in sweep.runs + sweep.noise_seeds:  # each best tau is the selection side's, where it was picked
         assert entry.heldout_size == len(sweep.selection)
-        assert tau_on(entry, sweep.selection) == pytest.approx(entry.best_accept_length, abs=1e-6), entry.variant
+        assert tau_on(entry, sweep.selection) == pytest.approx(entry.best_accept_length, abs=1e-6), (
+            entry.variant
+        )
 
     seeds = sweep.seed_checkpoints(run_dir)
     assert seeds == {4: [run_dir / "training" / "seed-1" / "size-0000004" / "best.pt"]}
-    assert [(entry.size, entry.noise_seed, entry.samples_by_dataset) for entry in sweep.noise_seeds] == [(4, 1, sweep.runs[0].samples_by_dataset)]
+    assert [(entry.size, entry.noise_seed, entry.samples_by_dataset) for entry in sweep.noise_seeds] == [
+        (4, 1, sweep.runs[0].samples_by_dataset)
+    ]
     scored = [captured[position[key]] for key in sweep.scored]
     measured = _seed_accept_lengths(sweep, run_dir, head, scored, 2, 48)  # what stage 6 hands the forecast
     assert measured == {4.0: [pytest.approx(tau_on(sweep.noise_seeds[0], sweep.scored), abs=1e-6)]}
-    noise = training_noise({4.0: sweep.runs[0].best_accept_length, 8.0: sweep.runs[1].best_accept_length}, measured)
+    noise = training_noise(
+        {4.0: sweep.runs[0].best_accept_length, 8.0: sweep.runs[1].best_accept_length}, measured
+    )
     assert noise.seeds_by_size == {4.0: 1} and "pooled with 1 extra seeds" in noise.source
 
     # A resume finds every draft trained: the same cut, the same drafts, the same record; the log says each resumed at its end.

@@ -33,8 +33,19 @@ from eaglekit.training import (
 from support import samples_from_target, tiny_draft, tiny_target
 
 # decay_steps 0: its until_converged variants stop at convergence (the stop-rule tests); the anneal tests set one.
-FAST = TrainSettings(ttt_steps=3, learning_rate=3e-3, min_learning_rate=3e-4, warmup_steps=2, schedule="equal_steps", max_steps=6,
-                     micro_batch_size=2, grad_accumulation_steps=2, eval_interval=2, max_length=64, decay_steps=0)
+FAST = TrainSettings(
+    ttt_steps=3,
+    learning_rate=3e-3,
+    min_learning_rate=3e-4,
+    warmup_steps=2,
+    schedule="equal_steps",
+    max_steps=6,
+    micro_batch_size=2,
+    grad_accumulation_steps=2,
+    eval_interval=2,
+    max_length=64,
+    decay_steps=0,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,11 +66,27 @@ def test_learning_rate_schedule():
     assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
     assert lr[100] == lr[119] == pytest.approx(1e-4)
     # No length to decay over (until_converged): the peak holds after warmup, for any step.
-    assert [learning_rate_at(step, 1e-3, 1e-4, 10, None) for step in (9, 10, 100, 10**6)] == [pytest.approx(1e-3 * 10 / 11), 1e-3, 1e-3, 1e-3]
+    assert [learning_rate_at(step, 1e-3, 1e-4, 10, None) for step in (9, 10, 100, 10**6)] == [
+        pytest.approx(1e-3 * 10 / 11),
+        1e-3,
+        1e-3,
+        1e-3,
+    ]
     # until_converged's anneal: the same cosine, from the step it starts (50) to its end (90).
-    annealed = [learning_rate_at(step, 1e-3, 1e-4, 10, 90, decay_start=50) for step in (49, 50, 70, 89, 90, 500)]
-    assert annealed == [1e-3, 1e-3, pytest.approx(1e-4 + 0.5 * 0.9e-3), pytest.approx(1e-4, abs=2e-6), 1e-4, 1e-4]
-    assert learning_rate_at(5, 1e-3, 1e-4, 10, 90, decay_start=50) == pytest.approx(1e-3 * 6 / 11)  # warmup first
+    annealed = [
+        learning_rate_at(step, 1e-3, 1e-4, 10, 90, decay_start=50) for step in (49, 50, 70, 89, 90, 500)
+    ]
+    assert annealed == [
+        1e-3,
+        1e-3,
+        pytest.approx(1e-4 + 0.5 * 0.9e-3),
+        pytest.approx(1e-4, abs=2e-6),
+        1e-4,
+        1e-4,
+    ]
+    assert learning_rate_at(5, 1e-3, 1e-4, 10, 90, decay_start=50) == pytest.approx(
+        1e-3 * 6 / 11
+    )  # warmup first
 
 
 def test_until_converged_learning_rate_does_not_depend_on_the_cap(world, tmp_path):
@@ -69,23 +96,50 @@ def test_until_converged_learning_rate_does_not_depend_on_the_cap(world, tmp_pat
     head = target.lm_head.weight.detach()
     curves = {}
     for cap in (6, 60):
-        settings = dataclass_replace(FAST, schedule="until_converged", max_steps=cap, patience=50, stop_at_step=6)
-        result = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / f"cap-{cap}", settings)
-        curves[cap] = [(r["lr"], r["loss"]) for r in read_metrics(result.metrics_path) if r["split"] == "train"]
+        settings = dataclass_replace(
+            FAST, schedule="until_converged", max_steps=cap, patience=50, stop_at_step=6
+        )
+        result = train_draft(
+            tiny_draft(target, train), head, train, heldout, tmp_path / f"cap-{cap}", settings
+        )
+        curves[cap] = [
+            (r["lr"], r["loss"]) for r in read_metrics(result.metrics_path) if r["split"] == "train"
+        ]
     assert curves[6] == curves[60]
-    assert [lr for lr, _ in curves[6]] == pytest.approx([1e-3, 2e-3, 3e-3, 3e-3, 3e-3, 3e-3])  # warmup 2, then the peak
-    equal = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "equal", FAST)  # equal_steps, 6 steps
+    assert [lr for lr, _ in curves[6]] == pytest.approx(
+        [1e-3, 2e-3, 3e-3, 3e-3, 3e-3, 3e-3]
+    )  # warmup 2, then the peak
+    equal = train_draft(
+        tiny_draft(target, train), head, train, heldout, tmp_path / "equal", FAST
+    )  # equal_steps, 6 steps
     rates = [r["lr"] for r in read_metrics(equal.metrics_path) if r["split"] == "train"]
-    assert rates[2] == pytest.approx(3e-3) and rates[-1] < rates[2] and all(a >= b for a, b in zip(rates[2:], rates[3:]))
+    assert (
+        rates[2] == pytest.approx(3e-3)
+        and rates[-1] < rates[2]
+        and all(a >= b for a, b in zip(rates[2:], rates[3:]))
+    )
 
 
 def test_eligible_rows_follow_predicted_token():
-    batch = collate([{"id": "a", "input_ids": torch.arange(6), "loss_mask": torch.tensor([0, 0, 1, 1, 1, 1]),
-                      "aux_hidden_states": torch.zeros(6, 3), "final_hidden_states": torch.zeros(6, 1)}], 64)
+    batch = collate(
+        [
+            {
+                "id": "a",
+                "input_ids": torch.arange(6),
+                "loss_mask": torch.tensor([0, 0, 1, 1, 1, 1]),
+                "aux_hidden_states": torch.zeros(6, 3),
+                "final_hidden_states": torch.zeros(6, 1),
+            }
+        ],
+        64,
+    )
     rows = eligible_rows(batch, 3)[:, 0]
     # Step i, row t predicts token t+2+i: eligible iff that token exists and loss_mask is 1 there.
-    assert rows.tolist() == [[True, True, True, True, False, False], [True, True, True, False, False, False],
-                             [True, True, False, False, False, False]]
+    assert rows.tolist() == [
+        [True, True, True, True, False, False],
+        [True, True, True, False, False, False],
+        [True, True, False, False, False, False],
+    ]
 
 
 def test_ttt_loss_by_hand():
@@ -119,7 +173,12 @@ def test_simulated_accept_length_definition():
     assert result["simulated_accept_length"] == pytest.approx(2.5)
     assert result["conditional_accuracy_by_position"] == pytest.approx([0.75, 2 / 3, 0.5])
     assert result["topology"] == {"topology": "chain", "steps": 3, "top_k": 1, "draft_tokens": 4}
-    assert simulated_accept_length([SampleAgreement("a", "d", np.ones((5, 3), bool), np.arange(5))], 3)["simulated_accept_length"] == 4.0
+    assert (
+        simulated_accept_length([SampleAgreement("a", "d", np.ones((5, 3), bool), np.arange(5))], 3)[
+            "simulated_accept_length"
+        ]
+        == 4.0
+    )
 
 
 def test_per_position_agreement_matches_direct_computation(world):
@@ -140,8 +199,9 @@ def test_per_position_agreement_matches_direct_computation(world):
                 proposed = int(model.draft_to_target_ids()[logits[step][0, t].argmax()])
                 assert result.agreement[position, step] == (proposed == int(target_argmax[t + 1 + step]))
     counts = chain_counts([result.agreement for result in agreements])
-    assert simulated_accept_length(agreements, 3)["simulated_accept_length"] == pytest.approx(pooled_accept_length(counts))
-
+    assert simulated_accept_length(agreements, 3)["simulated_accept_length"] == pytest.approx(
+        pooled_accept_length(counts)
+    )
 
 
 def test_heldout_batches_put_neighbours_in_length_together():
@@ -165,7 +225,10 @@ def test_sample_lengths_read_tokens_only_where_offered():
             return {"input_ids": torch.zeros(list.__getitem__(self, position))}
 
     assert sample_lengths(IndexedSubset(TokensOnly([70, 3, 50]), [2, 0, 1]), max_length=64) == [50, 64, 3]
-    assert sample_lengths([{"input_ids": torch.zeros(5)}, {"input_ids": torch.zeros(99)}], max_length=64) == [5, 64]
+    assert sample_lengths([{"input_ids": torch.zeros(5)}, {"input_ids": torch.zeros(99)}], max_length=64) == [
+        5,
+        64,
+    ]
 
 
 def test_length_sorted_evaluation_keeps_each_samples_agreement(world, tmp_path, monkeypatch):
@@ -179,17 +242,34 @@ def test_length_sorted_evaluation_keeps_each_samples_agreement(world, tmp_path, 
     samples, head = train + heldout, target.lm_head.weight.detach()
     planned = []
     real = training.per_position_agreement
-    monkeypatch.setattr(training, "per_position_agreement", lambda *args, **kwargs: planned.append(kwargs["batches"]) or real(*args, **kwargs))
+    monkeypatch.setattr(
+        training,
+        "per_position_agreement",
+        lambda *args, **kwargs: planned.append(kwargs["batches"]) or real(*args, **kwargs),
+    )
     model = tiny_draft(target, samples)
-    train_draft(model, head, samples, heldout, tmp_path, dataclass_replace(FAST, learning_rate=1e-2, max_steps=12, eval_interval=12))
+    train_draft(
+        model,
+        head,
+        samples,
+        heldout,
+        tmp_path,
+        dataclass_replace(FAST, learning_rate=1e-2, max_steps=12, eval_interval=12),
+    )
     lengths = training.sample_lengths(heldout, FAST.max_length)
-    assert planned == [training.heldout_batches(lengths, FAST.micro_batch_size)] * 2  # steps 0 and 12, planned once
+    assert (
+        planned == [training.heldout_batches(lengths, FAST.micro_batch_size)] * 2
+    )  # steps 0 and 12, planned once
     assert [lengths[index] for batch in planned[0] for index in batch] == sorted(lengths)
 
     plan = training.heldout_batches(training.sample_lengths(samples, 64), 4)
-    assert plan != [list(range(start, min(start + 4, len(samples)))) for start in range(0, len(samples), 4)]  # it reorders
+    assert plan != [
+        list(range(start, min(start + 4, len(samples)))) for start in range(0, len(samples), 4)
+    ]  # it reorders
     alone = real(model, head, samples, 3, batch_size=1)
-    assert len({int(result.agreement.sum()) for result in alone}) >= 4  # samples disagree differently: a mix-up shows
+    assert (
+        len({int(result.agreement.sum()) for result in alone}) >= 4
+    )  # samples disagree differently: a mix-up shows
     for batches in (plan, None):  # length-sorted, and consecutive batches of 4 (the old order)
         results = real(model, head, samples, 3, batch_size=4, batches=batches)
         assert [result.id for result in results] == [sample["id"] for sample in samples]
@@ -199,6 +279,7 @@ def test_length_sorted_evaluation_keeps_each_samples_agreement(world, tmp_path, 
         assert simulated_accept_length(results, 3) == simulated_accept_length(alone, 3)
     with pytest.raises(ValueError, match=r"missing \[3\], repeated or out of range \[0\]"):
         real(model, head, samples, 3, batches=[[0, 1, 2], [0] + list(range(4, len(samples)))])
+
 
 def read_metrics(path):
     with open(path) as handle:
@@ -223,23 +304,46 @@ def test_training_learns_logs_and_keeps_best_by_accept_length(world, tmp_path):
     assert best_checkpoint["progress"]["step"] == best["step"]
     assert "embed_tokens.weight" not in best_checkpoint["model"]
     with pytest.raises(FileExistsError, match="resume=True"):
-        train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path, FAST, resume=False)
+        train_draft(
+            tiny_draft(target, train),
+            target.lm_head.weight.detach(),
+            train,
+            heldout,
+            tmp_path,
+            FAST,
+            resume=False,
+        )
 
 
 def test_resume_continues_the_same_loss_curve(world, tmp_path):
     target, train, heldout = world
     head = target.lm_head.weight.detach()
     straight = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "straight", FAST)
-    train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(FAST, stop_at_step=4))
+    train_draft(
+        tiny_draft(target, train),
+        head,
+        train,
+        heldout,
+        tmp_path / "resumed",
+        dataclass_replace(FAST, stop_at_step=4),
+    )
     assert max(r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == 4
     # A fresh process would rebuild the draft from scratch: resume must restore everything from last.pt.
-    resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", FAST)
+    resumed = train_draft(
+        tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", FAST
+    )
     losses = lambda path: [(r["step"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"]
     assert losses(resumed.metrics_path) == losses(straight.metrics_path)
     assert resumed.best_accept_length == straight.best_accept_length
     with pytest.raises(ValueError, match="different settings"):
-        train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(FAST, learning_rate=1.0))
-
+        train_draft(
+            tiny_draft(target, train),
+            head,
+            train,
+            heldout,
+            tmp_path / "resumed",
+            dataclass_replace(FAST, learning_rate=1.0),
+        )
 
 
 def test_resume_keeps_the_smoothed_stopping_state(world, tmp_path):
@@ -247,16 +351,38 @@ def test_resume_keeps_the_smoothed_stopping_state(world, tmp_path):
     same smoothed taus and improvements as a straight run (the smoothed tau at step 8 averages 6 and 8)."""
     target, train, _ = world
     head = target.lm_head.weight.detach()
-    settings = dataclass_replace(FAST, schedule="until_converged", learning_rate=1e-2, max_steps=10, patience=50, grad_accumulation_steps=1)
+    settings = dataclass_replace(
+        FAST,
+        schedule="until_converged",
+        learning_rate=1e-2,
+        max_steps=10,
+        patience=50,
+        grad_accumulation_steps=1,
+    )
     heldout_samples = train[:6]  # samples the draft trains on: their tau moves within a few steps
-    straight = train_draft(tiny_draft(target, train), head, train, heldout_samples, tmp_path / "straight", settings)
-    train_draft(tiny_draft(target, train), head, train, heldout_samples, tmp_path / "resumed", dataclass_replace(settings, stop_at_step=6))
-    resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout_samples, tmp_path / "resumed", settings)
-    heldout = lambda path: [(r["step"], r["simulated_accept_length"], r["smoothed_accept_length"], r["improved_step"])
-                            for r in read_metrics(path) if r["split"] == "heldout"]
+    straight = train_draft(
+        tiny_draft(target, train), head, train, heldout_samples, tmp_path / "straight", settings
+    )
+    train_draft(
+        tiny_draft(target, train),
+        head,
+        train,
+        heldout_samples,
+        tmp_path / "resumed",
+        dataclass_replace(settings, stop_at_step=6),
+    )
+    resumed = train_draft(
+        tiny_draft(target, train, seed=99), head, train, heldout_samples, tmp_path / "resumed", settings
+    )
+    heldout = lambda path: [
+        (r["step"], r["simulated_accept_length"], r["smoothed_accept_length"], r["improved_step"])
+        for r in read_metrics(path)
+        if r["split"] == "heldout"
+    ]
     assert heldout(resumed.metrics_path) == heldout(straight.metrics_path)
     (_, tau_6, _, _), (step, tau_8, smoothed_8, _) = heldout(straight.metrics_path)[-3:-1]
     assert step == 8 and tau_6 != tau_8 and smoothed_8 == pytest.approx((tau_6 + tau_8) / 2)
+
 
 def dataclass_replace(settings, **changes):
     import dataclasses
@@ -271,11 +397,25 @@ def _free_port() -> int:
 
 
 def _ddp_worker(rank: int, world_size: int, port: int, samples, heldout, output_dir: str, settings) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }
+    )
     torch.set_num_threads(1)
     target = tiny_target()
     try:
-        train_draft(tiny_draft(target, samples), target.lm_head.weight.detach(), samples, heldout, output_dir, settings)
+        train_draft(
+            tiny_draft(target, samples),
+            target.lm_head.weight.detach(),
+            samples,
+            heldout,
+            output_dir,
+            settings,
+        )
     finally:
         torch.distributed.destroy_process_group()
 
@@ -284,9 +424,21 @@ def test_ddp_two_gloo_processes_equal_one_process(world, tmp_path):
     """Global batch 4 = one process x 2 micro-batches x 2 samples = two ranks x 1 micro-batch x 2 samples."""
     target, train, heldout = world
     settings = dataclass_replace(FAST, max_steps=3, eval_interval=3)
-    single = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "single", settings)
+    single = train_draft(
+        tiny_draft(target, train),
+        target.lm_head.weight.detach(),
+        train,
+        heldout,
+        tmp_path / "single",
+        settings,
+    )
     ddp_settings = dataclass_replace(settings, grad_accumulation_steps=1, parallel="ddp")
-    mp.spawn(_ddp_worker, args=(2, _free_port(), train, heldout, str(tmp_path / "ddp"), ddp_settings), nprocs=2, join=True)
+    mp.spawn(
+        _ddp_worker,
+        args=(2, _free_port(), train, heldout, str(tmp_path / "ddp"), ddp_settings),
+        nprocs=2,
+        join=True,
+    )
     single_state = load_checkpoint(single.last_checkpoint)["model"]
     ddp_state = load_checkpoint(tmp_path / "ddp" / "last.pt")["model"]
     assert single_state.keys() == ddp_state.keys()
@@ -322,9 +474,24 @@ def write_split_conversations(path, dataset: str, turns: list[int]) -> list[tupl
         for number, count in enumerate(turns):
             record_id = f"{dataset}-{number:016x}"
             for sample in range(count):
-                meta = {"conversation_id": record_id, "sample": sample, "samples": count} if count > 1 else {"tools": None}
+                meta = (
+                    {"conversation_id": record_id, "sample": sample, "samples": count}
+                    if count > 1
+                    else {"tools": None}
+                )
                 sample_id = record_id if count == 1 else f"{record_id}.{sample}"
-                handle.write(json.dumps({"id": sample_id, "input_ids": [1, 2], "loss_mask": [0, 1], "source": dataset, "meta": meta}) + "\n")
+                handle.write(
+                    json.dumps(
+                        {
+                            "id": sample_id,
+                            "input_ids": [1, 2],
+                            "loss_mask": [0, 1],
+                            "source": dataset,
+                            "meta": meta,
+                        }
+                    )
+                    + "\n"
+                )
                 keys.append((dataset, sample_id))
     return keys
 
@@ -333,10 +500,16 @@ def test_split_conversations_never_straddle_the_heldout_boundary(tmp_path):
     from eaglekit.training import ablation_sample_keys, read_conversation_keys
 
     generator = np.random.default_rng(0)
-    files = {"kimi": tmp_path / "kimi.jsonl", "qwen": tmp_path / "qwen.jsonl", "plain": tmp_path / "plain.jsonl"}
-    keys = (write_split_conversations(files["kimi"], "kimi", generator.integers(1, 7, 25).tolist())
-            + write_split_conversations(files["qwen"], "qwen", generator.integers(1, 4, 30).tolist())
-            + write_split_conversations(files["plain"], "plain", [1] * 40))
+    files = {
+        "kimi": tmp_path / "kimi.jsonl",
+        "qwen": tmp_path / "qwen.jsonl",
+        "plain": tmp_path / "plain.jsonl",
+    }
+    keys = (
+        write_split_conversations(files["kimi"], "kimi", generator.integers(1, 7, 25).tolist())
+        + write_split_conversations(files["qwen"], "qwen", generator.integers(1, 4, 30).tolist())
+        + write_split_conversations(files["plain"], "plain", [1] * 40)
+    )
     generator.shuffle(keys)  # capture order is not file order
     datasets = [dataset for dataset, _ in keys]
     conversations = read_conversation_keys(files, keys)
@@ -348,11 +521,21 @@ def test_split_conversations_never_straddle_the_heldout_boundary(tmp_path):
         assert sorted(heldout + train_order) == list(range(len(keys)))
         assert not sides(heldout) & sides(train_order), f"seed {seed}: a conversation on both sides"
         assert 12 <= len(heldout) < 12 + largest
-        for name, total in ((name, datasets.count(name)) for name in files):  # still stratified by dataset, within one conversation
-            assert abs(sum(datasets[index] == name for index in heldout) - 12 * total / len(keys)) <= largest + 1
-        for size, subset in nested_subsets(train_order, [5, 30, 60]).items():  # whole conversations but the last one
-            cut = [group for group in sides(subset) if sum(1 for index in subset if (datasets[index], conversations[index]) == group)
-                   < sum(1 for index in train_order if (datasets[index], conversations[index]) == group)]
+        for name, total in (
+            (name, datasets.count(name)) for name in files
+        ):  # still stratified by dataset, within one conversation
+            assert (
+                abs(sum(datasets[index] == name for index in heldout) - 12 * total / len(keys)) <= largest + 1
+            )
+        for size, subset in nested_subsets(
+            train_order, [5, 30, 60]
+        ).items():  # whole conversations but the last one
+            cut = [
+                group
+                for group in sides(subset)
+                if sum(1 for index in subset if (datasets[index], conversations[index]) == group)
+                < sum(1 for index in train_order if (datasets[index], conversations[index]) == group)
+            ]
             assert len(subset) == size and len(cut) <= 1
         chosen = ablation_sample_keys(keys, keys, 12, 20, seed, conversations)
         assert not set(chosen) & {keys[index] for index in heldout}
@@ -367,16 +550,26 @@ def test_heldout_split_without_split_conversations_is_unchanged():
         unique = [f"id{index}" for index in range(100)]
         assert split_heldout(datasets, 10, seed) == split_heldout(datasets, 10, seed, unique)
         heldout, train_order = split_heldout(datasets, 10, seed)
-        assert (heldout, train_order) == (sorted(stratified_order(datasets, seed)[:10]), stratified_order(datasets, seed)[10:])
+        assert (heldout, train_order) == (
+            sorted(stratified_order(datasets, seed)[:10]),
+            stratified_order(datasets, seed)[10:],
+        )
 
 
 def test_conversation_keys_come_from_the_tokenized_meta(tmp_path):
     from eaglekit.training import conversation_key, read_conversation_keys
 
     assert conversation_key("x-1.2", {"conversation_id": "x-1"}) == "x-1"
-    assert conversation_key("x-1", {"conversation_id": ""}) == conversation_key("x-1", None) == conversation_key("x-1", []) == "x-1"
+    assert (
+        conversation_key("x-1", {"conversation_id": ""})
+        == conversation_key("x-1", None)
+        == conversation_key("x-1", [])
+        == "x-1"
+    )
     keys = write_split_conversations(tmp_path / "t.jsonl", "t", [3, 1])
-    assert read_conversation_keys({"t": tmp_path / "t.jsonl"}, keys) == ["t-0000000000000000"] * 3 + ["t-0000000000000001"]
+    assert read_conversation_keys({"t": tmp_path / "t.jsonl"}, keys) == ["t-0000000000000000"] * 3 + [
+        "t-0000000000000001"
+    ]
     with pytest.raises(ValueError, match=r"not in the tokenized files.*\('t', 'gone'\)"):
         read_conversation_keys({"t": tmp_path / "t.jsonl"}, keys + [("t", "gone")])
 
@@ -385,14 +578,30 @@ def test_size_sweep_trains_one_draft_per_size(world, tmp_path):
     target, train, heldout = world
     samples = train + heldout
     settings = dataclass_replace(FAST, max_steps=2, eval_interval=2, grad_accumulation_steps=1)
-    rows = train_size_sweep(lambda: tiny_draft(target, samples), target.lm_head.weight.detach(), samples, [4, 8], 4, tmp_path, settings)
+    rows = train_size_sweep(
+        lambda: tiny_draft(target, samples),
+        target.lm_head.weight.detach(),
+        samples,
+        [4, 8],
+        4,
+        tmp_path,
+        settings,
+    )
     assert [row["size"] for row in rows] == [4, 8]
-    assert sum(rows[0]["samples_by_dataset"].values()) == 4 and set(rows[1]["samples_by_dataset"]) == {"alpha", "beta"}
+    assert sum(rows[0]["samples_by_dataset"].values()) == 4 and set(rows[1]["samples_by_dataset"]) == {
+        "alpha",
+        "beta",
+    }
     assert all(math.isfinite(row["best_accept_length"]) and row["heldout_size"] == 4 for row in rows)
-    assert (tmp_path / "size-0000004" / "best.pt").exists() and (tmp_path / "size-0000008" / "metrics.jsonl").exists()
+    assert (tmp_path / "size-0000004" / "best.pt").exists() and (
+        tmp_path / "size-0000008" / "metrics.jsonl"
+    ).exists()
     # equal_steps: both sizes take 2 steps of 2 samples, so the smaller one sees its data twice as often.
     assert [(row["steps"], row["samples_seen"], row["epochs"]) for row in rows] == [(2, 4, 1.0), (2, 4, 0.5)]
-    assert all(row["schedule"] == "equal_steps" and row["stopped"] == "step_cap" and not row["converged"] for row in rows)
+    assert all(
+        row["schedule"] == "equal_steps" and row["stopped"] == "step_cap" and not row["converged"]
+        for row in rows
+    )
     assert all(row["recent_evaluations"] == 1 and row["recent_window_steps"] == [2, 2] for row in rows)
 
 
@@ -401,12 +610,21 @@ def test_until_converged_stops_on_patience_and_resume_keeps_the_decision(world, 
     still improving at the cap is reported as not converged."""
     target, train, heldout = world
     head = target.lm_head.weight.detach()
-    flat = dataclass_replace(FAST, schedule="until_converged", learning_rate=1e-12, min_learning_rate=1e-12, max_steps=40, patience=2)
+    flat = dataclass_replace(
+        FAST,
+        schedule="until_converged",
+        learning_rate=1e-12,
+        min_learning_rate=1e-12,
+        max_steps=40,
+        patience=2,
+    )
     result = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "flat", flat)
     assert result.stopped == "converged" and result.converged and result.steps == 4 and result.step_cap == 40
     assert [r["step"] for r in read_metrics(result.metrics_path) if r["split"] == "heldout"] == [0, 2, 4]
     assert result.improved_step == 0 and result.best_step == 0
-    again = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "flat", flat)  # resume: nothing left to do
+    again = train_draft(
+        tiny_draft(target, train), head, train, heldout, tmp_path / "flat", flat
+    )  # resume: nothing left to do
     assert (again.steps, again.stopped) == (4, "converged")
     assert len(read_metrics(result.metrics_path)) == 4 + 3
 
@@ -418,13 +636,24 @@ def test_until_converged_stops_on_patience_and_resume_keeps_the_decision(world, 
 def test_patience_counts_from_the_last_real_improvement():
     from eaglekit.training.stopping import should_stop as _should_stop
 
-    settings = dataclass_replace(FAST, schedule="until_converged", patience=3, eval_interval=10, max_steps=1000)
+    settings = dataclass_replace(
+        FAST, schedule="until_converged", patience=3, eval_interval=10, max_steps=1000
+    )
     assert _should_stop({"step": 29, "improved_step": 0}, settings, 1000) is None
     assert _should_stop({"step": 30, "improved_step": 0}, settings, 1000) == "converged"
     assert _should_stop({"step": 1000, "improved_step": 990}, settings, 1000) == "step_cap"
-    assert _should_stop({"step": 1000, "improved_step": 990}, dataclass_replace(settings, schedule="equal_steps"), 1000) == "step_cap"
-    assert _should_stop({"step": 500, "improved_step": 0}, dataclass_replace(settings, schedule="equal_steps"), 1000) is None
-
+    assert (
+        _should_stop(
+            {"step": 1000, "improved_step": 990}, dataclass_replace(settings, schedule="equal_steps"), 1000
+        )
+        == "step_cap"
+    )
+    assert (
+        _should_stop(
+            {"step": 500, "improved_step": 0}, dataclass_replace(settings, schedule="equal_steps"), 1000
+        )
+        is None
+    )
 
 
 # Anneal lengths after a plateau at step 4 (patience 2 x eval_interval 2): a set decay_steps, overriding the
@@ -433,7 +662,9 @@ def test_patience_counts_from_the_last_real_improvement():
 ANNEALS = [({"decay_steps": 4, "decay_fraction": 0.5}, 4), ({"decay_steps": None}, 3)]
 
 
-@pytest.mark.parametrize("anneal, length", ANNEALS, ids=["decay_steps_overrides_the_fraction", "default_fraction"])
+@pytest.mark.parametrize(
+    "anneal, length", ANNEALS, ids=["decay_steps_overrides_the_fraction", "default_fraction"]
+)
 def test_a_converged_draft_anneals_then_stops(world, tmp_path, anneal, length):
     """Patience running out at step 4 starts a cosine from the peak to min_learning_rate over the anneal's
     length, and training stops (converged) at the first evaluation after it ends. The same run three ways:
@@ -444,8 +675,17 @@ def test_a_converged_draft_anneals_then_stops(world, tmp_path, anneal, length):
     target, train, heldout = world
     head = target.lm_head.weight.detach()
     peak, floor = 1e-12, 1e-13  # the draft cannot improve: patience 2 runs out at step 4
-    flat = dataclass_replace(FAST, schedule="until_converged", learning_rate=peak, min_learning_rate=floor, max_steps=40, patience=2)
-    plain = train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "plain", flat)  # decay_steps 0: stop at once
+    flat = dataclass_replace(
+        FAST,
+        schedule="until_converged",
+        learning_rate=peak,
+        min_learning_rate=floor,
+        max_steps=40,
+        patience=2,
+    )
+    plain = train_draft(
+        tiny_draft(target, train), head, train, heldout, tmp_path / "plain", flat
+    )  # decay_steps 0: stop at once
     assert (plain.steps, plain.stopped) == (4, "converged")
     annealing = dataclass_replace(flat, **anneal)
     assert annealing.anneal_steps(4) == length
@@ -454,37 +694,89 @@ def test_a_converged_draft_anneals_then_stops(world, tmp_path, anneal, length):
     assert (straight.steps, straight.stopped, straight.converged) == (stop, "converged", True)
     rates = [r["lr"] for r in read_metrics(straight.metrics_path) if r["split"] == "train"]
     cosine = lambda fraction: floor + 0.5 * (1 + math.cos(math.pi * fraction)) * (peak - floor)
-    expected = [peak / 3, 2 * peak / 3, peak, peak] + [cosine(k / length) for k in range(length)] + [floor] * (stop - 4 - length)
+    expected = (
+        [peak / 3, 2 * peak / 3, peak, peak]
+        + [cosine(k / length) for k in range(length)]
+        + [floor] * (stop - 4 - length)
+    )
     assert rates == pytest.approx(expected, rel=1e-9)
     assert load_checkpoint(straight.last_checkpoint)["progress"]["decay_start"] == 4
-    curve = lambda path: [(r["step"], r["lr"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"]
-    train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "resumed", dataclass_replace(annealing, stop_at_step=6))
-    resumed = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", annealing)
-    assert curve(resumed.metrics_path) == curve(straight.metrics_path) and (resumed.steps, resumed.stopped) == (stop, "converged")
+    curve = lambda path: [
+        (r["step"], r["lr"], r["loss"]) for r in read_metrics(path) if r["split"] == "train"
+    ]
+    train_draft(
+        tiny_draft(target, train),
+        head,
+        train,
+        heldout,
+        tmp_path / "resumed",
+        dataclass_replace(annealing, stop_at_step=6),
+    )
+    resumed = train_draft(
+        tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "resumed", annealing
+    )
+    assert curve(resumed.metrics_path) == curve(straight.metrics_path) and (
+        resumed.steps,
+        resumed.stopped,
+    ) == (stop, "converged")
     # The converged run without an anneal, resumed with one: the anneal starts where it stopped, the same run.
     shutil.copytree(tmp_path / "plain", tmp_path / "annealed-later")
-    later = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "annealed-later", annealing)
-    assert curve(later.metrics_path) == curve(straight.metrics_path) and (later.steps, later.stopped, later.best_step) == (stop, "converged", straight.best_step)
-    if anneal == {"decay_steps": None}:  # the same from a checkpoint written before decay_fraction (and decay_steps) existed
+    later = train_draft(
+        tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "annealed-later", annealing
+    )
+    assert curve(later.metrics_path) == curve(straight.metrics_path) and (
+        later.steps,
+        later.stopped,
+        later.best_step,
+    ) == (stop, "converged", straight.best_step)
+    if anneal == {
+        "decay_steps": None
+    }:  # the same from a checkpoint written before decay_fraction (and decay_steps) existed
         shutil.copytree(tmp_path / "plain", tmp_path / "old")
         checkpoint = load_checkpoint(tmp_path / "old" / "last.pt")
         for added in ("decay_steps", "decay_fraction"):
             checkpoint["settings"].pop(added)
         torch.save(checkpoint, tmp_path / "old" / "last.pt")
-        old = train_draft(tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "old", annealing)
-        assert curve(old.metrics_path) == curve(straight.metrics_path) and (old.steps, old.stopped) == (stop, "converged")
-    with pytest.raises(ValueError, match="different settings"):  # only the anneal may change, and only on a converged run
-        train_draft(tiny_draft(target, train), head, train, heldout, tmp_path / "plain", dataclass_replace(annealing, patience=5))
+        old = train_draft(
+            tiny_draft(target, train, seed=99), head, train, heldout, tmp_path / "old", annealing
+        )
+        assert curve(old.metrics_path) == curve(straight.metrics_path) and (old.steps, old.stopped) == (
+            stop,
+            "converged",
+        )
+    with pytest.raises(
+        ValueError, match="different settings"
+    ):  # only the anneal may change, and only on a converged run
+        train_draft(
+            tiny_draft(target, train),
+            head,
+            train,
+            heldout,
+            tmp_path / "plain",
+            dataclass_replace(annealing, patience=5),
+        )
 
 
 def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_converge():
     from eaglekit.training import anneal_length
     from eaglekit.training.stopping import anneal_note as _anneal_note
 
-    assert [anneal_length(None, 0.75, start) for start in (1, 2, 4, 6, 270, 300, 360)] == [1, 2, 3, 4, 202, 225, 270]  # builtin round: 4.5 -> 4
+    assert [anneal_length(None, 0.75, start) for start in (1, 2, 4, 6, 270, 300, 360)] == [
+        1,
+        2,
+        3,
+        4,
+        202,
+        225,
+        270,
+    ]  # builtin round: 4.5 -> 4
     assert anneal_length(None, 0.01, 10) == 1  # at least one step while the fraction is > 0
-    assert anneal_length(None, 0.0, 300) == 0 and anneal_length(0, 0.75, 300) == 0  # no anneal: stop at convergence
-    assert anneal_length(240, 0.75, 300) == 240 and anneal_length(240, 0.0, 300) == 240  # decay_steps overrides the fraction
+    assert (
+        anneal_length(None, 0.0, 300) == 0 and anneal_length(0, 0.75, 300) == 0
+    )  # no anneal: stop at convergence
+    assert (
+        anneal_length(240, 0.75, 300) == 240 and anneal_length(240, 0.0, 300) == 240
+    )  # decay_steps overrides the fraction
     with pytest.raises(ValueError, match="decay_fraction must be >= 0"):
         dataclass_replace(FAST, decay_fraction=-0.5)
     with pytest.raises(ValueError, match="decay_fraction must be >= 0 and finite"):
@@ -493,46 +785,109 @@ def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_con
     # at step 75, the earliest under patience 3 x eval_interval 25, anneals to step 131; a cap of 100, the old
     # default, cuts it, as the note says; the default cap is 1,000 now).
     starting = {"step": 75, "decay_start": 75, "stopped": None}
-    assert _anneal_note(starting, TrainSettings(), 200) == ": converged at the peak, annealing the lr until step 131"
+    assert (
+        _anneal_note(starting, TrainSettings(), 200)
+        == ": converged at the peak, annealing the lr until step 131"
+    )
     assert "past the step cap 100: raise max_steps" in _anneal_note(starting, TrainSettings(), 100)
-    assert _anneal_note({**starting, "step": 100}, TrainSettings(), 200) == _anneal_note({**starting, "decay_start": None}, FAST, 200) == ""
+    assert (
+        _anneal_note({**starting, "step": 100}, TrainSettings(), 200)
+        == _anneal_note({**starting, "decay_start": None}, FAST, 200)
+        == ""
+    )
 
 
 def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
     from eaglekit.training import record_evaluation
 
-    settings = dataclass_replace(FAST, schedule="until_converged", eval_interval=10, patience=3, smoothing_evaluations=1, decay_steps=30)
-    progress = {"step": 0, "best_accept_length": -math.inf, "best_step": -1, "improved_step": 0, "reference_accept_length": -math.inf}
-    taus = [1.0, 1.1, 1.2, 1.2, 1.2, 1.2, 1.25, 1.3, 1.3]  # plateau from step 20; the anneal lifts it from step 60
+    settings = dataclass_replace(
+        FAST,
+        schedule="until_converged",
+        eval_interval=10,
+        patience=3,
+        smoothing_evaluations=1,
+        decay_steps=30,
+    )
+    progress = {
+        "step": 0,
+        "best_accept_length": -math.inf,
+        "best_step": -1,
+        "improved_step": 0,
+        "reference_accept_length": -math.inf,
+    }
+    taus = [
+        1.0,
+        1.1,
+        1.2,
+        1.2,
+        1.2,
+        1.2,
+        1.25,
+        1.3,
+        1.3,
+    ]  # plateau from step 20; the anneal lifts it from step 60
     states = []
     for evaluation, tau in enumerate(taus):
         progress = record_evaluation({**progress, "step": evaluation * 10}, tau, settings, 1000)
         states.append((progress["decay_start"] if "decay_start" in progress else None, progress["stopped"]))
     assert states[:5] == [(None, None)] * 5  # patience counts to step 50
-    assert states[5:] == [(50, None), (50, None), (50, None), (50, "converged")]  # improvements during the anneal do not extend it
+    assert states[5:] == [
+        (50, None),
+        (50, None),
+        (50, None),
+        (50, "converged"),
+    ]  # improvements during the anneal do not extend it
     assert progress["best_step"] == 70
-    capped = record_evaluation({**progress, "step": 60, "decay_start": 50, "stopped": None}, 1.3, settings, 60)
+    capped = record_evaluation(
+        {**progress, "step": 60, "decay_start": 50, "stopped": None}, 1.3, settings, 60
+    )
     assert capped["stopped"] == "step_cap"
     with pytest.raises(ValueError, match="decay_steps must be >= 0"):
         dataclass_replace(settings, decay_steps=-1)
     # The default fraction: the plateau at step 50 starts an anneal of round(0.75 * 50) = 38 steps, to step 88.
     by_fraction = dataclass_replace(settings, decay_steps=None)
-    progress = {"step": 0, "best_accept_length": -math.inf, "best_step": -1, "improved_step": 0, "reference_accept_length": -math.inf}
+    progress = {
+        "step": 0,
+        "best_accept_length": -math.inf,
+        "best_step": -1,
+        "improved_step": 0,
+        "reference_accept_length": -math.inf,
+    }
     stops = []
     for evaluation, tau in enumerate([1.0, 1.1, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2]):
         progress = record_evaluation({**progress, "step": evaluation * 10}, tau, by_fraction, 1000)
         stops.append((progress.get("decay_start"), progress["stopped"]))
-    assert stops[5:] == [(50, None)] * 4 + [(50, "converged")]  # steps 50-80 anneal, step 90 is the first past 88
-    assert record_evaluation({**progress, "step": 80, "stopped": None}, 1.2, dataclass_replace(by_fraction, decay_fraction=0.5), 1000)["stopped"] == "converged"
+    assert stops[5:] == [(50, None)] * 4 + [
+        (50, "converged")
+    ]  # steps 50-80 anneal, step 90 is the first past 88
+    assert (
+        record_evaluation(
+            {**progress, "step": 80, "stopped": None},
+            1.2,
+            dataclass_replace(by_fraction, decay_fraction=0.5),
+            1000,
+        )["stopped"]
+        == "converged"
+    )
 
 
 def test_the_anneal_comes_from_params():
     from eaglekit.config import Params
 
-    assert TrainSettings.from_params(Params.model_validate({"training": {"decay_steps": 120}})).decay_steps == 120
-    assert TrainSettings.from_params(Params.model_validate({"training": {"decay_fraction": 0.5}})).decay_fraction == 0.5
+    assert (
+        TrainSettings.from_params(Params.model_validate({"training": {"decay_steps": 120}})).decay_steps
+        == 120
+    )
+    assert (
+        TrainSettings.from_params(Params.model_validate({"training": {"decay_fraction": 0.5}})).decay_fraction
+        == 0.5
+    )
     defaults = TrainSettings.from_params(Params())
-    assert (defaults.decay_steps, defaults.decay_fraction) == (TrainSettings().decay_steps, TrainSettings().decay_fraction) == (None, 0.75)
+    assert (
+        (defaults.decay_steps, defaults.decay_fraction)
+        == (TrainSettings().decay_steps, TrainSettings().decay_fraction)
+        == (None, 0.75)
+    )
     for bad in ({"decay_steps": -1}, {"decay_fraction": -0.1}, {"decay_fraction": math.inf}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             Params.model_validate({"training": bad})
@@ -542,9 +897,17 @@ def stop_on_curve(taus, settings, cap):
     """Feed held-out taus at steps 0, eval_interval, ... to the stopping rule: (stop step, why, best tau)."""
     from eaglekit.training import record_evaluation
 
-    progress = {"step": 0, "best_accept_length": -math.inf, "best_step": -1, "improved_step": 0, "reference_accept_length": -math.inf}
+    progress = {
+        "step": 0,
+        "best_accept_length": -math.inf,
+        "best_step": -1,
+        "improved_step": 0,
+        "reference_accept_length": -math.inf,
+    }
     for evaluation, tau in enumerate(taus):
-        progress = record_evaluation({**progress, "step": evaluation * settings.eval_interval}, tau, settings, cap)
+        progress = record_evaluation(
+            {**progress, "step": evaluation * settings.eval_interval}, tau, settings, cap
+        )
         if progress["stopped"]:
             return progress["step"], progress["stopped"], progress["best_accept_length"]
     raise AssertionError(f"the rule never stopped on {len(taus)} evaluations up to the cap {cap}")
@@ -553,18 +916,54 @@ def stop_on_curve(taus, settings, cap):
 # Held-out tau every 10 steps of the demo's 40-sample draft (idle full demo, 2026-12-01, then resumed to the
 # 200-step cap): it rises by ~0.006 per evaluation with +-0.03 of evaluation noise. Patience 2 on single taus
 # stopped it at step 70 (best 1.142, below the 20-sample draft); it reached 1.235 by step 190.
-DEMO_40 = [1.0025, 1.0286, 1.0628, 1.0953, 1.1114, 1.1417, 1.1117, 1.1117, 1.1728, 1.1490, 1.1593, 1.1717, 1.2061, 1.2052, 1.2246,
-           1.2017, 1.1969, 1.2330, 1.2317, 1.2353, 1.2217]
-OLD_RULE = dataclass_replace(FAST, schedule="until_converged", eval_interval=10, max_steps=200, patience=2, min_improvement=0.005,
-                             smoothing_evaluations=1)  # before smoothing: each tau against the last improvement's
-DEMO_RULE = dataclass_replace(OLD_RULE, patience=3, min_improvement=0.01, smoothing_evaluations=2)  # params/demo.yaml now
+DEMO_40 = [
+    1.0025,
+    1.0286,
+    1.0628,
+    1.0953,
+    1.1114,
+    1.1417,
+    1.1117,
+    1.1117,
+    1.1728,
+    1.1490,
+    1.1593,
+    1.1717,
+    1.2061,
+    1.2052,
+    1.2246,
+    1.2017,
+    1.1969,
+    1.2330,
+    1.2317,
+    1.2353,
+    1.2217,
+]
+OLD_RULE = dataclass_replace(
+    FAST,
+    schedule="until_converged",
+    eval_interval=10,
+    max_steps=200,
+    patience=2,
+    min_improvement=0.005,
+    smoothing_evaluations=1,
+)  # before smoothing: each tau against the last improvement's
+DEMO_RULE = dataclass_replace(
+    OLD_RULE, patience=3, min_improvement=0.01, smoothing_evaluations=2
+)  # params/demo.yaml now
 
 
 def noisy_curves(trend, plateau, evaluations, count=100):
     """Held-out taus every 10 steps: from 1.0 (the untrained draft, no noise) up by `trend` per evaluation
     to `plateau`, plus Gaussian noise of sd 0.014 (measured between the demo's evaluations), seeded."""
-    return [[1.0] + [min(1.0 + trend * evaluation, plateau) + noise for evaluation, noise in enumerate(np.random.default_rng(seed).normal(0, 0.014, evaluations), 1)]
-            for seed in range(count)]
+    return [
+        [1.0]
+        + [
+            min(1.0 + trend * evaluation, plateau) + noise
+            for evaluation, noise in enumerate(np.random.default_rng(seed).normal(0, 0.014, evaluations), 1)
+        ]
+        for seed in range(count)
+    ]
 
 
 def test_smoothed_stopping_does_not_stop_a_rising_draft_on_noise():
@@ -585,11 +984,17 @@ def test_smoothed_stopping_does_not_stop_a_rising_draft_on_noise():
 def test_smoothed_stopping_still_stops_on_a_noisy_plateau():
     """Drafts that rise to a plateau at step 100 and stay flat under the same noise are all declared
     converged, a few evaluations after the plateau starts: smoothing delays the decision, it does not remove it."""
-    stops = [stop_on_curve(curve, dataclass_replace(DEMO_RULE, max_steps=400), 400) for curve in noisy_curves(0.02, 1.2, 40)]
+    stops = [
+        stop_on_curve(curve, dataclass_replace(DEMO_RULE, max_steps=400), 400)
+        for curve in noisy_curves(0.02, 1.2, 40)
+    ]
     assert all(stopped == "converged" for _, stopped, _ in stops)
-    assert 120 <= np.median([step for step, _, _ in stops]) <= 160 and max(step for step, _, _ in stops) <= 220
+    assert (
+        120 <= np.median([step for step, _, _ in stops]) <= 160 and max(step for step, _, _ in stops) <= 220
+    )
     with pytest.raises(ValueError, match="smoothing_evaluations must be >= 1"):
         dataclass_replace(DEMO_RULE, smoothing_evaluations=0)
+
 
 def test_schedule_settings_are_checked():
     with pytest.raises(ValueError, match="num_epochs is set exactly when"):
@@ -598,7 +1003,9 @@ def test_schedule_settings_are_checked():
         TrainSettings(num_epochs=2.0)
     with pytest.raises(ValueError, match="use one of"):
         TrainSettings(schedule="forever")
-    epochs = TrainSettings(schedule="equal_epochs", num_epochs=2.0, micro_batch_size=2, grad_accumulation_steps=2)
+    epochs = TrainSettings(
+        schedule="equal_epochs", num_epochs=2.0, micro_batch_size=2, grad_accumulation_steps=2
+    )
     assert epochs.resolved_max_steps(10, 1) == 5 and epochs.resolved_max_steps(10, 2) == 3
     assert TrainSettings(max_steps=77).resolved_max_steps(10, 1) == 77
 
@@ -606,8 +1013,17 @@ def test_schedule_settings_are_checked():
 def test_smoothing_window_comes_from_params_and_is_checked():
     from eaglekit.config import Params
 
-    assert TrainSettings.from_params(Params.model_validate({"training": {"smoothing_evaluations": 4}})).smoothing_evaluations == 4
-    assert TrainSettings.from_params(Params()).smoothing_evaluations == TrainSettings().smoothing_evaluations == 2
+    assert (
+        TrainSettings.from_params(
+            Params.model_validate({"training": {"smoothing_evaluations": 4}})
+        ).smoothing_evaluations
+        == 4
+    )
+    assert (
+        TrainSettings.from_params(Params()).smoothing_evaluations
+        == TrainSettings().smoothing_evaluations
+        == 2
+    )
     with pytest.raises(ValueError, match="smoothing_evaluations"):
         Params.model_validate({"training": {"smoothing_evaluations": 0}})
 
@@ -617,10 +1033,17 @@ def test_recent_gain_reads_the_last_evaluations(tmp_path):
 
     path = tmp_path / "metrics.jsonl"
     taus = [1.0, 1.2, 1.25, 1.24, 1.30, 1.31]
-    path.write_text("".join(json.dumps({"split": "heldout", "step": 10 * i, "simulated_accept_length": t}) + "\n" for i, t in enumerate(taus)))
+    path.write_text(
+        "".join(
+            json.dumps({"split": "heldout", "step": 10 * i, "simulated_accept_length": t}) + "\n"
+            for i, t in enumerate(taus)
+        )
+    )
     gain = recent_gain(path, 2)
     assert gain["recent_gain"] == pytest.approx(1.31 - 1.25) and gain["recent_window_steps"] == [40, 50]
-    assert recent_gain(path, 10)["recent_gain"] == pytest.approx(0.31)  # the window never swallows the first evaluation
+    assert recent_gain(path, 10)["recent_gain"] == pytest.approx(
+        0.31
+    )  # the window never swallows the first evaluation
 
 
 def test_checkpoints_load_weights_only_and_a_pickled_callable_is_refused(world, tmp_path):
@@ -629,8 +1052,14 @@ def test_checkpoints_load_weights_only_and_a_pickled_callable_is_refused(world, 
     from eaglekit.training import load_checkpoint
 
     target, train, heldout = world
-    result = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "run",
-                         dataclass_replace(FAST, max_steps=2))
+    result = train_draft(
+        tiny_draft(target, train),
+        target.lm_head.weight.detach(),
+        train,
+        heldout,
+        tmp_path / "run",
+        dataclass_replace(FAST, max_steps=2),
+    )
     for path in (result.last_checkpoint, result.best_checkpoint):
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # plain torch, the strict loader
         assert checkpoint["progress"]["step"] in (0, 2) and "rng" in checkpoint
@@ -651,19 +1080,31 @@ def test_checkpoints_load_weights_only_and_a_pickled_callable_is_refused(world, 
 def test_progress_lines_reach_the_eaglekit_logger(world, tmp_path, caplog):
     target, train, heldout = world
     caplog.set_level("INFO", logger="eaglekit")
-    train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, tmp_path / "size-0000010",
-                dataclass_replace(FAST, max_steps=3, eval_interval=3, log_interval_s=0.0))
+    train_draft(
+        tiny_draft(target, train),
+        target.lm_head.weight.detach(),
+        train,
+        heldout,
+        tmp_path / "size-0000010",
+        dataclass_replace(FAST, max_steps=3, eval_interval=3, log_interval_s=0.0),
+    )
     lines = [record.getMessage() for record in caplog.records if record.name == "eaglekit.training.loop"]
     steps = [line for line in lines if "tok/s" in line]
     assert len(steps) == 3 and steps[0].startswith("training size-0000010: step 1/3, loss ")
     assert all("ETA" in line and "held-out tau" in line for line in steps)
-    assert sum("held-out tau" in line and "best" in line and "tok/s" not in line for line in lines) == 2  # steps 0 and 3
+    assert (
+        sum("held-out tau" in line and "best" in line and "tok/s" not in line for line in lines) == 2
+    )  # steps 0 and 3
 
 
 def test_ablation_samples_avoid_the_heldout_prompts():
     from eaglekit.training import ablation_sample_keys, split_heldout
 
-    main = [("a", f"a{n}") for n in range(10)] + [("b", f"b{n}") for n in range(10)] + [("tools", f"t{n}") for n in range(5)]
+    main = (
+        [("a", f"a{n}") for n in range(10)]
+        + [("b", f"b{n}") for n in range(10)]
+        + [("tools", f"t{n}") for n in range(5)]
+    )
     original = [key for key in main if key[0] != "tools"]
     chosen = ablation_sample_keys(main, original, heldout_size=5, largest_size=8, seed=3)
     heldout_indices, _ = split_heldout([dataset for dataset, _ in main], 5, 3)
@@ -685,7 +1126,12 @@ def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behavi
     _check_resumable(saved, FAST, tmp_path / "last.pt")  # the old code raised here: None != 0.0
     # decay_fraction does nothing while decay_steps is set: any fraction resumes a stop-at-convergence run.
     _check_resumable(saved, dataclass_replace(FAST, decay_fraction=0.3), tmp_path / "last.pt")
-    for changed in ({"feature_noise": 0.1}, {"distill": "argmax"}, {"decay_steps": 30}, {"decay_steps": None}):
+    for changed in (
+        {"feature_noise": 0.1},
+        {"distill": "argmax"},
+        {"decay_steps": 30},
+        {"decay_steps": None},
+    ):
         with pytest.raises(ValueError, match=next(iter(changed))):
             _check_resumable(saved, dataclass_replace(FAST, **changed), tmp_path / "last.pt")
 
@@ -700,7 +1146,15 @@ def twin_with_other_states(sample: dict) -> dict:
 
 def run_curves(target, train, heldout, output_dir, target_cache) -> tuple[list, list, int]:
     settings = dataclass_replace(FAST, grad_accumulation_steps=1, max_steps=8)
-    result = train_draft(tiny_draft(target, train), target.lm_head.weight.detach(), train, heldout, output_dir, settings, target_cache=target_cache)
+    result = train_draft(
+        tiny_draft(target, train),
+        target.lm_head.weight.detach(),
+        train,
+        heldout,
+        output_dir,
+        settings,
+        target_cache=target_cache,
+    )
     records = read_metrics(result.metrics_path)
     losses = [r["loss"] for r in records if r["split"] == "train"]
     taus = [r["simulated_accept_length"] for r in records if r["split"] == "heldout"]
@@ -718,14 +1172,20 @@ def test_target_argmax_cache_trains_and_evaluates_like_the_recomputed_path(world
     heldout = heldout + [twin_with_other_states(heldout[0])]
     reference = run_curves(target, train, heldout, tmp_path / "recomputed", target_cache=False)
     cached = run_curves(target, train, heldout, tmp_path / "cached", target_cache=True)
-    assert cached[0] == pytest.approx(reference[0], rel=1e-5) and cached[1] == pytest.approx(reference[1], abs=1e-9)
+    assert cached[0] == pytest.approx(reference[0], rel=1e-5) and cached[1] == pytest.approx(
+        reference[1], abs=1e-9
+    )
     assert cached[2] == reference[2]
     assert len(set(reference[1])) > 1  # the taus move: equal curves are no accident of a flat draft
 
     # Fault injection: keys that collide for the twins -> a stale argmax for one of them, and the curves differ.
-    monkeypatch.setattr(TargetArgmaxCache, "key", staticmethod(lambda states: str(tuple(states.shape)).encode()))
+    monkeypatch.setattr(
+        TargetArgmaxCache, "key", staticmethod(lambda states: str(tuple(states.shape)).encode())
+    )
     colliding = run_curves(target, train, heldout, tmp_path / "colliding", target_cache=True)
-    assert colliding[1] != pytest.approx(reference[1], abs=1e-9) or colliding[0] != pytest.approx(reference[0], rel=1e-5)
+    assert colliding[1] != pytest.approx(reference[1], abs=1e-9) or colliding[0] != pytest.approx(
+        reference[0], rel=1e-5
+    )
 
 
 def test_target_signals_from_cached_argmax_and_draft_rows_equal_the_full_head(world):
@@ -739,21 +1199,48 @@ def test_target_signals_from_cached_argmax_and_draft_rows_equal_the_full_head(wo
     known = cache.batch_argmax(samples, 64)
     draft_head = head[model.draft_to_target_ids()]
     for distill in ("soft", "argmax"):
-        full = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=5,
-                              lengths=batch.lengths.tolist(), distill=distill)
-        fast = target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, chunk_rows=5,
-                              lengths=batch.lengths.tolist(), distill=distill, target_argmax=known, draft_lm_head=draft_head)
+        full = target_signals(
+            batch.final_hidden_states,
+            head,
+            model.draft_to_target_ids(),
+            model.t2d,
+            chunk_rows=5,
+            lengths=batch.lengths.tolist(),
+            distill=distill,
+        )
+        fast = target_signals(
+            batch.final_hidden_states,
+            head,
+            model.draft_to_target_ids(),
+            model.t2d,
+            chunk_rows=5,
+            lengths=batch.lengths.tolist(),
+            distill=distill,
+            target_argmax=known,
+            draft_lm_head=draft_head,
+        )
         assert torch.equal(fast.argmax, full.argmax) and torch.equal(fast.in_draft, full.in_draft)
         torch.testing.assert_close(fast.probs, full.probs, rtol=1e-5, atol=1e-7)
     assert (cache.misses, cache.hits) == (3, 0)
     cache.batch_argmax(samples, 64)
     assert (cache.misses, cache.hits) == (3, 3)
-    assert cache.batch_argmax(samples, 10).shape == (3, 10)  # another cut is another key, not a slice of a longer entry
+    assert cache.batch_argmax(samples, 10).shape == (
+        3,
+        10,
+    )  # another cut is another key, not a slice of a longer entry
     assert cache.misses == 6
     with pytest.raises(ValueError, match="needs target_argmax"):
-        target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, draft_lm_head=draft_head)
+        target_signals(
+            batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, draft_lm_head=draft_head
+        )
     with pytest.raises(ValueError, match="target_argmax shape"):
-        target_signals(batch.final_hidden_states, head, model.draft_to_target_ids(), model.t2d, target_argmax=known[:, :5])
+        target_signals(
+            batch.final_hidden_states,
+            head,
+            model.draft_to_target_ids(),
+            model.t2d,
+            target_argmax=known[:, :5],
+        )
     other = head.clone()
     other[0, 0] += 1.0
     with pytest.raises(ValueError, match="another target head"):
@@ -775,11 +1262,18 @@ def test_size_sweep_computes_each_target_argmax_once(world, tmp_path, monkeypatc
     target, train, heldout = world
     samples = train + heldout
     settings = dataclass_replace(FAST, max_steps=4, eval_interval=2, grad_accumulation_steps=1)
-    train_size_sweep(lambda: tiny_draft(target, samples), target.lm_head.weight.detach(), samples, [4, 8], 4, tmp_path, settings)
+    train_size_sweep(
+        lambda: tiny_draft(target, samples),
+        target.lm_head.weight.detach(),
+        samples,
+        [4, 8],
+        4,
+        tmp_path,
+        settings,
+    )
     assert len(caches) == 1
     # 4 held-out + at most the 8 training samples of the largest subset (nested: the 4 are among them).
     assert 4 < caches[0].misses <= 12 and caches[0].hits > caches[0].misses
-
 
 
 def test_local_device_gives_each_torchrun_process_its_own_gpu(monkeypatch):
@@ -788,7 +1282,9 @@ def test_local_device_gives_each_torchrun_process_its_own_gpu(monkeypatch):
     from eaglekit.training.distributed import local_device
 
     monkeypatch.delenv("RANK", raising=False)
-    assert local_device("cuda") == "cuda" and local_device("cuda:1") == "cuda:1" and local_device("cpu") == "cpu"
+    assert (
+        local_device("cuda") == "cuda" and local_device("cuda:1") == "cuda:1" and local_device("cpu") == "cpu"
+    )
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert local_device("cuda") == "cuda:1" and local_device("cpu") == "cpu"
