@@ -66,6 +66,11 @@ def _ok(check: str, message: str) -> Finding:
     return Finding("ok", check, message)
 
 
+def _error_or_ok(check: str, failed: bool, ok: str, message: str, fix: str) -> Finding:
+    """An error finding (message, fix) when `failed`, else an ok finding saying `ok`."""
+    return Finding("error", check, message, fix) if failed else _ok(check, ok)
+
+
 def load_config(path: str | Path) -> dict:
     """A config.json (or a folder holding one), as written."""
     path = Path(path)
@@ -150,49 +155,42 @@ def check_draft_config(
         findings.append(_ok("architectures", DRAFT_ARCHITECTURE))
 
     layers = draft_config.get("num_hidden_layers")
-    if layers != 1:
-        findings.append(Finding("error", "num_hidden_layers", f"draft num_hidden_layers is {layers}; the kit's EAGLE-3 draft has exactly one decoder layer (midlayer)",
-                                'set "num_hidden_layers": 1 and export the single layer as midlayer.*'))
-    else:
-        findings.append(_ok("num_hidden_layers", "1"))
+    findings.append(_error_or_ok("num_hidden_layers", layers != 1, "1", f"draft num_hidden_layers is {layers}; the kit's EAGLE-3 draft "
+                                 "has exactly one decoder layer (midlayer)",
+                                 'set "num_hidden_layers": 1 and export the single layer as midlayer.*'))
 
     target_hidden = target.get("hidden_size")
     # SGLang sizes fc from target_hidden_size when the draft declares one, else from hidden_size.
     draft_hidden = draft_config.get("target_hidden_size", draft_config.get("hidden_size"))
-    if target_hidden is None or draft_hidden != target_hidden:
-        findings.append(Finding("error", "hidden_size", f"draft expects target hidden size {draft_hidden}, target config says {target_hidden}",
-                                "train the draft against this target's hidden states (fc maps 3H -> H with the target's H)"))
-    else:
-        findings.append(_ok("hidden_size", str(target_hidden)))
+    findings.append(_error_or_ok("hidden_size", target_hidden is None or draft_hidden != target_hidden, str(target_hidden),
+                                 f"draft expects target hidden size {draft_hidden}, target config says {target_hidden}",
+                                 "train the draft against this target's hidden states (fc maps 3H -> H with the target's H)"))
 
     vocab, target_vocab = draft_config.get("vocab_size"), target.get("vocab_size")
-    if vocab != target_vocab:
-        findings.append(Finding("error", "vocab_size", f"draft vocab_size {vocab} != target vocab_size {target_vocab}; d2t/t2d and the shared embedding index the target vocab",
-                                f'set "vocab_size": {target_vocab} (the target\'s) in the draft config and rebuild d2t/t2d for it'))
-    else:
-        findings.append(_ok("vocab_size", str(vocab)))
+    findings.append(_error_or_ok("vocab_size", vocab != target_vocab, str(vocab), f"draft vocab_size {vocab} != target vocab_size "
+                                 f"{target_vocab}; d2t/t2d and the shared embedding index the target vocab",
+                                 f'set "vocab_size": {target_vocab} (the target\'s) in the draft config and rebuild d2t/t2d for it'))
 
     draft_vocab = draft_config.get("draft_vocab_size")
     if draft_vocab is None:
-        findings.append(Finding("error", "draft_vocab_size", "draft_vocab_size is missing: SGLang then loads lm_head from the target over the full vocab, ignoring the trained head",
+        findings.append(Finding("error", "draft_vocab_size", "draft_vocab_size is missing: SGLang then loads lm_head from the target "
+                                "over the full vocab, ignoring the trained head",
                                 'set "draft_vocab_size" to the number of rows of lm_head.weight'))
-    elif target_vocab is not None and draft_vocab > target_vocab:
-        findings.append(Finding("error", "draft_vocab_size", f"draft_vocab_size {draft_vocab} exceeds the target vocab {target_vocab}", "choose the draft vocab from the target's tokens"))
     else:
-        findings.append(_ok("draft_vocab_size", str(draft_vocab)))
+        findings.append(_error_or_ok("draft_vocab_size", target_vocab is not None and draft_vocab > target_vocab, str(draft_vocab),
+                                     f"draft_vocab_size {draft_vocab} exceeds the target vocab {target_vocab}",
+                                     "choose the draft vocab from the target's tokens"))
 
     positions, target_positions = draft_config.get("max_position_embeddings"), target.get("max_position_embeddings")
-    if target_positions is not None and (positions is None or positions < target_positions):
-        findings.append(Finding("error", "max_position_embeddings", f"draft max_position_embeddings {positions} < target's {target_positions}; long contexts get wrong RoPE and accept length collapses",
-                                f'set "max_position_embeddings": {target_positions} (at least the target\'s)'))
-    else:
-        findings.append(_ok("max_position_embeddings", f"{positions} >= {target_positions}"))
+    short = target_positions is not None and (positions is None or positions < target_positions)
+    findings.append(_error_or_ok("max_position_embeddings", short, f"{positions} >= {target_positions}",
+                                 f"draft max_position_embeddings {positions} < target's {target_positions}; long contexts get wrong "
+                                 "RoPE and accept length collapses",
+                                 f'set "max_position_embeddings": {target_positions} (at least the target\'s)'))
 
-    if draft_config.get("tie_word_embeddings", False):
-        findings.append(Finding("error", "tie_word_embeddings", "tie_word_embeddings is true: SGLang then uses embed_tokens as the draft's lm_head and ignores lm_head.weight",
-                                'set "tie_word_embeddings": false in the draft config (the target may tie; the draft must not)'))
-    else:
-        findings.append(_ok("tie_word_embeddings", "false"))
+    findings.append(_error_or_ok("tie_word_embeddings", draft_config.get("tie_word_embeddings", False), "false", "tie_word_embeddings is "
+                                 "true: SGLang then uses embed_tokens as the draft's lm_head and ignores lm_head.weight",
+                                 'set "tie_word_embeddings": false in the draft config (the target may tie; the draft must not)'))
 
     if speculators:
         findings.extend(_check_norm_before_residual(raw_config))
