@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -260,28 +261,28 @@ def vllm_config(
     }
 
 
-def _check_exportable(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: Path) -> None:
-    """Refuse a draft that contradicts its target, or whose weights hold NaN or inf (a server would run it without an error)."""
+def _export(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path, config: Callable[[], dict],
+            dtype: torch.dtype, layout: str) -> Path:
+    """Refuse a draft that contradicts its target, or whose weights hold NaN or inf (a server would run it without an
+    error); then write weights, then `config()` (each atomic; stale temp files of a killed export go with the next
+    write, `io.atomic_write`), and validate the folder."""
     from eaglekit.training.finite import require_finite_draft  # training imports draft: imported here, not at the top
 
+    output_dir = Path(output_dir)
     check_against_target(model, target_config)
     require_finite_draft(model, f"export to {output_dir}")
-
-
-def _write_folder(output_dir: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    """Weights, then config (each atomic; stale temp files of a killed export go with the next write, `io.atomic_write`)."""
+    config, tensors = config(), _export_tensors(model, dtype, layout)
     with atomic_write(output_dir / WEIGHTS_FILE, "wb") as handle:
         handle.write(save(tensors, metadata={"format": "pt"}))
     write_json(output_dir / CONFIG_FILE, config)
+    validate_export(output_dir, target_config)
     return output_dir
 
 
-def export_sglang(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export_sglang(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path,
+                  dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write the SGLang-loadable folder (config.json + model.safetensors); refuses a mismatched or non-finite draft."""
-    _check_exportable(model, target_config, Path(output_dir))
-    folder = _write_folder(Path(output_dir), sglang_config(model, target_config, dtype), _export_tensors(model, dtype))
-    validate_export(folder, target_config)
-    return folder
+    return _export(model, target_config, output_dir, lambda: sglang_config(model, target_config, dtype), dtype, "sglang")
 
 
 def export_vllm(
@@ -295,11 +296,8 @@ def export_vllm(
     """Write the vLLM / speculators folder (speculators config.json; `layers.0.*` names plus the target's
     embed_tokens). verifier_name_or_path: see vllm_config (written as a portable reference). Refuses a mismatched
     or non-finite draft."""
-    _check_exportable(model, target_config, Path(output_dir))
-    config = vllm_config(model, target_config, verifier_name_or_path, speculative_tokens, dtype)
-    folder = _write_folder(Path(output_dir), config, _export_tensors(model, dtype, "vllm"))
-    validate_export(folder, target_config)
-    return folder
+    return _export(model, target_config, output_dir,
+                   lambda: vllm_config(model, target_config, verifier_name_or_path, speculative_tokens, dtype), dtype, "vllm")
 
 
 def read_export_config(folder: str | Path) -> DraftConfig:
@@ -340,12 +338,6 @@ def read_export_config(folder: str | Path) -> DraftConfig:
     )
 
 
-def export_layout(folder: str | Path) -> str:
-    """"vllm" for a speculators-format export (`layers.0.*`, embed_tokens), else "sglang"."""
-    raw = json.loads((Path(folder) / CONFIG_FILE).read_text())
-    return "vllm" if raw.get("speculators_model_type") == "eagle3" else "sglang"
-
-
 def validate_export(folder: str | Path, target_config: TargetConfigLike | None = None) -> DraftConfig:
     """Check an export: every expected tensor present with its shape and dtype, nothing else, config sane.
 
@@ -356,7 +348,8 @@ def validate_export(folder: str | Path, target_config: TargetConfigLike | None =
     raw = json.loads((folder / CONFIG_FILE).read_text())
     dtype_name = raw.get("torch_dtype") or raw.get("transformer_layer_config", {}).get("torch_dtype", "bfloat16")
     dtype = {name: value for value, name in _DTYPE_NAMES.items()}[dtype_name]
-    expected = expected_tensors(config, dtype, export_layout(folder))
+    # A speculators-format export has vLLM's layout (`layers.0.*`, embed_tokens).
+    expected = expected_tensors(config, dtype, "vllm" if raw.get("speculators_model_type") == "eagle3" else "sglang")
     weights = folder / WEIGHTS_FILE
     with safe_open(str(weights), framework="pt") as handle:
         names = set(handle.keys())
