@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,16 +98,10 @@ def planned_samples(prep_dir: str | os.PathLike) -> list[tuple[str, str, str]]:
             seen.add(key)
             samples.append((*key, conversation_key(key[1], record.get("meta"))))
 
-    for path in sorted(prep_dir.glob("*/tokenized_data.jsonl")):
-        for _, record in read_jsonl(path):
-            add(path.parent.name, record)
-    by_dataset: dict[str, list[Path]] = {}
-    for path in sorted(prep_dir.glob("*/prompts.*.jsonl")):
-        by_dataset.setdefault(path.parent.name, []).append(path)
-    for dataset in sorted(by_dataset):
-        for path in by_dataset[dataset]:
+    for pattern in ("*/tokenized_data.jsonl", "*/prompts.*.jsonl"):
+        for path in sorted(prep_dir.glob(pattern)):  # paths sort by their parts: datasets by name, then files by name
             for _, record in read_jsonl(path):
-                add(dataset, record)
+                add(path.parent.name, record)
     return samples
 
 
@@ -164,9 +159,7 @@ def requests_before_each_size(order: TrainingOrder, partition_of: dict[Key, str]
     counted as needed whether or not its answer will succeed: a failed one is skipped, and the next in the
     order takes its place, so the real point can be a few requests later."""
     rank = {key: position for position, key in enumerate(order.priority())}
-    totals: dict[str, int] = {}
-    for partition in partition_of.values():
-        totals[partition] = totals.get(partition, 0) + 1
+    totals = Counter(partition_of.values())  # partitions in first-seen order
     request_order = {partition: sorted((key for key in partition_of if partition_of[key] == partition), key=lambda key: rank.get(key, len(rank)))
                      for partition in totals}
     place = {key: position + 1 for keys in request_order.values() for position, key in enumerate(keys)}
