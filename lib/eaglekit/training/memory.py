@@ -23,6 +23,7 @@ Offline or online capture (the target's weights beside training) is the storage 
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from collections.abc import Mapping
@@ -239,13 +240,9 @@ def plan_training_memory(
         return state + teacher_head + transient + c0 + c1 * tokens + c2 * tokens**2 + tokens * teacher_per_token
 
     usable = int(gpu_memory_bytes * MEMORY_FRACTION)
-    largest = 0
-    while needed(largest + PACK_ALIGNMENT) <= usable and largest < 1 << 24:
-        low, high = largest + PACK_ALIGNMENT, 2 * (largest + PACK_ALIGNMENT)  # grow, then bisect in units of 128
-        while high - low > PACK_ALIGNMENT:
-            middle = (low + high) // 2 // PACK_ALIGNMENT * PACK_ALIGNMENT
-            low, high = (middle, high) if needed(middle) <= usable else (low, middle)
-        largest = low
+    # `needed` grows with the pack: bisect the packs of 1 to 2^18 - 1 units of 128 tokens for the last that fits.
+    units = range(1, (1 << 25) // PACK_ALIGNMENT)
+    largest = PACK_ALIGNMENT * bisect.bisect_right(units, usable, key=lambda unit: needed(unit * PACK_ALIGNMENT))
     return TrainingMemoryPlan(
         gpu_memory_bytes=int(gpu_memory_bytes), memory_fraction=MEMORY_FRACTION, world_size=world_size, parallel=parallel,
         attention=attention, dtype=dtype, ttt_steps=ttt_steps, pack_tokens=pack_tokens, trainable_parameters=trainable,
