@@ -145,14 +145,16 @@ def main(argv: list[str]) -> int:
     prompts = [list(item if isinstance(item, list) else item["input_ids"]) for item in encoded]
     print(
         f"target {args.model}: {target.config.num_hidden_layers} layers, hidden {target.config.hidden_size}; "
-        f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, torch threads {torch.get_num_threads()}, device cpu"
+        f"{len(prompts)} prompts, max_new_tokens {args.max_new_tokens}, "
+        f"torch threads {torch.get_num_threads()}, device cpu"
     )
 
     # The draft vocab of an untrained draft comes from the target's own greedy outputs, as stage 5 would pick it.
     references = [greedy_decode(target, prompt, args.max_new_tokens, eos).output_ids for prompt in prompts]
     draft = load_draft(model_dir, args.draft_checkpoint, references, target.config.vocab_size)
+    untrained = "untrained (random layer, target lm_head rows)"
     print(
-        f"draft: {'checkpoint ' + args.draft_checkpoint if args.draft_checkpoint else 'untrained (random layer, target lm_head rows)'}, "
+        f"draft: {'checkpoint ' + args.draft_checkpoint if args.draft_checkpoint else untrained}, "
         f"draft vocab {draft.config.draft_vocab_size}"
     )
     if args.fit_iterations:
@@ -165,13 +167,15 @@ def main(argv: list[str]) -> int:
             args.fit_iterations,
         )
         print(
-            f"draft overfitted on these prompts' greedy answers: {args.fit_iterations} Adam steps, {time.perf_counter() - started:.1f} s"
+            f"draft overfitted on these prompts' greedy answers: {args.fit_iterations} Adam steps, "
+            f"{time.perf_counter() - started:.1f} s"
         )
 
     if not args.skip_generate:
         generate_tokens, generate_seconds = time_generate(target, prompts, args.max_new_tokens, eos)
         print(
-            f"generate       {generate_tokens / generate_seconds:8.2f} tok/s  (transformers generate, do_sample=False)"
+            f"generate       {generate_tokens / generate_seconds:8.2f} tok/s  "
+            "(transformers generate, do_sample=False)"
         )
 
     for steps in args.steps:
@@ -183,21 +187,23 @@ def main(argv: list[str]) -> int:
         topology = f"chain k={steps} (top-1, {steps + 1} draft tokens)"
         print(f"--- {topology}")
         print(
-            f"offline eval   {offline_tokens / offline_seconds:8.2f} tok/s  ({offline_tokens} sequence tokens evaluated; "
+            f"offline eval   {offline_tokens / offline_seconds:8.2f} tok/s  ({offline_tokens} sequence "
+            "tokens evaluated; "
             f"{offline_tokens / offline_seconds / greedy_rate:.1f}x the greedy decoding rate)"
         )
         print(f"greedy         {greedy_rate:8.2f} tok/s  (plain loop, KV cache)")
         print(
             f"loop           {loop_rate:8.2f} tok/s  speedup {summary['speedup']:.2f}x  "
-            f"tau {summary['tau_loop_pooled']:.3f} (per-request mean {summary['tau_loop_per_request_mean']:.3f}, "
-            f"{summary['generated_tokens']} tokens / {summary['verification_steps']} verifications)  "
-            f"offline tau {summary['tau_offline_pooled']:.3f} (gap {summary['tau_gap_loop_minus_offline']:+.3f})  "
+            f"tau {summary['tau_loop_pooled']:.3f} (per-request mean "
+            f"{summary['tau_loop_per_request_mean']:.3f}, {summary['generated_tokens']} tokens / "
+            f"{summary['verification_steps']} verifications)  offline tau "
+            f"{summary['tau_offline_pooled']:.3f} (gap {summary['tau_gap_loop_minus_offline']:+.3f})  "
             f"outputs equal greedy: {summary['outputs_equal']}"
         )
         if summary["speedup"] < 1.0:
             print(
-                f"               the loop is {1 / summary['speedup']:.2f}x SLOWER than plain decoding at accept length "
-                f"{summary['tau_loop_pooled']:.2f}: the draft does not pay for its own steps"
+                f"               the loop is {1 / summary['speedup']:.2f}x SLOWER than plain decoding at "
+                f"accept length {summary['tau_loop_pooled']:.2f}: the draft does not pay for its own steps"
             )
         # The ceiling: the same loop (real draft compute, real caches) with every proposal forced right.
         greedy_seconds, oracle_seconds, oracle_tokens, oracle_verifications = 0.0, 0.0, 0, 0
@@ -215,8 +221,9 @@ def main(argv: list[str]) -> int:
             oracle_verifications += result.verification_steps
         oracle_rate, greedy_again = oracle_tokens / oracle_seconds, oracle_tokens / greedy_seconds
         print(
-            f"oracle loop    {oracle_rate:8.2f} tok/s  speedup {oracle_rate / greedy_again:.2f}x over greedy {greedy_again:.2f} tok/s "
-            f"timed alongside  tau {oracle_tokens / max(oracle_verifications, 1):.3f} (ceiling k+1 = {steps + 1})"
+            f"oracle loop    {oracle_rate:8.2f} tok/s  speedup {oracle_rate / greedy_again:.2f}x over greedy "
+            f"{greedy_again:.2f} tok/s timed alongside  tau "
+            f"{oracle_tokens / max(oracle_verifications, 1):.3f} (ceiling k+1 = {steps + 1})"
         )
     for text in args.topology:
         topology = Topology.parse(text)
@@ -228,11 +235,13 @@ def main(argv: list[str]) -> int:
             low, high = record[f"{name}_interval"]
             print(f"{name:<14} {record[name]:8.3f}  [{low:.3f}, {high:.3f}]")
         print(
-            f"offline vs loop {100 * record['tau_offline_vs_loop']:+.1f}%  ({record['offline_positions']} offline start rows, "
-            f"{record['verification_steps']} verifications)  outputs equal greedy: {record['outputs_equal']}"
+            f"offline vs loop {100 * record['tau_offline_vs_loop']:+.1f}%  ({record['offline_positions']} "
+            f"offline start rows, {record['verification_steps']} verifications)  outputs equal "
+            f"greedy: {record['outputs_equal']}"
         )
         print(
-            f"loop           {record['tokens_per_s']:8.2f} tok/s  vs greedy {record['greedy_tokens_per_s']:.2f}  speedup {record['speedup']:.2f}x"
+            f"loop           {record['tokens_per_s']:8.2f} tok/s  vs greedy "
+            f"{record['greedy_tokens_per_s']:.2f}  speedup {record['speedup']:.2f}x"
         )
         oracle_tokens, oracle_steps, oracle_seconds, greedy_seconds = 0, 0, 0.0, 0.0
         for prompt, reference in zip(prompts, references):
@@ -241,15 +250,17 @@ def main(argv: list[str]) -> int:
             result = tree_speculative_decode(target, oracle, prompt, topology, args.max_new_tokens, eos)
             if result.output_ids != greedy.output_ids:
                 raise RuntimeError(
-                    f"oracle tree loop output differs from greedy on prompt {prompt[:8]}...: a bug in the loop"
+                    "oracle tree loop output differs from greedy on prompt "
+                    f"{prompt[:8]}...: a bug in the loop"
                 )
             oracle_tokens += len(result.output_ids)
             oracle_steps += result.verification_steps
             oracle_seconds += result.seconds
             greedy_seconds += greedy.seconds
         print(
-            f"oracle loop    {oracle_tokens / oracle_seconds:8.2f} tok/s  speedup {greedy_seconds / oracle_seconds:.2f}x  "
-            f"tau {oracle_tokens / max(oracle_steps, 1):.3f} (ceiling S+1 = {topology.ceiling})"
+            f"oracle loop    {oracle_tokens / oracle_seconds:8.2f} tok/s  speedup "
+            f"{greedy_seconds / oracle_seconds:.2f}x  tau {oracle_tokens / max(oracle_steps, 1):.3f} "
+            f"(ceiling S+1 = {topology.ceiling})"
         )
     return 0
 

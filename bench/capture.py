@@ -216,8 +216,9 @@ def print_storage_plan(params_path: str, tokens_per_sample: float) -> None:
     tokens = min(tokens_per_sample, capture_length(params))
     print(
         f"{params_path}: {layers} layers, hidden {hidden}; capture.engine {params.capture.engine} "
-        f"(TP{params.capture.tensor_parallel}, DP{params.capture.data_parallel}); {total:,} samples x {tokens:,.0f} tokens "
-        f"(capture stops at {capture_length(params):,} = min(capture.max_seq_len, training.max_length))"
+        f"(TP{params.capture.tensor_parallel}, DP{params.capture.data_parallel}); "
+        f"{total:,} samples x {tokens:,.0f} tokens (capture stops at {capture_length(params):,} = "
+        "min(capture.max_seq_len, training.max_length))"
     )
     for dtype in ("bf16", "fp8"):
         print(
@@ -228,7 +229,8 @@ def print_storage_plan(params_path: str, tokens_per_sample: float) -> None:
             label = f"size {row['size']:>7,}" if row["size"] is not None else "untrained   "
             print(
                 f"    slice {label}: {row['samples']:>7,} samples {row['tokens'] / 1e6:>9,.1f} M tokens "
-                f"{row['bytes'] / 1e12:7.2f} TB  (disk holds {row['cumulative_bytes'] / 1e12:7.2f} TB once it is in)"
+                f"{row['bytes'] / 1e12:7.2f} TB  (disk holds "
+                f"{row['cumulative_bytes'] / 1e12:7.2f} TB once it is in)"
             )
 
 
@@ -267,7 +269,8 @@ def main() -> None:
         "--tokens-per-sample",
         type=float,
         default=8192.0,
-        help="mean captured tokens per sample for --storage-plan (the seed run: ~720M tokens / 87,800 samples)",
+        help="mean captured tokens per sample for --storage-plan (the seed run: "
+        "~720M tokens / 87,800 samples)",
     )
     arguments = parser.parse_args()
     if arguments.storage_plan:
@@ -298,11 +301,13 @@ def main() -> None:
     base_model = base_model_of(model)
     device = base_model.get_input_embeddings().weight.device
     print(
-        f"model {description} ({model.config.num_hidden_layers} layers, H={hidden_size}), {arguments.device} {arguments.dtype}, "
+        f"model {description} ({model.config.num_hidden_layers} layers, H={hidden_size}), "
+        f"{arguments.device} {arguments.dtype}, "
         f"torch threads {torch.get_num_threads()}, capture layers {layer_ids}"
     )
     print(
-        f"{len(samples)} samples, {tokens} tokens in {len(batches)} batches ({padded} padded tokens, budget {arguments.max_tokens_per_batch})"
+        f"{len(samples)} samples, {tokens} tokens in {len(batches)} batches ({padded} padded tokens, "
+        f"budget {arguments.max_tokens_per_batch})"
     )
 
     def plain_decoder_forward() -> None:
@@ -339,17 +344,19 @@ def main() -> None:
     cpu_median = {name: statistics.median(values) for name, values in cpu_seconds.items()}
     for name, value in median.items():
         print(
-            f"throughput {name:45s} {tokens / value:9.1f} tokens/s wall (median of {arguments.repeats}: {value:.2f}s wall, "
-            f"{cpu_median[name]:.2f}s process CPU)"
+            f"throughput {name:45s} {tokens / value:9.1f} tokens/s wall (median of {arguments.repeats}: "
+            f"{value:.2f}s wall, {cpu_median[name]:.2f}s process CPU)"
         )
     plain, lm_head = "plain decoder forward", "plain CausalLM forward (lm_head over vocab)"
     # On a shared CPU, wall time depends on the neighbours; process CPU time counts this process's work only.
     print(
-        f"throughput ratio hook capture / plain decoder forward = {median[plain] / median['hook capture']:.3f} wall, "
+        "throughput ratio hook capture / plain decoder forward = "
+        f"{median[plain] / median['hook capture']:.3f} wall, "
         f"{cpu_median[plain] / cpu_median['hook capture']:.3f} CPU time (goal >= 0.9)"
     )
     print(
-        f"throughput ratio hook capture / plain CausalLM forward = {median[lm_head] / median['hook capture']:.3f} wall, "
+        "throughput ratio hook capture / plain CausalLM forward = "
+        f"{median[lm_head] / median['hook capture']:.3f} wall, "
         f"{cpu_median[lm_head] / cpu_median['hook capture']:.3f} CPU time"
     )
 
@@ -361,11 +368,12 @@ def main() -> None:
     )
     for approach, result in memory.items():
         print(
-            f"memory {approach:22s} {result['peak_bytes'] / 2**20:8.1f} MiB over the loaded model, one batch of "
-            f"{result['tokens']} tokens ({result['padded_tokens']} padded); {how}"
+            f"memory {approach:22s} {result['peak_bytes'] / 2**20:8.1f} MiB over the loaded model, "
+            f"one batch of {result['tokens']} tokens ({result['padded_tokens']} padded); {how}"
         )
     print(
-        f"memory ratio hooks / output_hidden_states = {memory['hooks']['peak_bytes'] / max(memory['output_hidden_states']['peak_bytes'], 1):.3f}"
+        "memory ratio hooks / output_hidden_states = "
+        f"{memory['hooks']['peak_bytes'] / max(memory['output_hidden_states']['peak_bytes'], 1):.3f}"
     )
 
     with tempfile.TemporaryDirectory() as folder:
@@ -402,11 +410,13 @@ def main() -> None:
         index_bytes = (folder_path / "shards" / INDEX_FILE).stat().st_size
     formula = hidden_state_bytes_per_token(hidden_size, dtype_bytes=2)
     print(
-        f"end-to-end capture_to_shards: {report.captured_tokens / elapsed:.1f} tokens/s ({report.shards_written} shards, {elapsed:.2f}s)"
+        f"end-to-end capture_to_shards: {report.captured_tokens / elapsed:.1f} tokens/s "
+        f"({report.shards_written} shards, {elapsed:.2f}s)"
     )
     print(
-        f"bytes per stored token: shards {shard_bytes / report.captured_tokens:.1f} B vs formula 4H x 2 = {formula} B "
-        f"(ratio {shard_bytes / report.captured_tokens / formula:.4f}; +9 B/token int64 id and uint8 mask, + safetensors header); "
+        f"bytes per stored token: shards {shard_bytes / report.captured_tokens:.1f} B vs formula 4H x 2 = "
+        f"{formula} B (ratio {shard_bytes / report.captured_tokens / formula:.4f}; +9 B/token int64 id and "
+        "uint8 mask, + safetensors header); "
         f"index.json adds {index_bytes / report.captured_tokens:.1f} B/token"
     )
 

@@ -67,7 +67,8 @@ def main() -> None:
     settings = ServerParams(continuous_batching=not args.no_continuous_batching)
     with EmbeddedServer(resolve_model("embedded:smollm2-135m-instruct"), settings=settings) as server:
         print(
-            f"server: transformers serve, continuous_batching={settings.continuous_batching}, dtype={settings.dtype}, "
+            f"server: transformers serve, continuous_batching={settings.continuous_batching}, "
+            f"dtype={settings.dtype}, "
             f"kv_cache_tokens={settings.kv_cache_tokens}; max_tokens={args.max_tokens}"
         )
         rates = {}
@@ -83,7 +84,8 @@ def main() -> None:
             )
             rates[concurrency] = tokens / seconds
             print(
-                f"concurrency {concurrency:>2}: {tokens:5d} completion tokens in {seconds:6.1f} s = {rates[concurrency]:6.1f} tok/s"
+                f"concurrency {concurrency:>2}: {tokens:5d} completion tokens in {seconds:6.1f} s = "
+                f"{rates[concurrency]:6.1f} tok/s"
             )
         print(f"ratio concurrency 32 / concurrency 1: {rates[32] / rates[1]:.2f}x")
 

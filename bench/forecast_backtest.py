@@ -80,9 +80,10 @@ def backtest(resamples: int) -> None:
         covered, total = covered + hit, total + 1
         measured = points[960]
         print(
-            f"| {name} | {rho:.2f} | 60, 240 (slope {slope['slope_per_doubling']:+.4f}) | 960 at the measured slope | {point:.3f} "
-            f"[{low:.3f}, {high:.3f}] | {measured[0]:.3f} [{measured[1]:.3f}, {measured[2]:.3f}] | {measured[0] - point:+.3f} | "
-            f"{'yes' if hit else 'no'} |"
+            f"| {name} | {rho:.2f} | 60, 240 (slope {slope['slope_per_doubling']:+.4f}) "
+            f"| 960 at the measured slope | {point:.3f} [{low:.3f}, {high:.3f}] | {measured[0]:.3f} "
+            f"[{measured[1]:.3f}, {measured[2]:.3f}] | "
+            f"{measured[0] - point:+.3f} | {'yes' if hit else 'no'} |"
         )
         # 60, 960 -> 240: the line's interpolation (the curvature the 3-size forecast reads).
         line = replicates[:, 0] + (replicates[:, 2] - replicates[:, 0]) / 2.0
@@ -90,9 +91,9 @@ def backtest(resamples: int) -> None:
         point = (taus[0] + taus[2]) / 2.0
         measured = points[240]
         print(
-            f"| {name} | {rho:.2f} | 60, 960 | 240 on the line (interpolation) | {point:.3f} [{low:.3f}, {high:.3f}] | "
-            f"{measured[0]:.3f} [{measured[1]:.3f}, {measured[2]:.3f}] | {measured[0] - point:+.3f} | "
-            f"{'yes' if low <= measured[0] <= high else 'no'} |"
+            f"| {name} | {rho:.2f} | 60, 960 | 240 on the line (interpolation) | {point:.3f} [{low:.3f}, "
+            f"{high:.3f}] | {measured[0]:.3f} [{measured[1]:.3f}, {measured[2]:.3f}] | "
+            f"{measured[0] - point:+.3f} | {'yes' if low <= measured[0] <= high else 'no'} |"
         )
     print(f"\nExtrapolation coverage (60, 240 -> 960): {covered} of {total}.\n")
 
@@ -135,7 +136,8 @@ def backtest(resamples: int) -> None:
             for family in ("log-linear", "saturating", "accelerating", "plateau")
         )
         print(
-            f"| {name} | {cell(by_size[3840.0])} | {families} | {cell(by_size[7680.0])} | {goal_at} | {now.verdict} |"
+            f"| {name} | {cell(by_size[3840.0])} | {families} | "
+            f"{cell(by_size[7680.0])} | {goal_at} | {now.verdict} |"
         )
         lines.append(f"- {name}: {now.line}")
     print("\n" + "\n".join(lines))
@@ -177,8 +179,9 @@ def coverage(experiments: int, resamples: int) -> None:
     3 doublings (the horizon), per truth; then the chance of ever a wrong "go" over a staged run's 6 looks."""
     ahead = (3840.0, 7680.0, 15360.0)
     print(
-        f"\n| truth | sizes | covered at 3,840 | at 7,680 | at 15,360 | mean width at 3,840 / 7,680 | wrong go, break-even within "
-        f"0.02 above the truth at 7,680 | ({experiments} experiments, {resamples} resamples) |"
+        "\n| truth | sizes | covered at 3,840 | at 7,680 | at 15,360 | mean width at 3,840 / 7,680 | wrong "
+        f"go, break-even within 0.02 above the truth at 7,680 | ({experiments} "
+        f"experiments, {resamples} resamples) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for sizes in ([60.0, 240.0, 960.0], [60.0, 120.0, 240.0, 480.0, 960.0]):
@@ -211,11 +214,13 @@ def coverage(experiments: int, resamples: int) -> None:
             rate = lambda size: f"{hits[size] / forecast_at[size]:.3f}" if forecast_at[size] else "refused"  # noqa: E731
             print(
                 f"| {name} | {len(sizes)} | {rate(ahead[0])} | {rate(ahead[1])} | {rate(ahead[2])} | "
-                f"{np.mean(widths[ahead[0]]):.3f} / {np.mean(widths[ahead[1]]):.3f} | {wrong / experiments:.3f} | |"
+                f"{np.mean(widths[ahead[0]]):.3f} / {np.mean(widths[ahead[1]]):.3f} "
+                f"| {wrong / experiments:.3f} | |"
             )
     sizes = [60.0, 120.0, 240.0, 480.0, 960.0]
     print(
-        f"\n| truth | ever a wrong go over 6 looks (5 staged sizes, then stage 6), horizon 3,840 | ({experiments} sequences) |"
+        "\n| truth | ever a wrong go over 6 looks (5 staged sizes, then stage 6), "
+        f"horizon 3,840 | ({experiments} sequences) |"
     )
     print("|---|---|---|")
     for name, truth in TRUTHS.items():

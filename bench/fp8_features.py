@@ -168,7 +168,8 @@ def main() -> int:
 
     print(
         f"embedded SmolLM2, {args.prompts - args.heldout} training / {args.heldout} held-out samples x "
-        f"{args.max_new_tokens} tokens, {args.steps} steps, chain 3, draft vocab 2048 ({time.perf_counter() - started:.0f} s)"
+        f"{args.max_new_tokens} tokens, {args.steps} steps, chain 3, "
+        f"draft vocab 2048 ({time.perf_counter() - started:.0f} s)"
     )
     print("| trained on | scored on | held-out tau |")
     print("|---|---|---|")

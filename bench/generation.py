@@ -135,25 +135,27 @@ def bench_scheduling(workdir: Path, requests: int, concurrency: int, median_s: f
     client_latency = sum(record["latency_s"] for record in records)
     print(
         f"[1] long-tailed latencies: {requests} requests, concurrency {concurrency}, lognormal median "
-        f"{median_s * 1000:.0f} ms sigma {sigma} (mean {sum(latencies) / requests * 1000:.0f} ms, max {max(latencies):.2f} s)"
+        f"{median_s * 1000:.0f} ms sigma {sigma} (mean {sum(latencies) / requests * 1000:.0f} "
+        f"ms, max {max(latencies):.2f} s)"
     )
     print(
         f"    ideal = the endpoint's answer times (request read to response written, summed by the server) / "
         f"concurrency = {ideal:.2f} s"
     )
     print(
-        f"    engine {engine:.2f} s | waves {wave:.2f} s | best in-order continuous scheduler (simulated on the "
-        f"requested times) {best_in_order:.2f} s"
+        f"    engine {engine:.2f} s | waves {wave:.2f} s | best in-order continuous scheduler (simulated on "
+        f"the requested times) {best_in_order:.2f} s"
     )
     print(
         f"    engine / ideal = {engine / ideal:.3f} (goal <= 1.05) | waves / ideal = {wave / ideal:.3f} | "
         f"waves / engine = {wave / engine:.2f}x"
     )
     print(
-        f"    where the rest goes: the last requests' tail {best_in_order / requested_ideal:.3f} x (any in-order "
-        f"scheduler) | HTTP round trip {(client_latency - service) / requests * 1000:.2f} ms/request on the "
-        f"client | start-up and summary {engine - window:.2f} s | requested times / concurrency "
-        f"{requested_ideal:.2f} s (timer overshoot in the server: {(service - sum(latencies)) / requests * 1000:.2f} ms/request)"
+        f"    where the rest goes: the last requests' tail {best_in_order / requested_ideal:.3f} x (any "
+        f"in-order scheduler) | HTTP round trip {(client_latency - service) / requests * 1000:.2f} "
+        f"ms/request on the client | start-up and summary {engine - window:.2f} s | requested times / "
+        f"concurrency {requested_ideal:.2f} s (timer overshoot in the server: "
+        f"{(service - sum(latencies)) / requests * 1000:.2f} ms/request)"
     )
 
 
@@ -191,7 +193,8 @@ def bench_overhead(workdir: Path, requests: int, concurrency: int) -> None:
     span = request_window(list(read_generations(workdir / "instant_out").values()))
     print(
         f"[2] instant endpoint, concurrency {concurrency}: {requests} requests in {wall:.2f} s wall = "
-        f"{requests / wall:.0f} requests/s ({requests / span:.0f}/s over the request window {span:.2f} s; goal >= 1000)"
+        f"{requests / wall:.0f} requests/s ({requests / span:.0f}/s over the request "
+        f"window {span:.2f} s; goal >= 1000)"
     )
     print(
         f"    client CPU {client_cpu:.2f} s = {client_cpu / requests * 1e6:.0f} us/request (bound: "
@@ -232,8 +235,9 @@ def bench_embedded(workdir: Path, max_tokens: int, levels: list[int]) -> None:
                 for r in read_generations(workdir / f"embedded_out_{concurrency}").values()
             )
             print(
-                f"[3] embedded SmolLM2-135M, concurrency {concurrency:>2}: {count} requests x <= {max_tokens} tokens, "
-                f"{tokens} completion tokens in {wall:.1f} s = {tokens / wall:.1f} tokens/s"
+                f"[3] embedded SmolLM2-135M, concurrency {concurrency:>2}: {count} requests x <= "
+                f"{max_tokens} tokens, {tokens} completion tokens in {wall:.1f} s "
+                f"= {tokens / wall:.1f} tokens/s"
             )
 
 
@@ -289,9 +293,10 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
             f"{np.mean(pilot.completion_tokens):.1f} tokens, {pilot.requests_per_second:.2f} req/s"
         )
         print(
-            f"    no-preemption worst case {worst}; from lengths: {plan.expected_tokens_per_sequence:.0f} tokens per "
-            f"running sequence, retractions likely above {plan.retraction_concurrency}; requested {requested} -> "
-            f"planned {planned} (expected occupancy {planned * plan.expected_tokens_per_sequence / kv_cache_tokens:.0%})",
+            f"    no-preemption worst case {worst}; from lengths: {plan.expected_tokens_per_sequence:.0f} "
+            f"tokens per running sequence, retractions likely above {plan.retraction_concurrency}; "
+            f"requested {requested} -> planned {planned} (expected occupancy "
+            f"{planned * plan.expected_tokens_per_sequence / kv_cache_tokens:.0%})",
             flush=True,
         )
         for label, concurrency in (("worst case", max(1, worst)), ("planned", planned)):
@@ -301,9 +306,10 @@ def bench_capacity(workdir: Path, kv_cache_tokens: int, max_tokens: int, request
             tokens = counts.completion_tokens
             eta = count / pilot.requests_per_second
             print(
-                f"    {label:10s} concurrency {concurrency:>3}: {counts.done}/{count} answered, {counts.errors} errors, "
-                f"{wall:.1f} s, {count / wall:.2f} req/s, {tokens / wall:.1f} completion tok/s "
-                f"(pilot-rate ETA {eta:.1f} s, at the pilot's concurrency {pilot_concurrency})",
+                f"    {label:10s} concurrency {concurrency:>3}: {counts.done}/{count} answered, "
+                f"{counts.errors} errors, {wall:.1f} s, {count / wall:.2f} req/s, "
+                f"{tokens / wall:.1f} completion tok/s (pilot-rate ETA {eta:.1f} s, "
+                f"at the pilot's concurrency {pilot_concurrency})",
                 flush=True,
             )
 
@@ -357,8 +363,8 @@ def bench_partitions(workdir: Path, token_seconds: float, scale: float) -> None:
         process.kill()
     tokens = sum(int(text.rsplit(":", 1)[1]) for text in short + long)
     print(
-        f"[5] two partitions: {len(short)} short (concurrency 64, max 4096) then {len(long)} long (concurrency 8, "
-        f"max 8192), {tokens} tokens at {token_seconds * 1000:.1f} ms a token"
+        f"[5] two partitions: {len(short)} short (concurrency 64, max 4096) then {len(long)} long "
+        f"(concurrency 8, max 8192), {tokens} tokens at {token_seconds * 1000:.1f} ms a token"
     )
     before, after = results[False][0], results[True][0]
     print(
@@ -368,14 +374,15 @@ def bench_partitions(workdir: Path, token_seconds: float, scale: float) -> None:
     for overlap, (wall, records, gap) in results.items():
         end = records[-1]["elapsed_s"]
         print(
-            f"    {'overlap' if overlap else 'drained'}: first long request sent {gap:+.1f} s after the last short "
-            f"answer; the ETA the run said, against the time left:"
+            f"    {'overlap' if overlap else 'drained'}: first long request sent {gap:+.1f} s after the last "
+            "short answer; the ETA the run said, against the time left:"
         )
         for share in (0.10, 0.25, 0.50):
             record = min(records[:-1], key=lambda record: abs(record["elapsed_s"] - share * end))
             left = end - record["elapsed_s"]
             print(
-                f"      at {record['elapsed_s']:.1f} s ({share:.0%}): {record['eta_total']} | actual {format_duration(left)}"
+                f"      at {record['elapsed_s']:.1f} s ({share:.0%}): {record['eta_total']} | actual "
+                f"{format_duration(left)}"
                 f" ({left:.1f} s) | long {record['eta']['long']}"
             )
 

@@ -142,9 +142,10 @@ def main() -> None:
     reader = SlowSamples(pool, read_seconds)
     read_step = lambda index: [reader[index * args.samples + slot] for slot in range(args.samples)]
     print(
-        f"{args.preset}-shaped draft H={config.hidden_size}, {args.samples} samples/step (<= {args.max_length} tokens), "
-        f"{torch.get_num_threads()} torch threads; compute alone {compute * 1e3:.0f} ms/step; simulated read "
-        f"{read_seconds * 1e3:.0f} ms/sample ({read_seconds * args.samples * 1e3:.0f} ms/step; the capture here is in memory)"
+        f"{args.preset}-shaped draft H={config.hidden_size}, {args.samples} samples/step (<= "
+        f"{args.max_length} tokens), {torch.get_num_threads()} torch threads; "
+        f"compute alone {compute * 1e3:.0f} ms/step; simulated read {read_seconds * 1e3:.0f} ms/sample "
+        f"({read_seconds * args.samples * 1e3:.0f} ms/step; the capture here is in memory)"
     )
 
     timings: dict[str, list[float]] = {"synchronous": [], f"prefetch depth {args.depth}": []}
@@ -160,7 +161,8 @@ def main() -> None:
     for name, seconds in timings.items():
         median = statistics.median(seconds)
         print(
-            f"{name:20s} {median * 1e3:8.0f} ms/step ({min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f})  {synchronous / median:5.2f}x"
+            f"{name:20s} {median * 1e3:8.0f} "
+            f"ms/step ({min(seconds) * 1e3:.0f}-{max(seconds) * 1e3:.0f})  {synchronous / median:5.2f}x"
         )
     same = losses["synchronous"] == losses[f"prefetch depth {args.depth}"]
     print(

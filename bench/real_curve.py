@@ -75,8 +75,9 @@ def build_split(out: Path, run: Path, args: argparse.Namespace) -> dict[str, Any
             or split.get("truncate", False) != args.truncate
         ):
             raise SystemExit(
-                f"{path}: made from {split.get('answers', 'regenerated')} answers (truncate {split.get('truncate', False)}); "
-                f"this run asks {args.answers} (truncate {args.truncate}): use another folder"
+                f"{path}: made from {split.get('answers', 'regenerated')} answers (truncate "
+                f"{split.get('truncate', False)}); this run asks {args.answers} (truncate "
+                f"{args.truncate}): use another folder"
             )
         if (
             split["max_length"] != args.max_length
@@ -84,8 +85,9 @@ def build_split(out: Path, run: Path, args: argparse.Namespace) -> dict[str, Any
             or split["pool"] != max(args.sizes)
         ):
             raise SystemExit(
-                f"{path}: made with max_length {split['max_length']}, selection {split['selection_size']}, pool "
-                f"{split['pool']}; this run asks {args.max_length}, {args.selection_size}, {max(args.sizes)}: use another folder"
+                f"{path}: made with max_length {split['max_length']}, selection {split['selection_size']}, "
+                f"pool {split['pool']}; this run asks {args.max_length}, {args.selection_size}, "
+                f"{max(args.sizes)}: use another folder"
             )
         return split
     order = json.loads((run / "prep" / "order.json").read_text())
@@ -119,8 +121,9 @@ def build_split(out: Path, run: Path, args: argparse.Namespace) -> dict[str, Any
     staging.rename(out / "tokenized.jsonl")
     write_json(path, split)
     print(
-        f"split: {len(planned)} planned, {split['answered']} answered, {len(kept)} of at most {args.max_length} tokens: "
-        f"selection {len(split['selection'])}, training pool {pool}, scoring {len(split['scoring'])}",
+        f"split: {len(planned)} planned, {split['answered']} answered, {len(kept)} of at most "
+        f"{args.max_length} tokens: selection {len(split['selection'])}, training pool {pool}, "
+        f"scoring {len(split['scoring'])}",
         flush=True,
     )
     return split
@@ -263,7 +266,8 @@ def sweep_rows(out: Path, sizes: list[int]) -> list[dict[str, Any]]:
     missing = [size for size in sizes if not (out / "rows" / f"size-{size:07d}.json").exists()]
     if missing:
         raise SystemExit(
-            f"sizes {missing} are not trained yet in {out / 'training'}: run without --table (or with --train-sizes)"
+            f"sizes {missing} are not trained yet in {out / 'training'}: "
+            "run without --table (or with --train-sizes)"
         )
     return [json.loads((out / "rows" / f"size-{size:07d}.json").read_text()) for size in sizes]
 
@@ -347,7 +351,8 @@ def backtest(
 
     rows, lines, verdicts = [], [], {break_even: [] for break_even in args.break_even}
     lines.append(
-        "| fit on (sizes) | predicts (doublings ahead) | forecast tau [interval] | measured tau [95%] | error | covered | width |"
+        "| fit on (sizes) | predicts (doublings ahead) | forecast tau [interval] | measured tau "
+        "[95%] | error | covered | width |"
     )
     lines.append("|---|---|---|---|---|---|---|")
     for count in range(args.min_fit, len(sizes) + 1):
@@ -442,8 +447,9 @@ def backtest(
                 }
                 rows.append(row)
                 lines.append(
-                    f"| {fit_text} | {int(sizes[index])} (+{row['doublings']:.0f}) | {prediction.tau:.3f} [{prediction.tau_low:.3f}, "
-                    f"{prediction.tau_high:.3f}] | {taus[index]:.3f} [{lows[index]:.3f}, {highs[index]:.3f}] | {row['error']:+.3f} | "
+                    f"| {fit_text} | {int(sizes[index])} (+{row['doublings']:.0f}) | {prediction.tau:.3f} "
+                    f"[{prediction.tau_low:.3f}, {prediction.tau_high:.3f}] | {taus[index]:.3f} "
+                    f"[{lows[index]:.3f}, {highs[index]:.3f}] | {row['error']:+.3f} | "
                     f"{'yes' if covered else '**no**'} | {row['width']:.3f} |"
                 )
     by_doubling: dict[int, list[dict]] = {}
@@ -457,7 +463,8 @@ def backtest(
     for doublings, group in sorted(by_doubling.items()):
         summary.append(
             f"| {doublings} | {len(group)} | {sum(row['covered'] for row in group)}/{len(group)} | "
-            f"{np.mean([row['error'] for row in group]):+.3f} | {np.mean([abs(row['error']) for row in group]):.3f} | "
+            f"{np.mean([row['error'] for row in group]):+.3f} | "
+            f"{np.mean([abs(row['error']) for row in group]):.3f} | "
             f"{np.mean([row['width'] for row in group]):.3f} |"
         )
     text = "\n".join(lines) + "\n\n" + "\n".join(summary)
@@ -465,8 +472,8 @@ def backtest(
         truth = measured_truth(taus[-1], lows[-1], highs[-1], break_even)
         text += (
             f"\n\nBreak-even {break_even:.2f}; what the largest size measured: {truth}.\n\n"
-            "| fit on (sizes) | verdict | bounds read (one-sided) | measured shape crosses at | right? |\n|---|---|---|---|---|\n"
-            + "\n".join(verdict_lines)
+            "| fit on (sizes) | verdict | bounds read (one-sided) | measured shape crosses at | "
+            "right? |\n|---|---|---|---|---|\n" + "\n".join(verdict_lines)
         )
     return text, rows
 
@@ -544,8 +551,8 @@ def parse_args() -> argparse.Namespace:
         "--break-even",
         default="1.91,1.45",
         type=lambda text: [float(part) for part in text.split(",")],
-        help="the verdicts' break-even taus: 1.91, this target's embedded loop on this CPU (docs/demo_run.md); "
-        "1.45, issue 14's goal",
+        help="the verdicts' break-even taus: 1.91, this target's embedded loop on this CPU "
+        "(docs/demo_run.md); 1.45, issue 14's goal",
     )
     parser.add_argument(
         "--looks",
@@ -638,7 +645,8 @@ def main() -> None:
         )
 
     curve = [
-        "| size | steps (cap) | stopped | best step | selection tau (best) | scoring tau [95%] | lower bound |",
+        "| size | steps (cap) | stopped | best step | selection tau (best) "
+        "| scoring tau [95%] | lower bound |",
         "|---|---|---|---|---|---|---|",
     ]
     for index, row in enumerate(rows):
@@ -649,8 +657,8 @@ def main() -> None:
         )
     positions = sum(len(value) for value in by_size[sizes[0]][DATASET])
     print(
-        f"\n## The measured curve ({len(kit.scoring)} scoring samples, {positions} chain starts; draft vocab {kit.vocab.size}, "
-        f"coverage {kit.vocab.coverage:.3f}; chain {chain})\n"
+        f"\n## The measured curve ({len(kit.scoring)} scoring samples, {positions} chain starts; "
+        f"draft vocab {kit.vocab.size}, coverage {kit.vocab.coverage:.3f}; chain {chain})\n"
     )
     print("\n".join(curve))
     if seed_lines:
@@ -660,7 +668,8 @@ def main() -> None:
         sizes, taus, lows, highs, replicates, lower_bounds, seeds, args, chain, confidence
     )
     print(
-        f"\n## Backtest (forecast at confidence {confidence}, looks {args.looks}, horizon = full data = {int(sizes[-1])})\n"
+        f"\n## Backtest (forecast at confidence {confidence}, looks {args.looks}, "
+        f"horizon = full data = {int(sizes[-1])})\n"
     )
     print(text)
     if args.out_json:

@@ -191,7 +191,8 @@ def main() -> None:
     train_indices = [candidates[position] for position in order[: args.size]]
     train = IndexedSubset(samples, train_indices)
     print(
-        f"train {len(train)} samples {dict(zip(*np.unique([datasets[i] for i in train_indices], return_counts=True)))}; "
+        f"train {len(train)} samples "
+        f"{dict(zip(*np.unique([datasets[i] for i in train_indices], return_counts=True)))}; "
         f"outside-source held-out {len(heldout)} {args.heldout_dataset} samples",
         flush=True,
     )
@@ -273,13 +274,15 @@ def main() -> None:
             with args.out.open("a") as handle:
                 handle.write(json.dumps(row) + "\n")
     print(
-        f"\n| variant | steps (cap) | converged | held-out tau ({args.heldout_dataset}, chain {chain_steps}) | benchmark tau (real loop) |"
+        f"\n| variant | steps (cap) | converged | held-out tau ({args.heldout_dataset}, "
+        f"chain {chain_steps}) | benchmark tau (real loop) |"
     )
     print("|---|---|---|---|---|")
     for row in rows:
         print(
-            f"| {row['variant']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | {row['heldout_tau']:.3f} "
-            f"[{row['heldout_low']:.3f}, {row['heldout_high']:.3f}] | {row['benchmark_tau']:.3f} [{row['benchmark_low']:.3f}, {row['benchmark_high']:.3f}] |"
+            f"| {row['variant']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | "
+            f"{row['heldout_tau']:.3f} [{row['heldout_low']:.3f}, {row['heldout_high']:.3f}] | "
+            f"{row['benchmark_tau']:.3f} [{row['benchmark_low']:.3f}, {row['benchmark_high']:.3f}] |"
         )
 
 

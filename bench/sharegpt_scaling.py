@@ -313,22 +313,22 @@ def parse_args() -> argparse.Namespace:
         "--stop-at-step",
         type=int,
         default=None,
-        help="resume a draft only up to its next evaluation at or after this step, then score its best checkpoint "
-        "(a run cut short for time: reported as not converged)",
+        help="resume a draft only up to its next evaluation at or after this step, "
+        "then score its best checkpoint (a run cut short for time: reported as not converged)",
     )
     parser.add_argument(
         "--smoothing-evaluations",
         type=int,
         default=None,
-        help="TrainSettings.smoothing_evaluations (until_converged judges improvement on the mean of this many "
-        "held-out taus); 1: each tau alone, the rule before smoothing. Default: the kit's",
+        help="TrainSettings.smoothing_evaluations (until_converged judges improvement on the mean of this "
+        "many held-out taus); 1: each tau alone, the rule before smoothing. Default: the kit's",
     )
     parser.add_argument(
         "--continue-from",
         default=None,
         metavar="VARIANT",
-        help="start each anneal variant's draft from a copy of VARIANT's converged draft (same label and size) "
-        "instead of step 0: the same run, without retraining the shared part",
+        help="start each anneal variant's draft from a copy of VARIANT's converged draft (same label and "
+        "size) instead of step 0: the same run, without retraining the shared part",
     )
     parser.add_argument(
         "--label", default="recipe", help="names the draft folders: drafts/<label>-<variant>-size<n>"
@@ -448,7 +448,8 @@ def train_and_score(
     missing = [sample_id for sample_id in heldout_ids + train_ids if sample_id not in position]
     if missing:
         raise SystemExit(
-            f"{len(missing)} samples of size {size} are not captured yet (first {missing[0]}): generate and capture first"
+            f"{len(missing)} samples of size {size} are not captured yet (first "
+            f"{missing[0]}): generate and capture first"
         )
     heldout = IndexedSubset(captured, [position[sample_id] for sample_id in heldout_ids])
     train = IndexedSubset(captured, [position[sample_id] for sample_id in train_ids])
@@ -637,7 +638,8 @@ def paired_summary(
     points = np.array([1.0 + (c.prefix_counts.sum(axis=0) / c.positions.sum()).sum() for c in counts])
     low, high = percentile_interval(taus, confidence)
     lines = [
-        "| variant | size | steps (cap) | converged | best step | s/step | outside tau [95%] | minus baseline [95%] | ShareGPT held-out tau | real loop tau [95%] |",
+        "| variant | size | steps (cap) | converged | best step | s/step | outside tau [95%] | minus "
+        "baseline [95%] | ShareGPT held-out tau | real loop tau [95%] |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for index, row in enumerate(rows):
@@ -655,15 +657,16 @@ def paired_summary(
             difference = f"{points[index] - points[base]:+.3f} [{d_low[0]:+.3f}, {d_high[0]:+.3f}]"
         loop = row.get("loop")
         loop_text = (
-            f"{loop['tau']:.3f} [{loop['low']:.3f}, {loop['high']:.3f}] ({loop['prompts']} x {loop['new_tokens']})"
+            f"{loop['tau']:.3f} [{loop['low']:.3f}, "
+            f"{loop['high']:.3f}] ({loop['prompts']} x {loop['new_tokens']})"
             if loop
             else "-"
         )
         per_step = f"{row['seconds_per_step']:.1f}" if row.get("seconds_per_step") else "-"
         lines.append(
-            f"| {row['variant']} | {row['size']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | {row['best_step']} | "
-            f"{per_step} | {points[index]:.3f} [{low[index]:.3f}, {high[index]:.3f}] | {difference} | "
-            f"{row['sharegpt_heldout_tau']:.3f} | {loop_text} |"
+            f"| {row['variant']} | {row['size']} | {row['steps']} ({row['step_cap']}) | {row['converged']} | "
+            f"{row['best_step']} | {per_step} | {points[index]:.3f} [{low[index]:.3f}, {high[index]:.3f}] | "
+            f"{difference} | {row['sharegpt_heldout_tau']:.3f} | {loop_text} |"
         )
     baseline = [index for index, row in enumerate(rows) if row["variant"] == "baseline"]
     sizes = np.log2([rows[index]["size"] for index in baseline])
@@ -675,9 +678,10 @@ def paired_summary(
         replicate_slopes = slope(taus[:, baseline])
         s_low, s_high = percentile_interval(replicate_slopes[:, None], confidence)
         lines.append(
-            f"\nbaseline slope per doubling of data (least squares on log2 N over sizes "
+            "\nbaseline slope per doubling of data (least squares on log2 N over sizes "
             f"{[rows[index]['size'] for index in baseline]}): {float(slope(points[baseline])):+.4f} "
-            f"[{s_low[0]:+.4f}, {s_high[0]:+.4f}] (paired bootstrap over the {len(counts[0].positions)} outside samples)"
+            f"[{s_low[0]:+.4f}, {s_high[0]:+.4f}] (paired bootstrap over the "
+            f"{len(counts[0].positions)} outside samples)"
         )
     return "\n".join(lines)
 

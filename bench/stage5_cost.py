@@ -224,8 +224,9 @@ def main() -> None:
     step_samples = [train[i] for i in range(args.micro_batch)]
     tokens = sum(min(len(s["input_ids"]), args.max_length) for s in step_samples)
     print(
-        f"V {head.shape[0]:,} H {head.shape[1]}, draft vocab {args.draft_vocab:,}, TTT {args.ttt_steps}; step: {args.micro_batch} samples, "
-        f"{tokens} tokens; held-out: {args.heldout} samples, {sum(min(len(heldout[i]['input_ids']), args.max_length) for i in range(len(heldout)))} tokens"
+        f"V {head.shape[0]:,} H {head.shape[1]}, draft vocab {args.draft_vocab:,}, TTT {args.ttt_steps}; "
+        f"step: {args.micro_batch} samples, {tokens} tokens; held-out: {args.heldout} samples, "
+        f"{sum(min(len(heldout[i]['input_ids']), args.max_length) for i in range(len(heldout)))} tokens"
     )
 
     # 1. Breakdown. Each variant has its own draft and optimizer (same init): the steps train them alike.
@@ -288,25 +289,28 @@ def main() -> None:
         )
     print(
         f"step: before / after = {totals['before'] / totals['after']:.2f}x; "
-        f"losses per round before {[round(x, 5) for x in variants['before']['loss']]} after {[round(x, 5) for x in variants['after']['loss']]}"
+        f"losses per round before {[round(x, 5) for x in variants['before']['loss']]} after "
+        f"{[round(x, 5) for x in variants['after']['loss']]}"
     )
     print("\none held-out evaluation, median seconds (target argmax also timed alone):")
     evals = {}
     for name, variant in variants.items():
         evals[name] = median(variant["eval"], "whole evaluation")
         print(
-            f"{name:12s} whole {evals[name]:7.3f}  target argmax alone {median(variant['eval'], 'target argmax'):7.3f}  "
+            f"{name:12s} whole {evals[name]:7.3f}  target argmax alone "
+            f"{median(variant['eval'], 'target argmax'):7.3f}  "
             f"({sum(len(a) for a in variant['agreements'])} chain starts)"
         )
     pairs = list(zip(variants["before"]["agreements"], variants["after"]["agreements"]))
     differing = sum(int((a != b).sum()) if a.shape == b.shape else a.size + b.size for a, b in pairs)
     print(
-        f"agreement entries that differ, old evaluation code vs the kit with the cache (drafts trained alike): {differing} "
-        f"of {sum(a.size for a, _ in pairs)}"
+        "agreement entries that differ, old evaluation code vs the kit with the cache (drafts trained "
+        f"alike): {differing} of {sum(a.size for a, _ in pairs)}"
     )
     print(
         f"evaluation: before / after = {evals['before'] / evals['after']:.2f}x; "
-        f"one evaluation = {evals['before'] / totals['before']:.2f} steps before, {evals['after'] / totals['after']:.2f} steps after"
+        f"one evaluation = {evals['before'] / totals['before']:.2f} steps before, "
+        f"{evals['after'] / totals['after']:.2f} steps after"
     )
 
     # 2. End to end: train_draft with and without the cache, alternating; same metrics expected.
@@ -347,12 +351,14 @@ def main() -> None:
         ]
         evaluations = sum(1 for line in lines["cached"] if line["split"] == "heldout")
         print(
-            f"\ntrain_draft, {args.steps} steps + {evaluations} evaluations (20 training samples), seconds per run "
-            f"recomputed {[round(s, 1) for s in seconds['recomputed']]} cached {[round(s, 1) for s in seconds['cached']]}: "
+            f"\ntrain_draft, {args.steps} steps + {evaluations} evaluations (20 training samples), "
+            f"seconds per run recomputed {[round(s, 1) for s in seconds['recomputed']]} cached "
+            f"{[round(s, 1) for s in seconds['cached']]}: "
             f"{min(seconds['recomputed']) / min(seconds['cached']):.2f}x (best of 2 each)"
         )
         print(
-            f"same metrics: max |loss diff| {loss_diff:.2e}, max |tau diff| {tau_diff:.2e}, same step lines {same_steps}"
+            f"same metrics: max |loss diff| {loss_diff:.2e}, "
+            f"max |tau diff| {tau_diff:.2e}, same step lines {same_steps}"
         )
     print(f"\nafter: {uptime()}")
 

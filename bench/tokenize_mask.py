@@ -88,8 +88,8 @@ def main() -> int:
     names = [name for name in arguments.templates.split(",") if name] or sorted(META)
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
     print(
-        f"shape {arguments.shape}, {arguments.conversations} conversations of {arguments.messages} messages per "
-        f"template, best of {arguments.repeats}; load average {load}"
+        f"shape {arguments.shape}, {arguments.conversations} conversations of {arguments.messages} messages "
+        f"per template, best of {arguments.repeats}; load average {load}"
     )
     print(
         f"{'template':<18}{'samples/conv':>13}{'fallbacks':>10}{'rejected':>9}{'fast s':>9}{'oracle s':>10}"

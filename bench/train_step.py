@@ -144,8 +144,9 @@ def print_memory_plan(pack_tokens: int = 16_384, ttt_steps: int = 7, gpu_memory_
     from eaglekit.training.memory import plan_training_memory
 
     print(
-        f"training memory, Kimi-K2.5-shaped draft (hidden 7168, 64 heads, draft vocab 32,000), one {pack_tokens:,}-token pack, "
-        f"TTT {ttt_steps}, flex attention, bf16 activations, one H200 ({gpu_memory_bytes / 1e9:.0f} GB, 90% usable), DDP:"
+        "training memory, Kimi-K2.5-shaped draft (hidden 7168, 64 heads, draft vocab 32,000), "
+        f"one {pack_tokens:,}-token pack, TTT {ttt_steps}, flex attention, bf16 activations, "
+        f"one H200 ({gpu_memory_bytes / 1e9:.0f} GB, 90% usable), DDP:"
     )
     for checkpointing in (False, True):
         plan = plan_training_memory(
@@ -158,9 +159,11 @@ def print_memory_plan(pack_tokens: int = 16_384, ttt_steps: int = 7, gpu_memory_
         activations = plan.activation_bytes_per_token * pack_tokens
         print(
             f"  checkpointing {'on ' if checkpointing else 'off'}: activations {activations / 1e9:6.1f} GB "
-            f"({plan.activation_bytes_per_token / 1e3:,.0f} KB/token), teacher probs {plan.teacher_bytes_per_token * pack_tokens / 1e9:.1f} GB, "
-            f"model state + teacher head {(plan.model_state_bytes + plan.teacher_head_bytes) / 1e9:.1f} GB, total {plan.total_bytes / 1e9:.1f} GB "
-            f"({'fits' if plan.fits else 'does not fit'}); largest pack {plan.largest_pack_tokens:,} tokens"
+            f"({plan.activation_bytes_per_token / 1e3:,.0f} KB/token), "
+            f"teacher probs {plan.teacher_bytes_per_token * pack_tokens / 1e9:.1f} GB, model state + teacher "
+            f"head {(plan.model_state_bytes + plan.teacher_head_bytes) / 1e9:.1f} GB, "
+            f"total {plan.total_bytes / 1e9:.1f} GB ({'fits' if plan.fits else 'does not fit'}); "
+            f"largest pack {plan.largest_pack_tokens:,} tokens"
         )
 
 
@@ -391,13 +394,14 @@ def main() -> None:
     else:
         peak, where = None, f"CPU, {torch.get_num_threads()} threads, fp32"
     print(
-        f"device {device} ({where}); {args.preset}-shaped draft H={config.hidden_size} draft vocab {args.draft_vocab:,} "
-        f"target vocab {config.vocab_size:,}; TTT steps {args.ttt_steps}"
+        f"device {device} ({where}); {args.preset}-shaped draft H={config.hidden_size} draft vocab "
+        f"{args.draft_vocab:,} target vocab {config.vocab_size:,}; TTT steps {args.ttt_steps}"
     )
     print(
         f"one step = {len(samples)} samples, {tokens:,} tokens (lengths {min(lengths)}-{max(lengths)}); "
-        f"padded: {len(padded)} micro-batches of {args.micro_batch}, {padding_share(padded):.0%} padding rows; "
-        f"packed: {len(packs)} packs of {pack_tokens}, {padding_share(packs):.0%} pack-tail rows; model {flops / 1e12:.3f} TFLOP/step"
+        f"padded: {len(padded)} micro-batches of {args.micro_batch}, {padding_share(padded):.0%} padding "
+        f"rows; packed: {len(packs)} packs of {pack_tokens}, {padding_share(packs):.0%} pack-tail rows; "
+        f"model {flops / 1e12:.3f} TFLOP/step"
     )
 
     # On CUDA every variant runs under bf16 autocast (fp32 master weights). On a CPU they run in fp32, as
@@ -427,8 +431,8 @@ def main() -> None:
     reference_name = next(iter(results))
     reference = statistics.median(results[reference_name].seconds)
     print(
-        f"\n{'':28s} {'ms/step (min-max)':>24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>14s} {'vs ' + reference_name.split(' (')[0]:>18s} "
-        f"{'saved B/token':>14s} {'peak B/token':>13s}  loss"
+        f"\n{'':28s} {'ms/step (min-max)':>24s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>14s} "
+        f"{'vs ' + reference_name.split(' (')[0]:>18s} {'saved B/token':>14s} {'peak B/token':>13s}  loss"
     )
     for name, result in results.items():
         median = statistics.median(result.seconds)
@@ -441,8 +445,10 @@ def main() -> None:
             f"{result.saved_bytes / tokens:14,.0f}" if result.saved_bytes else f"{'n/a (CUDA)':>14s}"
         )
         print(
-            f"{name:28s} {median * 1e3:9.0f} ({min(result.seconds) * 1e3:.0f}-{max(result.seconds) * 1e3:.0f}) {tokens / median:10.1f} "
-            f"{achieved:8.3f} {mfu:>14s} {reference / median:17.2f}x {saved_per_token} {peak_per_token}  {result.loss:.6f}"
+            f"{name:28s} {median * 1e3:9.0f} "
+            f"({min(result.seconds) * 1e3:.0f}-{max(result.seconds) * 1e3:.0f}) {tokens / median:10.1f} "
+            f"{achieved:8.3f} {mfu:>14s} {reference / median:17.2f}x {saved_per_token} "
+            f"{peak_per_token}  {result.loss:.6f}"
         )
     same_precision = [result.loss for name, result in results.items() if "CPU bf16" not in name]
     spread = max(same_precision) - min(same_precision)

@@ -76,7 +76,8 @@ def main() -> None:
     print(f"{os.cpu_count()} cores; load average at start {load()}")
     with EmbeddedServer(model_dir) as transformers_server:
         print(
-            f"transformers serve: healthy and answering after {transformers_server.startup_s:.1f} s (load {load()})"
+            "transformers serve: healthy and answering after "
+            f"{transformers_server.startup_s:.1f} s (load {load()})"
         )
         with VLLMServer(model_dir, python=args.vllm_python) as vllm_server:
             print(f"vLLM: healthy and answering after {vllm_server.startup_s:.1f} s (load {load()})")
