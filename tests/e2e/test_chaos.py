@@ -144,7 +144,8 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
     params.write_text(
         f"run:\n  name: chaos\n  outputs_dir: {tmp_path / 'outputs'}\n"
         f"endpoints:\n  - {{url: 'http://127.0.0.1:{port}/v1', name: fault, model: fault-model}}\n"
-        f"generation:\n  partitions:\n    - {{name: short, concurrency: {SETTINGS['concurrency']}, max_tokens: {SETTINGS['max_tokens']}}}\n"
+        f"generation:\n  partitions:\n    - {{name: short, concurrency: {SETTINGS['concurrency']}, "
+        f"max_tokens: {SETTINGS['max_tokens']}}}\n"
         f"  max_attempts: {SETTINGS['max_attempts']}\n  backoff_base_s: {SETTINGS['backoff_base_s']}\n"
         f"  backoff_max_s: {SETTINGS['backoff_max_s']}\n  log_interval_s: 1.0\n  shutdown_grace_s: 2.0\n"
         "  max_usage_disagreement: 1.0\n"  # the fault endpoint's usage counts characters, not the target's tokens
@@ -181,8 +182,8 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
         started = time.monotonic()
         for victim, kill_endpoint, second_resume in sessions:
             print(
-                f"{time.monotonic() - started:6.1f} s: {records_on_file(run_dir)} records; next session ends with "
-                f"a kill of the {victim} (endpoint: {kill_endpoint or 'left alone'})"
+                f"{time.monotonic() - started:6.1f} s: {records_on_file(run_dir)} records; "
+                f"next session ends with a kill of the {victim} (endpoint: {kill_endpoint or 'left alone'})"
             )
             before = records_on_file(run_dir)
             runner = subprocess.Popen(resume, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -57,7 +57,8 @@ def test_run_log_says_which_draft_stage_5_trains_and_which_part_stage_6_is_in(sm
 
     log = (smoke_run / "run.log").read_text()
     starts = re.findall(
-        r"\[05_training\] eaglekit\.training\.sweep: stage 5: draft (\d+) of (\d+), ([^;\n]+); the sweep's time left (.*)",
+        r"\[05_training\] eaglekit\.training\.sweep: stage 5: draft (\d+) of (\d+), "
+        r"([^;\n]+); the sweep's time left (.*)",
         log,
     )
     total = int(starts[0][1])

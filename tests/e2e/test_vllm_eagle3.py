@@ -111,8 +111,9 @@ def live_and_offline(embedded_model_dir, vllm_python, tmp_path_factory):
 def test_vllm_serves_the_kit_export_with_the_accept_length_the_kit_measures(live_and_offline):
     live, offline, _, _ = live_and_offline
     print(
-        f"\nchain {SPECULATIVE_TOKENS}, {len(QUESTIONS)} prompts x {MAX_NEW_TOKENS} tokens: vLLM tau {live.tau_pooled:.3f} "
-        f"({live.verification_steps} drafts), kit loop {offline['tau_loop']:.3f}, kit offline {offline['tau_offline']:.3f}"
+        f"\nchain {SPECULATIVE_TOKENS}, {len(QUESTIONS)} prompts x {MAX_NEW_TOKENS} tokens: "
+        f"vLLM tau {live.tau_pooled:.3f} ({live.verification_steps} drafts), "
+        f"kit loop {offline['tau_loop']:.3f}, kit offline {offline['tau_offline']:.3f}"
     )
     assert live.tau_pooled > 1.5, (
         "vLLM accepted almost nothing: the export's weights were not loaded as trained"
