@@ -226,16 +226,15 @@ def length_plan(kv_pool_tokens: int, prompt_tokens: Sequence[int] | np.ndarray,
     if not 0 < retraction_risk < 0.5:
         raise ValueError(f"retraction_risk must be in (0, 0.5), got {retraction_risk}")
     pad = (page_size - 1) / 2
+    weights = completions / completions.sum()
     if prompts.size == completions.size:
         # Paired: slot occupancy is P + t, sequence chosen with probability L / sum(L), t uniform in 1..L.
-        weights = completions / completions.sum()
         first = prompts + (completions + 1) / 2                                     # E[P + t | sequence]
         second = prompts ** 2 + prompts * (completions + 1) + (completions + 1) * (2 * completions + 1) / 6
         mean = float(weights @ first)
         variance = float(weights @ second) - mean ** 2
     else:
         # Independent: P and L drawn apart; E[P + t] = E[P] + E_w[(L+1)/2], variances add.
-        weights = completions / completions.sum()
         step_mean = float(weights @ ((completions + 1) / 2))
         step_second = float(weights @ ((completions + 1) * (2 * completions + 1) / 6))
         mean = float(prompts.mean()) + step_mean
@@ -333,15 +332,22 @@ def plan_capacity(config: str | os.PathLike | Mapping[str, Any], *, gpu_memory_b
                 raise InputError("partitions", index + 1, field, "missing from the partition spec")
         tokens_per_sequence = int(partition["prompt_tokens"]) + int(partition["max_tokens"])
         fit = sequences_that_fit(pool_tokens, tokens_per_sequence)
-        requested = partition.get("concurrency")
-        requested = None if requested is None else int(requested)
-        lengths = None
-        if partition.get("completion_lengths") is not None and len(partition["completion_lengths"]) \
-                and partition.get("prompt_lengths") is not None and len(partition["prompt_lengths"]):
+        requested = None if partition.get("concurrency") is None else int(partition["concurrency"])
+        lengths, measured = None, {}
+        if all(partition.get(key) is not None and len(partition[key])
+               for key in ("completion_lengths", "prompt_lengths")):
             # An answer never holds more than max_tokens, whatever the pilot's own budget was.
             completions = np.minimum(np.asarray(partition["completion_lengths"]), int(partition["max_tokens"]))
             lengths = length_plan(pool_tokens, partition["prompt_lengths"], completions, page_size=page_size,
                                   retraction_risk=retraction_risk)
+            # Planned from the lengths; without them PartitionPlan's defaults (the worst case) stand.
+            measured = dict(completion_source=str(partition.get("completion_source", "measured")),
+                            mean_prompt_tokens=round(lengths.mean_prompt_tokens, 1),
+                            mean_completion_tokens=round(lengths.mean_completion_tokens, 1),
+                            expected_tokens_per_sequence=round(lengths.expected_tokens_per_sequence, 1),
+                            expected_kv_occupancy=None if requested is None else
+                            round(requested * lengths.expected_tokens_per_sequence / pool_tokens, 4),
+                            retraction_concurrency=lengths.retraction_concurrency)
         recommended, reason = _recommend(requested, fit, lengths, pool_tokens)
         rate = (measured_requests_per_second or {}).get(partition["name"])
         if rate is not None and rate < 0:
@@ -352,14 +358,7 @@ def plan_capacity(config: str | os.PathLike | Mapping[str, Any], *, gpu_memory_b
             tokens_per_sequence=tokens_per_sequence, sequences_that_fit=fit,
             recommended_concurrency=recommended, requested_concurrency=requested,
             eta_seconds=int(partition["prompts"]) / rate if rate else None,  # at the measured rate
-            completion_source=str(partition.get("completion_source", "measured")) if lengths else
-            "max_tokens (worst case)",
-            mean_prompt_tokens=None if lengths is None else round(lengths.mean_prompt_tokens, 1),
-            mean_completion_tokens=None if lengths is None else round(lengths.mean_completion_tokens, 1),
-            expected_tokens_per_sequence=None if lengths is None else round(lengths.expected_tokens_per_sequence, 1),
-            expected_kv_occupancy=None if lengths is None or requested is None else
-            round(requested * lengths.expected_tokens_per_sequence / pool_tokens, 4),
-            retraction_concurrency=None if lengths is None else lengths.retraction_concurrency, reason=reason))
+            reason=reason, **measured))
     etas = [plan.eta_seconds for plan in plans]
     hidden_per_token = hidden_state_bytes_per_token(model["hidden_size"], hidden_state_dtype_bytes)
     return CapacityPlan(
