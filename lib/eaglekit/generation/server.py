@@ -119,21 +119,21 @@ class ManagedServer:
         self.startup_s = time.monotonic() - started
         return self
 
+    def _failed(self, what: str, log: str = "log") -> ServerError:
+        """`<engine> server <what>; <log>:` and the log's tail."""
+        return ServerError(f"{self.engine} server {what}; {log}:\n{self.log_tail()}")
+
     def _wait_ready(self) -> None:
         """Wait for /health, then for one real completion (the model loads lazily on some versions)."""
         deadline = time.monotonic() + self.startup_timeout_s
         with httpx.Client(timeout=5.0) as client:
             while True:
                 if self._process.poll() is not None:
-                    raise ServerError(
-                        f"{self.engine} server exited with code {self._process.returncode} during start-up; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
+                    raise self._failed(f"exited with code {self._process.returncode} during start-up",
+                                       f"log {self.log_path}")
                 if time.monotonic() > deadline:
-                    raise ServerError(
-                        f"{self.engine} server not healthy after {self.startup_timeout_s:.0f}s on {self.root_url}; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
+                    raise self._failed(f"not healthy after {self.startup_timeout_s:.0f}s on {self.root_url}",
+                                       f"log {self.log_path}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.root_url}/health").status_code == 200:
                         break
@@ -149,13 +149,10 @@ class ManagedServer:
                 break
             except httpx.TransportError as error:
                 if self._process.poll() is not None or remaining <= 0:
-                    raise ServerError(f"{self.engine} server healthy but a first completion failed ({error}); log:\n{self.log_tail()}") from error
+                    raise self._failed(f"healthy but a first completion failed ({error})") from error
                 time.sleep(1.0)
         if response.status_code != 200:
-            raise ServerError(
-                f"{self.engine} server answered {response.status_code} to a first completion: {response.text[:500]}; "
-                f"log:\n{self.log_tail()}"
-            )
+            raise self._failed(f"answered {response.status_code} to a first completion: {response.text[:500]}")
 
     def is_running(self) -> bool:
         return self._process is not None and self._process.poll() is None
@@ -307,11 +304,11 @@ class VLLMServer(ManagedServer):
 def server_for(params, model_dir: str | os.PathLike, log_path: str | os.PathLike | None = None) -> ManagedServer:
     """The embedded server params `server` asks for (`engine`: transformers | vllm), not started."""
     server = params.server
+    options = dict(log_path=log_path, startup_timeout_s=server.startup_timeout_s,
+                   trust_remote_code=params.target.trust_remote_code)
     if server.engine == "vllm":
-        return VLLMServer(model_dir, python=server.vllm_python, dtype=server.dtype, log_path=log_path,
-                          startup_timeout_s=server.startup_timeout_s, trust_remote_code=params.target.trust_remote_code)
-    return EmbeddedServer(model_dir, settings=server, log_path=log_path,
-                          startup_timeout_s=server.startup_timeout_s, trust_remote_code=params.target.trust_remote_code)
+        return VLLMServer(model_dir, python=server.vllm_python, dtype=server.dtype, **options)
+    return EmbeddedServer(model_dir, settings=server, **options)
 
 
 @contextlib.contextmanager
