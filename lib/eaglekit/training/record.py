@@ -85,8 +85,11 @@ class DraftEntry:
         (default "<size> samples")."""
         known = {item.name for item in fields(cls)} - {"variant", "topology", "noise_seed"}
         values = {key: value for key, value in row.items() if key in known}
-        values.update(best_checkpoint=_relative(row["best_checkpoint"], run_dir), metrics_path=_relative(row["metrics_path"], run_dir),
-                      **_verified_digest(row["best_checkpoint"], row["best_step"]))
+        values.update({key: str(Path(row[key]).relative_to(run_dir)) for key in ("best_checkpoint", "metrics_path")})
+        # Its size and sha256 once it has loaded back whole at its best step: a torn one is never listed
+        # (TornCheckpointError naming the file).
+        digest = verify_checkpoint(row["best_checkpoint"], row["best_step"])
+        values.update(checkpoint_bytes=digest.bytes, checkpoint_sha256=digest.sha256)
         variant = variant or (f"{row['size']} samples" + ("" if noise_seed is None else f", seed {noise_seed}"))
         return cls(variant=variant, topology=topology, noise_seed=noise_seed, **values)
 
@@ -102,17 +105,6 @@ class DraftEntry:
         else:
             check_digest(path, CheckpointDigest(self.checkpoint_bytes, self.checkpoint_sha256), RETRAIN)
         return path
-
-
-def _verified_digest(path: str | os.PathLike, best_step: int) -> dict[str, Any]:
-    """What sweep.json records of a best checkpoint, once it has loaded back whole at its best step:
-    a torn one is never listed (TornCheckpointError naming the file)."""
-    digest = verify_checkpoint(path, best_step)
-    return {"checkpoint_bytes": digest.bytes, "checkpoint_sha256": digest.sha256}
-
-
-def _relative(path: str | os.PathLike, run_dir: str | os.PathLike) -> str:
-    return str(Path(path).relative_to(run_dir))
 
 
 @dataclass(frozen=True)
@@ -285,10 +277,8 @@ class SweepRecord:
             runs=entries["runs"], noise_seeds=entries["noise_seeds"], ablation=entries["ablation"],
             selection=keys["selection"], heldout=keys["heldout"],  # `scored` is derived, and was checked to agree
             topology=topology,
-            draft_vocab=DraftVocabRecord(size=read.field(vocab, "size", int, "draft_vocab."),
-                                         coverage=read.field(vocab, "coverage", float, "draft_vocab."),
-                                         counted_tokens=read.field(vocab, "counted_tokens", int, "draft_vocab."),
-                                         coverage_curve=read.field(vocab, "coverage_curve", list, "draft_vocab.")),
+            draft_vocab=DraftVocabRecord(**{name: read.field(vocab, name, kind, "draft_vocab.") for name, kind in
+                                            (("size", int), ("coverage", float), ("counted_tokens", int), ("coverage_curve", list))}),
             capture_dir=read.field(record, "capture_dir", str), capture_mode=read.field(record, "capture_mode", str),
             capture_layer_ids=read.items(record, "capture_layer_ids", list, int), split_seed=read.field(record, "split_seed", int),
             export=read.items(record, "export", dict, str),

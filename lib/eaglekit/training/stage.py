@@ -59,10 +59,6 @@ from eaglekit.topology import Topology
 LAUNCH_PARAMS_FILE = "launch_params.yaml"
 
 
-def _rank() -> int:
-    return launched_world()[0]
-
-
 def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequence[int] | None = None) -> SweepRecord | None:
     """Stage 5 without plots: the data-size sweep, exports, ablation and `training/sweep.json`.
 
@@ -84,7 +80,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     layout = target_layout(model_dir, trust_remote_code=params.target.trust_remote_code)
     target_weights = load_target_head_weights(layout)  # head tensors by the layout's names (Kimi-K2.5: language_model.*)
     settings = TrainSettings.from_params(params)
-    is_main = _rank() == 0
+    is_main = launched_world()[0] == 0
     metrics = Metrics(out, "training") if is_main else None
     inputs = _sweep_inputs(params, out, capture_dir, model_dir, settings)
     vocab, coverage = _draft_vocab(params, inputs, layout.vocab_size)
