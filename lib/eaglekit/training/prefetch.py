@@ -79,9 +79,7 @@ class Prefetcher(Generic[Item]):
         try:
             with torch.no_grad():
                 for key in self.keys:
-                    if self._stop.is_set():
-                        return
-                    if not self._put(self.read(key)):
+                    if self._stop.is_set() or not self._put(self.read(key)):
                         return
         except BaseException as error:  # handed to the consumer, raised there
             self._put(_Failure(error))

@@ -131,11 +131,7 @@ class TargetArgmaxCache:
 
     def batch_argmax(self, samples: Sequence[dict], max_length: int) -> torch.Tensor:
         """(B, T) for `collate(samples, max_length)`: row b holds sample b's argmax, then 0 (the padding's, as uncached)."""
-        rows = [self.argmax(sample, max_length) for sample in samples]
-        argmax = torch.zeros(len(rows), max(row.shape[0] for row in rows), dtype=torch.int64)
-        for index, row in enumerate(rows):
-            argmax[index, : row.shape[0]] = row
-        return argmax
+        return torch.nn.utils.rnn.pad_sequence([self.argmax(sample, max_length) for sample in samples], batch_first=True)
 
 
 @dataclass
