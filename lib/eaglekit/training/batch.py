@@ -46,23 +46,37 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def collate(samples: Sequence[dict], max_length: int) -> Batch:
-    """Pad samples on the right to the longest (cut at max_length). Padding rows are masked everywhere."""
-    lengths = [min(int(sample["input_ids"].shape[0]), max_length) for sample in samples]
-    length = max(lengths)
+def sample_length(sample: dict, max_length: int) -> int:
+    """Tokens of a sample after the cut at max_length."""
+    return min(int(sample["input_ids"].shape[0]), max_length)
+
+
+def place_samples(samples: Sequence[dict], lengths: Sequence[int], places: Sequence[tuple[int, int]], rows: int,
+                  length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, loss_mask, aux, final), (rows, length) and zero but where sample i, cut at lengths[i], lies
+    from places[i] = (row, start): what `collate` (one sample a row) and a pack (end to end in one row) share."""
     first = samples[0]
     aux_width, hidden = first["aux_hidden_states"].shape[-1], first["final_hidden_states"].shape[-1]
-    input_ids = torch.zeros(len(samples), length, dtype=torch.int64)
-    loss_mask = torch.zeros(len(samples), length, dtype=torch.bool)
-    aux = torch.zeros(len(samples), length, aux_width, dtype=first["aux_hidden_states"].dtype)
-    final = torch.zeros(len(samples), length, hidden, dtype=first["final_hidden_states"].dtype)
-    for row, (sample, sample_length) in enumerate(zip(samples, lengths)):
+    input_ids = torch.zeros(rows, length, dtype=torch.int64)
+    loss_mask = torch.zeros(rows, length, dtype=torch.bool)
+    aux = torch.zeros(rows, length, aux_width, dtype=first["aux_hidden_states"].dtype)
+    final = torch.zeros(rows, length, hidden, dtype=first["final_hidden_states"].dtype)
+    for sample, sample_length, (row, start) in zip(samples, lengths, places):
         if sample["aux_hidden_states"].shape[-1] != aux_width:
             raise ValueError(f"sample {sample['id']!r}: aux_hidden_states width {sample['aux_hidden_states'].shape[-1]} != {aux_width}")
-        input_ids[row, :sample_length] = torch.as_tensor(sample["input_ids"][:sample_length])
-        loss_mask[row, :sample_length] = torch.as_tensor(sample["loss_mask"][:sample_length]).bool()
-        aux[row, :sample_length] = sample["aux_hidden_states"][:sample_length]
-        final[row, :sample_length] = sample["final_hidden_states"][:sample_length]
+        stop = start + sample_length
+        input_ids[row, start:stop] = torch.as_tensor(sample["input_ids"][:sample_length])
+        loss_mask[row, start:stop] = torch.as_tensor(sample["loss_mask"][:sample_length]).bool()
+        aux[row, start:stop] = sample["aux_hidden_states"][:sample_length]
+        final[row, start:stop] = sample["final_hidden_states"][:sample_length]
+    return input_ids, loss_mask, aux, final
+
+
+def collate(samples: Sequence[dict], max_length: int) -> Batch:
+    """Pad samples on the right to the longest (cut at max_length). Padding rows are masked everywhere."""
+    lengths = [sample_length(sample, max_length) for sample in samples]
+    length = max(lengths)
+    input_ids, loss_mask, aux, final = place_samples(samples, lengths, [(row, 0) for row in range(len(samples))], len(samples), length)
     positions = torch.arange(length).expand(len(samples), length)
     # One document per row: a padded row is the unpacked layout (padding is masked by loss_mask).
     return Batch(input_ids, loss_mask, aux, final, torch.tensor(lengths), positions, torch.zeros_like(input_ids))

@@ -21,12 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from eaglekit.training.batch import Batch
-
-
-def sample_length(sample: dict, max_length: int) -> int:
-    """Tokens of a sample after the cut at max_length."""
-    return min(int(sample["input_ids"].shape[0]), max_length)
+from eaglekit.training.batch import Batch, place_samples, sample_length
 
 
 def assign_packs(lengths: Sequence[int], pack_tokens: int) -> list[list[int]]:
@@ -64,26 +59,14 @@ def pack_samples(samples: Sequence[dict], pack_tokens: int, max_length: int) -> 
     lengths = [sample_length(sample, max_length) for sample in samples]
     if sum(lengths) > pack_tokens:
         raise ValueError(f"{sum(lengths)} tokens do not fit a pack of {pack_tokens}; pack with assign_packs first")
-    first = samples[0]
-    aux_width, hidden = first["aux_hidden_states"].shape[-1], first["final_hidden_states"].shape[-1]
-    input_ids = torch.zeros(1, pack_tokens, dtype=torch.int64)
-    loss_mask = torch.zeros(1, pack_tokens, dtype=torch.bool)
-    aux = torch.zeros(1, pack_tokens, aux_width, dtype=first["aux_hidden_states"].dtype)
-    final = torch.zeros(1, pack_tokens, hidden, dtype=first["final_hidden_states"].dtype)
+    starts = [sum(lengths[:document]) for document in range(len(samples))]
+    input_ids, loss_mask, aux, final = place_samples(samples, lengths, [(0, start) for start in starts], 1, pack_tokens)
     position_ids = torch.zeros(1, pack_tokens, dtype=torch.int64)
     document_ids = torch.full((1, pack_tokens), len(samples), dtype=torch.int64)  # the tail's own document
-    start = 0
-    for document, (sample, length) in enumerate(zip(samples, lengths)):
-        if sample["aux_hidden_states"].shape[-1] != aux_width:
-            raise ValueError(f"sample {sample['id']!r}: aux_hidden_states width {sample['aux_hidden_states'].shape[-1]} != {aux_width}")
-        stop = start + length
-        input_ids[0, start:stop] = torch.as_tensor(sample["input_ids"][:length])
-        loss_mask[0, start:stop] = torch.as_tensor(sample["loss_mask"][:length]).bool()
-        aux[0, start:stop] = sample["aux_hidden_states"][:length]
-        final[0, start:stop] = sample["final_hidden_states"][:length]
-        position_ids[0, start:stop] = torch.arange(length)
-        document_ids[0, start:stop] = document
-        start = stop
+    for document, (start, length) in enumerate(zip(starts, lengths)):
+        position_ids[0, start : start + length] = torch.arange(length)
+        document_ids[0, start : start + length] = document
+    start = sum(lengths)
     position_ids[0, start:] = torch.arange(pack_tokens - start)
     return Batch(input_ids, loss_mask, aux, final, torch.tensor([start]), position_ids, document_ids)
 
