@@ -116,11 +116,8 @@ def check_first_answers(dataset: str, records: Sequence[dict], conversations: di
 
 def _mask_cut(loss_mask: list[int]) -> list[int]:
     """loss_mask 0 on the last TRUNCATION_BOUNDARY_TOKENS generated tokens (a truncated answer re-tokenized from text)."""
-    positions = [index for index, mask in enumerate(loss_mask) if mask][-TRUNCATION_BOUNDARY_TOKENS:]
-    masked = list(loss_mask)
-    for index in positions:
-        masked[index] = 0
-    return masked
+    cut = set([index for index, mask in enumerate(loss_mask) if mask][-TRUNCATION_BOUNDARY_TOKENS:])
+    return [0 if index in cut else mask for index, mask in enumerate(loss_mask)]
 
 
 def _conversation_messages(conversation: dict) -> list[dict]:
@@ -132,11 +129,8 @@ def _retokenize(tokenizer, conversation: dict, record: dict, template_kwargs: di
     """(prompt token count, the sample) of conversation + answer by the target's chat template."""
     from eaglekit.chat import tokenize_answer  # the chat module owns templates
 
-    answer = {"role": "assistant", "content": record.get("content") or ""}
-    if record.get("reasoning"):
-        answer["reasoning"] = record["reasoning"]
-    if record.get("tool_calls"):
-        answer["tool_calls"] = record["tool_calls"]
+    answer = {"role": "assistant", "content": record.get("content") or "",
+              **{key: record[key] for key in ("reasoning", "tool_calls") if record.get(key)}}
     return tokenize_answer(tokenizer, _conversation_messages(conversation), answer,
                            tools=(conversation.get("meta") or {}).get("tools"), truncated=bool(record.get("truncated")),
                            template_kwargs=template_kwargs)
