@@ -376,7 +376,7 @@ class Endpoint:
             response = await asyncio.wait_for(self.control_client.get(url, timeout=30.0), CONTROL_DEADLINE_S)
         except asyncio.TimeoutError:
             raise TransientError("timeout", f"{url}: no whole answer within {CONTROL_DEADLINE_S:g} s") from None
-        if classify_status(response.status_code) == "auth" and response.status_code >= 400:
+        if response.status_code in AUTH_STATUS_CODES:
             raise self._auth_error(response.status_code, url, response.text)
         response.raise_for_status()
         try:

@@ -419,11 +419,9 @@ class GenerationEngine:
                                               self.extra_body, tools=item.tools,
                                               chat_template_kwargs=self.chat_template_kwargs)
             except TransientError as error:
-                outcome = error
-                if error.retry_after_s is not None:
+                outcome, transient = error, error.retry_after_s is None
+                if not transient:
                     endpoint.pause(error.retry_after_s)  # the server is alive and asks us to wait
-                else:
-                    transient = True
             except (RequestRejected, EndpointFatalError) as error:
                 outcome = error
             except Exception as error:  # a client bug must cost one prompt, never the slot or the run
