@@ -148,7 +148,8 @@ def test_chaos_run_answers_every_prompt_once_with_the_counters_of_an_uninterrupt
         f"max_tokens: {SETTINGS['max_tokens']}}}\n"
         f"  max_attempts: {SETTINGS['max_attempts']}\n  backoff_base_s: {SETTINGS['backoff_base_s']}\n"
         f"  backoff_max_s: {SETTINGS['backoff_max_s']}\n  log_interval_s: 1.0\n  shutdown_grace_s: 2.0\n"
-        "  max_usage_disagreement: 1.0\n"  # the fault endpoint's usage counts characters, not the target's tokens
+        # the fault endpoint's usage counts characters, not the target's tokens
+        "  max_usage_disagreement: 1.0\n"
     )
     run_dir = tmp_path / "outputs" / "chaos"
     prompts = write_prepared_run(run_dir)

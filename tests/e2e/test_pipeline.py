@@ -1,5 +1,5 @@
-"""The whole pipeline on params/smoke.yaml through the runner (a staged run): six real papermill runs, real server,
-real model, and the staged worker beside stage 3."""
+"""The whole pipeline on params/smoke.yaml through the runner (a staged run): six real papermill runs, real
+server, real model, and the staged worker beside stage 3."""
 
 import json
 import subprocess
@@ -35,8 +35,8 @@ def smoke_run(tmp_path_factory):
 def test_every_stage_ran(smoke_run):
     state = json.loads((smoke_run / "state.json").read_text())
     assert state["completed"] == STAGES
-    # The staged worker ran beside stage 3 and exited cleanly; how many sizes it staged depends on how soon the
-    # 14 smoke prompts were answered (the test below stages every size deterministically).
+    # The staged worker ran beside stage 3 and exited cleanly; how many sizes it staged depends on how soon
+    # the 14 smoke prompts were answered (the test below stages every size deterministically).
     assert state["staged"]["exit_status"] == 0, state["staged"]
     assert "[staged] eaglekit.staged.worker: staged run:" in (smoke_run / "run.log").read_text()
     for stage in STAGES:
@@ -163,9 +163,9 @@ class StillRunning:
 
 
 def test_the_staged_worker_trains_each_size_on_the_subset_stage_5_trained_it_on(smoke_run, tmp_path):
-    """On a copy of the finished run's prep and answers, with generation reported as running, the worker stages every
-    size; each size trained on exactly the samples stage 5 trained that size on (the nested prefix of prep's order over
-    the final capture), and the forecast was rewritten after each size."""
+    """On a copy of the finished run's prep and answers, with generation reported as running, the worker
+    stages every size; each size trained on exactly the samples stage 5 trained that size on (the nested
+    prefix of prep's order over the final capture), and the forecast was rewritten after each size."""
     import shutil
 
     from eaglekit.capture.shards import ShardDataset

@@ -1,5 +1,6 @@
 """The seed's target shapes end to end on CPU: tiny DeepSeek-V3 (MoE + MLA) and a Kimi-K2.5-shaped wrapper
-(`language_model.*`, `text_config`) through stage 4 (capture), stage 5 (training, export) and `eaglekit evaluate`."""
+(`language_model.*`, `text_config`) through stage 4 (capture), stage 5 (training, export)
+and `eaglekit evaluate`."""
 
 from __future__ import annotations
 
