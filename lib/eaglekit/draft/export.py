@@ -46,7 +46,8 @@ from safetensors.torch import save
 
 from eaglekit.draft.config import DraftConfig, TargetConfigLike, TargetTextConfig
 from eaglekit.draft.model import Eagle3DraftModel
-from eaglekit.draft.tensors import VOCAB_MAPS, draft_tensor_table
+from eaglekit.draft.tensors import (EMBED_TOKENS, SGLANG_LAYER_PREFIX, VLLM_LAYER_PREFIX, VOCAB_MAPS, draft_tensor_table,
+                                    to_vllm_name)
 from eaglekit.io import InputError, atomic_write, write_json
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -55,9 +56,6 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _FIXED_DTYPES = {"int64": torch.int64, "bool": torch.bool}  # the vocab maps' dtypes in the tensor table
-SGLANG_LAYER_PREFIX = "midlayer."
-VLLM_LAYER_PREFIX = "layers.0."  # speculators' module name; vLLM and SGLang accept it too
-EMBED_TOKENS = "embed_tokens.weight"
 
 
 class DraftTargetMismatch(ValueError):
@@ -70,22 +68,13 @@ def expected_tensors(config: DraftConfig, dtype: torch.dtype, layout: str = "sgl
     layout "sglang": DESIGN's names (`midlayer.*`, no embedding); "vllm": the layer as `layers.0.*` and
     the target's `embed_tokens.weight` (V, H) beside it (speculators' module names).
     """
+    if layout not in ("sglang", "vllm"):
+        raise ValueError(f"export layout {layout!r}: use 'sglang' or 'vllm'")
     table = draft_tensor_table(hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
                                num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim,
                                intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-                               draft_vocab_size=config.draft_vocab_size)
-    tensors = {name: (shape, dtype if dtype_name is None else _FIXED_DTYPES[dtype_name]) for name, (shape, dtype_name) in table.items()}
-    if layout == "sglang":
-        return tensors
-    if layout != "vllm":
-        raise ValueError(f"export layout {layout!r}: use 'sglang' or 'vllm'")
-    renamed = {to_vllm_name(name): value for name, value in tensors.items()}
-    return {**renamed, EMBED_TOKENS: ((config.vocab_size, config.hidden_size), dtype)}
-
-
-def to_vllm_name(name: str) -> str:
-    """`midlayer.x` -> `layers.0.x` (speculators' Eagle3 module names); other names unchanged."""
-    return VLLM_LAYER_PREFIX + name[len(SGLANG_LAYER_PREFIX):] if name.startswith(SGLANG_LAYER_PREFIX) else name
+                               draft_vocab_size=config.draft_vocab_size, speculators=layout == "vllm")
+    return {name: (shape, dtype if dtype_name is None else _FIXED_DTYPES[dtype_name]) for name, (shape, dtype_name) in table.items()}
 
 
 def to_kit_name(name: str) -> str:

@@ -30,6 +30,9 @@ from typing import Any
 TensorTable = dict[str, tuple[tuple[int, ...], str | None]]  # name -> (shape, dtype name, None: the checkpoint's float dtype)
 VOCAB_MAPS = ("d2t", "t2d")
 SPECULATORS_MODEL_TYPE = "eagle3"  # a speculators-format config (vLLM folder): `layers.0.*` names plus embed_tokens
+SGLANG_LAYER_PREFIX = "midlayer."
+VLLM_LAYER_PREFIX = "layers.0."  # speculators' module name; vLLM and SGLang accept it too
+EMBED_TOKENS = "embed_tokens.weight"
 
 
 def is_speculators_config(draft_config: Mapping[str, Any]) -> bool:
@@ -48,14 +51,21 @@ def layer_fields(draft_config: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def to_vllm_name(name: str) -> str:
+    """`midlayer.x` -> `layers.0.x` (speculators' Eagle3 module names); other names unchanged."""
+    return VLLM_LAYER_PREFIX + name[len(SGLANG_LAYER_PREFIX):] if name.startswith(SGLANG_LAYER_PREFIX) else name
+
+
 def draft_tensor_table(*, hidden_size: int, num_attention_heads: int, num_key_value_heads: int, head_dim: int,
                        intermediate_size: int, vocab_size: int, draft_vocab_size: int,
-                       target_hidden_size: int | None = None) -> TensorTable:
-    """Every tensor a draft checkpoint holds: name -> (shape, dtype name or None). Exactly DESIGN's names."""
+                       target_hidden_size: int | None = None, speculators: bool = False) -> TensorTable:
+    """Every tensor a draft checkpoint holds: name -> (shape, dtype name or None). Exactly DESIGN's names;
+    `speculators`: speculators' names instead (`layers.0.*` for `midlayer.*`) and the target's
+    `embed_tokens.weight` (V, H) beside them (a vLLM folder)."""
     hidden = hidden_size
     target_hidden = hidden if target_hidden_size is None else target_hidden_size
     attention_width, kv_width = num_attention_heads * head_dim, num_key_value_heads * head_dim
-    return {
+    table: TensorTable = {
         "fc.weight": ((hidden, 3 * target_hidden), None),
         "midlayer.self_attn.q_proj.weight": ((attention_width, 2 * hidden), None),
         "midlayer.self_attn.k_proj.weight": ((kv_width, 2 * hidden), None),
@@ -72,6 +82,9 @@ def draft_tensor_table(*, hidden_size: int, num_attention_heads: int, num_key_va
         "d2t": ((draft_vocab_size,), "int64"),
         "t2d": ((vocab_size,), "bool"),
     }
+    if not speculators:
+        return table
+    return {**{to_vllm_name(name): value for name, value in table.items()}, EMBED_TOKENS: ((vocab_size, hidden), None)}
 
 
 def tensor_table_from_config(draft_config: Mapping[str, Any]) -> TensorTable:
@@ -88,7 +101,7 @@ def tensor_table_from_config(draft_config: Mapping[str, Any]) -> TensorTable:
     hidden = int(draft_config["hidden_size"])
     heads = int(draft_config["num_attention_heads"])
     vocab = int(draft_config["vocab_size"])
-    table = draft_tensor_table(
+    return draft_tensor_table(
         hidden_size=hidden,
         target_hidden_size=int(draft_config.get("target_hidden_size", hidden)),
         num_attention_heads=heads,
@@ -97,8 +110,5 @@ def tensor_table_from_config(draft_config: Mapping[str, Any]) -> TensorTable:
         intermediate_size=int(draft_config["intermediate_size"]),
         vocab_size=vocab,
         draft_vocab_size=int(draft_config.get("draft_vocab_size") or vocab),
+        speculators=speculators,
     )
-    if not speculators:
-        return table
-    renamed = {("layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name): value for name, value in table.items()}
-    return {**renamed, "embed_tokens.weight": ((vocab, hidden), None)}
