@@ -130,8 +130,6 @@ DRAFT_SHAPES: dict[str, DraftShape] = {
 
 def draft_shape(name: str) -> DraftShape:
     """The named draft shape ("auto": every field derived from the target); the error lists the names."""
-    if name == "auto":
-        return DraftShape()
     if name not in DRAFT_SHAPES:
         raise ValueError(f"draft shape {name!r} is not one of {sorted(DRAFT_SHAPES)}")
     return DRAFT_SHAPES[name]
