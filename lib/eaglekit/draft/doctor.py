@@ -400,19 +400,18 @@ def _check_vocab_maps(d2t, t2d) -> list[Finding]:
 def check_speculative_algorithm(settings: Mapping[str, Any], who: str = "the server") -> list[Finding]:
     """The server's `speculative_algorithm` (its server info, or a planned launch through `parse_sglang_args`,
     `who` naming which): an EAGLE-3 draft needs EAGLE3; under EAGLE the draft is bypassed with no error."""
-    findings: list[Finding] = []
     algorithm = settings.get("speculative_algorithm")
     if not algorithm:
-        findings.append(Finding("error", "speculative_algorithm", f"{who} runs without speculative decoding",
-                                "start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT"))
-    elif str(algorithm).upper() == "EAGLE":
-        findings.append(Finding("error", "speculative_algorithm", f"{who} runs EAGLE, not EAGLE3: the target passes only its final hidden state, fc is skipped and the EAGLE-3 draft is bypassed without any error",
-                                "restart SGLang with --speculative-algorithm EAGLE3"))
-    elif str(algorithm).upper() != "EAGLE3":
-        findings.append(Finding("error", "speculative_algorithm", f"{who} runs {algorithm}, not EAGLE3", "restart SGLang with --speculative-algorithm EAGLE3"))
-    else:
-        findings.append(_ok("speculative_algorithm", f"EAGLE3 ({who})"))
-    return findings
+        return [Finding("error", "speculative_algorithm", f"{who} runs without speculative decoding",
+                        "start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path DRAFT")]
+    if str(algorithm).upper() == "EAGLE":
+        return [Finding("error", "speculative_algorithm", f"{who} runs EAGLE, not EAGLE3: the target passes only its final hidden "
+                        "state, fc is skipped and the EAGLE-3 draft is bypassed without any error",
+                        "restart SGLang with --speculative-algorithm EAGLE3")]
+    if str(algorithm).upper() != "EAGLE3":
+        return [Finding("error", "speculative_algorithm", f"{who} runs {algorithm}, not EAGLE3",
+                        "restart SGLang with --speculative-algorithm EAGLE3")]
+    return [_ok("speculative_algorithm", f"EAGLE3 ({who})")]
 
 
 def check_server_info(server_info: Mapping[str, Any], draft_dir: str | Path | None = None) -> list[Finding]:
