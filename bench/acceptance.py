@@ -1,22 +1,30 @@
-"""Offline acceptance evaluation and the reference speculative loop against plain greedy decoding, side by side.
+"""Offline acceptance evaluation and the reference speculative loop against plain greedy decoding, side by
+side.
 
-    python bench/acceptance.py                       # embedded SmolLM2, untrained draft, k = 3, 4 prompts x 32 tokens
+    # embedded SmolLM2, untrained draft, k = 3, 4 prompts x 32 tokens
+    python bench/acceptance.py
     python bench/acceptance.py --steps 1 3 5 --prompts 8 --max-new-tokens 64
     python bench/acceptance.py --draft-checkpoint outputs/<run>/draft/checkpoint.pt
     python bench/acceptance.py --steps 3 --topology tree:3,2,6 tree:5,8,32 --fit-iterations 20
 
 One process, one thread by default (CPU timings on a shared machine are noisy; say so when quoting them).
 Lines printed per k:
-- offline: tokens/s of the offline chain evaluation (one target forward + the draft's k-step unroll per sequence)
-- greedy: plain greedy loop with KV cache; generate: transformers' generate(do_sample=False) on the same prompts
-- loop: the speculative loop with the draft, accept length the way a server counts it, offline tau, and the ratio
+- offline: tokens/s of the offline chain evaluation (one target forward + the draft's k-step unroll per
+  sequence)
+- greedy: plain greedy loop with KV cache; generate: transformers' generate(do_sample=False) on the same
+  prompts
+- loop: the speculative loop with the draft, accept length the way a server counts it, offline tau, and the
+  ratio
 - oracle: the same loop with proposals forced right (what this loop gives at its ceiling accept length)
-Lines per --topology (chains or SGLang trees, through `eaglekit.analysis.evaluate`): tau of the loop (accepted + bonus per
-verification), as a server counts it, and offline on the greedy continuations, each with a bootstrap interval over
-prompts; the lossless check; tokens/s against greedy; then the oracle tree loop.
---fit-iterations N overfits the untrained draft for N Adam steps on the target's greedy answers to these very prompts
-(so that drafts accept something and loop and offline tau can be compared; not a held-out measurement).
-An untrained draft accepts almost nothing, so its loop is slower than plain decoding: that is the honest result.
+Lines per --topology (chains or SGLang trees, through `eaglekit.analysis.evaluate`): tau of the loop
+(accepted + bonus per verification), as a server counts it, and offline on the greedy continuations, each
+with a bootstrap interval over prompts; the lossless check; tokens/s against greedy; then the oracle tree
+loop.
+--fit-iterations N overfits the untrained draft for N Adam steps on the target's greedy answers to these
+very prompts (so that drafts accept something and loop and offline tau can be compared; not a held-out
+measurement).
+An untrained draft accepts almost nothing, so its loop is slower than plain decoding: that is the honest
+result.
 """
 
 from __future__ import annotations
@@ -94,7 +102,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def load_draft(
     model_dir, checkpoint_path: str | None, counts_from: list[list[int]], vocab_size: int
 ) -> Eagle3DraftModel:
-    """The trained draft from a checkpoint, or an untrained one with a draft vocab from the target's own outputs."""
+    """The trained draft from a checkpoint, or an untrained one with a draft vocab from
+    the target's own outputs."""
     head = load_target_head_weights(model_dir)
     if checkpoint_path is not None:
         from eaglekit.training import load_checkpoint, load_draft_weights
@@ -149,7 +158,8 @@ def main(argv: list[str]) -> int:
         f"torch threads {torch.get_num_threads()}, device cpu"
     )
 
-    # The draft vocab of an untrained draft comes from the target's own greedy outputs, as stage 5 would pick it.
+    # The draft vocab of an untrained draft comes from the target's own greedy outputs,
+    # as stage 5 would pick it.
     references = [greedy_decode(target, prompt, args.max_new_tokens, eos).output_ids for prompt in prompts]
     draft = load_draft(model_dir, args.draft_checkpoint, references, target.config.vocab_size)
     untrained = "untrained (random layer, target lm_head rows)"

@@ -12,7 +12,8 @@
 3. bytes per stored token of real shards (`capture_to_shards`) against the planner's 4H x 2 formula.
 
     python bench/capture.py                      # a few hundred tokens; minutes on a busy shared 2-core CPU
-    python bench/capture.py --samples 64 --min-length 256 --max-length 2048 --max-tokens-per-batch 8192 --device cuda
+    python bench/capture.py --samples 64 --min-length 256 --max-length 2048 --max-tokens-per-batch 8192 \
+        --device cuda
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Completion tokens/s of the embedded server (transformers serve, continuous batching) at concurrency 1, 8, 32.
+"""Completion tokens/s of the embedded server (transformers serve, continuous
+batching) at concurrency 1, 8, 32.
 
 Measured side by side in one run against one server; prints the ratio of 32 to 1.
     python bench/embedded_server.py [--max-tokens 64] [--rounds 2] [--no-continuous-batching]
@@ -31,7 +32,8 @@ PROMPTS = [
 async def measure(
     base_url: str, model: str, concurrency: int, requests: int, max_tokens: int
 ) -> tuple[float, int]:
-    """Keep `concurrency` requests in flight until `requests` are done; returns (seconds, completion tokens)."""
+    """Keep `concurrency` requests in flight until `requests` are done; returns
+    (seconds, completion tokens)."""
     # A client per event loop: its connections belong to the loop that opened them.
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
     queue = list(range(requests))

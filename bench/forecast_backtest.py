@@ -28,7 +28,8 @@ import numpy as np
 from eaglekit.analysis.forecast import forecast, paired_bootstrap_means
 
 Z = 1.959964
-# recipe -> ({size: (tau, low, high)}, (slope, low, high) over 60 / 240 / 960), outside tau from docs/recipe_ablation.md.
+# recipe -> ({size: (tau, low, high)}, (slope, low, high) over 60 / 240 / 960), outside tau
+# from docs/recipe_ablation.md.
 CURVES = {
     "default (third pass)": (
         {60: (1.329, 1.276, 1.386), 240: (1.478, 1.409, 1.553), 960: (1.577, 1.500, 1.656)},
@@ -71,7 +72,8 @@ def backtest(resamples: int) -> None:
     covered = total = 0
     for name, (points, slope_interval) in CURVES.items():
         sizes, taus, replicates, rho = rebuilt_replicates(points, slope_interval, resamples, seed=0)
-        # 60, 240 -> 960: two sizes give only a slope, so the prediction is "at the measured slope" (2 doublings on).
+        # 60, 240 -> 960: two sizes give only a slope, so the prediction is "at the
+        # measured slope" (2 doublings on).
         slope = forecast(sizes[:2], taus[:2], replicates[:, :2]).slope
         extrapolated = replicates[:, 1] + 2.0 * (replicates[:, 1] - replicates[:, 0]) / 2.0
         low, high = np.quantile(extrapolated, [0.025, 0.975])
@@ -151,7 +153,8 @@ TRUTHS = {
     "s-curve": lambda n: 1.1 + 0.5 / (1.0 + np.exp(-0.8 * (np.log2(n / 60.0) - 5.0))),
     "flat": lambda n: 1.3 + 0.0 * n,
 }
-TRAINING_SD = 0.013  # the drafts' own noise in the simulation: the forecast's prior (docs/forecast.md, "Training noise")
+# the drafts' own noise in the simulation: the forecast's prior (docs/forecast.md, "Training noise")
+TRAINING_SD = 0.013
 
 
 def synthetic(truth, sizes, seed: int, resamples: int, samples: int = 60) -> tuple[np.ndarray, np.ndarray]:
@@ -167,7 +170,8 @@ def synthetic(truth, sizes, seed: int, resamples: int, samples: int = 60) -> tup
 
 
 def _call(sizes, taus, replicates, **kwargs):
-    """forecast() with the keywords this checkout's version takes (run against an older lib/ for the 'before' numbers)."""
+    """forecast() with the keywords this checkout's version takes (run against an older lib/ for
+    the 'before' numbers)."""
     accepted = inspect.signature(forecast).parameters
     return forecast(
         sizes, taus, replicates, **{key: value for key, value in kwargs.items() if key in accepted}
@@ -175,8 +179,9 @@ def _call(sizes, taus, replicates, **kwargs):
 
 
 def coverage(experiments: int, resamples: int) -> None:
-    """Coverage at 2, 3 and 4 doublings past 960 and the wrong-"go" rate with break-even 0 to 0.02 above the truth at
-    3 doublings (the horizon), per truth; then the chance of ever a wrong "go" over a staged run's 6 looks."""
+    """Coverage at 2, 3 and 4 doublings past 960 and the wrong-"go" rate with break-even 0 to 0.02 above the
+    truth at 3 doublings (the horizon), per truth; then the chance of ever a wrong "go" over
+    a staged run's 6 looks."""
     ahead = (3840.0, 7680.0, 15360.0)
     print(
         "\n| truth | sizes | covered at 3,840 | at 7,680 | at 15,360 | mean width at 3,840 / 7,680 | wrong "

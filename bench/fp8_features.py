@@ -55,7 +55,8 @@ def questions(count: int, seed: int = 0) -> list[str]:
 
 @torch.no_grad()
 def captured_samples(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[dict]:
-    """Samples as stage 4 yields them: greedy answers, features at the EAGLE-3 layers (bf16), loss mask on the answer."""
+    """Samples as stage 4 yields them: greedy answers, features at the EAGLE-3 layers (bf16),
+    loss mask on the answer."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     layers = [2, target.config.num_hidden_layers // 2, target.config.num_hidden_layers - 3]
@@ -91,7 +92,8 @@ def captured_samples(model_dir: Path, prompts: list[str], max_new_tokens: int) -
 
 
 def as_fp8(samples: list[dict]) -> list[dict]:
-    """The same samples through the shard format's fp8 codec (what a `feature_dtype: fp8` capture reads back)."""
+    """The same samples through the shard format's fp8 codec (what a `feature_dtype: fp8` capture
+    reads back)."""
     return [
         {
             **sample,

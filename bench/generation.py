@@ -14,11 +14,11 @@
    pilot measures prompt and completion lengths and the rate, `eaglekit.generation.capacity` plans the
    concurrency from them, then the same prompts run at the no-preemption worst case and at the
    planned concurrency: errors, completion tokens/s, and the pilot-rate ETA against the wall time.
-5. `--partitions`: a short and a long partition (lognormal answer lengths, `--token-seconds` a token, the issue-38
-   run's shape at about 1/20 of its time) on the fault endpoint, once with each partition drained before the next
-   (the engine before the overlap) and once with the long one starting in the room the short one's drain frees:
-   wall times side by side, and the ETA the progress records gave at 10%, 25% and 50% of each run against the time
-   actually left.
+5. `--partitions`: a short and a long partition (lognormal answer lengths, `--token-seconds` a token, the
+   issue-38 run's shape at about 1/20 of its time) on the fault endpoint, once with each partition drained
+   before the next (the engine before the overlap) and once with the long one starting in the room the short
+   one's drain frees: wall times side by side, and the ETA the progress records gave at 10%, 25% and 50% of
+   each run against the time actually left.
 
 The endpoint is tests/fault_endpoint.py in its own process (a separate interpreter, so its work does
 not share the client's GIL). Run: `python bench/generation.py [--requests N] [--embedded]`.
@@ -189,7 +189,8 @@ def bench_overhead(workdir: Path, requests: int, concurrency: int) -> None:
     finally:
         process.kill()
     assert summary.datasets["bench"].done == requests
-    # Request-only window from the records: first request start to last finish, without file setup and summary.
+    # Request-only window from the records: first request start to last finish,
+    # without file setup and summary.
     span = request_window(list(read_generations(workdir / "instant_out").values()))
     print(
         f"[2] instant endpoint, concurrency {concurrency}: {requests} requests in {wall:.2f} s wall = "

