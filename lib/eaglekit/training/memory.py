@@ -94,27 +94,26 @@ def activation_bytes(config: DraftConfig, pack_tokens: int, ttt_steps: int, atte
     saved: dict[int, int] = {}
     alive: list[torch.Tensor] = []  # what the count names stays allocated, so no freed storage's id is reused
 
-    def keep(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage._cdata not in weights:
-            saved[storage._cdata] = storage.nbytes()
-            alive.append(tensor)
-        return tensor
+    def counter(into: dict[int, int], skipped: set[int]):
+        """A saved-tensors hook: the bytes of each storage autograd saves go into `into`, those in `skipped` aside."""
 
+        def count(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage._cdata not in skipped:
+                into[storage._cdata] = storage.nbytes()
+                alive.append(tensor)
+            return tensor
+
+        return count
+
+    keep = counter(saved, weights)
     step_bytes: list[int] = []  # with checkpointing: each step's own activations (held again while it recomputes)
 
     def run_step(function, *args: torch.Tensor):
         inputs = {keep(tensor).untyped_storage()._cdata for tensor in args if isinstance(tensor, torch.Tensor)}
         inside: dict[int, int] = {}
-
-        def count(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
-            if storage._cdata not in weights and storage._cdata not in inputs:
-                inside[storage._cdata] = storage.nbytes()
-                alive.append(tensor)
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):  # the innermost hooks apply
+        # The innermost hooks apply: a step's own activations go to `inside`.
+        with torch.autograd.graph.saved_tensors_hooks(counter(inside, weights | inputs), lambda tensor: tensor):
             outputs = function(*args)
         step_bytes.append(sum(inside.values()))
         return outputs
