@@ -29,11 +29,8 @@ def stratified_order(datasets: Sequence[str], seed: int, weights: Sequence[int] 
     generator = np.random.default_rng(seed)
     weights = [1] * len(datasets) if weights is None else list(weights)
     keys: list[tuple[float, float, int]] = []
-    by_dataset: dict[str, list[int]] = {}
-    for index, name in enumerate(datasets):
-        by_dataset.setdefault(name, []).append(index)
-    for name in sorted(by_dataset):
-        members = np.array(by_dataset[name])
+    for name in sorted(set(datasets)):
+        members = np.array([index for index, dataset in enumerate(datasets) if dataset == name])
         generator.shuffle(members)
         total, before = sum(weights[index] for index in members), 0
         for index in members:
