@@ -41,5 +41,4 @@ def truncate_metrics(path: Path, last_step: int) -> None:
         return
     keep = [record for _, record in read_jsonl(path) if record.get("step", 0) <= last_step]
     with atomic_write(path) as handle:
-        for record in keep:
-            handle.write(json.dumps(record) + "\n")
+        handle.writelines(json.dumps(record) + "\n" for record in keep)
