@@ -149,7 +149,8 @@ def check_draft_config(
     if speculators:
         findings.append(_ok("architectures", f"speculators eagle3 config ({architectures}): the vLLM / speculators folder"))
     elif architectures != [DRAFT_ARCHITECTURE]:
-        findings.append(Finding("error", "architectures", f"draft architectures is {architectures}; SGLang picks the EAGLE-3 model class from it",
+        findings.append(Finding("error", "architectures",
+                                f"draft architectures is {architectures}; SGLang picks the EAGLE-3 model class from it",
                                 f'set "architectures": ["{DRAFT_ARCHITECTURE}"] in the draft config.json'))
     else:
         findings.append(_ok("architectures", DRAFT_ARCHITECTURE))
@@ -206,14 +207,17 @@ def _check_norm_before_residual(draft_config: Mapping[str, Any]) -> list[Finding
     value = draft_config.get("norm_before_residual")
     if value is None:
         return [Finding("error", "norm_before_residual", "norm_before_residual is missing: vLLM reads it as true, speculators as false, "
-                        "so the two compute different layers from this folder", 'write "norm_before_residual": false (the kit\'s draft keeps residual = h, as SGLang does)')]
+                        "so the two compute different layers from this folder",
+                        'write "norm_before_residual": false (the kit\'s draft keeps residual = h, as SGLang does)')]
     if value:
-        return [Finding("warning", "norm_before_residual", "norm_before_residual is true: the residual is hidden_norm(h); the kit's drafts (and SGLang's layer) use h",
+        return [Finding("warning", "norm_before_residual",
+                        "norm_before_residual is true: the residual is hidden_norm(h); the kit's drafts (and SGLang's layer) use h",
                         'write "norm_before_residual": false unless the draft was trained with the norm before the residual')]
     return [_ok("norm_before_residual", "false (residual = h), stated explicitly")]
 
 
-def _check_vllm_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any], capture_layers: Sequence[int] | None) -> list[Finding]:
+def _check_vllm_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any],
+                               capture_layers: Sequence[int] | None) -> list[Finding]:
     """vLLM's top-level ids: layer inputs as given (no +1); missing, it captures [2, N//2, N-3]."""
     from eaglekit.capture import default_capture_layer_ids
 
@@ -226,23 +230,27 @@ def _check_vllm_capture_layers(draft_config: Mapping[str, Any], target: Mapping[
         served = default_capture_layer_ids(num_layers)
         if served == expected:
             return [_ok("vllm_capture_layers", f"no eagle_aux_hidden_state_layer_ids; vLLM's default {served} matches training")]
-        return [Finding("error", "vllm_capture_layers", f"no top-level eagle_aux_hidden_state_layer_ids: vLLM captures its default {served}, but the draft was trained on {expected}",
+        return [Finding("error", "vllm_capture_layers", f"no top-level eagle_aux_hidden_state_layer_ids: vLLM captures its default "
+                        f"{served}, but the draft was trained on {expected}",
                         f'set "eagle_aux_hidden_state_layer_ids": {expected} at the top of config.json')]
     ids = list(ids)
     findings = []
     if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers:
-        findings.append(Finding("warning", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} repeat a layer or leave [0, {num_layers}]: speculators' loader refuses them",
+        findings.append(Finding("warning", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} repeat a layer or leave "
+                                f"[0, {num_layers}]: speculators' loader refuses them",
                                 f"capture three distinct layers of the {num_layers}-layer target"))
     if ids != expected:
         hint = " (SGLang's layer-output ids? vLLM takes the hidden-states indices themselves)" if [i + 1 for i in ids] == expected else ""
-        findings.append(Finding("error", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} make vLLM capture {ids}, but the draft was trained on {expected}{hint}",
+        findings.append(Finding("error", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} make vLLM capture {ids}, "
+                                f"but the draft was trained on {expected}{hint}",
                                 f'set "eagle_aux_hidden_state_layer_ids": {expected} at the top of config.json'))
     else:
         findings.append(_ok("vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids}: vLLM captures them as trained"))
     return findings
 
 
-def check_serving_settings(draft_config: Mapping[str, Any], target: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> list[Finding]:
+def check_serving_settings(draft_config: Mapping[str, Any], target: Mapping[str, Any],
+                           settings: Mapping[str, Any] | None = None) -> list[Finding]:
     """Server settings SGLang refuses with this draft. `settings`: the server's own (its server info) or a
     planned launch (`parse_sglang_args`); without them, a warning names what not to turn on."""
     fields = layer_fields(draft_config)
@@ -252,8 +260,9 @@ def check_serving_settings(draft_config: Mapping[str, Any], target: Mapping[str,
     findings: list[Finding] = []
     rejection = None if settings is None else bool(settings.get("speculative_use_rejection_sampling"))
     if rejection and reduced:
-        findings.append(Finding("error", "rejection_sampling", f"--speculative-use-rejection-sampling with a reduced draft vocab ({draft_vocab} of {vocab}): "
-                                "SGLang 0.5.23 refuses to start (speculative/eagle_worker_v2.py: the draft and target must share one vocab)",
+        findings.append(Finding("error", "rejection_sampling", "--speculative-use-rejection-sampling with a reduced draft vocab "
+                                f"({draft_vocab} of {vocab}): SGLang 0.5.23 refuses to start (speculative/eagle_worker_v2.py: the "
+                                "draft and target must share one vocab)",
                                 "start SGLang without --speculative-use-rejection-sampling (or train a full-vocab draft)"))
     elif reduced and settings is None:
         findings.append(Finding("warning", "rejection_sampling", f"draft vocab {draft_vocab} < target vocab {vocab}: SGLang 0.5.23 refuses "
@@ -262,7 +271,8 @@ def check_serving_settings(draft_config: Mapping[str, Any], target: Mapping[str,
     elif settings is not None:
         findings.append(_ok("rejection_sampling", "off" if not rejection else "on, with a full-vocab draft"))
     if rejection and settings is not None and int(settings.get("speculative_eagle_topk") or 1) != 1:
-        findings.append(Finding("error", "rejection_sampling", f"--speculative-use-rejection-sampling with --speculative-eagle-topk {settings['speculative_eagle_topk']}: SGLang refuses it",
+        findings.append(Finding("error", "rejection_sampling", "--speculative-use-rejection-sampling with --speculative-eagle-topk "
+                                f"{settings['speculative_eagle_topk']}: SGLang refuses it",
                                 "use --speculative-eagle-topk 1 with rejection sampling"))
     return findings
 
@@ -285,7 +295,8 @@ def parse_sglang_args(arguments: Sequence[str] | str) -> dict[str, Any]:
     return settings
 
 
-def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any], capture_layers: Sequence[int] | None) -> list[Finding]:
+def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any],
+                          capture_layers: Sequence[int] | None) -> list[Finding]:
     from eaglekit.capture import default_capture_layer_ids  # the one definition; imported here so the doctor loads without torch
 
     num_layers = target.get("num_hidden_layers")
@@ -294,7 +305,8 @@ def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, 
     expected = list(capture_layers) if capture_layers is not None else default_capture_layer_ids(num_layers)
     bad = [index for index in expected if not 1 <= index <= num_layers]
     if len(expected) != 3 or bad:
-        return [Finding("error", "capture_layers", f"training capture layers {expected} are not 3 hidden-states indices in [1, {num_layers}]",
+        return [Finding("error", "capture_layers",
+                        f"training capture layers {expected} are not 3 hidden-states indices in [1, {num_layers}]",
                         "capture exactly three layers of the target (fc takes 3H)")]
     wanted_ids = [index - 1 for index in expected]
     ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -302,14 +314,17 @@ def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, 
         served = default_capture_layer_ids(num_layers)
         if served == expected:
             return [_ok("capture_layers", f"no eagle_aux_hidden_state_layer_ids; SGLang's default {served} matches training")]
-        return [Finding("error", "capture_layers", f"no eagle_aux_hidden_state_layer_ids: SGLang captures its default {served}, but the draft was trained on {expected}",
+        return [Finding("error", "capture_layers", f"no eagle_aux_hidden_state_layer_ids: SGLang captures its default {served}, "
+                        f"but the draft was trained on {expected}",
                         f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {wanted_ids}}}')]
     served = [value + 1 for value in ids]  # SGLang: layers_to_capture = [id + 1 for id in layer_ids]
     if served == expected:
         return [_ok("capture_layers", f"eagle_aux_hidden_state_layer_ids {list(ids)} -> SGLang captures {served}, as trained")]
     hint = " (the config holds the hidden-states indices themselves; SGLang adds 1 to each)" if list(ids) == expected else ""
-    return [Finding("error", "capture_layers", f"eagle_aux_hidden_state_layer_ids {list(ids)} make SGLang capture {served}, but the draft was trained on {expected}{hint}",
-                    f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {wanted_ids}}} (layer-output ids = hidden-states index - 1)')]
+    return [Finding("error", "capture_layers", f"eagle_aux_hidden_state_layer_ids {list(ids)} make SGLang capture {served}, "
+                    f"but the draft was trained on {expected}{hint}",
+                    f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {wanted_ids}}} '
+                    "(layer-output ids = hidden-states index - 1)")]
 
 
 # ----------------------------------------------------------------------------- weights
@@ -334,27 +349,32 @@ def check_draft_weights(weights_path: str | Path, draft_config: Mapping[str, Any
 
     weights_path = Path(weights_path)
     if not weights_path.exists():
-        return [Finding("error", "weights", f"{weights_path} does not exist", "export the draft weights as model.safetensors beside config.json")]
+        return [Finding("error", "weights", f"{weights_path} does not exist",
+                        "export the draft weights as model.safetensors beside config.json")]
     try:
         expected = tensor_table_from_config(draft_config)  # DESIGN's names, shapes and fixed dtypes
     except (KeyError, TypeError, ValueError) as error:
-        return [Finding("error", "weights", f"cannot derive tensor shapes from the draft config: missing or bad {error}", "write hidden_size, num_attention_heads, intermediate_size and vocab_size into config.json")]
+        return [Finding("error", "weights", f"cannot derive tensor shapes from the draft config: missing or bad {error}",
+                        "write hidden_size, num_attention_heads, intermediate_size and vocab_size into config.json")]
     findings: list[Finding] = []
     loader = "speculators (and vLLM)" if is_speculators_config(draft_config) else "SGLang"
     with safe_open(str(weights_path), framework="pt") as handle:
         names = set(handle.keys())
         missing = sorted(set(expected) - names)
         unknown = sorted(names - set(expected) - ({"fc.bias"} if draft_config.get("bias") else set()))
-        embed = [name for name in unknown if name in ("embed_tokens.weight", "model.embed_tokens.weight")] if not is_speculators_config(draft_config) else []
+        embed = ([name for name in unknown if name in ("embed_tokens.weight", "model.embed_tokens.weight")]
+                 if not is_speculators_config(draft_config) else [])
         unknown = [name for name in unknown if name not in embed]
         if missing:
-            findings.append(Finding("error", "tensor_names", f"missing tensors {missing}: {loader} leaves those weights random and accept length falls to about 1.0",
+            findings.append(Finding("error", "tensor_names", f"missing tensors {missing}: {loader} leaves those weights random and "
+                                    "accept length falls to about 1.0",
                                     "export every tensor under DESIGN's exact names"))
         if unknown:
             findings.append(Finding("error", "tensor_names", f"tensors {loader} would silently skip: {unknown}",
                                     "; ".join(_rename_hint(name, set(expected)) for name in unknown[:6])))
         if embed:
-            findings.append(Finding("warning", "tensor_names", f"{embed} exported: the draft shares the target's frozen embed_tokens, which is not part of the checkpoint",
+            findings.append(Finding("warning", "tensor_names", f"{embed} exported: the draft shares the target's frozen embed_tokens, "
+                                    "which is not part of the checkpoint",
                                     "drop embed_tokens from the export"))
         if not missing and not unknown:
             findings.append(_ok("tensor_names", f"all {len(expected)} tensors present under DESIGN's names"))
@@ -370,7 +390,8 @@ def check_draft_weights(weights_path: str | Path, draft_config: Mapping[str, Any
                 shape_errors.append(f"{name} dtype {actual_dtype} (expected {dtype})")
         if shape_errors:
             findings.append(Finding("error", "tensor_shapes", "wrong shapes or dtypes: " + "; ".join(shape_errors),
-                                    "re-export from a draft built with this config (q/k/v take 2H inputs, fc takes 3H, lm_head has draft_vocab_size rows)"))
+                                    "re-export from a draft built with this config (q/k/v take 2H inputs, fc takes 3H, lm_head has "
+                                    "draft_vocab_size rows)"))
         elif not missing:
             findings.append(_ok("tensor_shapes", "shapes and dtypes match the config"))
         if "d2t" in names and "t2d" in names and not shape_errors:
@@ -384,13 +405,17 @@ def _check_vocab_maps(d2t, t2d) -> list[Finding]:
 
     target_ids = d2t + torch.arange(d2t.shape[0])  # what SGLang computes as hot_token_id
     if (target_ids < 0).any() or (target_ids >= t2d.shape[0]).any():
-        return [Finding("error", "vocab_maps", "d2t maps draft ids outside the target vocab", "rebuild d2t as target_id - draft_id for the chosen draft tokens")]
+        return [Finding("error", "vocab_maps", "d2t maps draft ids outside the target vocab",
+                        "rebuild d2t as target_id - draft_id for the chosen draft tokens")]
     if len(torch.unique(target_ids)) != len(target_ids):
-        return [Finding("error", "vocab_maps", "d2t maps two draft ids to one target id", "rebuild d2t from a list of distinct target tokens")]
+        return [Finding("error", "vocab_maps", "d2t maps two draft ids to one target id",
+                        "rebuild d2t from a list of distinct target tokens")]
     marked = torch.zeros_like(t2d)
     marked[target_ids] = True
     if not torch.equal(marked, t2d):
-        return [Finding("error", "vocab_maps", f"t2d marks {int(t2d.sum())} target ids but d2t maps to {len(target_ids)} (or different ones)", "rebuild t2d from d2t: t2d[d2t + arange] = True")]
+        return [Finding("error", "vocab_maps",
+                        f"t2d marks {int(t2d.sum())} target ids but d2t maps to {len(target_ids)} (or different ones)",
+                        "rebuild t2d from d2t: t2d[d2t + arange] = True")]
     return [_ok("vocab_maps", f"d2t and t2d agree on {len(target_ids)} draft tokens")]
 
 
@@ -419,7 +444,8 @@ def check_server_info(server_info: Mapping[str, Any], draft_dir: str | Path | No
     findings = check_speculative_algorithm(server_info)
     served = server_info.get("speculative_draft_model_path")
     if draft_dir is not None and served and Path(str(served)).name != Path(draft_dir).name:
-        findings.append(Finding("warning", "draft_model_path", f"the server serves draft {served}, not {draft_dir}", "point --speculative-draft-model-path at the checked draft"))
+        findings.append(Finding("warning", "draft_model_path", f"the server serves draft {served}, not {draft_dir}",
+                                "point --speculative-draft-model-path at the checked draft"))
     for rank, state in enumerate(server_info.get("internal_states") or []):
         if isinstance(state, Mapping) and state.get("avg_spec_accept_length") is not None:
             findings.extend(check_accept_length(float(state["avg_spec_accept_length"]), f"server avg_spec_accept_length (DP rank {rank})"))
@@ -429,10 +455,12 @@ def check_server_info(server_info: Mapping[str, Any], draft_dir: str | Path | No
 def check_accept_length(accept_length: float, source: str = "measured accept length") -> list[Finding]:
     """Warn when an accept length shows the draft being bypassed (< 1.1)."""
     if accept_length < 1.0:
-        return [Finding("error", "accept_length", f"{source} {accept_length:.3f} is below 1, impossible under the bonus-token definition", "check how it was computed: tokens emitted / verification steps")]
+        return [Finding("error", "accept_length", f"{source} {accept_length:.3f} is below 1, impossible under the bonus-token definition",
+                        "check how it was computed: tokens emitted / verification steps")]
     if accept_length < BYPASS_ACCEPT_LENGTH:
-        return [Finding("warning", "accept_length", f"{source} {accept_length:.3f} < {BYPASS_ACCEPT_LENGTH}: the draft is almost never accepted (being bypassed)",
-                        "run the doctor on the draft folder and endpoint: EAGLE vs EAGLE3, tensor names, capture layers, tie_word_embeddings")]
+        return [Finding("warning", "accept_length", f"{source} {accept_length:.3f} < {BYPASS_ACCEPT_LENGTH}: the draft is almost never "
+                        "accepted (being bypassed)", "run the doctor on the draft folder and endpoint: EAGLE vs EAGLE3, tensor names, "
+                        "capture layers, tie_word_embeddings")]
     return [_ok("accept_length", f"{source} {accept_length:.3f}")]
 
 
@@ -468,7 +496,8 @@ def run_doctor(
         try:
             info = get_sglang_server_info(endpoint, timeout)
         except (ConnectionError, RuntimeError) as error:
-            findings.append(Finding("error", "endpoint", f"cannot read SGLang server info: {error}", "check the URL (server root or .../v1) and that it is an SGLang server"))
+            findings.append(Finding("error", "endpoint", f"cannot read SGLang server info: {error}",
+                                    "check the URL (server root or .../v1) and that it is an SGLang server"))
         else:
             findings.extend(check_server_info(info, draft_dir))
             if draft_config is not None:
