@@ -56,13 +56,9 @@ def lower_bound_sizes(rows: Iterable[Mapping[str, Any]], training: Any) -> dict[
     from eaglekit.training.schedule import anneal_length
 
     annealed = anneal_length(training.decay_steps, training.decay_fraction, 1) > 0
-    bounds = {}
-    for row in rows:
-        gain = row.get("recent_gain")
-        rising = not annealed and gain is not None and gain > training.min_improvement
-        if not row.get("converged", True) or rising:
-            bounds[float(row["size"])] = gain
-    return bounds
+    return {float(row["size"]): row.get("recent_gain") for row in rows
+            if not row.get("converged", True)
+            or (not annealed and row.get("recent_gain") is not None and row["recent_gain"] > training.min_improvement)}
 
 
 def seed_accept_lengths(agreements_by_size: Mapping[int, Sequence[Mapping[str, Sequence]]], steps: int) -> dict[float, list[float]]:

@@ -167,10 +167,8 @@ def prompt_before_first_answer(input_ids: Sequence[int], loss_mask: Sequence[int
 
     For a multi-turn conversation this is the context of the first assistant turn, chat template included
     (the assistant header ends the prompt, as `add_generation_prompt` would)."""
-    for position, flag in enumerate(loss_mask):
-        if int(flag) == 1:
-            return [int(token) for token in input_ids[:position]]
-    return []
+    first = next((position for position, flag in enumerate(loss_mask) if int(flag) == 1), 0)
+    return [int(token) for token in input_ids[:first]]
 
 
 def heldout_prompts(samples: Sequence[dict], count: int, max_prompt_tokens: int) -> list[dict]:

@@ -322,7 +322,6 @@ def ceiling_identification(
     fit, at_bound = None, None
     if n >= 3:
         fit = fit_scaling(sizes, taus, replicate_accept_lengths, max_accept_length=max_accept_length, confidence=confidence)
-    if fit is not None:
         tau_inf, exponent = fit.replicates[:, 0], fit.replicates[:, 2]
         tolerance = BOUND_TOLERANCE * max(1.0, abs(max_accept_length) if math.isfinite(max_accept_length) else 1.0)
         at_ceiling = (tau_inf >= max_accept_length - tolerance) if math.isfinite(max_accept_length) else np.zeros(len(tau_inf), bool)
@@ -372,9 +371,7 @@ def scaling_answer(
     """Slope, ceiling identification and doublings per target (label, tau), e.g. ("break-even", 2.07)."""
     slope = local_slope(data_sizes, accept_lengths, replicate_accept_lengths, confidence, lower_bound_sizes)
     ceiling = ceiling_identification(data_sizes, accept_lengths, replicate_accept_lengths, max_accept_length, confidence)
-    doublings = []
-    for label, target in targets:
-        point, low, high = slope.doublings_to(target)
-        doublings.append({"label": label, "target_accept_length": target, "doublings": point, "doublings_low": low,
-                          "doublings_high": high, "statement": slope.doublings_statement(target, label)})
+    doublings = [{"label": label, "target_accept_length": target,
+                  **dict(zip(("doublings", "doublings_low", "doublings_high"), slope.doublings_to(target))),
+                  "statement": slope.doublings_statement(target, label)} for label, target in targets]
     return ScalingAnswer(slope=slope, ceiling=ceiling, doublings_needed=doublings)

@@ -290,11 +290,9 @@ def _record(result: SpeculativeResult, tokens: list[int], accepted: int, last_ro
             eos: set[int]) -> list[int] | None:
     """One verification into `result`: its tokens cut to the remaining budget and just after the first EOS.
     Returns the tokens emitted, or None when the output ends here (stop_reason set)."""
-    emitted, hit_eos = tokens[: max_new_tokens - len(result.output_ids)], False
-    for index, token in enumerate(emitted):
-        if token in eos:
-            emitted, hit_eos = emitted[: index + 1], True
-            break
+    emitted = tokens[: max_new_tokens - len(result.output_ids)]
+    eos_end = next((index + 1 for index, token in enumerate(emitted) if token in eos), None)
+    emitted, hit_eos = emitted[:eos_end], eos_end is not None
     result.accepted_per_step.append(accepted)
     result.emitted_per_step.append(len(emitted))
     result.chain_start_rows.append(last_row)

@@ -188,13 +188,9 @@ def measure_step_costs(
 def default_topology_grid(max_steps: int = 6, top_ks: Sequence[int] = (2, 4, 8),
                           draft_tokens: Sequence[int] = (4, 8, 16, 32, 64)) -> list[Topology]:
     """Chains of 1..max_steps steps and every valid tree with S in 2..max_steps, K in top_ks, T in draft_tokens."""
-    grid = [Topology.chain(steps) for steps in range(1, max_steps + 1)]
-    for top_k in top_ks:
-        for steps in range(2, max_steps + 1):
-            for tokens in draft_tokens:
-                if 2 <= tokens <= 1 + top_k + (steps - 1) * top_k ** 2:
-                    grid.append(Topology.tree(steps, top_k, tokens))
-    return grid
+    return [Topology.chain(steps) for steps in range(1, max_steps + 1)] + [
+        Topology.tree(steps, top_k, tokens) for top_k in top_ks for steps in range(2, max_steps + 1)
+        for tokens in draft_tokens if 2 <= tokens <= 1 + top_k + (steps - 1) * top_k ** 2]
 
 
 @torch.no_grad()

@@ -47,8 +47,7 @@ def parse_vllm_spec_counters(metrics_text: str, source: str = "/metrics") -> Vll
     seen: set[str] = set()
     per_position: dict[int, float] = {}
     for line in metrics_text.splitlines():
-        if not line or line.startswith("#"):
-            continue
+        # A comment line (# HELP, # TYPE) or a blank one matches no sample name.
         match = _SAMPLE_LINE.match(line)
         if match is None:
             continue
