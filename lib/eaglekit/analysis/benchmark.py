@@ -179,8 +179,8 @@ def score_drafts_on_prompts(
     if not prompts:
         raise ValueError("no benchmark prompts to score")
     greedy = [greedy_decode(target, prompt["input_ids"], max_new_tokens, eos_token_ids).output_ids for prompt in prompts]
-    rows = []
-    for size in sorted(drafts):
+    sizes, rows = sorted(drafts), []
+    for size in sizes:
         drafts[size].eval()
         for prompt, reference in zip(prompts, greedy):
             result = speculative_decode(target, drafts[size], prompt["input_ids"], steps, max_new_tokens, eos_token_ids)
@@ -191,17 +191,16 @@ def score_drafts_on_prompts(
                 "seconds": result.seconds,
             })
     per_prompt = pd.DataFrame(rows)
-    sizes = sorted(drafts)
+    parts = [per_prompt[per_prompt["data_size"] == size] for size in sizes]
     # (n_drafts, P) sufficient statistics; a prompt whose answer ended at the prefill token has no verification.
-    accepted = np.array([per_prompt.loc[per_prompt["data_size"] == size, "accepted"].to_numpy() for size in sizes], dtype=np.float64)
-    verifications = np.array([per_prompt.loc[per_prompt["data_size"] == size, "verification_steps"].to_numpy() for size in sizes], dtype=np.float64)
+    accepted = np.array([part["accepted"].to_numpy() for part in parts], dtype=np.float64)
+    verifications = np.array([part["verification_steps"].to_numpy() for part in parts], dtype=np.float64)
     weights = bootstrap_weights(len(prompts), num_resamples, seed).astype(np.float64)  # (R, P), one set for every draft
     with np.errstate(invalid="ignore", divide="ignore"):
         replicates = ((weights @ (accepted + verifications).T) / (weights @ verifications.T))  # (R, n_drafts)
     low, high = percentile_interval(replicates, confidence)
     summary_rows = []
-    for index, size in enumerate(sizes):
-        part = per_prompt[per_prompt["data_size"] == size]
+    for index, (size, part) in enumerate(zip(sizes, parts)):
         steps_total = float(part["verification_steps"].sum())
         summary_rows.append({
             "data_size": size, "prompts": len(part), **Topology.chain(steps).to_dict(),

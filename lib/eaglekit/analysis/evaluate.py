@@ -165,8 +165,7 @@ def evaluate_draft(
     results = [TopologyEvaluation(topology) for topology in topologies]
     greedy_results = []
     for prompt in prompts:
-        greedy = greedy_decode(target, prompt, max_new_tokens, eos_token_ids)
-        greedy_results.append(greedy)
+        greedy_results.append(greedy_decode(target, prompt, max_new_tokens, eos_token_ids))
         for item in results:
             item.speculative.append(decode_with_topology(target, draft, prompt, item.topology, max_new_tokens, eos_token_ids,
                                                          draft_attention))
@@ -193,10 +192,10 @@ def _ratio_interval(numerators: np.ndarray, denominators: np.ndarray, evaluation
 def topology_record(evaluation: Evaluation, item: TopologyEvaluation) -> dict:
     """The per-topology summary: the three taus with intervals, the lossless check, tokens/s, per-prompt rows."""
     topology = item.topology
-    verified = [index for index, result in enumerate(item.speculative) if result.verification_steps > 0]
-    steps = np.array([item.speculative[i].verification_steps for i in verified], dtype=np.float64)
-    accepted_plus_bonus = np.array([sum(item.speculative[i].accepted_per_step) + item.speculative[i].verification_steps for i in verified], dtype=np.float64)
-    completion = np.array([len(item.speculative[i].output_ids) for i in verified], dtype=np.float64)
+    verified = [result for result in item.speculative if result.verification_steps > 0]
+    steps = np.array([result.verification_steps for result in verified], dtype=np.float64)
+    accepted_plus_bonus = np.array([sum(result.accepted_per_step) + result.verification_steps for result in verified], dtype=np.float64)
+    completion = np.array([len(result.output_ids) for result in verified], dtype=np.float64)
     usable = [result.agreement for result in item.offline if result.agreement.shape[0] > 0]
     if usable:
         counts = chain_counts(usable, topology.steps)

@@ -102,7 +102,7 @@ def training_noise(accept_lengths: Mapping[float, float], seed_accept_lengths: M
             seeds[float(size)] = len(values) - 1
     source = (f"prior sd {prior_sd} ({prior_df} degrees of freedom)" if not seeds else
               f"prior sd {prior_sd} ({prior_df} df) pooled with {sum(seeds.values())} extra seeds at sizes "
-              + ", ".join(f"{size:g}" for size in sorted(seeds)))
+              + _sizes_text(sorted(seeds)))
     return TrainingNoise(sd=math.sqrt(squares / degrees), degrees_of_freedom=degrees, seeds_by_size=seeds, source=source)
 
 
