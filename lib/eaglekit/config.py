@@ -270,8 +270,10 @@ class TrainingParams(Section):
     speculative_tokens: int = Field(default=3, gt=0)  # the chain depth the draft is served at: the vLLM export's config, ttt_steps' default
 
     @model_validator(mode="after")
-    def _ttt_as_deep_as_served(self) -> "TrainingParams":
-        """ttt_steps unset (or null) -> speculative_tokens, so every reader sees an int; fewer is refused.
+    def _consistent(self) -> "TrainingParams":
+        """ttt_steps unset (or null) -> speculative_tokens, so every reader sees an int; fewer is refused. Then the
+        fields that must agree: num_epochs with its schedule, several processes with a parallel mode, a pack with
+        max_length.
 
         An unset ttt_steps stays unset in dumps (`_dump_ttt_steps`): a dump revalidated with another
         speculative_tokens (papermill's injected parameters edited in JupyterLab, a bench's --set) follows it."""
@@ -282,18 +284,18 @@ class TrainingParams(Section):
             raise ValueError(f"ttt_steps {self.ttt_steps} < speculative_tokens {self.speculative_tokens}: draft positions beyond "
                              f"{self.ttt_steps} would be served without ever being trained on the draft's own predictions; "
                              "set ttt_steps >= speculative_tokens (or leave ttt_steps unset: it then equals speculative_tokens)")
+        if (self.schedule == "equal_epochs") != (self.num_epochs is not None):
+            raise ValueError(f"num_epochs={self.num_epochs!r} with schedule={self.schedule!r}: num_epochs is set exactly "
+                             "when schedule is 'equal_epochs'")
+        if self.nproc_per_node > 1 and self.parallel == "none":
+            raise ValueError(f"nproc_per_node {self.nproc_per_node} needs parallel 'ddp' (or 'fsdp' on GPUs), not 'none'")
+        if self.pack_tokens is not None and self.pack_tokens < self.max_length:
+            raise ValueError(f"pack_tokens {self.pack_tokens} < max_length {self.max_length}: a pack must hold the longest sample")
         return self
 
     @field_serializer("ttt_steps")
     def _dump_ttt_steps(self, value: int) -> int | None:
         return value if "ttt_steps" in self.model_fields_set else None
-
-    @model_validator(mode="after")
-    def _epochs_with_their_schedule(self) -> "TrainingParams":
-        if (self.schedule == "equal_epochs") != (self.num_epochs is not None):
-            raise ValueError(f"num_epochs={self.num_epochs!r} with schedule={self.schedule!r}: num_epochs is set exactly "
-                             "when schedule is 'equal_epochs'")
-        return self
 
     def noise_seed_sizes(self) -> list[int]:
         """The data sizes that train `noise_seeds` extra drafts (the rule is noise_seed_max_size's comment)."""
@@ -301,14 +303,6 @@ class TrainingParams(Section):
             return []
         sizes = sorted(self.data_sizes)
         return sizes[:1] if self.noise_seed_max_size is None else [size for size in sizes if size <= self.noise_seed_max_size]
-
-    @model_validator(mode="after")
-    def _processes_and_packs(self) -> "TrainingParams":
-        if self.nproc_per_node > 1 and self.parallel == "none":
-            raise ValueError(f"nproc_per_node {self.nproc_per_node} needs parallel 'ddp' (or 'fsdp' on GPUs), not 'none'")
-        if self.pack_tokens is not None and self.pack_tokens < self.max_length:
-            raise ValueError(f"pack_tokens {self.pack_tokens} < max_length {self.max_length}: a pack must hold the longest sample")
-        return self
 
 
 class AnalysisParams(Section):
@@ -513,8 +507,7 @@ def load_params(path: str | os.PathLike) -> Params:
         raise ParamsError(f"{path}:{line}: not UTF-8 (byte 0x{raw[error.start]:02x} at offset {error.start}): "
                           "save the params file as UTF-8") from None
     data, lines = _compose(text, str(path))
-    if data is None:
-        data = {}
+    data = {} if data is None else data
     if not isinstance(data, dict):
         raise ParamsError(f"{path}: the top level must be a mapping of sections ({', '.join(Params.model_fields)})")
     return params_from_sections(data, origin=str(path), lines=lines)
