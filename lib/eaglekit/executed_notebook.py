@@ -114,16 +114,14 @@ def mark_unfinished(output: Path, ename: str, evalue: str, unsaved: str | None =
         return None
     failed = [index for index in started if notebook.cells[index].metadata.papermill.get("status") == "failed"]
     if failed:  # the cell's own error is in the notebook already: only the notebook is marked
-        notebook.metadata.setdefault("papermill", {})["exception"] = True
-        write_notebook_text(output, nbformat.writes(notebook))
-        return notebook.cells[failed[0]].get("execution_count")
-    last = started[-1]
-    cell = notebook.cells[last]
-    cell.metadata.papermill.update(status="failed", exception=True)
-    if cell.cell_type == "code":
-        cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"]))
-    for later in notebook.cells[last + 1:]:
-        later.metadata.setdefault("papermill", {}).update(status="pending", start_time=None, end_time=None, duration=None)
+        cell = notebook.cells[failed[0]]
+    else:
+        cell = notebook.cells[started[-1]]
+        cell.metadata.papermill.update(status="failed", exception=True)
+        if cell.cell_type == "code":
+            cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[f"{ename}: {evalue}"]))
+        for later in notebook.cells[started[-1] + 1:]:
+            later.metadata.setdefault("papermill", {}).update(status="pending", start_time=None, end_time=None, duration=None)
     notebook.metadata.setdefault("papermill", {})["exception"] = True
     write_notebook_text(output, nbformat.writes(notebook))
     return cell.get("execution_count")
@@ -133,10 +131,8 @@ def failed_cell(output: Path) -> str:
     """`cell [3] failed with OSError: ...` when the notebook papermill last tried to save shows a failed cell, else ''."""
     saves = NOTEBOOK_SAVES.get(str(output))
     try:
-        if saves is not None and saves.unsaved is not None:
-            notebook = nbformat.reads(saves.unsaved, as_version=4)
-        else:
-            notebook = nbformat.read(output, as_version=4)
+        unsaved = saves.unsaved if saves is not None else None
+        notebook = nbformat.reads(unsaved, as_version=4) if unsaved is not None else nbformat.read(output, as_version=4)
     except (OSError, ValueError):
         return ""
     for cell in notebook.cells:

@@ -117,11 +117,10 @@ def environment_record() -> dict[str, Any]:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    device: dict[str, Any] = {"cpu_count": os.cpu_count()}
     import torch  # here, so that importing run_folder does not load torch
 
-    device["torch_threads"] = torch.get_num_threads()
-    device["cuda_available"] = torch.cuda.is_available()
+    device: dict[str, Any] = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                              "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
         device["cuda_devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         device["cuda_version"] = torch.version.cuda
@@ -251,7 +250,7 @@ class RunFolderLock:
         self.release()
 
 
-def _outcome_path(run_dir: Path, stage: str) -> Path:
+def _outcome_path(run_dir: str | os.PathLike, stage: str) -> Path:
     return Path(run_dir) / "stage_outcomes" / f"{stage}.json"
 
 
@@ -265,14 +264,13 @@ def record_stage_outcome(run_dir: str | os.PathLike, stage: str, *, errors: int 
     if errors < 0:
         raise ValueError(f"errors must be >= 0, got {errors}")
     record = {"stage": stage, "errors": int(errors), "detail": detail, "time": time.time()}
-    write_json(_outcome_path(Path(run_dir), stage), record)
+    write_json(_outcome_path(run_dir, stage), record)
 
 
 def read_stage_outcome(run_dir: str | os.PathLike, stage: str) -> dict | None:
     """The outcome `record_stage_outcome` wrote for `stage`, or None when the stage wrote none."""
-    path = _outcome_path(Path(run_dir), stage)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(_outcome_path(run_dir, stage).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None
 
@@ -280,7 +278,7 @@ def read_stage_outcome(run_dir: str | os.PathLike, stage: str) -> dict | None:
 def clear_stage_outcome(run_dir: str | os.PathLike, stage: str) -> None:
     """Forget a stage's last verdict (the runner does this before running the stage again)."""
     with contextlib.suppress(FileNotFoundError):
-        _outcome_path(Path(run_dir), stage).unlink()
+        _outcome_path(run_dir, stage).unlink()
 
 
 # ---- the run folder's layout: where each stage's hand-over lies (the one place that knows the folder names) ----
@@ -333,8 +331,5 @@ def tokenized_data_files(run_dir: str | os.PathLike) -> dict[str, Path]:
 
 def prompt_files(run_dir: Path) -> list[tuple[str, str, Path]]:
     """Class-B prompts written by prep: (dataset, partition, path) for every prompts.<partition>.jsonl."""
-    found = []
-    for path in sorted(stage_path(run_dir, "prep").glob("*/prompts.*.jsonl")):
-        partition = path.name.split(".")[1]
-        found.append((path.parent.name, partition, path))
-    return found
+    paths = sorted(stage_path(run_dir, "prep").glob("*/prompts.*.jsonl"))
+    return [(path.parent.name, path.name.split(".")[1], path) for path in paths]
