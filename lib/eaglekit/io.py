@@ -184,19 +184,16 @@ def repair_torn_tail(path: str | os.PathLike) -> int:
         handle.seek(size - 1)
         if handle.read(1) == b"\n":
             return 0
-        # Walk back to the last newline in blocks.
-        position = size
+        # Walk back to the last newline in blocks (none: the whole file is one torn line).
+        keep, position = 0, size
         while position > 0:
             step = min(65536, position)
             handle.seek(position - step)
-            block = handle.read(step)
-            newline = block.rfind(b"\n")
+            newline = handle.read(step).rfind(b"\n")
             if newline >= 0:
                 keep = position - step + newline + 1
                 break
             position -= step
-        else:
-            keep = 0
         handle.truncate(keep)
         handle.flush()
         os.fsync(handle.fileno())
