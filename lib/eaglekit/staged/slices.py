@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Collection, Sequence
@@ -81,9 +82,8 @@ def read_settled(run_dir: str | os.PathLike, class_a: frozenset[Key], first_sess
     (generation.retry_errors false, or a generation that has ended)."""
     generation_dir = stage_path(run_dir, "generation")
     answered = frozenset(finished_keys(generation_dir / GENERATIONS_FILE))
-    latest_session: dict[Key, int] = {}
-    for _, _, head in iter_record_heads(generation_dir / ERRORS_FILE):
-        latest_session[(head["dataset"], head["id"])] = int(head.get("session") or 0)
+    latest_session = {(head["dataset"], head["id"]): int(head.get("session") or 0)
+                      for _, _, head in iter_record_heads(generation_dir / ERRORS_FILE)}
     failed = frozenset(key for key, session in latest_session.items()
                        if key not in answered and (first_session is None or session >= first_session))
     return Settled(class_a=class_a, answered=answered, failed=failed)
@@ -100,15 +100,9 @@ class Prefix:
 
 def settled_prefix(order: TrainingOrder, settled: Settled) -> Prefix:
     heldout = [key for key in order.heldout if settled.available(key)] if all(settled.settled(key) for key in order.heldout) else None
-    train: list[Key] = []
-    complete = True
-    for key in order.train:
-        if not settled.settled(key):
-            complete = False
-            break
-        if settled.available(key):
-            train.append(key)
-    return Prefix(heldout=heldout, train=train, complete=complete and heldout is not None)
+    settled_train = list(itertools.takewhile(settled.settled, order.train))
+    train = [key for key in settled_train if settled.available(key)]
+    return Prefix(heldout=heldout, train=train, complete=len(settled_train) == len(order.train) and heldout is not None)
 
 
 # ---- the staged training data --------------------------------------------------------------------
