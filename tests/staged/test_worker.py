@@ -107,7 +107,7 @@ def stub_training(monkeypatch) -> list:
 
     staged = []
     monkeypatch.setattr(worker, "write_staged_data", lambda run_dir, keys, params, tokenizer: ({}, set(keys)))
-    monkeypatch.setattr(worker.StagedWorker, "_load_tokenizer", lambda self: None)
+    monkeypatch.setattr(worker.StagedWorker, "_tokenizer", None)
 
     def stage(self, entry, record, planned_prompts):
         entry.status = "done"

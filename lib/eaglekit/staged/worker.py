@@ -29,6 +29,7 @@ under the run folder's one lock, and tells it that generation ended by closing a
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
 import logging
 import os
@@ -64,13 +65,6 @@ def cpu_threads_split() -> tuple[int, int] | None:
     return max(1, cores // 2), max(1, cores - cores // 2)
 
 
-def share_cores() -> None:
-    if (split := cpu_threads_split()) is not None:
-        torch.set_num_threads(split[0])
-        logger.info("staged run: no GPU, so the worker trains on %d of %d CPU threads and leaves the rest to generation",
-                    split[0], os.cpu_count() or 0)
-
-
 class GenerationSignal:
     """Whether stage 3 is still running, as a pipe the runner holds open: EOF (closed, or the runner died) means ended.
     Without a pipe (`fd` None) `running` is the given constant, for a direct call on a finished generation."""
@@ -102,8 +96,6 @@ class StagedWorker:
         self.poll_s = poll_s
         self.staged_dir = self.run_dir / STAGED_DIR
         self._target = None  # (layout, feature source, engine or None, capture layer ids), loaded at the first slice
-        self._head = None
-        self._tokenizer = None
         self._agreements: dict[int, dict] = {}  # size -> held-out agreements, scored once per draft
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -122,7 +114,10 @@ class StagedWorker:
         record = StagedRecord.load(self.run_dir, params.run.seed, params.training.heldout_size)
         check_order(record, order, self.run_dir)
         record.order_sha256 = order_sha256(order)
-        share_cores()
+        if (split := cpu_threads_split()) is not None:
+            torch.set_num_threads(split[0])
+            logger.info("staged run: no GPU, so the worker trains on %d of %d CPU threads and leaves the rest to generation",
+                        split[0], os.cpu_count() or 0)
         class_a = class_a_keys(self.run_dir)
         planned_prompts = planned_prompt_count(order, class_a)
         # Stage 3 retries the errors of earlier sessions (generation.retry_errors): only this session's are final.
@@ -168,7 +163,7 @@ class StagedWorker:
             if prefix.heldout is not None and len(prefix.train) >= size:
                 keys = set(prefix.heldout) | set(prefix.train) | set(record.heldout)
                 keys.update(key for item in record.slices.values() for key in item.train)
-                _, samples = write_staged_data(self.run_dir, keys, self.params, self._load_tokenizer())
+                _, samples = write_staged_data(self.run_dir, keys, self.params, self._tokenizer)
                 self._check_heldout(record, [key for key in prefix.heldout if key in samples])
                 train = slice_for(size, prefix, samples)
                 if train is not None:
@@ -215,6 +210,7 @@ class StagedWorker:
 
     def _stage_size(self, entry: SliceEntry, record: StagedRecord, planned_prompts: int) -> None:
         from eaglekit.capture.shards import ShardDataset
+        from eaglekit.capture.stage import capture_samples
         from eaglekit.draft.vocab import count_generated_tokens, default_draft_vocab_size, select_draft_vocab
         from eaglekit.training.settings import TrainSettings
         from eaglekit.training.split import read_conversation_keys, split_selection
@@ -224,12 +220,14 @@ class StagedWorker:
         params = self.params
         started = time.perf_counter()
         keys = set(record.heldout) | {key for item in record.slices.values() for key in item.train}
-        files, samples = write_staged_data(self.run_dir, keys, params, self._load_tokenizer())
+        files, samples = write_staged_data(self.run_dir, keys, params, self._tokenizer)
         if lost := [key for key in entry.train if key not in samples]:
             raise RuntimeError(f"staged size {entry.size}: {len(lost)} recorded samples no longer tokenize (first {lost[0]}); "
                                "generation/ changed under staged/slices.json")
         layout, source, capture_layer_ids = self._load_target()
-        self._capture(files, source, capture_layer_ids)
+        report = capture_samples(params, source, files, self.staged_dir / "capture", capture_layer_ids, progress=False)
+        logger.info("staged capture: %d samples in staged/capture (%d new, %d tokens) in %.1fs", report.samples,
+                    report.captured_samples, report.captured_tokens, report.seconds)
         captured = ShardDataset(self.staged_dir / "capture")
         position = {tuple(key): index for index, key in enumerate(captured.keys)}
         # Stage 5's cut of the held-out set (split_selection depends on the keys, not their order): checkpoints are
@@ -240,7 +238,7 @@ class StagedWorker:
         scored_indices = [position[tuple(record.heldout[index])] for index in scored]
         train_indices = [position[key] for key in entry.train]
 
-        head = self._load_head(layout)
+        head = self._head
         counts_path = self.staged_dir / VOCAB_COUNTS_FILE
         if record.vocab_counted_over is None or not counts_path.exists():
             counts = count_generated_tokens((captured.tokens(index) for index in train_indices), layout.vocab_size)
@@ -324,7 +322,7 @@ class StagedWorker:
         prompts = heldout_prompts(heldout, settings.specdec_prompts, max_prompt_tokens=self.params.training.max_length)
         with one_torch_thread():
             loop = evaluate_speculative_loop(source, draft, [prompt["input_ids"] for prompt in prompts], settings.chain_steps,
-                                             settings.specdec_max_new_tokens, [int(self._load_tokenizer().eos_token_id)])
+                                             settings.specdec_max_new_tokens, [int(self._tokenizer.eos_token_id)])
         summary = loop.summary
         case = break_even_from_throughput(summary["greedy_tokens_per_second"], summary["speculative_tokens_per_second"],
                                           summary["tau_loop_pooled"], draft_length=settings.chain_steps)
@@ -335,12 +333,11 @@ class StagedWorker:
         return case
 
     # ---- the target, loaded once for every slice --------------------------------------------------
-    def _load_tokenizer(self):
-        if self._tokenizer is None:
-            from eaglekit.target import load_tokenizer
+    @functools.cached_property
+    def _tokenizer(self):
+        from eaglekit.target import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.params.target)
-        return self._tokenizer
+        return load_tokenizer(self.params.target)
 
     def _load_target(self):
         if self._target is None:
@@ -357,19 +354,11 @@ class StagedWorker:
         layout, source, _, layer_ids = self._target
         return layout, source, layer_ids
 
-    def _load_head(self, layout):
-        if self._head is None:
-            from eaglekit.draft.model import load_target_head_weights
+    @functools.cached_property
+    def _head(self):
+        from eaglekit.draft.model import load_target_head_weights
 
-            self._head = load_target_head_weights(layout)
-        return self._head
-
-    def _capture(self, files: dict[str, Path], source, capture_layer_ids) -> None:
-        from eaglekit.capture.stage import capture_samples
-
-        report = capture_samples(self.params, source, files, self.staged_dir / "capture", capture_layer_ids, progress=False)
-        logger.info("staged capture: %d samples in staged/capture (%d new, %d tokens) in %.1fs", report.samples,
-                    report.captured_samples, report.captured_tokens, report.seconds)
+        return load_target_head_weights(self._load_target()[0])
 
     def _close(self) -> None:
         if self._target is not None and self._target[2] is not None:
