@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft: model, draft vocabulary, the checkpoint's tensor table, SGLang/vLLM export and the doctor.
+"""The EAGLE-3 draft: model, draft vocabulary, the checkpoint's tensor table, SGLang/vLLM export and the
+doctor.
 
 The model's public names are re-exported here (`from eaglekit.draft import Eagle3DraftModel`); the
 vocab, export and doctor live in their modules (`eaglekit.draft.vocab`, `.export`, `.doctor`).

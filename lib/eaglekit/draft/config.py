@@ -69,11 +69,13 @@ class TargetTextConfig:
 
     @classmethod
     def of(cls, target: "TargetConfigLike") -> "TargetTextConfig":
-        """Accept every form a caller holds: this type, a TargetLayout, a transformers config, or a config dict
-        (a wrapper's whole config.json is reduced to its text_config, keeping the wrapper's architectures)."""
+        """Accept every form a caller holds: this type, a TargetLayout, a transformers config, or a config
+        dict (a wrapper's whole config.json is reduced to its text_config, keeping the wrapper's
+        architectures)."""
         if isinstance(target, cls):
             return target
-        if hasattr(target, "text_config") and hasattr(target, "prefix") and hasattr(target, "config"):  # eaglekit.target.TargetLayout
+        # eaglekit.target.TargetLayout
+        if hasattr(target, "text_config") and hasattr(target, "prefix") and hasattr(target, "config"):
             return cls.from_text_config(target.text_config, target.config.get("architectures") or ())
         if hasattr(target, "to_dict"):  # a transformers PretrainedConfig
             target = target.to_dict()
@@ -151,7 +153,8 @@ class DraftConfig:
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     hidden_act: str = "silu"
     target_num_hidden_layers: int = 0
-    # Indices into the target's output_hidden_states tuple (0 = embeddings), see capture.default_capture_layer_ids.
+    # Indices into the target's output_hidden_states tuple (0 = embeddings), see
+    # capture.default_capture_layer_ids.
     capture_layer_indices: tuple[int, int, int] = (2, 0, 0)
 
     @classmethod
@@ -167,12 +170,14 @@ class DraftConfig:
         in DRAFT_SHAPES) where it sets them, else derived from the target."""
         target = TargetTextConfig.of(target_config)
         shape = draft_shape(shape) if isinstance(shape, str) else (shape or DraftShape())
-        from eaglekit.capture import default_capture_layer_ids  # the one definition of EAGLE-3's default layers
+        # the one definition of EAGLE-3's default layers
+        from eaglekit.capture import default_capture_layer_ids
 
         num_layers = target.num_hidden_layers
         indices = tuple(capture_layer_indices) if capture_layer_indices is not None else tuple(default_capture_layer_ids(num_layers))
         heads = shape.num_attention_heads or target.num_attention_heads
-        if shape.num_attention_heads:  # a shape that sets the heads sets the KV heads with them (MHA unless stated)
+        # a shape that sets the heads sets the KV heads with them (MHA unless stated)
+        if shape.num_attention_heads:
             kv_heads = shape.num_key_value_heads or heads
         else:
             kv_heads = shape.num_key_value_heads or target.num_key_value_heads

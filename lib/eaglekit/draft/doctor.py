@@ -278,8 +278,8 @@ def check_serving_settings(draft_config: Mapping[str, Any], target: Mapping[str,
 
 
 def parse_sglang_args(arguments: Sequence[str] | str) -> dict[str, Any]:
-    """A planned SGLang launch (`--speculative-algorithm EAGLE3 --speculative-use-rejection-sampling ...`) as the
-    server-info keys the checks read (dashes to underscores; a flag without a value is True)."""
+    """A planned SGLang launch (`--speculative-algorithm EAGLE3 --speculative-use-rejection-sampling ...`) as
+    the server-info keys the checks read (dashes to underscores; a flag without a value is True)."""
     import shlex
 
     tokens = shlex.split(arguments) if isinstance(arguments, str) else list(arguments)
@@ -297,7 +297,8 @@ def parse_sglang_args(arguments: Sequence[str] | str) -> dict[str, Any]:
 
 def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any],
                           capture_layers: Sequence[int] | None) -> list[Finding]:
-    from eaglekit.capture import default_capture_layer_ids  # the one definition; imported here so the doctor loads without torch
+    # the one definition; imported here so the doctor loads without torch
+    from eaglekit.capture import default_capture_layer_ids
 
     num_layers = target.get("num_hidden_layers")
     if num_layers is None:
@@ -507,7 +508,8 @@ def run_doctor(
         findings.extend(check_speculative_algorithm(planned, who="the planned launch (--sglang-args)"))
         if draft_config is not None:
             findings.extend(check_serving_settings(draft_config, target, planned))
-    if endpoint is not None or sglang_args is not None:  # the actual settings were checked: drop the draft-only reminder
+    # the actual settings were checked: drop the draft-only reminder
+    if endpoint is not None or sglang_args is not None:
         findings = [finding for finding in findings if not (finding.check == "rejection_sampling" and finding.level == "warning")]
     if accept_length is not None:
         findings.extend(check_accept_length(accept_length))
@@ -526,8 +528,8 @@ def preflight_table(
     accept_length: float,
 ) -> pd.DataFrame:
     """Stage 6's preflight as one table: the exported draft folder checked against the target (rows
-    labelled `draft_label`), then the speculative loop's measured accept length (rows labelled "specdec loop").
-    Columns: folder, level, check, message, fix."""
+    labelled `draft_label`), then the speculative loop's measured accept length (rows labelled "specdec
+    loop"). Columns: folder, level, check, message, fix."""
     tables = [findings_frame(run_doctor(target_config, draft_dir=draft_dir, capture_layers=capture_layers)
                              ).assign(folder=draft_label),
               findings_frame(run_doctor(target_config, accept_length=accept_length)).assign(folder="specdec loop")]

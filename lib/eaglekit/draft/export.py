@@ -98,10 +98,12 @@ def check_against_target(model: Eagle3DraftModel, target_config: TargetConfigLik
         problems.append(f"max_position_embeddings {config.max_position_embeddings} < target's {target.max_position_embeddings} "
                         "(long prompts would get positions the draft never saw)")
     if config.target_num_hidden_layers != target.num_hidden_layers:
-        problems.append(f"trained on features of a {config.target_num_hidden_layers}-layer target, this target has {target.num_hidden_layers}")
+        problems.append(f"trained on features of a {config.target_num_hidden_layers}-layer target, "
+                        f"this target has {target.num_hidden_layers}")
     bad_indices = [index for index in config.capture_layer_indices if not 1 <= index <= target.num_hidden_layers - 1]
     if len(config.capture_layer_indices) != 3 or bad_indices:
-        problems.append(f"capture_layer_indices {list(config.capture_layer_indices)} must be 3 layer inputs in [1, {target.num_hidden_layers - 1}]")
+        problems.append(f"capture_layer_indices {list(config.capture_layer_indices)} must be 3 layer inputs in "
+                        f"[1, {target.num_hidden_layers - 1}]")
     if config.draft_vocab_size > config.vocab_size:
         problems.append(f"draft_vocab_size {config.draft_vocab_size} > vocab_size {config.vocab_size}")
     draft_to_target = model.draft_to_target_ids().cpu()
@@ -117,7 +119,8 @@ def check_against_target(model: Eagle3DraftModel, target_config: TargetConfigLik
 
 def _export_tensors(model: Eagle3DraftModel, dtype: torch.dtype, layout: str = "sglang") -> dict[str, torch.Tensor]:
     state = model.trainable_state_dict()
-    tensors = {name: state[name].detach().to("cpu", dtype).contiguous() for name in expected_tensors(model.config, dtype) if name not in VOCAB_MAPS}
+    tensors = {name: state[name].detach().to("cpu", dtype).contiguous() for name in expected_tensors(model.config, dtype)
+               if name not in VOCAB_MAPS}
     tensors["d2t"] = model.d2t.detach().cpu().to(torch.int64).contiguous()
     tensors["t2d"] = model.t2d.detach().cpu().to(torch.bool).contiguous()
     if layout == "vllm":
@@ -127,7 +130,8 @@ def _export_tensors(model: Eagle3DraftModel, dtype: torch.dtype, layout: str = "
 
 
 def _rope_legacy_keys(config: DraftConfig) -> dict:
-    """rope_theta + rope_scaling, the keys SGLang/vLLM (transformers 4.x configs) read; transformers 5 converts them."""
+    """rope_theta + rope_scaling, the keys SGLang/vLLM (transformers 4.x configs) read; transformers 5
+    converts them."""
     parameters = dict(config.rope_parameters)
     rope_theta = parameters.pop("rope_theta")
     rope_scaling = None if parameters.get("rope_type", "default") == "default" else parameters
@@ -252,10 +256,11 @@ def vllm_config(
 
 def _export(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path, config: Callable[[], dict],
             dtype: torch.dtype, layout: str) -> Path:
-    """Refuse a draft that contradicts its target, or whose weights hold NaN or inf (a server would run it without an
-    error); then write weights, then `config()` (each atomic; stale temp files of a killed export go with the next
-    write, `io.atomic_write`), and validate the folder."""
-    from eaglekit.training.finite import require_finite_draft  # training imports draft: imported here, not at the top
+    """Refuse a draft that contradicts its target, or whose weights hold NaN or inf (a server would run it
+    without an error); then write weights, then `config()` (each atomic; stale temp files of a killed export
+    go with the next write, `io.atomic_write`), and validate the folder."""
+    # training imports draft: imported here, not at the top
+    from eaglekit.training.finite import require_finite_draft
 
     output_dir = Path(output_dir)
     check_against_target(model, target_config)
@@ -270,7 +275,8 @@ def _export(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir
 
 def export_sglang(model: Eagle3DraftModel, target_config: TargetConfigLike, output_dir: str | Path,
                   dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the SGLang-loadable folder (config.json + model.safetensors); refuses a mismatched or non-finite draft."""
+    """Write the SGLang-loadable folder (config.json + model.safetensors); refuses a mismatched or non-finite
+    draft."""
     return _export(model, target_config, output_dir, lambda: sglang_config(model, target_config, dtype), dtype, "sglang")
 
 
@@ -283,8 +289,8 @@ def export_vllm(
     dtype: torch.dtype = torch.bfloat16,
 ) -> Path:
     """Write the vLLM / speculators folder (speculators config.json; `layers.0.*` names plus the target's
-    embed_tokens). verifier_name_or_path: see vllm_config (written as a portable reference). Refuses a mismatched
-    or non-finite draft."""
+    embed_tokens). verifier_name_or_path: see vllm_config (written as a portable reference). Refuses a
+    mismatched or non-finite draft."""
     return _export(model, target_config, output_dir,
                    lambda: vllm_config(model, target_config, verifier_name_or_path, speculative_tokens, dtype), dtype, "vllm")
 
@@ -301,15 +307,18 @@ def read_export_config(folder: str | Path) -> DraftConfig:
     if raw.get("speculators_model_type") == "eagle3":
         layer, capture = raw["transformer_layer_config"], list(raw["eagle_aux_hidden_state_layer_ids"])
         if raw.get("norm_before_residual", True):
-            raise InputError(path, None, "norm_before_residual", "this draft computes the residual from h itself; True would change the layer")
+            raise InputError(path, None, "norm_before_residual",
+                             "this draft computes the residual from h itself; True would change the layer")
     elif raw.get("architectures") == [SGLANG_ARCHITECTURE]:
         layer = raw
         try:
             capture = [layer_id + 1 for layer_id in raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
         except KeyError:
-            raise InputError(path, None, "eagle_config.eagle_aux_hidden_state_layer_ids", "missing: which target layers feed the draft?") from None
+            raise InputError(path, None, "eagle_config.eagle_aux_hidden_state_layer_ids",
+                             "missing: which target layers feed the draft?") from None
     else:
-        raise InputError(path, None, "architectures", f"{raw.get('architectures')!r} is neither an SGLang EAGLE-3 nor a speculators eagle3 config")
+        raise InputError(path, None, "architectures",
+                         f"{raw.get('architectures')!r} is neither an SGLang EAGLE-3 nor a speculators eagle3 config")
     for key in ("hidden_size", "vocab_size", "draft_vocab_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
         if key not in layer:
             raise InputError(path, None, key, "missing")
@@ -320,8 +329,9 @@ def read_export_config(folder: str | Path) -> DraftConfig:
     rope_parameters = {"rope_type": "default", **(layer.get("rope_scaling") or {}), "rope_theta": layer["rope_theta"]}
     return DraftConfig(
         hidden_size=layer["hidden_size"], intermediate_size=layer["intermediate_size"], num_attention_heads=layer["num_attention_heads"],
-        num_key_value_heads=layer["num_key_value_heads"], head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-        vocab_size=layer["vocab_size"], draft_vocab_size=layer["draft_vocab_size"], max_position_embeddings=layer["max_position_embeddings"],
+        num_key_value_heads=layer["num_key_value_heads"],
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"], vocab_size=layer["vocab_size"],
+        draft_vocab_size=layer["draft_vocab_size"], max_position_embeddings=layer["max_position_embeddings"],
         rms_norm_eps=layer["rms_norm_eps"], rope_parameters=rope_parameters, hidden_act=layer.get("hidden_act", "silu"),
         target_num_hidden_layers=0, capture_layer_indices=tuple(capture),  # type: ignore[arg-type]
     )
@@ -353,7 +363,8 @@ def validate_export(folder: str | Path, target_config: TargetConfigLike | None =
         raise InputError(weights, None, None, "; ".join(problems))
     if target_config is not None:
         target = TargetTextConfig.of(target_config)
-        mismatched = [f"{key} {getattr(config, key)} != target {getattr(target, key)}" for key in ("hidden_size", "vocab_size") if getattr(config, key) != getattr(target, key)]
+        mismatched = [f"{key} {getattr(config, key)} != target {getattr(target, key)}" for key in ("hidden_size", "vocab_size")
+                      if getattr(config, key) != getattr(target, key)]
         if config.max_position_embeddings < target.max_position_embeddings:
             mismatched.append(f"max_position_embeddings {config.max_position_embeddings} < target's {target.max_position_embeddings}")
         if mismatched:

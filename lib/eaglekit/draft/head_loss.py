@@ -53,7 +53,8 @@ class _ChunkedSoftCrossEntropy(torch.autograd.Function):
             # d CE / d logits = softmax(z) * sum(p) - p, times the row weight w; in place in `logits`
             # (few passes over (c, Vd): on a CPU these elementwise passes cost as much as the matmul).
             weights = row_weights[start:stop, None]
-            grad_logits = logits.sub_(log_normalizer[:, None]).exp_().mul_(probs_sum[:, None] * weights).addcmul_(probs, weights, value=-1.0)
+            grad_logits = (logits.sub_(log_normalizer[:, None]).exp_().mul_(probs_sum[:, None] * weights)
+                           .addcmul_(probs, weights, value=-1.0))
             grad_hidden[start:stop] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
             grad_weight += (grad_logits.T.to(chunk.dtype) @ chunk).float()
         loss = (cross_entropy * row_weights).sum()
@@ -112,12 +113,14 @@ class SelectedRows:
 
     @classmethod
     def from_eligible(cls, eligible: torch.Tensor) -> "SelectedRows":
-        """eligible (k, B, T) bool, on the CPU: computing indices there keeps the device stream free of syncs."""
+        """eligible (k, B, T) bool, on the CPU: computing indices there keeps the device stream free of
+        syncs."""
         steps = eligible.shape[0]
         rows, teacher_rows, step_ids = [], [], []
         for step in range(steps):
             flat = torch.nonzero(eligible[step].reshape(-1)).flatten()
-            # Row t of step i is eligible only if token t+2+i exists in its sample, so t+1+i < T: same batch row.
+            # Row t of step i is eligible only if token t+2+i exists in its sample, so t+1+i < T: same batch
+            # row.
             rows.append(flat)
             teacher_rows.append(flat + 1 + step)
             step_ids.append(torch.full_like(flat, step))

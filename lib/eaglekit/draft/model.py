@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb, repeat_kv
 
-from eaglekit.draft.config import (  # noqa: F401 (DRAFT_SHAPES, draft_shape, rope_parameters_of: part of this module's API)
+# DRAFT_SHAPES, draft_shape, rope_parameters_of: not used here, part of this module's API.
+from eaglekit.draft.config import (  # noqa: F401
     DRAFT_SHAPES,
     DraftConfig,
     DraftShape,
@@ -103,15 +104,18 @@ class DraftKVCache:
 def attend_prefix_and_steps(query: torch.Tensor, prefix_keys: torch.Tensor, prefix_values: torch.Tensor,
                             visible: torch.Tensor, step_keys: list[torch.Tensor], step_values: list[torch.Tensor],
                             scale: float) -> torch.Tensor:
-    """Attention over a masked prefix plus one key per later step, each row's own (TTT's steps, a tree's ancestors).
+    """Attention over a masked prefix plus one key per later step, each row's own (TTT's steps, a tree's
+    ancestors).
 
-    query (B, Hq, T, D); prefix keys/values (B, KV, L, D) with `visible` (T, L); step keys/values each (B, KV, T, D).
-    A later step's score is an elementwise dot product, not a (T x T) product per step.
+    query (B, Hq, T, D); prefix keys/values (B, KV, L, D) with `visible` (T, L); step keys/values each
+    (B, KV, T, D). A later step's score is an elementwise dot product, not a (T x T) product per step.
     """
     groups = query.shape[1] // prefix_keys.shape[1]
     prefix_keys, prefix_values = repeat_kv(prefix_keys, groups), repeat_kv(prefix_values, groups)
-    prefix_scores = ((query @ prefix_keys.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))  # (B, Hq, T, L)
-    step_scores = [(query * repeat_kv(keys, groups)).sum(-1, keepdim=True) * scale for keys in step_keys]  # each (B, Hq, T, 1)
+    # (B, Hq, T, L)
+    prefix_scores = ((query @ prefix_keys.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+    # each (B, Hq, T, 1)
+    step_scores = [(query * repeat_kv(keys, groups)).sum(-1, keepdim=True) * scale for keys in step_keys]
     probs = torch.softmax(torch.cat([prefix_scores, *step_scores], dim=-1).float(), dim=-1).to(query.dtype)
     length = prefix_keys.shape[2]
     output = probs[..., :length] @ prefix_values
@@ -230,7 +234,8 @@ def flex_attention_kernel(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if "cuda" not in _COMPILED_FLEX:
-        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention)  # packs: one shape; padded batches: dynamic after a recompile
+        # packs: one shape; padded batches: dynamic after a recompile
+        _COMPILED_FLEX["cuda"] = torch.compile(flex_attention)
     return _COMPILED_FLEX["cuda"]
 
 

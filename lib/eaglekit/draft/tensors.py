@@ -1,4 +1,5 @@
-"""The draft checkpoint's tensor table: DESIGN's exact names with their shapes, one table for export and doctor.
+"""The draft checkpoint's tensor table: DESIGN's exact names with their shapes, one table for export and
+doctor.
 
 SGLang loads `model.safetensors` by name and silently skips a name it does not know, leaving that
 weight random (accept length near 1.0, no error). So the names are a contract, written once here:
@@ -27,9 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-TensorTable = dict[str, tuple[tuple[int, ...], str | None]]  # name -> (shape, dtype name, None: the checkpoint's float dtype)
+# name -> (shape, dtype name, None: the checkpoint's float dtype)
+TensorTable = dict[str, tuple[tuple[int, ...], str | None]]
 VOCAB_MAPS = ("d2t", "t2d")
-SPECULATORS_MODEL_TYPE = "eagle3"  # a speculators-format config (vLLM folder): `layers.0.*` names plus embed_tokens
+# a speculators-format config (vLLM folder): `layers.0.*` names plus embed_tokens
+SPECULATORS_MODEL_TYPE = "eagle3"
 SGLANG_LAYER_PREFIX = "midlayer."
 VLLM_LAYER_PREFIX = "layers.0."  # speculators' module name; vLLM and SGLang accept it too
 EMBED_TOKENS = "embed_tokens.weight"

@@ -46,10 +46,12 @@ def count_generated_tokens(samples: Iterable[dict], vocab_size: int) -> torch.Te
         input_ids = torch.as_tensor(sample["input_ids"], dtype=torch.int64)
         loss_mask = torch.as_tensor(sample["loss_mask"]).bool()
         if input_ids.shape != loss_mask.shape:
-            raise ValueError(f"sample {sample.get('id', index)!r}: input_ids {tuple(input_ids.shape)} and loss_mask {tuple(loss_mask.shape)} differ")
+            raise ValueError(f"sample {sample.get('id', index)!r}: input_ids {tuple(input_ids.shape)} and loss_mask "
+                             f"{tuple(loss_mask.shape)} differ")
         generated = input_ids[loss_mask]
         if generated.numel() and int(generated.max()) >= vocab_size:
-            raise ValueError(f"sample {sample.get('id', index)!r}: token id {int(generated.max())} >= vocab_size {vocab_size}; wrong target?")
+            raise ValueError(f"sample {sample.get('id', index)!r}: token id {int(generated.max())} >= vocab_size {vocab_size}; "
+                             "wrong target?")
         counts += torch.bincount(generated, minlength=vocab_size)
     return counts
 

@@ -1,12 +1,14 @@
-"""Stage 5: training-time-test training of the EAGLE-3 draft, held-out simulated accept length, data-size sweep.
+"""Stage 5: training-time-test training of the EAGLE-3 draft, held-out simulated accept length, data-size
+sweep.
 
 Modules, in dependency order: settings (`TrainSettings`: the params' training section plus its own
 fields), schedule (the learning rate, pure), stopping (the progress and the stopping rule, pure), batch
 and packing (what the draft reads), teacher (the target's distribution over the draft vocab), loss (the
 reference TTT loss; the chunked one is eaglekit.draft.head_loss), heldout (simulated tau), split
 (held-out split, nested subsets, data order), finite (NaN/inf guards on features, loss and drafts),
-distributed, metrics, checkpoint (save, load, resume_from, torn-file fallback), loop (`train_draft`), sweep (`train_size_sweep`), record (`sweep.json`), memory (what a GPU holds),
-stage (`run_training_stage`, and `python -m eaglekit.training`).
+distributed, metrics, checkpoint (save, load, resume_from, torn-file fallback), loop (`train_draft`), sweep
+(`train_size_sweep`), record (`sweep.json`), memory (what a GPU holds), stage (`run_training_stage`, and
+`python -m eaglekit.training`).
 
 This package re-exports the public names of those modules (stage's aside: it reads the capture stage).
 """

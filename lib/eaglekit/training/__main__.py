@@ -1,4 +1,5 @@
-"""python -m eaglekit.training (what torchrun launches for several processes): an alias of `eaglekit train`."""
+"""python -m eaglekit.training (what torchrun launches for several processes): an alias of
+`eaglekit train`."""
 
 import sys
 

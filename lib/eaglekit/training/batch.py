@@ -1,4 +1,5 @@
-"""Batches: samples side by side (right-padded), the rows each TTT step trains on, and the draft's input noise.
+"""Batches: samples side by side (right-padded), the rows each TTT step trains on, and the draft's input
+noise.
 
 Samples are dicts {"id", "dataset", "input_ids" (T,) int64, "loss_mask" (T,), "aux_hidden_states"
 (T, 3H) bf16, "final_hidden_states" (T, H) bf16}, where final_hidden_states is the output of the
@@ -19,7 +20,8 @@ import torch
 
 @dataclass
 class Batch:
-    """Samples side by side (right-padded, `collate`) or packed into fixed token budgets (eaglekit.training.packing).
+    """Samples side by side (right-padded, `collate`) or packed into fixed token budgets
+    (eaglekit.training.packing).
 
     input_ids/loss_mask (B, T); aux (B, T, 3H); final (B, T, H); lengths (B,) real tokens per row;
     position_ids (B, T) each sample's own positions from 0; document_ids (B, T) which sample a token
@@ -54,7 +56,8 @@ def sample_length(sample: dict, max_length: int) -> int:
 def place_samples(samples: Sequence[dict], lengths: Sequence[int], places: Sequence[tuple[int, int]], rows: int,
                   length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, loss_mask, aux, final), (rows, length) and zero but where sample i, cut at lengths[i], lies
-    from places[i] = (row, start): what `collate` (one sample a row) and a pack (end to end in one row) share."""
+    from places[i] = (row, start): what `collate` (one sample a row) and a pack (end to end in one row)
+    share."""
     first = samples[0]
     aux_width, hidden = first["aux_hidden_states"].shape[-1], first["final_hidden_states"].shape[-1]
     input_ids = torch.zeros(rows, length, dtype=torch.int64)

@@ -3,7 +3,8 @@
 A checkpoint carries model, optimizer, the progress (step, data position, the stopping state), the RNG
 states, the settings (flat, `TrainSettings.to_dict`) and the draft config; the learning rate is
 recomputed from the step, so a resumed run continues the same loss curve. Checkpoints hold tensors and
-plain Python values only, so they load with `torch.load(weights_only=True)`: a checkpoint file cannot run code.
+plain Python values only, so they load with `torch.load(weights_only=True)`: a checkpoint file cannot run
+code.
 
 Torn checkpoints. Writes are atomic, yet a file can still be cut short afterwards (a full disk under a
 copy, a sync that stopped, a filesystem that lied about fsync). A file that does not read back whole
@@ -113,7 +114,8 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: refused to load: it holds more than tensors and plain values, so loading it could run "
                          f"code ({str(error).splitlines()[0]}). Only load checkpoints this kit wrote; retrain or re-save it.") from None
     except (RuntimeError, EOFError, KeyError, IndexError, ValueError, OSError) as error:
-        # torch reads a zip whose directory sits at the end: a cut file fails there (RuntimeError), an empty one with EOFError.
+        # torch reads a zip whose directory sits at the end: a cut file fails there (RuntimeError), an empty
+        # one with EOFError.
         reason = str(error).splitlines()[0].split(". ")[0] if str(error) else type(error).__name__
         raise TornCheckpointError(path, f"{os.path.getsize(path)} bytes that torch cannot read ({reason})") from None
 
@@ -135,8 +137,8 @@ def file_digest(path: str | os.PathLike) -> CheckpointDigest:
 
 
 def verify_checkpoint(path: str | os.PathLike, step: int | None = None) -> CheckpointDigest:
-    """Load `path` whole (TornCheckpointError naming it when it does not read back) and, with `step`, check it is
-    that step's checkpoint; returns its digest for sweep.json."""
+    """Load `path` whole (TornCheckpointError naming it when it does not read back) and, with `step`, check it
+    is that step's checkpoint; returns its digest for sweep.json."""
     if not Path(path).exists():
         raise TornCheckpointError(path, "missing")
     saved_step = load_checkpoint(path).get("progress", {}).get("step")
@@ -186,7 +188,8 @@ def check_resumable(saved: dict, settings: TrainSettings, path: Path, also_allow
     allowed = _RESUMABLE_DIFFERENCES | also_allowed
     changed = {key: (saved.get(key), value) for key, value in current.items() if key not in allowed and saved.get(key) != value}
     if changed:
-        raise ValueError(f"{path}: cannot resume with different settings {changed} (saved, now); use a new output_dir or the saved settings")
+        raise ValueError(f"{path}: cannot resume with different settings {changed} (saved, now); "
+                         "use a new output_dir or the saved settings")
 
 
 def anneals_a_converged_run(saved: dict, progress: TrainProgress, settings: TrainSettings) -> bool:
@@ -246,13 +249,15 @@ def find_resume_point(output_dir: Path) -> ResumePoint:
         return point
     progress = point.checkpoint["progress"]
     if point.torn:
-        point.warnings.append(f"{output_dir}: resuming from {point.path.name} (step {progress['step']}), the checkpoint before the torn one")
+        point.warnings.append(f"{output_dir}: resuming from {point.path.name} (step {progress['step']}), "
+                              "the checkpoint before the torn one")
     best_path = output_dir / BEST_CHECKPOINT
     if _readable(best_path, point) is not None:
         return point
     if progress["best_step"] == progress["step"]:
         point.restore_best = True
-        point.warnings.append(f"{best_path}: unreadable or missing; restored from {point.path.name}, saved at the same best step {progress['step']}")
+        point.warnings.append(f"{best_path}: unreadable or missing; restored from {point.path.name}, "
+                              f"saved at the same best step {progress['step']}")
         return point
     point.warnings.append(f"{best_path}: the best weights (step {progress['best_step']}) are lost: this size trains again from step 0 "
                           "(same seed and data order, so the same curve and the same best)")
@@ -276,12 +281,14 @@ def prepare_resume(point: ResumePoint, output_dir: Path, metrics_path: Path) -> 
             shutil.copyfileobj(source, handle)
     remove_stale_temp_files(output_dir)  # a kill mid-save leaves `.last.pt.<pid>@<host>.<random>.tmp`
     if point.path is None:
-        truncate_metrics(metrics_path, -1)  # a run from step 0 logs its own lines, not beside a discarded run's
+        # a run from step 0 logs its own lines, not beside a discarded run's
+        truncate_metrics(metrics_path, -1)
 
 
 def resume_from(path: Path, model: Eagle3DraftModel, optimizer: torch.optim.Optimizer, settings: TrainSettings,
                 metrics_path: Path | None, checkpoint: dict[str, Any] | None = None) -> TrainProgress:
-    """Load `path` (last.pt; `checkpoint`: its contents, already read) into model, optimizer and the RNGs; return its progress.
+    """Load `path` (last.pt; `checkpoint`: its contents, already read) into model, optimizer and the RNGs;
+    return its progress.
 
     Refuses other settings (`check_resumable`), except that a converged run without an anneal may resume
     with one (`anneals_a_converged_run`: it anneals from where it stopped). metrics_path (rank 0; None on

@@ -53,7 +53,8 @@ def setup_distributed(parallel: str, device: torch.device) -> Distributed:
         raise ValueError("parallel='fsdp' is for GPU drafts too large to replicate; on CPU use 'ddp'")
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise RuntimeError(f"parallel={parallel!r} needs torchrun (RANK/WORLD_SIZE unset); run `torchrun --nproc-per-node N ...` or use 'none'")
+            raise RuntimeError(f"parallel={parallel!r} needs torchrun (RANK/WORLD_SIZE unset); "
+                               "run `torchrun --nproc-per-node N ...` or use 'none'")
         if device.type == "cuda":
             dist.init_process_group(backend="nccl", device_id=device)
         else:
@@ -111,7 +112,8 @@ def gradient_sync(wrapped: torch.nn.Module, parallel: str, enabled: bool) -> Abs
 
 
 def full_state_dicts(model: Eagle3DraftModel, optimizer: torch.optim.Optimizer, parallel: str) -> tuple[dict, dict]:
-    """(model, optimizer) state on the host, whole (FSDP gathers its shards); the frozen target embeddings left out."""
+    """(model, optimizer) state on the host, whole (FSDP gathers its shards); the frozen target embeddings
+    left out."""
     if parallel == "fsdp":
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 

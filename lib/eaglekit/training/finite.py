@@ -26,16 +26,19 @@ RECAPTURE = ("recapture it (delete that shard and rerun the capture into this fo
 
 
 class NonFiniteError(RuntimeError):
-    """Training or scoring met a NaN or inf. The message says where: the sample, the shard, the step or the tensor."""
+    """Training or scoring met a NaN or inf. The message says where: the sample, the shard, the step or the
+    tensor."""
 
 
 def all_finite(*tensors: torch.Tensor) -> torch.Tensor:
-    """A bool scalar on the tensors' device, true when every entry is finite. Reading it is the caller's sync."""
+    """A bool scalar on the tensors' device, true when every entry is finite. Reading it is the caller's
+    sync."""
     return torch.stack([torch.isfinite(tensor).all() for tensor in tensors]).all()
 
 
 def first_non_finite(sample: dict) -> str | None:
-    """Where a sample's first non-finite feature is (`aux_hidden_states at token 5 (nan)`), or None when all are finite."""
+    """Where a sample's first non-finite feature is (`aux_hidden_states at token 5 (nan)`), or None when all
+    are finite."""
     for name in FEATURES:
         bad = ~torch.isfinite(sample[name])  # (T, F)
         if bad.any():
@@ -46,7 +49,8 @@ def first_non_finite(sample: dict) -> str | None:
 
 
 def sample_source(samples: Sequence[dict], sample: dict) -> str | None:
-    """The shard file a sample's features were read from; None when they come from no file (online, in memory)."""
+    """The shard file a sample's features were read from; None when they come from no file (online, in
+    memory)."""
     from eaglekit.capture.shards import ShardDataset
 
     source = samples
@@ -60,8 +64,8 @@ def sample_source(samples: Sequence[dict], sample: dict) -> str | None:
 
 
 def raise_for_features(read: Iterable[dict], samples: Sequence[dict], where: str) -> None:
-    """Raise NonFiniteError naming the first sample of `read` whose features hold a NaN or inf (nothing when none does).
-    samples: what they were read from (`sample_source` finds the shard)."""
+    """Raise NonFiniteError naming the first sample of `read` whose features hold a NaN or inf (nothing when
+    none does). samples: what they were read from (`sample_source` finds the shard)."""
     for sample in read:
         problem = first_non_finite(sample)
         if problem is not None:
@@ -92,7 +96,8 @@ def non_finite_weights(model: torch.nn.Module) -> list[str]:
 
 
 def require_finite_draft(model: torch.nn.Module, where: str) -> None:
-    """Refuse to score a draft whose weights hold a NaN or inf: its argmax is index 0 everywhere, so any tau from it is fake."""
+    """Refuse to score a draft whose weights hold a NaN or inf: its argmax is index 0 everywhere, so any tau
+    from it is fake."""
     bad = non_finite_weights(model)
     if bad:
         raise NonFiniteError(f"{where}: the draft's weights {bad[:6]}{' ...' if len(bad) > 6 else ''} hold NaN or inf, so no "

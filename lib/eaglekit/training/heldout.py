@@ -1,4 +1,5 @@
-"""Held-out scoring: per-position chain agreement of the draft with the target, and the simulated accept length.
+"""Held-out scoring: per-position chain agreement of the draft with the target, and the simulated accept
+length.
 
 The draft is unrolled on its own states exactly as in training (== serving); a chain start counts when
 all its predicted tokens exist and the target generated them. tau is DESIGN's offline definition for a
@@ -104,7 +105,8 @@ def per_position_agreement(
     for batch_indices in batches:
         chunk = [samples[index] for index in batch_indices]
         batch = collate(chunk, max_length).to(device)
-        finite = all_finite(batch.aux_hidden_states, batch.final_hidden_states)  # read once per batch, with the agreement
+        # read once per batch, with the agreement
+        finite = all_finite(batch.aux_hidden_states, batch.final_hidden_states)
         with device_autocast(device):
             step_states = model(batch.input_ids, batch.aux_hidden_states, chain_steps, return_normed_states=True)  # k x (B, T, H)
         if target_cache is None:

@@ -59,9 +59,12 @@ class TrainResult:
     metrics_path: Path
     samples_seen: int = 0
     step_cap: int = 0  # total steps (equal_*) or the cap (until_converged)
-    stopped: str | None = None  # "converged" (patience ran out), "step_cap", or None (stop_at_step: resumable)
-    improved_step: int = 0  # the last evaluation whose smoothed tau beat the previous reference by min_improvement
-    resumed_step: int = 0  # the step this call resumed from (0: trained from the start): steps - resumed_step ran here
+    # "converged" (patience ran out), "step_cap", or None (stop_at_step: resumable)
+    stopped: str | None = None
+    # the last evaluation whose smoothed tau beat the previous reference by min_improvement
+    improved_step: int = 0
+    # the step this call resumed from (0: trained from the start): steps - resumed_step ran here
+    resumed_step: int = 0
 
     @property
     def converged(self) -> bool:
@@ -95,7 +98,8 @@ class Run:
     total_steps: int
     output_dir: Path
     log: AppendLog | None
-    train_samples: Sequence[dict] = ()  # what the steps read from: a non-finite feature's error names its shard
+    # what the steps read from: a non-finite feature's error names its shard
+    train_samples: Sequence[dict] = ()
 
     @property
     def label(self) -> str:
@@ -140,8 +144,10 @@ def ttt_step(run: Run, rank_samples: list[list[dict]]) -> StepLoss:
     non_finite = torch.zeros((), dtype=torch.float64, device=device)
     for micro, (batch, rows, samples) in enumerate(zip(micro_batches, eligible, teacher_samples)):
         lengths = batch.lengths.tolist()  # host ints: the teacher skips padding without a device sync
-        batch = batch.to(device)  # rows stay on the host: the loss picks its rows there (eaglekit.draft.head_loss)
-        # A NaN feature would turn the loss, then every weight, into NaN: counted here, read with the loss (`finite.check_step`).
+        # rows stay on the host: the loss picks its rows there (eaglekit.draft.head_loss)
+        batch = batch.to(device)
+        # A NaN feature would turn the loss, then every weight, into NaN: counted here, read with the loss
+        # (`finite.check_step`).
         non_finite += (~all_finite(batch.aux_hidden_states, batch.final_hidden_states)).double()
         targets = run.teacher.signals(batch.final_hidden_states, lengths, training.distill, samples, training.max_length)
         # The teacher reads the clean final states; only the features the draft reads get noise.
@@ -159,7 +165,8 @@ def ttt_step(run: Run, rank_samples: list[list[dict]]) -> StepLoss:
         dist.all_reduce(totals)
         stats, loss_total, non_finite = totals[:-2].view_as(stats), totals[-2], totals[-1]
     tokens = sum(int(batch.lengths.sum()) for batch in micro_batches) * world_size
-    loss_value, non_finite_batches = torch.stack([loss_total, non_finite]).tolist()  # the step's one host sync, for the log line
+    # the step's one host sync, for the log line
+    loss_value, non_finite_batches = torch.stack([loss_total, non_finite]).tolist()
     return StepLoss(loss_value, stats.cpu(), tokens, int(non_finite_batches))
 
 
@@ -170,7 +177,8 @@ def evaluate_and_checkpoint(run: Run, progress: TrainProgress, heldout_samples: 
     settings = run.settings
     chain_steps = settings.eval_chain_steps or settings.training.ttt_steps
     agreements = per_position_agreement(run.model, run.teacher.target_lm_head, heldout_samples, chain_steps, settings.training.max_length,
-                                        settings.training.micro_batch_size, run.device, target_cache=run.teacher.cache, batches=eval_batches)
+                                        settings.training.micro_batch_size, run.device, target_cache=run.teacher.cache,
+                                        batches=eval_batches)
     heldout = simulated_accept_length(agreements, chain_steps)
     tau = heldout["simulated_accept_length"]
     progress = record_evaluation(progress, tau, settings.training, run.total_steps)
@@ -187,7 +195,8 @@ def evaluate_and_checkpoint(run: Run, progress: TrainProgress, heldout_samples: 
     if run.distributed.is_main:
         if progress.best_step == progress.step:
             save_checkpoint(run.output_dir / BEST_CHECKPOINT, model_state, optimizer_state, progress.to_dict(), settings, run.model)
-        # The last.pt before this one is kept as last.prev.pt: a resume falls back to it if this one turns out torn.
+        # The last.pt before this one is kept as last.prev.pt: a resume falls back to it if this one turns out
+        # torn.
         save_checkpoint(run.output_dir / LAST_CHECKPOINT, model_state, optimizer_state, progress.to_dict(), settings, run.model,
                         previous=run.output_dir / PREVIOUS_CHECKPOINT)
     if settings.training.parallel != "none":
@@ -253,7 +262,8 @@ def train_draft(
     teacher = Teacher.for_draft(model.draft_to_target_ids(), model.t2d, target_lm_head, device, target_cache)
     wrapped = wrap_model(model, training.parallel, device, settings.activation_checkpointing)
     trainable = [parameter for parameter in wrapped.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, betas=(settings.beta1, settings.beta2), weight_decay=training.weight_decay)
+    optimizer = torch.optim.AdamW(trainable, lr=training.learning_rate, betas=(settings.beta1, settings.beta2),
+                                  weight_decay=training.weight_decay)
     point = find_resume_point(output_dir)
     if training.parallel != "none":
         dist.barrier()  # every rank has read the folder before rank 0 changes it
@@ -264,8 +274,9 @@ def train_draft(
                 if resumed else TrainProgress())
     resumed_step = progress.step
     point.checkpoint = None  # a whole checkpoint (GBs for a large target's draft) is not held while training
-    run = Run(model, wrapped, optimizer, teacher, settings, device, distributed, settings.resolved_max_steps(len(train_samples), distributed.world_size),
-              output_dir, AppendLog(metrics_path) if distributed.is_main else None, train_samples)
+    run = Run(model, wrapped, optimizer, teacher, settings, device, distributed,
+              settings.resolved_max_steps(len(train_samples), distributed.world_size), output_dir,
+              AppendLog(metrics_path) if distributed.is_main else None, train_samples)
     # The held-out set never changes: its length-sorted batches are planned once (tokens only, no features).
     eval_batches = heldout_batches(sample_lengths(heldout_samples, training.max_length), training.micro_batch_size)
 
@@ -291,7 +302,8 @@ def _train_steps(run: Run, progress: TrainProgress, upcoming: Prefetcher, traina
     settings, training, optimizer = run.settings, run.settings.training, run.optimizer
     global_batch = training.micro_batch_size * training.grad_accumulation_steps * run.distributed.world_size
     if not resumed:
-        progress = evaluate_and_checkpoint(run, progress, heldout_samples, eval_batches)  # the curve starts at the initialized draft
+        # the curve starts at the initialized draft
+        progress = evaluate_and_checkpoint(run, progress, heldout_samples, eval_batches)
     started = last_logged = time.perf_counter()
     first_step, tokens_seen = progress.step, 0
     while progress.stopped is None and progress.step < run.total_steps:

@@ -47,5 +47,6 @@ def ttt_loss(
         with torch.no_grad():
             proposed = draft_to_target[logits[:, :rows].argmax(-1)]
             correct = ((proposed == targets.argmax[:, 1 + step :]) & step_eligible).sum()
-            stats[step] = torch.tensor([float(summed), float(counted.sum()), float(correct), float(step_eligible.sum())], dtype=torch.float64)
+            stats[step] = torch.tensor([float(summed), float(counted.sum()), float(correct), float(step_eligible.sum())],
+                                       dtype=torch.float64)
     return loss, stats

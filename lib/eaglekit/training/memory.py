@@ -48,8 +48,9 @@ TEACHER_CHUNK_ROWS = 1024  # eaglekit.training.target_signals default
 
 def draft_config_for_target(target_config: str | os.PathLike | Mapping[str, Any], draft_vocab_size: int,
                             shape: str | None = None) -> DraftConfig:
-    """The draft the kit builds for a target config (a path, folder or dict; multimodal configs use text_config);
-    `shape`: params' training.draft_shape ("auto" or a preset of eaglekit.draft.config.DRAFT_SHAPES), None: derived."""
+    """The draft the kit builds for a target config (a path, folder or dict; multimodal configs use
+    text_config); `shape`: params' training.draft_shape ("auto" or a preset of
+    eaglekit.draft.config.DRAFT_SHAPES), None: derived."""
     return DraftConfig.from_target_config(load_model_config(target_config), draft_vocab_size=draft_vocab_size, shape=shape)
 
 
@@ -95,7 +96,8 @@ def activation_bytes(config: DraftConfig, pack_tokens: int, ttt_steps: int, atte
     alive: list[torch.Tensor] = []  # what the count names stays allocated, so no freed storage's id is reused
 
     def counter(into: dict[int, int], skipped: set[int]):
-        """A saved-tensors hook: the bytes of each storage autograd saves go into `into`, those in `skipped` aside."""
+        """A saved-tensors hook: the bytes of each storage autograd saves go into `into`, those in `skipped`
+        aside."""
 
         def count(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -107,7 +109,8 @@ def activation_bytes(config: DraftConfig, pack_tokens: int, ttt_steps: int, atte
         return count
 
     keep = counter(saved, weights)
-    step_bytes: list[int] = []  # with checkpointing: each step's own activations (held again while it recomputes)
+    # with checkpointing: each step's own activations (held again while it recomputes)
+    step_bytes: list[int] = []
 
     def run_step(function, *args: torch.Tensor):
         inputs = {keep(tensor).untyped_storage()._cdata for tensor in args if isinstance(tensor, torch.Tensor)}
@@ -205,7 +208,8 @@ def _fixed_bytes(config: DraftConfig, world_size: int, parallel: str) -> tuple[i
     if parallel == "fsdp":
         state = -(-state // world_size)
     teacher_head = config.vocab_size * config.hidden_size * TEACHER_HEAD_BYTES_PER_ENTRY
-    # One loss chunk: logits, teacher rows and gradient (3 x rows x Vd fp32); one teacher chunk: rows x V fp32.
+    # One loss chunk: logits, teacher rows and gradient (3 x rows x Vd fp32); one teacher chunk: rows x V
+    # fp32.
     transient = 3 * LOSS_CHUNK_ROWS * config.draft_vocab_size * 4 + TEACHER_CHUNK_ROWS * config.vocab_size * 4
     return trainable, frozen, state, teacher_head, transient
 
@@ -239,7 +243,8 @@ def plan_training_memory(
         return state + teacher_head + transient + c0 + c1 * tokens + c2 * tokens**2 + tokens * teacher_per_token
 
     usable = int(gpu_memory_bytes * MEMORY_FRACTION)
-    # `needed` grows with the pack: bisect the packs of 1 to 2^18 - 1 units of 128 tokens for the last that fits.
+    # `needed` grows with the pack: bisect the packs of 1 to 2^18 - 1 units of 128 tokens for the last that
+    # fits.
     units = range(1, (1 << 25) // PACK_ALIGNMENT)
     largest = PACK_ALIGNMENT * bisect.bisect_right(units, usable, key=lambda unit: needed(unit * PACK_ALIGNMENT))
     return TrainingMemoryPlan(

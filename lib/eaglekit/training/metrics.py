@@ -1,4 +1,5 @@
-"""A draft's metrics.jsonl: one "train" line per step, one "heldout" line per evaluation, and what is read from it."""
+"""A draft's metrics.jsonl: one "train" line per step, one "heldout" line per evaluation, and what is read
+from it."""
 
 from __future__ import annotations
 

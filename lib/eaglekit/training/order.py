@@ -47,7 +47,8 @@ class TrainingOrder:
         return [*self.heldout, *self.train]
 
     def split(self, keys: Sequence[Key], source: str = ORDER_FILE) -> tuple[list[int], list[int]]:
-        """(held-out indices, training order) over `keys` (captured samples, capture order), as `split_heldout` returns them.
+        """(held-out indices, training order) over `keys` (captured samples, capture order), as
+        `split_heldout` returns them.
 
         Raises when a key is not in the plan: the data changed after prep planned the order."""
         position = {tuple(key): index for index, key in enumerate(keys)}
@@ -87,7 +88,8 @@ class TrainingOrder:
 
 def planned_samples(prep_dir: str | os.PathLike) -> list[tuple[str, str, str]]:
     """(dataset, id, conversation key) of every sample the run can train on, in the order stage 4 reads them:
-    class A's tokenized samples (datasets by name), then class B's prompts (datasets by name, files by name)."""
+    class A's tokenized samples (datasets by name), then class B's prompts (datasets by name, files by
+    name)."""
     prep_dir = Path(prep_dir)
     samples: list[tuple[str, str, str]] = []
     seen: set[Key] = set()
@@ -99,7 +101,8 @@ def planned_samples(prep_dir: str | os.PathLike) -> list[tuple[str, str, str]]:
             samples.append((*key, conversation_key(key[1], record.get("meta"))))
 
     for pattern in ("*/tokenized_data.jsonl", "*/prompts.*.jsonl"):
-        for path in sorted(prep_dir.glob(pattern)):  # paths sort by their parts: datasets by name, then files by name
+        # paths sort by their parts: datasets by name, then files by name
+        for path in sorted(prep_dir.glob(pattern)):
             for _, record in read_jsonl(path):
                 add(path.parent.name, record)
     return samples
@@ -129,7 +132,8 @@ def write_training_order(prep_dir: str | os.PathLike, heldout_size: int, seed: i
 
 def read_training_order(run_dir: str | os.PathLike, heldout_size: int, seed: int) -> TrainingOrder | None:
     """`prep/order.json` when it was planned for this seed and held-out size; None when absent (a run folder
-    from before the plan existed) or planned for other values (a warning says so; the captured samples are split)."""
+    from before the plan existed) or planned for other values (a warning says so; the captured samples are
+    split)."""
     path = order_path(run_dir)
     if not path.exists():
         return None
@@ -153,14 +157,16 @@ def sweep_split(run_dir: str | os.PathLike, keys: Sequence[Key], heldout_size: i
 
 def requests_before_each_size(order: TrainingOrder, partition_of: dict[Key, str], sizes: Sequence[int]) -> list[dict]:
     """For each data size, how far into each partition's requests (in the planned order) generation must get
-    before that size's samples and the held-out set are all answered: {"size", "<partition>": (needed, total)}.
+    before that size's samples and the held-out set are all answered: {"size", "<partition>": (needed,
+    total)}.
 
     partition_of: the partition of every class-B prompt (class-A samples need no answer). A planned sample is
     counted as needed whether or not its answer will succeed: a failed one is skipped, and the next in the
     order takes its place, so the real point can be a few requests later."""
     rank = {key: position for position, key in enumerate(order.priority())}
     totals = Counter(partition_of.values())  # partitions in first-seen order
-    request_order = {partition: sorted((key for key in partition_of if partition_of[key] == partition), key=lambda key: rank.get(key, len(rank)))
+    request_order = {partition: sorted((key for key in partition_of if partition_of[key] == partition),
+                                       key=lambda key: rank.get(key, len(rank)))
                      for partition in totals}
     place = {key: position + 1 for keys in request_order.values() for position, key in enumerate(keys)}
     rows = []

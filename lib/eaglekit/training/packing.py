@@ -82,7 +82,8 @@ def empty_pack(like: Batch) -> Batch:
 
 
 def packed_micro_batches(samples: Sequence[dict], pack_tokens: int, max_length: int, fixed_length: bool = True) -> list[Batch]:
-    """One optimizer step's samples (this rank's share) as packs of pack_tokens: one Batch (1, pack_tokens) each.
+    """One optimizer step's samples (this rank's share) as packs of pack_tokens: one Batch (1, pack_tokens)
+    each.
 
     fixed_length=False cuts each pack after its last sample, rounded up to a multiple of 64: the
     tail's rows are not computed. That pays in eager mode (CPU); compiled GPU kernels want one shape.

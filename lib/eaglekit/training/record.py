@@ -7,20 +7,23 @@ analysis.
 
     version            2 (RECORD_VERSION); an unversioned file from before is read as version 0
     runs               one DraftEntry per data size, ascending
-    noise_seeds        one DraftEntry per extra-seed draft (`noise_seed` set): the same samples as its size's run,
-                       another init and data order (training.noise_seeds); [] when none was trained
-    ablation           one DraftEntry per ablation variant ("original answers", "regenerated answers"); [] when not trained
-    heldout            [[dataset, id], ...]: the samples no draft trained on (in the capture, capture order), cut in two
-                       by training.split.split_selection:
-    selection          [[dataset, id], ...]: the held-out samples that picked every draft's best checkpoint and stopped it
-    scored             [[dataset, id], ...]: the rest of `heldout`, in its order: the only samples stage 6 scores on
+    noise_seeds        one DraftEntry per extra-seed draft (`noise_seed` set): the same samples as its size's
+                       run, another init and data order (training.noise_seeds); [] when none was trained
+    ablation           one DraftEntry per ablation variant ("original answers", "regenerated answers"); []
+                       when not trained
+    heldout            [[dataset, id], ...]: the samples no draft trained on (in the capture, capture order),
+                       cut in two by training.split.split_selection:
+    selection          [[dataset, id], ...]: the held-out samples that picked every draft's best checkpoint
+                       and stopped it
+    scored             [[dataset, id], ...]: the rest of `heldout`, in its order: the only samples stage 6
+                       scores on
     topology           Topology.to_dict() of the chain every held-out tau here was measured for
     draft_vocab        size, coverage, counted_tokens, coverage_curve [[vocab size, share covered], ...]
     capture_dir, capture_mode, capture_layer_ids, split_seed, export {"sglang": folder, "vllm": folder}
 
-A version-1 file (before the selection split) reads with `selection` and `noise_seeds` empty and `scored` all of
-`heldout`: its checkpoints were picked on the samples it scores (`picked_on_scored` says so; stage 6 warns,
-naming the file).
+A version-1 file (before the selection split) reads with `selection` and `noise_seeds` empty and `scored`
+all of `heldout`: its checkpoints were picked on the samples it scores (`picked_on_scored` says so; stage 6
+warns, naming the file).
 
 Paths are relative to the run folder (`SweepRecord.path`). Each entry records its best checkpoint's size
 and sha256 (`checkpoint_bytes`, `checkpoint_sha256`; absent in older files), taken after the checkpoint
@@ -51,7 +54,8 @@ RETRAIN = ("rerun stage 5: the size resumes, finds its best.pt unreadable, and r
 
 @dataclass(frozen=True)
 class DraftEntry:
-    """One trained draft: a data size of the sweep, or an ablation variant. Paths relative to the run folder."""
+    """One trained draft: a data size of the sweep, or an ablation variant. Paths relative to the run
+    folder."""
 
     variant: str  # "20 samples" for a sweep size; "original answers" / "regenerated answers" for the ablation
     size: int  # training samples
@@ -72,17 +76,20 @@ class DraftEntry:
     recent_gain: float | None  # best tau gained over the last `recent_evaluations` evaluations
     recent_window_steps: list[int] | None
     recent_evaluations: int
-    heldout_size: int  # selection samples its best tau was measured on (a version-1 record: the scored held-out set)
-    checkpoint_bytes: int | None = None  # best_checkpoint's size and sha256 when the record was written (None: an older record)
+    # selection samples its best tau was measured on (a version-1 record: the scored held-out set)
+    heldout_size: int
+    # best_checkpoint's size and sha256 when the record was written (None: an older record)
+    checkpoint_bytes: int | None = None
     checkpoint_sha256: str | None = None
-    noise_seed: int | None = None  # an extra-seed draft's init and data-order seed; None: the sweep's own draft (run.seed)
+    # an extra-seed draft's init and data-order seed; None: the sweep's own draft (run.seed)
+    noise_seed: int | None = None
 
     @classmethod
     def from_sweep_row(cls, row: dict[str, Any], topology: Topology, run_dir: str | os.PathLike,
                        noise_seed: int | None = None, variant: str | None = None) -> DraftEntry:
         """From a `training.train_size_sweep` row (`sweep.result_row`); paths made relative to the run folder.
-        `noise_seed`: the row is an extra-seed draft trained with that seed; `variant`: an ablation variant's name
-        (default "<size> samples")."""
+        `noise_seed`: the row is an extra-seed draft trained with that seed; `variant`: an ablation variant's
+        name (default "<size> samples")."""
         known = {item.name for item in fields(cls)} - {"variant", "topology", "noise_seed"}
         values = {key: value for key, value in row.items() if key in known}
         values.update({key: str(Path(row[key]).relative_to(run_dir)) for key in ("best_checkpoint", "metrics_path")})
@@ -97,8 +104,9 @@ class DraftEntry:
         return asdict(self) | {"topology": self.topology.to_dict()}
 
     def verified_checkpoint(self, run_dir: str | os.PathLike) -> Path:
-        """best_checkpoint as a path on this machine, checked first: the file sweep.json recorded (size, sha256),
-        or for an older record one that loads at its best step. A torn one raises TornCheckpointError naming it."""
+        """best_checkpoint as a path on this machine, checked first: the file sweep.json recorded (size,
+        sha256), or for an older record one that loads at its best step. A torn one raises TornCheckpointError
+        naming it."""
         path = Path(run_dir) / self.best_checkpoint
         if self.checkpoint_bytes is None or self.checkpoint_sha256 is None:
             verify_checkpoint(path, self.best_step)
@@ -127,7 +135,8 @@ class SweepRecord:
     split_seed: int
     export: dict[str, str]
     ablation: list[DraftEntry] = field(default_factory=list)
-    selection: list[tuple[str, str]] = field(default_factory=list)  # [] only in a version-1 record (picked on `heldout`)
+    # [] only in a version-1 record (picked on `heldout`)
+    selection: list[tuple[str, str]] = field(default_factory=list)
     noise_seeds: list[DraftEntry] = field(default_factory=list)
     version: int = RECORD_VERSION
 
@@ -146,17 +155,18 @@ class SweepRecord:
         return Path(run_dir) / relative
 
     def checkpoints(self, run_dir: str | os.PathLike, verify: bool = True) -> dict[int, Path]:
-        """{data size: best checkpoint}, ascending, each checked against sweep.json (`DraftEntry.verified_checkpoint`)
-        unless `verify` is False (paths only)."""
+        """{data size: best checkpoint}, ascending, each checked against sweep.json
+        (`DraftEntry.verified_checkpoint`) unless `verify` is False (paths only)."""
         return {entry.size: entry.verified_checkpoint(run_dir) if verify else self.path(run_dir, entry.best_checkpoint)
                 for entry in self.runs}
 
     def seed_checkpoints(self, run_dir: str | os.PathLike, verify: bool = True) -> dict[int, list[Path]]:
-        """{data size: [best checkpoint of each extra-seed draft]}, ascending, checked like `checkpoints`; {} when
-        stage 5 trained none."""
+        """{data size: [best checkpoint of each extra-seed draft]}, ascending, checked like `checkpoints`; {}
+        when stage 5 trained none."""
         found: dict[int, list[Path]] = {}
         for entry in sorted(self.noise_seeds, key=lambda item: (item.size, item.noise_seed)):
-            found.setdefault(entry.size, []).append(entry.verified_checkpoint(run_dir) if verify else self.path(run_dir, entry.best_checkpoint))
+            found.setdefault(entry.size, []).append(entry.verified_checkpoint(run_dir) if verify
+                                                    else self.path(run_dir, entry.best_checkpoint))
         return found
 
     @property
@@ -167,8 +177,8 @@ class SweepRecord:
 
     @property
     def picked_on_scored(self) -> bool:
-        """True for a record from before the selection split: its best checkpoints were picked on `heldout`, the
-        samples they are scored on, so their scores are optimistic."""
+        """True for a record from before the selection split: its best checkpoints were picked on `heldout`,
+        the samples they are scored on, so their scores are optimistic."""
         return not self.selection
 
     def still_improving(self) -> dict[float, float | None]:
@@ -176,8 +186,8 @@ class SweepRecord:
         return {float(entry.size): entry.recent_gain for entry in self.runs if not entry.converged}
 
     def table(self, ablation: bool = False) -> pd.DataFrame:
-        """One row per data size (per ablation variant with `ablation`): training length, how it stopped, its best
-        held-out tau, per-dataset training counts."""
+        """One row per data size (per ablation variant with `ablation`): training length, how it stopped, its
+        best held-out tau, per-dataset training counts."""
         entries, index = (self.ablation, "variant") if ablation else (self.runs, "data size")
         return pd.DataFrame([{
             "variant": entry.variant, "data size": entry.size, "schedule": entry.schedule, "steps": entry.steps, "step cap": entry.step_cap,
@@ -189,8 +199,9 @@ class SweepRecord:
         } for entry in entries], columns=None if entries else ["variant", "data size"]).set_index(index)
 
     def seed_table(self) -> pd.DataFrame:
-        """One row per extra-seed draft: its selection tau beside the sweep's own draft of that size (same samples,
-        same selection split, another init and data order), and the difference: training noise, as measured here."""
+        """One row per extra-seed draft: its selection tau beside the sweep's own draft of that size (same
+        samples, same selection split, another init and data order), and the difference: training noise, as
+        measured here."""
         own = {entry.size: entry for entry in self.runs}
         return pd.DataFrame([{
             "data size": entry.size, "seed": entry.noise_seed, "steps": entry.steps, "best step": entry.best_step,
@@ -200,7 +211,8 @@ class SweepRecord:
             columns=["data size", "seed", "steps", "best step", "selection tau", "sweep draft's tau", "difference", "checkpoint"])
 
     def convergence_lines(self) -> list[str]:
-        """Per size, in words: converged, or still improving when the step cap stopped it (its tau a lower bound)."""
+        """Per size, in words: converged, or still improving when the step cap stopped it (its tau a lower
+        bound)."""
         lines = []
         for entry in self.runs:
             if entry.converged:
@@ -246,13 +258,15 @@ class SweepRecord:
 
     @classmethod
     def from_dict(cls, record: Any, path: str | os.PathLike = SWEEP_FILE) -> SweepRecord:
-        """Checks every field's type; an error names the file and the field (e.g. `runs[2].best_checkpoint`)."""
+        """Checks every field's type; an error names the file and the field (e.g.
+        `runs[2].best_checkpoint`)."""
         read = _Reader(path)
         read.expect(record, dict, "the file")
         version = record.get("version", 0)
         if version == 0:
             record = _from_version_0(record, read)
-        if version in (0, 1):  # before the selection split and the extra seeds: picked on the scored samples, no seeds
+        # before the selection split and the extra seeds: picked on the scored samples, no seeds
+        if version in (0, 1):
             record = {"selection": [], "scored": record.get("heldout"), "noise_seeds": [], **record}
         elif version != RECORD_VERSION:
             raise InputError(path, None, "version", f"version {version!r}; this eaglekit reads version {RECORD_VERSION}: {RERUN}")
@@ -275,7 +289,8 @@ class SweepRecord:
                                                          f"got noise_seed {entry.noise_seed!r} at size {entry.size}")
         return cls(
             runs=entries["runs"], noise_seeds=entries["noise_seeds"], ablation=entries["ablation"],
-            selection=keys["selection"], heldout=keys["heldout"],  # `scored` is derived, and was checked to agree
+            # `scored` is derived, and was checked to agree
+            selection=keys["selection"], heldout=keys["heldout"],
             topology=topology,
             draft_vocab=DraftVocabRecord(**{name: read.field(vocab, name, kind, "draft_vocab.") for name, kind in
                                             (("size", int), ("coverage", float), ("counted_tokens", int), ("coverage_curve", list))}),
@@ -321,7 +336,8 @@ class _Reader:
 
     def expect(self, value: Any, kinds: type | tuple[type, ...], where: str) -> Any:
         kinds = kinds if isinstance(kinds, tuple) else (kinds,)
-        # JSON has one number type: an integral float is not an int, but an int is a valid float; a bool is neither.
+        # JSON has one number type: an integral float is not an int, but an int is a valid float; a bool is
+        # neither.
         accepted = kinds + ((int,) if float in kinds else ())
         if isinstance(value, bool) and bool not in kinds or not isinstance(value, accepted):
             names = " or ".join("null" if kind is type(None) else kind.__name__ for kind in kinds)
@@ -355,6 +371,7 @@ class _Reader:
     def entry(self, record: Any, where: str) -> DraftEntry:
         self.expect(record, dict, where)
         values = {key: self.field(record, key, kinds, f"{where}.") for key, kinds in _ENTRY_TYPES.items()}
-        # Written since checkpoints were verified; an older file has neither and its entries verify by loading.
+        # Written since checkpoints were verified; an older file has neither and its entries verify by
+        # loading.
         values |= {key: self.expect(record[key], kinds, f"{where}.{key}") for key, kinds in _OPTIONAL_ENTRY_TYPES.items() if key in record}
         return DraftEntry(topology=self.topology(record, f"{where}."), **values)

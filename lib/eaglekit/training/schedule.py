@@ -41,7 +41,8 @@ def learning_rate_at(step: int, max_learning_rate: float, min_learning_rate: flo
 
 def decay_window(training: TrainingParams, decay_start: int | None, total_steps: int) -> tuple[int | None, int | None]:
     """(total_steps, decay_start) for learning_rate_at: equal_* decay over all their steps; until_converged
-    holds the peak (the cap is no length to decay over) until its anneal starts, then decays over its length."""
+    holds the peak (the cap is no length to decay over) until its anneal starts, then decays over its
+    length."""
     if training.schedule != "until_converged":
         return total_steps, None
     if decay_start is None:

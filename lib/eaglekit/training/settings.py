@@ -1,4 +1,5 @@
-"""`TrainSettings`: one draft's training run, as the params' training section plus the few fields params do not set.
+"""`TrainSettings`: one draft's training run, as the params' training section plus the few fields params do
+not set.
 
 The recipe, the schedule and the batch shape are `config.TrainingParams` fields, declared, defaulted and
 validated there once; `TrainSettings` holds that section (`training`) and reads as it
@@ -78,7 +79,8 @@ class TrainSettings:
                 "eval_chain_steps": self.eval_chain_steps, "seed": self.seed, "stop_at_step": self.stop_at_step}
 
     def anneal_steps(self, decay_start: int) -> int:
-        """until_converged's anneal length for a draft that converged at step `decay_start` (`anneal_length`)."""
+        """until_converged's anneal length for a draft that converged at step `decay_start`
+        (`anneal_length`)."""
         return anneal_length(self.training.decay_steps, self.training.decay_fraction, decay_start)
 
     def resolved_max_steps(self, num_samples: int, world_size: int) -> int:

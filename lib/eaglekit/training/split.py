@@ -84,7 +84,8 @@ def split_heldout(
     members: dict[tuple[str, str], list[int]] = {}
     for index, name in enumerate(datasets):
         members.setdefault((name, str(index) if conversations is None else conversations[index]), []).append(index)
-    groups = list(members.values())  # ordered by first sample, so singletons reproduce stratified_order(datasets)
+    # ordered by first sample, so singletons reproduce stratified_order(datasets)
+    groups = list(members.values())
     order = stratified_order([datasets[group[0]] for group in groups], seed, [len(group) for group in groups])
     heldout: list[int] = []
     taken = 0
@@ -122,7 +123,8 @@ def split_selection(
                          "on others needs at least 2; raise training.heldout_size")
     datasets = [keys[position][0] for position in order]
     sorted_conversations = None if conversations is None else [conversations[position] for position in order]
-    # A last conversation can take every sample left: then ask for fewer (1 always leaves a conversation to score).
+    # A last conversation can take every sample left: then ask for fewer (1 always leaves a conversation to
+    # score).
     for count in range(min(max(round(share * len(keys)), 1), len(keys) - 1), 0, -1):
         try:
             selection, scored = split_heldout(datasets, count, seed, sorted_conversations)

@@ -6,8 +6,9 @@ one draft per data size (`train_size_sweep`), and `training.noise_seeds` more dr
 (`TrainingParams.noise_seed_sizes`: the same samples, seeds run.seed + 1, ...; stage 6 measures training noise
 from them), exports the largest size's best draft for SGLang and vLLM, trains the ablation pair when
 configured, and writes `training/sweep.json` (a
-`sweep_record.SweepRecord`, what stage 6 loads) and the stage's metrics events. Every rank runs it; training is data parallel
-(`training.parallel`: ddp, or fsdp on GPUs); rank 0 alone writes exports, metrics and sweep.json.
+`sweep_record.SweepRecord`, what stage 6 loads) and the stage's metrics events. Every rank runs it; training
+is data parallel (`training.parallel`: ddp, or fsdp on GPUs); rank 0 alone writes exports, metrics and
+sweep.json.
 
     torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R           # the whole sweep
     torchrun --nproc-per-node 8 -m eaglekit.training --params P --run-id R --sizes 5000   # one size
@@ -15,11 +16,12 @@ configured, and writes `training/sweep.json` (a
 Every draft picks its best checkpoint and stops on the selection side of the held-out set
 (`split.split_selection`, training.selection_share); sweep.json's `scored` is the other side, the only
 samples stage 6 scores. Each size (and each extra seed's size) resumes from its `last.pt`, so rerunning
-the same command after a kill continues every loss curve where its last checkpoint left it (a torn last.pt: from last.prev.pt, or from step 0, with a
-warning naming the file; a torn best.pt: restored or that size retrained, eaglekit.training.checkpoint).
-sweep.json lists only best checkpoints that loaded back at their best step, with their size and sha256. `--sizes` trains those sizes only (the split and the
-draft vocab are those of the whole sweep) and writes no sweep.json; a later run without `--sizes`
-finds them trained and only evaluates the rest.
+the same command after a kill continues every loss curve where its last checkpoint left it (a torn last.pt:
+from last.prev.pt, or from step 0, with a warning naming the file; a torn best.pt: restored or that size
+retrained, eaglekit.training.checkpoint). sweep.json lists only best checkpoints that loaded back at their
+best step, with their size and sha256. `--sizes` trains those sizes only (the split and the draft vocab are
+those of the whole sweep) and writes no sweep.json; a later run without `--sizes` finds them trained and only
+evaluates the rest.
 
 `launch_training_stage(params, run_dir)` starts that command as a subprocess (what
 notebook 05 does when `training.nproc_per_node > 1`), hands each output line to a callback as it
@@ -78,7 +80,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
                          "vocab come from the whole sweep, so train one of its sizes")
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
     layout = target_layout(model_dir, trust_remote_code=params.target.trust_remote_code)
-    target_weights = load_target_head_weights(layout)  # head tensors by the layout's names (Kimi-K2.5: language_model.*)
+    # head tensors by the layout's names (Kimi-K2.5: language_model.*)
+    target_weights = load_target_head_weights(layout)
     settings = TrainSettings.from_params(params)
     is_main = launched_world()[0] == 0
     metrics = Metrics(out, "training") if is_main else None
@@ -87,9 +90,11 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     if metrics is not None:
         metrics.log(event="draft_vocab", size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens)
 
-    evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)  # the chain train_draft scores held-out tau with
-    build_model = lambda seed=params.run.seed: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d, tuple(inputs.capture_layer_ids),
-                                                                       seed=seed, shape=params.training.draft_shape)
+    # the chain train_draft scores held-out tau with
+    evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)
+    build_model = lambda seed=params.run.seed: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d,
+                                                                       tuple(inputs.capture_layer_ids), seed=seed,
+                                                                       shape=params.training.draft_shape)
     ablation_pairs = _ablation_pairs(params, capture_dir, inputs.keys) if sizes is None else None
     progress = _sweep_progress(params, settings, selected, ablation_pairs)
     # One target argmax per sample for the sweep and the ablation: they share the held-out set, and the
@@ -100,7 +105,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
                          progress=progress)
     sweep_rows = train_size_sweep(build_model, target_weights.lm_head, inputs.samples, selected, params.training.heldout_size,
                                   training_dir, settings, **sweep_options)
-    # Training noise: the small sizes again with other seeds (init and data order), same samples, same selection.
+    # Training noise: the small sizes again with other seeds (init and data order), same samples, same
+    # selection.
     seed_rows: list[tuple[int, dict]] = []
     for noise_seed, seed_sizes in _noise_seed_sizes(params, selected):
         rows = train_size_sweep(lambda seed=noise_seed: build_model(seed), target_weights.lm_head, inputs.samples, seed_sizes,
@@ -111,7 +117,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
         for row in sweep_rows:
             metrics.log(event="sweep_size", **{key: value for key, value in row.items() if key != "samples_by_dataset"})
         for noise_seed, row in seed_rows:
-            metrics.log(event="noise_seed", noise_seed=noise_seed, **{key: value for key, value in row.items() if key != "samples_by_dataset"})
+            metrics.log(event="noise_seed", noise_seed=noise_seed,
+                        **{key: value for key, value in row.items() if key != "samples_by_dataset"})
     if sizes is not None:
         if metrics is not None:
             metrics.close()
@@ -130,7 +137,8 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
         heldout=[inputs.keys[index] for index in inputs.heldout],
         selection=[inputs.keys[index] for index in inputs.selection],
         topology=evaluated,
-        draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens, coverage_curve=coverage),
+        draft_vocab=DraftVocabRecord(size=vocab.size, coverage=vocab.coverage, counted_tokens=vocab.counted_tokens,
+                                     coverage_curve=coverage),
         capture_dir=str(capture_dir.relative_to(out)), capture_mode=capture_plan.mode, capture_layer_ids=list(inputs.capture_layer_ids),
         split_seed=params.run.seed,
         export={name: str(Path(folder).relative_to(out)) for name, folder in export.items()},
@@ -154,13 +162,16 @@ class SweepInputs:
 
 
 def _sweep_inputs(params: Params, out: Path, capture_dir: Path, model_dir: Path, settings: TrainSettings) -> SweepInputs:
-    # Shards or the target recomputing features online, as stage 4 planned: one interface (capture.CapturedSamples).
+    # Shards or the target recomputing features online, as stage 4 planned: one interface
+    # (capture.CapturedSamples).
     data_files = tokenized_data_files(out)
     samples = open_captured_samples(capture_dir, data_files,
-                                    lambda: load_target(model_dir, device=local_device(settings.device), dtype=getattr(torch, params.target.dtype)),
+                                    lambda: load_target(model_dir, device=local_device(settings.device),
+                                                        dtype=getattr(torch, params.target.dtype)),
                                     capture_layer_ids=params.target.capture_layers, max_seq_len=capture_length(params))
     keys = samples.keys
-    conversations = read_conversation_keys(data_files, keys)  # split samples of one conversation stay on one side
+    # split samples of one conversation stay on one side
+    conversations = read_conversation_keys(data_files, keys)
     # prep's planned order (prep/order.json) when there is one: each sample keeps the place prep gave it.
     heldout, train_order = sweep_split(out, keys, params.training.heldout_size, params.run.seed, conversations)
     # Checkpoints are picked on one side of the held-out set and scored (stage 6) on the other only.
@@ -212,7 +223,8 @@ def _ablation_pairs(params: Params, capture_dir: Path, keys: list) -> AblationPa
 
 def _sweep_progress(params: Params, settings: TrainSettings, selected: Sequence[int],
                     ablation_pairs: AblationPairs | None) -> SweepProgress:
-    """Every draft stage 5 trains, in order, with its step cap: the log's 'draft i of n' and the sweep's time left."""
+    """Every draft stage 5 trains, in order, with its step cap: the log's 'draft i of n' and the sweep's time
+    left."""
     world = launched_world()[1]
     drafts = [(f"size {size}", settings.resolved_max_steps(size, world)) for size in selected]
     drafts += [(f"size {size}, seed {seed}", settings.resolved_max_steps(size, world))
@@ -227,7 +239,8 @@ ABLATION_VARIANTS = ("original answers", "regenerated answers")
 
 def _train_ablation(ablation_pairs: AblationPairs, inputs: SweepInputs, build_model, lm_head, settings: TrainSettings, training_dir: Path,
                     target_cache, evaluated: Topology, progress: SweepProgress, out: Path, metrics: Metrics | None) -> list[DraftEntry]:
-    """The ablation pair: one draft on the datasets' own answers, one on the target's, over the same prompts."""
+    """The ablation pair: one draft on the datasets' own answers, one on the target's, over the same
+    prompts."""
     original, pairs = ablation_pairs.original, ablation_pairs.pairs
     samples_by_dataset = dict(Counter(inputs.keys[position][0] for _, position in pairs))
     variants = {"original answers": IndexedSubset(original, [o for o, _ in pairs]),
@@ -246,7 +259,8 @@ def _train_ablation(ablation_pairs: AblationPairs, inputs: SweepInputs, build_mo
 
 
 def _export_largest(build_model, largest: dict, layout, model_dir: Path, training_dir: Path, speculative_tokens: int) -> dict[str, Path]:
-    """The largest size's best draft exported for SGLang and vLLM, each export validated (by the export): {engine: folder}."""
+    """The largest size's best draft exported for SGLang and vLLM, each export validated (by the export):
+    {engine: folder}."""
     from eaglekit.draft.export import export_sglang, export_vllm
 
     draft = build_model()
@@ -277,8 +291,8 @@ def launch_training_stage(
     run_dir: str | os.PathLike,
     on_line: Callable[[str], None] = print,
 ) -> SweepRecord:
-    """Run stage 5 under torchrun (`training.nproc_per_node` processes) in a subprocess, streaming its output lines
-    to `on_line`. The params schema refuses several processes with `training.parallel: none`.
+    """Run stage 5 under torchrun (`training.nproc_per_node` processes) in a subprocess, streaming its output
+    lines to `on_line`. The params schema refuses several processes with `training.parallel: none`.
 
     Writes the resolved params next to the results (training/launch_params.yaml) for the subprocess.
     Returns the sweep.json record it wrote. If this call is interrupted (an

@@ -25,18 +25,20 @@ logger = logging.getLogger(__name__)
 
 
 class SweepProgress:
-    """'draft i of n' before each draft of a sweep trains, with the sweep's time left, and a line when it ends.
+    """'draft i of n' before each draft of a sweep trains, with the sweep's time left, and a line when it
+    ends.
 
-    drafts: (label, step cap) of every draft the sweep will train, in order (stage 5: the sizes, the extra seeds,
-    the ablation). The time left is the remaining drafts' step caps at the seconds a step took so far (training
-    and held-out evaluations, over the steps this process ran, so a resumed draft counts only what it ran): under
-    until_converged a draft stops at its cap at the latest, so it is an upper bound ("at most"); before any step
-    was timed it is "not yet known"."""
+    drafts: (label, step cap) of every draft the sweep will train, in order (stage 5: the sizes, the extra
+    seeds, the ablation). The time left is the remaining drafts' step caps at the seconds a step took so far
+    (training and held-out evaluations, over the steps this process ran, so a resumed draft counts only what
+    it ran): under until_converged a draft stops at its cap at the latest, so it is an upper bound ("at
+    most"); before any step was timed it is "not yet known"."""
 
     def __init__(self, drafts: Sequence[tuple[str, int]], until_converged: bool, log: Callable[..., None] | None = None):
         self.drafts = list(drafts)
         self.until_converged = until_converged
-        self.log = log or (logger.info if launched_world()[0] == 0 else (lambda *args: None))  # one rank says it
+        # one rank says it
+        self.log = log or (logger.info if launched_world()[0] == 0 else (lambda *args: None))
         self.started_drafts = 0
         self.timed_steps = 0
         self.timed_seconds = 0.0
@@ -97,13 +99,14 @@ def train_size_sweep(
     tau gained over the last `patience` evaluations), checkpoint and metrics paths, held-out size.
     `datasets` (one name per sample) spares reading every sample just for its dataset name;
     `conversations` (one key per sample, `read_conversation_keys`) keeps split conversations on one side.
-    `target_cache`: a cache the caller shares with other drafts on the same samples (None: one for this sweep).
+    `target_cache`: a cache the caller shares with other drafts on the same samples (None: one for this
+    sweep).
     `split`: (held-out indices, training order) already made (`order.sweep_split`: prep's planned order);
     None splits here with `split_heldout`. The held-out indices are the samples that pick each size's best
     checkpoint and stop it: stage 5 passes the selection side only (`split.split_selection`), so the side
     stage 6 scores never chose what it scores.
-    `progress`: the log's 'draft i of n' over a longer plan (stage 5's sizes, seeds and ablation); None, over these
-    sizes. `label` follows each size's name in it (", seed 1").
+    `progress`: the log's 'draft i of n' over a longer plan (stage 5's sizes, seeds and ablation); None, over
+    these sizes. `label` follows each size's name in it (", seed 1").
     """
     output_dir = Path(output_dir)
     if datasets is None:
@@ -114,7 +117,8 @@ def train_size_sweep(
     heldout_indices, train_order = split or split_heldout(datasets, heldout_size, split_seed, conversations)
     subsets = nested_subsets(train_order, sizes)
     heldout = IndexedSubset(samples, heldout_indices)
-    # One target argmax per sample for the whole sweep: the held-out set and the nested subsets recur in every size.
+    # One target argmax per sample for the whole sweep: the held-out set and the nested subsets recur in every
+    # size.
     target_cache = target_cache or TargetArgmaxCache(target_lm_head)
     if progress is None:
         progress = SweepProgress([(f"size {size}{label}", settings.resolved_max_steps(size, launched_world()[1]))
@@ -122,17 +126,18 @@ def train_size_sweep(
     rows = []
     for size, indices in subsets.items():
         progress.start(f"size {size}{label}")
-        result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}", settings,
-                             target_cache=target_cache)
+        result = train_draft(build_model(), target_lm_head, IndexedSubset(samples, indices), heldout, output_dir / f"size-{size:07d}",
+                             settings, target_cache=target_cache)
         progress.finish(result)
         rows.append(result_row(result, dict(Counter(datasets[index] for index in indices)), settings, len(heldout_indices)))
     return rows
 
 
 def result_row(result: TrainResult, samples_by_dataset: dict[str, int], settings: TrainSettings, heldout_size: int) -> dict[str, Any]:
-    """A trained draft as one sweep row (what `record.DraftEntry.from_sweep_row` reads): its training samples by
-    dataset, how long it trained and how it stopped, its best held-out tau and `heldout_size` (the samples that
-    picked it), the last improvement (`recent_gain` over the last `patience` evaluations), checkpoint and metrics."""
+    """A trained draft as one sweep row (what `record.DraftEntry.from_sweep_row` reads): its training samples
+    by dataset, how long it trained and how it stopped, its best held-out tau and `heldout_size` (the samples
+    that picked it), the last improvement (`recent_gain` over the last `patience` evaluations), checkpoint and
+    metrics."""
     size = sum(samples_by_dataset.values())
     return {
         "size": size, "samples_by_dataset": dict(samples_by_dataset), "schedule": settings.schedule, "steps": result.steps,

@@ -124,13 +124,15 @@ class TargetArgmaxCache:
             return cached
         self.misses += 1
         states = final.to(self.head.device, torch.float32)
-        tokens = torch.cat([(states[start : start + self.chunk_rows] @ self.head.T).argmax(-1)  # (chunk, V) -> (chunk,)
+        # (chunk, V) -> (chunk,)
+        tokens = torch.cat([(states[start : start + self.chunk_rows] @ self.head.T).argmax(-1)
                             for start in range(0, states.shape[0], self.chunk_rows)]).cpu()
         self._argmax[key] = tokens
         return tokens
 
     def batch_argmax(self, samples: Sequence[dict], max_length: int) -> torch.Tensor:
-        """(B, T) for `collate(samples, max_length)`: row b holds sample b's argmax, then 0 (the padding's, as uncached)."""
+        """(B, T) for `collate(samples, max_length)`: row b holds sample b's argmax, then 0 (the padding's, as
+        uncached)."""
         return torch.nn.utils.rnn.pad_sequence([self.argmax(sample, max_length) for sample in samples], batch_first=True)
 
 
@@ -152,7 +154,8 @@ class Teacher:
     @classmethod
     def for_draft(cls, draft_to_target: torch.Tensor, t2d: torch.Tensor, target_lm_head: torch.Tensor, device: torch.device,
                   target_cache: TargetArgmaxCache | bool) -> "Teacher":
-        """target_cache: True, a new cache; a cache, shared (bound to this head); False, recompute every argmax."""
+        """target_cache: True, a new cache; a cache, shared (bound to this head); False, recompute every
+        argmax."""
         head = target_lm_head.to(device, torch.float32)
         cache = TargetArgmaxCache(head) if target_cache is True else (target_cache or None)
         if cache is not None:

@@ -25,7 +25,8 @@ from eaglekit.draft.model import Eagle3DraftModel, TrainingTimeTestKeyValues, sh
 
 def _step(model: Eagle3DraftModel, backend: str, document_ids: torch.Tensor | None, past_steps: int, tokens: torch.Tensor,
           hidden_states: torch.Tensor, position_ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One TTT step from explicit state: -> (pre-norm output (B, T, H), this step's key, value (B, KV, T, D))."""
+    """One TTT step from explicit state: -> (pre-norm output (B, T, H), this step's key, value
+    (B, KV, T, D))."""
     key_values = TrainingTimeTestKeyValues(document_ids, backend)
     key_values.keys, key_values.values = list(past[:past_steps]), list(past[past_steps:])
     output = model.step(tokens, hidden_states, position_ids, key_values)
