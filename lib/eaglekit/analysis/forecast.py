@@ -1,39 +1,40 @@
-"""The go / no-go forecast: from the data sizes measured so far, tau at each planned size and at the full data,
-the size at which tau crosses break-even, and one plain line (go / no-go / not yet known).
+"""The go / no-go forecast: from the data sizes measured so far, tau at each planned size and at the full
+data, the size at which tau crosses break-even, and one plain line (go / no-go / not yet known).
 
 It never claims more than the sizes support:
 - 1 size: the measured point and its interval.
-- 2 sizes: the local slope per doubling (`scaling.local_slope`) and "at the measured slope, k more doublings" to
-  break-even, only as far as the reach below; no curve, no predicted tau, no crossing size.
-- 3 or more sizes: tau at the planned sizes and the horizon (the full data, else the largest planned size), each
-  at most MAX_DOUBLINGS_BEYOND doublings past the largest measured size. Beyond that the sizes say nothing that
-  a number could carry, and the line says so in words.
+- 2 sizes: the local slope per doubling (`scaling.local_slope`) and "at the measured slope, k more doublings"
+  to break-even, only as far as the reach below; no curve, no predicted tau, no crossing size.
+- 3 or more sizes: tau at the planned sizes and the horizon (the full data, else the largest planned size),
+  each at most MAX_DOUBLINGS_BEYOND doublings past the largest measured size. Beyond that the sizes say
+  nothing that a number could carry, and the line says so in words.
 
-**Four curve families**, each refitted on every bootstrap replicate (`FAMILIES`). Three to five sizes cannot tell a
-line from a curve that bends, accelerates or stops just past the data, and accept length measured against data
-size does all of these (docs/forecast.md backtests knees and S-curves). So no family is preferred for the
-interval: it is the **union** of the four families' percentile intervals, and it covers a truth of any of these
-shapes at least at its stated level. The point forecast ("the measured shape") is the log-linear and saturating
-fits averaged: equal weights below 5 sizes (3 points fit the 3-parameter curve exactly, so nothing ranks them),
-inverse leave-one-size-out mean squared error from 5 (Bates and Granger).
+**Four curve families**, each refitted on every bootstrap replicate (`FAMILIES`). Three to five sizes cannot
+tell a line from a curve that bends, accelerates or stops just past the data, and accept length measured
+against data size does all of these (docs/forecast.md backtests knees and S-curves). So no family is preferred
+for the
+interval: it is the **union** of the four families' percentile intervals, and it covers a truth of any of
+these shapes at least at its stated level. The point forecast ("the measured shape") is the log-linear and
+saturating fits averaged: equal weights below 5 sizes (3 points fit the 3-parameter curve exactly, so nothing
+ranks them), inverse leave-one-size-out mean squared error from 5 (Bates and Granger).
 
 **Two sources of noise** are in every replicate: the held-out set (paired bootstrap replicates, the same
 resampled samples scoring every size) and draft-to-draft training noise (another seed at the same size scores
 differently, which resampling the held-out set cannot see). Training noise is measured when extra seeds were
-trained (`seed_accept_lengths`) and otherwise taken from a prior measured on the kit (TRAINING_NOISE_PRIOR); both
-are pooled as a scaled inverse chi-square, so a variance from few seeds widens the interval as a t would.
+trained (`seed_accept_lengths`) and otherwise taken from a prior measured on the kit (TRAINING_NOISE_PRIOR);
+both are pooled as a scaled inverse chi-square, so a variance from few seeds widens the interval as a t would.
 
-**The verdict** at the horizon, at one-sided level (1 - confidence) / looks, `looks` being the verdicts the run
-issues (a staged run re-forecasts after every size; Bonferroni keeps the chance that any of them is a wrong
-"go" within 1 - confidence):
+**The verdict** at the horizon, at one-sided level (1 - confidence) / looks, `looks` being the verdicts the
+run issues (a staged run re-forecasts after every size; Bonferroni keeps the chance that any of them is a
+wrong "go" within 1 - confidence):
 - "go" when the largest measured draft's lower bound clears break-even. More data does not lower tau, so the
-  full data's draft clears it too; no forecast can give a "go" earlier, because the "plateau" family (a knee just
-  past the data) is always possible and stays where the data end.
-- "no-go" when even the highest family's upper bound at the horizon stays below break-even, and no size it rests
-  on was stopped by the step cap (a capped draft's tau is a lower bound, so its forecast is too): then "not yet
-  known (capped sizes are lower bounds)".
-- a horizon already measured (the full data was trained) is read as that measurement, "go" or "no-go" by its bounds
-  ("no-go" unless that draft itself is a lower bound: a smaller size's does not move it).
+  full data's draft clears it too; no forecast can give a "go" earlier, because the "plateau" family (a knee
+  just past the data) is always possible and stays where the data end.
+- "no-go" when even the highest family's upper bound at the horizon stays below break-even, and no size it
+  rests on was stopped by the step cap (a capped draft's tau is a lower bound, so its forecast is too): then
+  "not yet known (capped sizes are lower bounds)".
+- a horizon already measured (the full data was trained) is read as that measurement, "go" or "no-go" by its
+  bounds ("no-go" unless that draft itself is a lower bound: a smaller size's does not move it).
 - else "not yet known", with what the measured shape says and what would decide it.
 """
 
@@ -63,7 +64,7 @@ CROSSING_GRID_PER_DOUBLING = 50
 VERDICTS = ("go", "no-go", "not yet known")
 
 
-# ----------------------------------------------------------------------------- the bootstrap the forecast reads
+# --------------------------------------------------------------------------- the bootstrap the forecast reads
 
 def paired_bootstrap_means(per_sample: np.ndarray, num_resamples: int = 1000, seed: int = 0) -> np.ndarray:
     """(m, n) per-held-out-sample values (m samples, each scored by every size's draft) -> (R, n) replicate
@@ -78,7 +79,8 @@ def paired_bootstrap_means(per_sample: np.ndarray, num_resamples: int = 1000, se
 
 @dataclass(frozen=True)
 class TrainingNoise:
-    """Draft-to-draft training noise: the sd of tau between drafts trained on the same samples with other seeds."""
+    """Draft-to-draft training noise: the sd of tau between drafts trained on the same samples with other
+    seeds."""
 
     sd: float
     degrees_of_freedom: int
@@ -87,8 +89,9 @@ class TrainingNoise:
 
 
 def training_noise(accept_lengths: Mapping[float, float], seed_accept_lengths: Mapping[float, Sequence[float]] | None) -> TrainingNoise:
-    """The prior pooled with the seed-to-seed variance of every size that has extra seeds (the measured tau and its
-    seeds' taus at that size). Pooled over sizes: two or three seeds per size estimate a variance too poorly alone."""
+    """The prior pooled with the seed-to-seed variance of every size that has extra seeds (the measured tau
+    and its seeds' taus at that size). Pooled over sizes: two or three seeds per size estimate a variance too
+    poorly alone."""
     prior_sd, prior_df = TRAINING_NOISE_PRIOR
     squares, degrees = prior_sd**2 * prior_df, prior_df
     seeds: dict[float, int] = {}
@@ -107,9 +110,9 @@ def training_noise(accept_lengths: Mapping[float, float], seed_accept_lengths: M
 
 
 def with_training_noise(replicates: np.ndarray, noise: TrainingNoise, seed: int) -> np.ndarray:
-    """(R, n) held-out replicates plus each size's own training noise: every size is a separate draft, so the noise
-    is independent across sizes. Each replicate draws its sd from the variance's posterior (scaled inverse
-    chi-square), so an sd known from few degrees of freedom gives heavier tails."""
+    """(R, n) held-out replicates plus each size's own training noise: every size is a separate draft, so the
+    noise is independent across sizes. Each replicate draws its sd from the variance's posterior (scaled
+    inverse chi-square), so an sd known from few degrees of freedom gives heavier tails."""
     rng = np.random.default_rng(seed)
     sd = noise.sd * np.sqrt(noise.degrees_of_freedom / rng.chisquare(noise.degrees_of_freedom, size=(len(replicates), 1)))
     return replicates + sd * rng.standard_normal(replicates.shape)
@@ -126,7 +129,8 @@ class SizeForecast:
     tau_low: float
     tau_high: float
     by_model: dict[str, float]  # each family's point prediction
-    measured: bool  # True when this size was measured (then tau is the measurement, its interval the held-out one)
+    # True when this size was measured (then tau is the measurement, its interval the held-out one)
+    measured: bool
 
 
 Crossing = float | str  # a size, or "beyond N" when past the reach of the forecast
@@ -134,11 +138,13 @@ Crossing = float | str  # a size, or "beyond N" when past the reach of the forec
 
 @dataclass(frozen=True)
 class Forecast:
-    """What the measured sizes say about the planned ones; see the module docstring for what each part needs."""
+    """What the measured sizes say about the planned ones; see the module docstring for what each part
+    needs."""
 
     data_sizes: list[float]  # measured, ascending
     accept_lengths: list[float]  # (n,) measured tau per size
-    accept_length_intervals: list[tuple[float, float]]  # (n,) held-out percentile intervals of the measured tau
+    # (n,) held-out percentile intervals of the measured tau
+    accept_length_intervals: list[tuple[float, float]]
     planned_sizes: list[float]
     full_size: float | None
     break_even: float | None
@@ -151,15 +157,19 @@ class Forecast:
     crossing_size: Crossing | None  # where the measured shape reaches break-even; "beyond N" past the reach
     crossing_low: Crossing | None  # the union over the families
     crossing_high: Crossing | None
-    crossing_within_horizon: float | None  # share of the measured shape's replicates that reach break-even by the horizon
+    # share of the measured shape's replicates that reach break-even by the horizon
+    crossing_within_horizon: float | None
     horizon: float | None  # the full data, else the largest planned size
     doublings_to_horizon: float | None  # from the largest measured size
-    reach: float  # the largest size a tau is forecast at: the horizon or MAX_DOUBLINGS_BEYOND past the data, the smaller
-    doublings_at_slope: tuple[float, float, float] | None  # (point, low, high) more doublings to break-even, 2+ sizes
+    # the largest size a tau is forecast at: the horizon or MAX_DOUBLINGS_BEYOND past the data, the smaller
+    reach: float
+    # (point, low, high) more doublings to break-even, 2+ sizes
+    doublings_at_slope: tuple[float, float, float] | None
     lower_bound_sizes: list[float]
     training_noise: dict[str, Any]  # TrainingNoise as a dict
     looks: int  # verdicts the run issues; each is made at one-sided level (1 - confidence) / looks
-    verdict_bounds: tuple[float, float] | None  # the one-sided (low, high) bounds the verdict read, at the horizon
+    # the one-sided (low, high) bounds the verdict read, at the horizon
+    verdict_bounds: tuple[float, float] | None
     verdict: str  # one of VERDICTS
     line: str  # the plain sentence that starts with the verdict
     notes: list[str] = field(default_factory=list)
@@ -191,7 +201,8 @@ def _sizes_text(sizes: Sequence[float]) -> str:
 
 
 def _point_weights(sizes: np.ndarray, taus: np.ndarray, ceiling: float) -> tuple[dict[str, float], str, dict[str, float | None]]:
-    """The point forecast's weights over MEASURED_SHAPE, the rule that gave them, and the leave-one-size-out errors."""
+    """The point forecast's weights over MEASURED_SHAPE, the rule that gave them, and the leave-one-size-out
+    errors."""
     loo = {model: leave_one_size_out_error(sizes, taus, model, ceiling) for model in MEASURED_SHAPE}
     if len(sizes) >= SIZES_TO_RANK_MODELS and all(value is not None for value in loo.values()):
         inverse = {model: 1.0 / max(float(value) ** 2, 1e-12) for model, value in loo.items()}
@@ -201,12 +212,13 @@ def _point_weights(sizes: np.ndarray, taus: np.ndarray, ceiling: float) -> tuple
 
 
 def _gain_shape(sizes: np.ndarray, taus: np.ndarray, rows: np.ndarray, tail: float) -> str:
-    """Gains per doubling over the lower and the upper half of the sizes, and whether their change is resolved: the
-    words "shrinking" or "growing" only when the change's paired interval excludes 0."""
+    """Gains per doubling over the lower and the upper half of the sizes, and whether their change is
+    resolved: the words "shrinking" or "growing" only when the change's paired interval excludes 0."""
     middle = len(sizes) // 2
     log2_sizes = np.log2(sizes)
 
-    def halves(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # (..., n) -> per-doubling gains (...,), (...,)
+    # (..., n) -> per-doubling gains (...,), (...,)
+    def halves(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return ((values[..., middle] - values[..., 0]) / (log2_sizes[middle] - log2_sizes[0]),
                 (values[..., -1] - values[..., middle]) / (log2_sizes[-1] - log2_sizes[middle]))
 
@@ -274,7 +286,8 @@ class _Forecaster:
         self.break_even, self.ceiling, self.confidence, self.lower_bounds, self.looks = break_even, ceiling, confidence, lower_bounds, looks
         self.full_size = full_size
         self.tail = (1.0 - confidence) / 2.0
-        self.verdict_tail = (1.0 - confidence) / looks  # one-sided, per look (Bonferroni over the run's looks)
+        # one-sided, per look (Bonferroni over the run's looks)
+        self.verdict_tail = (1.0 - confidence) / looks
         self.largest = float(sizes[-1])
         self.planned = sorted({float(size) for size in planned_sizes})
         self.horizon = full_size if full_size is not None else (max(self.planned) if self.planned and max(self.planned) > self.largest else None)
@@ -292,7 +305,8 @@ class _Forecaster:
 
     # ---- the measured largest draft: the only ground for a "go" ------------------------------------------
     def measured_bounds(self) -> tuple[float, float]:
-        """One-sided (low, high) bounds of the largest size's tau at the verdict's level, training noise included."""
+        """One-sided (low, high) bounds of the largest size's tau at the verdict's level, training noise
+        included."""
         column = self.rows[:, -1]
         return float(np.quantile(column, self.verdict_tail)), float(np.quantile(column, 1.0 - self.verdict_tail))
 
@@ -311,9 +325,11 @@ class _Forecaster:
                 "is not expected to score lower.")
 
     def measured_at_horizon(self) -> tuple[str, str]:
-        """The verdict when the horizon is already measured (the full data was trained): a measurement, not a forecast."""
+        """The verdict when the horizon is already measured (the full data was trained): a measurement, not a
+        forecast."""
         low, high = self.measured_bounds()
-        # The full data's own draft is the measurement: a smaller size's lower bound does not move it; its own does.
+        # The full data's own draft is the measurement: a smaller size's lower bound does not move it; its own
+        # does.
         if high < self.break_even and self.largest not in self.lower_bounds:
             return "no-go", (f"no-go: the draft trained on {self.largest:g} samples, the full data, measures tau {self.taus[-1]:.3f}, below "
                              f"break-even {self.break_even:.3f} even at its upper bound {high:.3f} ({self.level_text()}): measured, not "
@@ -361,7 +377,8 @@ class _Forecaster:
         doublings = slope.doublings_to(self.break_even) if self.break_even is not None else None
         if doublings is not None:
             text += "; " + self.doublings_text(*doublings)
-        if self.horizon is not None and self.horizon > self.reach:  # (within reach, the slope's words named it)
+        # (within reach, the slope's words named it)
+        if self.horizon is not None and self.horizon > self.reach:
             where = "the full data" if self.full_size is not None else "the largest planned size"
             text += f"; {where} ({self.horizon:,.0f} samples) is {self.doublings_to_horizon:.1f} doublings away"
         verdict, line = self.early_verdict(text + ". A third size is needed before a curve, a predicted tau or a crossing size.")
@@ -370,7 +387,8 @@ class _Forecaster:
         return self.result(verdict, line, slope=slope.to_dict(), doublings_at_slope=doublings)
 
     def doublings_text(self, point: float, low: float, high: float) -> str:
-        """"At the measured slope, k more doublings" only as far as the reach: past it, words, not a number."""
+        """"At the measured slope, k more doublings" only as far as the reach: past it, words, not a
+        number."""
         reach_doublings = math.log2(self.reach / self.largest)
         where = (f"{self.reach:,.0f} samples, " + ("the full data" if self.full_size is not None and self.reach == self.full_size else
                                                    "the largest planned size" if self.reach == self.horizon else
@@ -415,8 +433,8 @@ class _Forecaster:
         return self.result(verdict, line, verdict_bounds=bounds, **parts)
 
     def crossing(self, weights: Mapping[str, float]) -> dict[str, Any]:
-        """Where tau reaches break-even, read on a grid up to the reach: the measured shape's point and the union of the
-        families' intervals; past the reach, "beyond N"."""
+        """Where tau reaches break-even, read on a grid up to the reach: the measured shape's point and the
+        union of the families' intervals; past the reach, "beyond N"."""
         if self.reach <= self.largest:
             return {}
         count = max(2, int(math.log2(self.reach / self.largest) * CROSSING_GRID_PER_DOUBLING))
@@ -480,9 +498,10 @@ ANSWER_FILE = "answer.json"
 class AnswerFile:
     """analysis/answer.json: the current forecast with the sizes it rests on, one per break-even case.
 
-    `primary` names the case the plain line is for: the user's serving timings when given (params.analysis), else
-    the run's own target (the embedded loop), with any other case beside it. Stage 6 rewrites it after every size it
-    scores (a staged run rewrites it after each size), atomically, so a reader never sees half a file.
+    `primary` names the case the plain line is for: the user's serving timings when given (params.analysis),
+    else the run's own target (the embedded loop), with any other case beside it. Stage 6 rewrites it after
+    every size it scores (a staged run rewrites it after each size), atomically, so a reader never sees half a
+    file.
     """
 
     primary: str

@@ -15,8 +15,8 @@ request without it counts as 0 steps (`with_zero_verification_steps`).
 The topology (chain or tree, steps, top-k, draft tokens) is read from SGLang's server info.
 
 vLLM exposes server-wide Prometheus counters at `/metrics` (their names and parsing: `vllm_counters`).
-tau = 1 + delta(accepted) / delta(drafts) between a read before and after the run. The counters are server-wide: any other traffic during the run is counted
-too, so measure on an otherwise idle server.
+tau = 1 + delta(accepted) / delta(drafts) between a read before and after the run. The counters are
+server-wide: any other traffic during the run is counted too, so measure on an otherwise idle server.
 
 Tokens/s here is client-side: completion tokens over the wall-clock time of each request, requests
 sent one at a time (concurrency 1), prefill included. The baseline endpoint gets the same prompts
@@ -183,7 +183,8 @@ def run_sglang_requests(url: str, prompts: Sequence[Prompt], max_new_tokens: int
 
 def run_openai_requests(url: str, prompts: Sequence[Prompt], model: str, max_tokens: int = 256, temperature: float = 0.0,
                         timeout: float = 600.0) -> list[RequestRecord]:
-    """Send prompts one at a time to an OpenAI-compatible `POST /v1/completions` (vLLM, a baseline); no meta_info.
+    """Send prompts one at a time to an OpenAI-compatible `POST /v1/completions` (vLLM, a baseline); no
+    meta_info.
 
     The token ids go as `prompt`: vLLM takes a list of ints as the prompt and applies no template to it, so it
     sees token for token what SGLang's /generate gets from the same ids (a chat request would wrap the text in
@@ -262,8 +263,9 @@ def summarize_sglang(records: Sequence[RequestRecord], endpoint: str, setup: Spe
                 "not speculating (start SGLang with --speculative-algorithm EAGLE3 --speculative-draft-model-path "
                 "DRAFT)"
             )
-        # Pooled over every request (a 0-step request's prefill token counts, as SGLang counts it per request);
-        # the per-request mean over the requests that had verification steps (the others have no tau).
+        # Pooled over every request (a 0-step request's prefill token counts, as SGLang counts it per
+        # request); the per-request mean over the requests that had verification steps (the others have no
+        # tau).
         verified = [record for record in records if record.verification_steps]
         accept = server_accept_length([r.completion_tokens for r in verified], [r.verification_steps for r in verified])
         tau = {"tau_pooled": sum(r.completion_tokens for r in records) / accept.verification_steps,
@@ -341,9 +343,10 @@ def measure_vllm(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """vLLM with speculation: tau = 1 + delta(accepted) / delta(drafts) around the run; optional baseline.
 
-    Prompts are {"id", "input_ids"}, sent as token ids (`run_openai_requests`), the baseline likewise. Topology is
-    recorded as a chain of as many steps as vLLM reports draft positions. Returns (summary, per_request); summary
-    also carries per-position acceptance (accepted at position i / drafts) as `acceptance_per_position`.
+    Prompts are {"id", "input_ids"}, sent as token ids (`run_openai_requests`), the baseline likewise.
+    Topology is recorded as a chain of as many steps as vLLM reports draft positions. Returns (summary,
+    per_request); summary also carries per-position acceptance (accepted at position i / drafts) as
+    `acceptance_per_position`.
     """
     before = read_vllm_spec_counters(speculative_url, timeout)
     records = run_openai_requests(speculative_url, prompts, model, max_tokens, temperature, timeout)
@@ -351,7 +354,8 @@ def measure_vllm(
     if delta.drafts <= 0:
         raise RuntimeError(f"{speculative_url}: the drafts counter did not move during the run; speculation was not used")
     steps = len(delta.accepted_per_position) or None
-    # A chain verifies its k drafts plus one token, as SGLang counts; no per-request tau (the counters are server-wide).
+    # A chain verifies its k drafts plus one token, as SGLang counts; no per-request tau (the counters are
+    # server-wide).
     setup = SpeculationSetup("vllm speculative_config", "chain", steps, 1, None if steps is None else steps + 1)
     measurements = [_measurement(records, speculative_url, "vllm", "speculative", setup,
                                  tau_pooled=1.0 + delta.accepted_tokens / delta.drafts, verification_steps=int(delta.drafts),
@@ -389,7 +393,8 @@ def served_model_id(url: str, timeout: float = 30.0) -> str:
 class LiveServing:
     """Notebook 06's live measurement: one summary row per endpoint measured, per-request rows per server."""
 
-    summary: pd.DataFrame | None  # measure_sglang / measure_vllm summaries stacked; None when no endpoint is configured
+    # measure_sglang / measure_vllm summaries stacked; None when no endpoint is configured
+    summary: pd.DataFrame | None
     per_request: dict[str, pd.DataFrame]  # "sglang" / "vllm" -> per-request rows (baseline rows included)
 
     @property
@@ -397,7 +402,8 @@ class LiveServing:
         return self.summary is not None
 
     def records(self) -> list[dict] | None:
-        """The summary as JSON-ready rows (scaling_summary.json's "serving"), None when nothing was measured."""
+        """The summary as JSON-ready rows (scaling_summary.json's "serving"), None when nothing was
+        measured."""
         return None if self.summary is None else self.summary.to_dict(orient="records")
 
     def note(self) -> str:

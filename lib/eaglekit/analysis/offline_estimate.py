@@ -44,7 +44,8 @@ class OfflineChainAgreement:
 
 def _target_pass(target: nn.Module, draft: Eagle3DraftModel, sequence_ids: Sequence[int],
                  prompt_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input ids (1, T), the target's argmax and its capture layers' features at every position): one forward."""
+    """(input ids (1, T), the target's argmax and its capture layers' features at every position): one
+    forward."""
     check_draft_fits_target(target, draft)
     length = len(sequence_ids)
     if not 1 <= prompt_length <= length:

@@ -1,13 +1,13 @@
-"""Figures of a data-size sweep: stage 4's tokens and feature norms (notebook 04), stage 5's draft vocab and training
-curves (notebook 05), stage 6's per-position acceptance and ablation bars (notebook 06). Each function takes the
-records the stage wrote and returns a matplotlib figure; the notebook saves it. Also stage 6's scaling curve
-(`plot_accept_length_vs_data_size`, over `scaling`'s slope and fit); the topology sweep's figure is
-`topology_sweep.plot_topology_sweep`.
+"""Figures of a data-size sweep: stage 4's tokens and feature norms (notebook 04), stage 5's draft vocab and
+training curves (notebook 05), stage 6's per-position acceptance and ablation bars (notebook 06). Each
+function takes the records the stage wrote and returns a matplotlib figure; the notebook saves it. Also stage
+6's scaling curve (`plot_accept_length_vs_data_size`, over `scaling`'s slope and fit); the topology sweep's
+figure is `topology_sweep.plot_topology_sweep`.
 
 Three rules make the figures read the same everywhere: a dataset has one colour in every figure of a run
-(`dataset_colors`, a function of the run's dataset names only), a log axis reads as plain numbers (30, 120, 1k,
-16.4k, never 10^2: `plain_log_ticks`), and a line resting on few samples (the benchmark prompts) is drawn lighter
-than the held-out curve it is compared with.
+(`dataset_colors`, a function of the run's dataset names only), a log axis reads as plain numbers (30, 120,
+1k, 16.4k, never 10^2: `plain_log_ticks`), and a line resting on few samples (the benchmark prompts) is drawn
+lighter than the held-out curve it is compared with.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ POOLED_COLOR = "#000000"  # black: the pooled "all" curve: what the answer is re
 DATASET_PALETTE = ("#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
                    "#aec7e8", "#ffbb78", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
 BREAK_EVEN_COLOR, TARGET_COLOR, BENCHMARK_COLOR = "tab:red", "tab:green", "tab:gray"
-# The benchmark line rests on a handful of prompts: thinner and fainter than the held-out curve (linewidth 2.2, opaque).
+# The benchmark line rests on a handful of prompts: thinner and fainter than the held-out curve (linewidth
+# 2.2, opaque).
 BENCHMARK_STYLE = {"color": BENCHMARK_COLOR, "linestyle": "-.", "marker": "s", "markersize": 4, "linewidth": 1.0, "alpha": 0.6}
 LABEL_GAP = 0.04  # acceptance units between two per-position n labels (about 8 points on the figure's axes)
 MAX_FIXED_TICKS = 12  # more measured sizes than this: ticks at 1, 2, 5 x 10^k instead of at every size
@@ -41,8 +42,9 @@ MAX_FIXED_TICKS = 12  # more measured sizes than this: ticks at 1, 2, 5 x 10^k i
 
 def dataset_colors(names: Iterable[str], pooled_dataset: str = "all") -> dict[str, str]:
     """One colour per dataset name, the same in every figure that gets the same names: the names sorted, each
-    given the palette's next colour (cycling past 14), the pooled dataset black. Pass every figure of a run the
-    run's whole dataset list (not the datasets one table happens to hold), so a dataset keeps its colour."""
+    given the palette's next colour (cycling past 14), the pooled dataset black. Pass every figure of a run
+    the run's whole dataset list (not the datasets one table happens to hold), so a dataset keeps its
+    colour."""
     others = sorted({str(name) for name in names} - {pooled_dataset})
     colors = {name: DATASET_PALETTE[index % len(DATASET_PALETTE)] for index, name in enumerate(others)}
     colors[pooled_dataset] = POOLED_COLOR
@@ -50,7 +52,8 @@ def dataset_colors(names: Iterable[str], pooled_dataset: str = "all") -> dict[st
 
 
 def plain_number(value: float) -> str:
-    """A count as a reader says it, with at most 3 significant digits: 30, 120, 0.5, 1k, 2.05k, 16.4k, 1.5M, 2B."""
+    """A count as a reader says it, with at most 3 significant digits: 30, 120, 0.5, 1k, 2.05k, 16.4k, 1.5M,
+    2B."""
     if value == 0 or not np.isfinite(value):
         return f"{value:g}"
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
@@ -60,9 +63,9 @@ def plain_number(value: float) -> str:
 
 
 def plain_log_ticks(axis: Axis, ticks: Sequence[float] | None = None) -> None:
-    """Label a log axis with plain numbers. ticks: where to put them (the measured sizes, say); with none, or more
-    than MAX_FIXED_TICKS, at 1, 2 and 5 x 10^k. Minor ticks are dropped: unlabelled marks between sizes read as
-    sizes that were measured."""
+    """Label a log axis with plain numbers. ticks: where to put them (the measured sizes, say); with none, or
+    more than MAX_FIXED_TICKS, at 1, 2 and 5 x 10^k. Minor ticks are dropped: unlabelled marks between sizes
+    read as sizes that were measured."""
     ticks = sorted({float(tick) for tick in ticks if tick > 0}) if ticks is not None else []
     if ticks and len(ticks) <= MAX_FIXED_TICKS:
         axis.set_major_locator(FixedLocator(ticks))
@@ -74,8 +77,9 @@ def plain_log_ticks(axis: Axis, ticks: Sequence[float] | None = None) -> None:
 
 
 def plot_tokens_per_dataset(per_dataset: pd.DataFrame, colors: Mapping[str, str] | None = None) -> Figure:
-    """Tokens captured per dataset, in the dataset's colour: generated by the target (solid; what the draft trains
-    on) and context (pale). per_dataset: indexed by dataset, columns `tokens` and `loss_tokens` (stage 4's table)."""
+    """Tokens captured per dataset, in the dataset's colour: generated by the target (solid; what the draft
+    trains on) and context (pale). per_dataset: indexed by dataset, columns `tokens` and `loss_tokens` (stage
+    4's table)."""
     colors = dict(colors) if colors is not None else dataset_colors(per_dataset.index)
     names = [str(name) for name in per_dataset.index]
     generated = per_dataset["loss_tokens"].astype(float).to_numpy()
@@ -92,14 +96,16 @@ def plot_tokens_per_dataset(per_dataset: pd.DataFrame, colors: Mapping[str, str]
     axis.set_xlabel("tokens captured")
     axis.legend(handles=[Patch(color="gray", label="generated by the target (loss tokens)"),
                          Patch(facecolor="gray", alpha=0.3, hatch="//", edgecolor="white", label="context (prompt, template)")],
-                fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside, never over a bar
+                # beside, never over a bar
+                fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axis.set_title("tokens per dataset")
     figure.tight_layout()
     return figure
 
 
 def plot_feature_norms(norms: Mapping[str, np.ndarray]) -> Figure:
-    """Per-token L2 norms of each captured block (a box per layer, log y in plain numbers). norms: label -> (tokens,)."""
+    """Per-token L2 norms of each captured block (a box per layer, log y in plain numbers). norms: label ->
+    (tokens,)."""
     figure, axis = plt.subplots(figsize=(7, 3.5))
     axis.boxplot([np.asarray(values, dtype=np.float64) for values in norms.values()], showfliers=False)
     axis.set_xticks(range(1, len(norms) + 1), list(norms))
@@ -128,12 +134,14 @@ def plot_vocab_coverage(vocab: DraftVocabRecord) -> Figure:
 
 
 def plot_training_curves(sweep: SweepRecord, run_dir: str | os.PathLike) -> Figure:
-    """Per data size (columns): soft cross-entropy (top) and top-1 accuracy (bottom) per TTT position over steps."""
+    """Per data size (columns): soft cross-entropy (top) and top-1 accuracy (bottom) per TTT position over
+    steps."""
     figure, axes = plt.subplots(2, len(sweep.runs), figsize=(3.2 * len(sweep.runs), 5.5), sharey="row", squeeze=False)
     for column, entry in enumerate(sweep.runs):
         records = pd.DataFrame(list(iterate_metrics(sweep.path(run_dir, entry.metrics_path), "train")))
         for row, name in enumerate(("loss_by_position", "accuracy_by_position")):
-            values = pd.DataFrame(records[name].tolist(), index=records["step"])  # (evaluations, TTT positions)
+            # (evaluations, TTT positions)
+            values = pd.DataFrame(records[name].tolist(), index=records["step"])
             for position in values.columns:
                 axes[row, column].plot(values.index, values[position], label=f"position {position}")
             axes[row, column].set_xlabel("step")
@@ -165,10 +173,12 @@ def plot_heldout_curves(sweep: SweepRecord, run_dir: str | os.PathLike) -> Figur
 
 
 def plot_per_position_acceptance(per_position: pd.DataFrame, title: str, colors: Mapping[str, str] | None = None) -> Figure:
-    """Conditional acceptance acc_j per chain step j with its interval, one line per dataset ("all" in bold), each
-    point labelled with n, the positions it rests on (those whose steps 1..j-1 agreed: fewer at each step).
+    """Conditional acceptance acc_j per chain step j with its interval, one line per dataset ("all" in bold),
+    each point labelled with n, the positions it rests on (those whose steps 1..j-1 agreed: fewer at each
+    step).
 
-    per_position: `acceptance.sweep_acceptance(...).per_position` rows of one draft. colors: `dataset_colors` of the run."""
+    per_position: `acceptance.sweep_acceptance(...).per_position` rows of one draft. colors: `dataset_colors`
+    of the run."""
     colors = dict(colors) if colors is not None else dataset_colors(per_position["dataset"])
     figure, axis = plt.subplots(figsize=(7.5, 4.2))
     for name, group in per_position.groupby("dataset"):
@@ -177,13 +187,15 @@ def plot_per_position_acceptance(per_position: pd.DataFrame, title: str, colors:
         axis.fill_between(group["step"], group["acceptance_low"], group["acceptance_high"], color=line.get_color(), alpha=0.12)
     steps = sorted(per_position["step"].unique())
     for step, points in per_position.groupby("step"):
-        # A column of labels beside each step, in the order of the points, LABEL_GAP apart so none overlaps another;
-        # left of the first step (the lines leave it to the right), right of the others.
+        # A column of labels beside each step, in the order of the points, LABEL_GAP apart so none overlaps
+        # another; left of the first step (the lines leave it to the right), right of the others.
         side = -1 if step == steps[0] and len(steps) > 1 else 1
-        points = points.dropna(subset=["acceptance"]).sort_values("acceptance")  # no position reached: no point, no label
+        # no position reached: no point, no label
+        points = points.dropna(subset=["acceptance"]).sort_values("acceptance")
         lowest = np.maximum(points["acceptance"].to_numpy(), 0.03)  # a label at 0 would be cut by the axes
         heights = np.maximum.accumulate(lowest - LABEL_GAP * np.arange(len(points))) + LABEL_GAP * np.arange(len(points))
-        heights = np.minimum(heights, 0.97 - LABEL_GAP * np.arange(len(points))[::-1])  # and under the top, as far apart
+        # and under the top, as far apart
+        heights = np.minimum(heights, 0.97 - LABEL_GAP * np.arange(len(points))[::-1])
         for row, height in zip(points.itertuples(), heights):
             axis.annotate(f"n={int(row.positions_reaching):,}", (step, row.acceptance), xytext=(step + 0.06 * side, height),
                           textcoords="data", fontsize=7, color=colors[str(row.dataset)], va="center", ha="left" if side > 0 else "right")
@@ -193,14 +205,15 @@ def plot_per_position_acceptance(per_position: pd.DataFrame, title: str, colors:
     axis.set_ylabel("acc_j (given steps 1..j-1 agreed)")
     axis.set_ylim(0, 1)
     axis.set_title(title)
-    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside, never over a label
+    # beside, never over a label
+    axis.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     figure.tight_layout()
     return figure
 
 
 def plot_ablation(table: pd.DataFrame, pooled_dataset: str = "all") -> Figure:
-    """Pooled held-out tau per ablation variant with its interval (`checkpoints.score_ablation`'s table), each bar's
-    value and interval printed above it."""
+    """Pooled held-out tau per ablation variant with its interval (`checkpoints.score_ablation`'s table), each
+    bar's value and interval printed above it."""
     if not (table["dataset"] == pooled_dataset).any():  # one dataset: acceptance_tables adds no pooled row
         pooled_dataset = table["dataset"].iloc[0]
     pooled = table[table["dataset"] == pooled_dataset]
@@ -220,7 +233,8 @@ def plot_ablation(table: pd.DataFrame, pooled_dataset: str = "all") -> Figure:
     return figure
 
 
-CURVE_COLUMNS = ("data_size", "dataset", "tau_pooled", "tau_pooled_low", "tau_pooled_high")  # what the curve reads
+# what the curve reads
+CURVE_COLUMNS = ("data_size", "dataset", "tau_pooled", "tau_pooled_low", "tau_pooled_high")
 
 
 def plot_accept_length_vs_data_size(
@@ -290,13 +304,15 @@ def plot_accept_length_vs_data_size(
     axes.set_ylabel(f"accept length tau{topology}")
     axes.set_title("Accept length against training-data size")
     axes.grid(True, which="major", alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)  # beside the plot, never over a curve
+    # beside the plot, never over a curve
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     figure.tight_layout()
     return figure
 
 
 def _draw_datasets(axes, points: pd.DataFrame, colors: Mapping[str, str], overall_dataset: str) -> None:
-    """One line and band per dataset; on the overall line, converged points filled and lower bounds open with an arrow."""
+    """One line and band per dataset; on the overall line, converged points filled and lower bounds open with
+    an arrow."""
     size_column, value_column, lower_bound_column = "data_size", "tau_pooled", "lower_bound"
     for name, group in points.groupby("dataset", sort=True):
         group = group.sort_values(size_column)

@@ -1,20 +1,23 @@
-"""The scaling answer: accept length (DESIGN.md's tau) against training-data size, its local slope and whether a
-ceiling is identified. The curves are `curves`'s, the one fitting path the forecast reads too.
+"""The scaling answer: accept length (DESIGN.md's tau) against training-data size, its local slope and whether
+a ceiling is identified. The curves are `curves`'s, the one fitting path the forecast reads too.
 
 In the order a careful reader should trust it:
 1. The local slope (`local_slope`): tau gained per doubling of training data over the measured range
-   (the log-linear family: least squares of tau on log2 N), with a paired-bootstrap interval. It needs no model
-   of what happens beyond the data. "Data needed" is given from it only as "k more doublings at the measured slope".
-2. A model of the curve, chosen by leave-one-size-out prediction error (`curves.leave_one_size_out_error`), not
-   by taste: the log-linear line (2 parameters, no ceiling) or the saturating tau_inf - gap (N / N_min)^-c (3).
-   The ceiling tau_inf is reported only when it is identified (`ceiling_identification`): more sizes than
+   (the log-linear family: least squares of tau on log2 N), with a paired-bootstrap interval. It needs no
+   model of what happens beyond the data. "Data needed" is given from it only as "k more doublings at the
+   measured slope".
+2. A model of the curve, chosen by leave-one-size-out prediction error (`curves.leave_one_size_out_error`),
+   not by taste: the log-linear line (2 parameters, no ceiling) or the saturating tau_inf - gap (N / N_min)^-c
+   (3). The ceiling tau_inf is reported only when it is identified (`ceiling_identification`): more sizes than
    parameters, bootstrap refits that do not pile up at a bound, and the saturating model predicting held-out
-   sizes better than the line. Otherwise the summary says, in plain words, that the measured range cannot pin it.
+   sizes better than the line. Otherwise the summary says, in plain words, that the measured range cannot pin
+   it.
 
-The saturating fit's uncertainty (`fit_scaling`) is a "per-sample" bootstrap: the caller passes, per data size,
-bootstrap replicates of tau obtained by resampling held-out samples (`acceptance.bootstrap_accept_length` with the
-same seed for every size, so the resamples are paired when every draft is scored on the same held-out set); each
-replicate row is refitted. (A residual bootstrap of the (N, tau) points alone is crude with a handful of sizes.)
+The saturating fit's uncertainty (`fit_scaling`) is a "per-sample" bootstrap: the caller passes, per data
+size, bootstrap replicates of tau obtained by resampling held-out samples
+(`acceptance.bootstrap_accept_length` with the same seed for every size, so the resamples are paired when
+every draft is scored on the same held-out set); each replicate row is refitted. (A residual bootstrap of the
+(N, tau) points alone is crude with a handful of sizes.)
 """
 
 from __future__ import annotations
@@ -57,7 +60,8 @@ def _sorted_replicates(replicates: np.ndarray, order: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True)
 class ScalingFit:
-    """tau(N) = tau_inf - gap (N / N_min)^-c with the refits of its bootstrap replicates (`curves.fit_saturating_rows`)."""
+    """tau(N) = tau_inf - gap (N / N_min)^-c with the refits of its bootstrap replicates
+    (`curves.fit_saturating_rows`)."""
 
     params: np.ndarray  # (3,) tau_inf, gap, exponent, on N / N_min
     replicates: np.ndarray  # (R, 3) the same, refitted on every replicate row
@@ -228,7 +232,8 @@ def local_slope(
 
     data_sizes, accept_lengths: (n,) n >= 2 distinct sizes. replicate_accept_lengths: (R, n) bootstrap
     replicates of each point, paired across sizes (acceptance.sweep_acceptance's pooled_replicates).
-    lower_bound_sizes: sizes whose draft had not converged (their tau is a lower bound), named in the statement.
+    lower_bound_sizes: sizes whose draft had not converged (their tau is a lower bound), named in the
+    statement.
     """
     sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
     if len(np.unique(sizes)) != len(sizes) or len(sizes) < 2:
@@ -250,7 +255,7 @@ def local_slope(
     )
 
 
-# ----------------------------------------------------------------------------- model choice and identification
+# ---------------------------------------------------------------------------- model choice and identification
 
 # A bootstrap refit "piles up" at a bound when it lands within this relative distance of it; the ceiling
 # counts as identified only when at most PILE_UP_LIMIT of the refits do.

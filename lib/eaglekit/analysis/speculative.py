@@ -26,15 +26,17 @@ Accept length is reported as SGLang reports it: completion tokens / verification
 step, and counts as a completion token there too, so a request's tau is (1 + sum(a_i + 1)) / steps.
 
 `offline_estimate.offline_chain_agreement` computes DESIGN's offline tau on the same sequence (the draft
-unrolled by its training-time-test forward over the target's own greedy continuation), so the two can be compared.
+unrolled by its training-time-test forward over the target's own greedy continuation), so the two can be
+compared.
 
 Trees (SGLang's `--speculative-eagle-topk K > 1`, `topology.Topology`): `tree_speculative_decode` replaces
 propose/verify/accept/rollback with their tree forms (`tree`): the draft grows SGLang's tree from the
 pending row (its tree keys live apart from the draft cache, so the draft's rollback is to drop them), the
 target verifies the T tree tokens in one forward under a 4-D ancestor mask (transformers passes a 4-D mask
 to the attention unchanged) at positions cached + depth, the deepest matching root path is accepted, and
-the target cache keeps only that path's rows (`keep_target_cache_rows`). `offline_estimate.offline_tree_acceptance`
-is the offline estimate for any topology; with K = 1 it equals the chain's. `decode_with_topology` picks the loop.
+the target cache keeps only that path's rows (`keep_target_cache_rows`).
+`offline_estimate.offline_tree_acceptance` is the offline estimate for any topology; with K = 1 it equals the
+chain's. `decode_with_topology` picks the loop.
 """
 
 from __future__ import annotations
@@ -217,8 +219,9 @@ def crop_draft_cache(cache: DraftKVCache, length: int) -> None:
 @torch.inference_mode()
 def greedy_decode(target: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int,
                   eos_token_ids: Sequence[int] = ()) -> GreedyResult:
-    """Plain greedy decoding with the target's KV cache, one token per forward (what `generate(do_sample=False)`
-    does, without its per-step bookkeeping). Stops after an EOS token (kept) or `max_new_tokens`."""
+    """Plain greedy decoding with the target's KV cache, one token per forward (what
+    `generate(do_sample=False)` does, without its per-step bookkeeping). Stops after an EOS token (kept) or
+    `max_new_tokens`."""
     _check_budget(target, len(prompt_ids), max_new_tokens, steps=0)
     device = device_of(target)
     eos = set(int(token) for token in eos_token_ids)
@@ -265,9 +268,11 @@ def propose(
 def verify(
     target: nn.Module, pending_token: int, proposals: torch.Tensor, cache: DynamicCache, capture_layer_ids: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One target forward over [pending, d_1..d_k]: (k + 1,) greedy choices y_0..y_k and (1, k + 1, 3H) features.
+    """One target forward over [pending, d_1..d_k]: (k + 1,) greedy choices y_0..y_k and (1, k + 1, 3H)
+    features.
 
-    y_{j-1} is what the target itself would emit where d_j stands, given that d_1..d_{j-1} were its own choices.
+    y_{j-1} is what the target itself would emit where d_j stands, given that d_1..d_{j-1} were its own
+    choices.
     """
     block = torch.cat([torch.tensor([pending_token], device=proposals.device), proposals]).view(1, -1)
     return target_forward(target, block, cache, capture_layer_ids)
@@ -308,13 +313,13 @@ def _prefill(
     target: nn.Module, draft: DraftModel, prompt_ids: Sequence[int], topology: Topology, max_new_tokens: int,
     eos_token_ids: Sequence[int], started: float,
 ) -> tuple[SpeculativeResult, tuple | None]:
-    """What both loops start with: the checks, then the target over the prompt, then the draft extends over the
-    same rows, tokens shifted by one.
+    """What both loops start with: the checks, then the target over the prompt, then the draft extends over
+    the same rows, tokens shifted by one.
 
     Returns (result, state). The result holds the target's first token (x_n, the pending token). state is None
-    when that token already ends the output (EOS or a budget of 1; result.seconds is then timed from `started`),
-    else (capture layer ids, EOS ids, the draft-to-target id map, target cache, draft cache, pending token, the
-    draft's logits (1, n, Vd) and pre-norm states (1, n, H) over the prompt rows).
+    when that token already ends the output (EOS or a budget of 1; result.seconds is then timed from
+    `started`), else (capture layer ids, EOS ids, the draft-to-target id map, target cache, draft cache,
+    pending token, the draft's logits (1, n, Vd) and pre-norm states (1, n, H) over the prompt rows).
     """
     capture_layer_ids = check_draft_fits_target(target, draft)
     _check_budget(target, len(prompt_ids), max_new_tokens, topology.steps)
@@ -408,7 +413,8 @@ def verify_tree(
     target: nn.Module, tree: DraftTree, cache: DynamicCache, capture_layer_ids: Sequence[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One target forward over the T tree tokens: node n at position (cached) + depth, seeing the cache and
-    its ancestors. Returns greedy choices (T,) (the target's next token after each node) and features (1, T, 3H)."""
+    its ancestors. Returns greedy choices (T,) (the target's next token after each node) and features (1, T,
+    3H)."""
     cached = cache.get_seq_length()
     dtype = next(target.parameters()).dtype
     mask = verification_mask(tree, cached, dtype)
@@ -495,7 +501,8 @@ class OracleDraft:
         if not bool(draft.t2d[generated].all()):
             missing = sorted(set(generated[~draft.t2d[generated]].tolist()))
             raise ValueError(f"generated tokens {missing[:10]} are not in the draft vocab; use a draft vocab that covers them")
-        # draft_to_target is ascending, so searchsorted finds each token's draft id (prompt tokens: never proposed).
+        # draft_to_target is ascending, so searchsorted finds each token's draft id (prompt tokens: never
+        # proposed).
         self.sequence_draft_ids = torch.searchsorted(draft_to_target, sequence).clamp(max=self.config.draft_vocab_size - 1)
 
     def draft_to_target_ids(self) -> torch.Tensor:

@@ -1,18 +1,22 @@
-"""Stage 6 as one library call: every draft of the stage-5 sweep scored, the real loop, break-even and the scaling answer.
+"""Stage 6 as one library call: every draft of the stage-5 sweep scored, the real loop, break-even and the
+scaling answer.
 
 `run_analysis_stage(params, run_dir)` does what notebook 06 computes, without the plots, in this order:
 1. offline acceptance per draft and dataset on the sweep's held-out samples (`checkpoints`, `acceptance`);
-2. the real speculative-decoding loop with the largest draft on held-out prompts (`checkpoints.evaluate_speculative_loop`);
+2. the real speculative-decoding loop with the largest draft on held-out prompts
+   (`checkpoints.evaluate_speculative_loop`);
 3. preflight (the doctor) on the exported SGLang draft;
-4. break-even (`break_even`) for the loop's own timings and, when params.analysis gives serving timings, for those;
+4. break-even (`break_even`) for the loop's own timings and, when params.analysis gives serving timings, for
+   those;
 5. the benchmark prompts through the real loop with every draft (`benchmark`);
-6. the scaling answer on the pooled held-out curve (`answer.sweep_scaling`) and the go / no-go forecast (`forecast`);
+6. the scaling answer on the pooled held-out curve (`answer.sweep_scaling`) and the go / no-go forecast
+   (`forecast`);
 7. which topology to serve (`topology_sweep`), checked through the real tree loop;
 8. the ablation (original vs regenerated answers) when stage 5 trained it;
 9. live serving measurements when endpoints are configured (`live_serving`).
-It writes analysis/{acceptance, acceptance_per_position, doctor, topology_sweep}.csv, benchmark.csv, ablation.csv and
-serving.csv when measured, analysis/scaling_summary.json, analysis/answer.json (the go / no-go forecast, `forecast`), and
-the `topology_sweep` and `headline` metrics events, and
+It writes analysis/{acceptance, acceptance_per_position, doctor, topology_sweep}.csv, benchmark.csv,
+ablation.csv and serving.csv when measured, analysis/scaling_summary.json, analysis/answer.json (the go /
+no-go forecast, `forecast`), and the `topology_sweep` and `headline` metrics events, and
 returns an `AnalysisResult` that the notebook displays and plots (figures/06_*.png are the notebook's).
 """
 
@@ -66,7 +70,8 @@ class AnalysisResult:
     run_dir: Path
     topology: Topology
     sweep: SweepRecord
-    heldout: list[dict]  # the held-out samples every draft is scored on (sweep.scored): id, dataset, input_ids, loss_mask, ...
+    # the held-out samples every draft is scored on (sweep.scored): id, dataset, input_ids, loss_mask, ...
+    heldout: list[dict]
     acceptance: SweepAcceptance  # offline acceptance per draft and dataset, with bootstrap intervals
     offline_seconds: float
     loop_prompts: list[dict]  # held-out prompts of the real loop (and the topology check and live serving)
@@ -88,7 +93,8 @@ class AnalysisResult:
     summary: dict[str, Any]  # what analysis/scaling_summary.json holds
     stage_seconds: float
     answer: list[str]  # the answer in plain words, paragraphs built from the numbers
-    forecast: AnswerFile | None = None  # analysis/answer.json: the go / no-go forecast and the sizes it rests on
+    # analysis/answer.json: the go / no-go forecast and the sizes it rests on
+    forecast: AnswerFile | None = None
 
     @property
     def largest_size(self) -> int:
@@ -118,24 +124,28 @@ def run_looks(run_dir: str | os.PathLike, data_sizes) -> int:
 
 
 def scored_samples(sweep: SweepRecord, captured) -> list[dict]:
-    """The held-out samples stage 6 scores every draft on (`sweep.scored`, in its order), read from the capture: the
-    selection side of the held-out set picked the checkpoints and is never scored (a version-1 sweep: all of it is)."""
+    """The held-out samples stage 6 scores every draft on (`sweep.scored`, in its order), read from the
+    capture: the selection side of the held-out set picked the checkpoints and is never scored (a version-1
+    sweep: all of it is)."""
     scored = set(sweep.scored)
     return [sample for key, sample in zip(sweep.heldout, heldout_samples(sweep, captured)) if key in scored]
 
 
 def _seed_accept_lengths(sweep: SweepRecord, run_dir: Path, head, heldout: list[dict], steps: int, max_length: int) -> dict[float, list[float]]:
-    """Held-out tau of the extra-seed drafts stage 5 trained (training.noise_seeds: training noise), scored on the
-    same held-out samples as the sweep's drafts; {} when it trained none (the forecast then uses its documented prior)."""
+    """Held-out tau of the extra-seed drafts stage 5 trained (training.noise_seeds: training noise), scored on
+    the same held-out samples as the sweep's drafts; {} when it trained none (the forecast then uses its
+    documented prior)."""
     agreements = {size: [offline_agreements_by_size({size: path}, head.embed_tokens, head.lm_head, heldout, steps, max_length)[size]
                          for path in paths]
-                  for size, paths in sweep.seed_checkpoints(run_dir).items()}  # each checked against sweep.json
+                  # each checked against sweep.json
+                  for size, paths in sweep.seed_checkpoints(run_dir).items()}
     return seed_accept_lengths(agreements, steps)
 
 
 class StageParts:
-    """Stage 6's parts in the log, as each starts ("stage 6, part 3 of 9: the real loop ...") and ends (its time): on a
-    large run a part takes minutes, and the runner's heartbeat says only that the stage still runs."""
+    """Stage 6's parts in the log, as each starts ("stage 6, part 3 of 9: the real loop ...") and ends (its
+    time): on a large run a part takes minutes, and the runner's heartbeat says only that the stage still
+    runs."""
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
@@ -164,7 +174,8 @@ class StageInputs:
 
 
 def _stage_inputs(params: Params, out: Path) -> StageInputs:
-    sweep = SweepRecord.load_run(out)  # training/sweep.json: fails here, naming the field, when it is malformed
+    # training/sweep.json: fails here, naming the field, when it is malformed
+    sweep = SweepRecord.load_run(out)
     if sweep.picked_on_scored:
         logger.warning("%s is from before the selection split: its drafts' best checkpoints were picked on the held-out samples "
                        "scored here, so every tau below is optimistic; rerun stage 5 for checkpoints picked on a selection split",
@@ -180,7 +191,8 @@ def _stage_inputs(params: Params, out: Path) -> StageInputs:
 
 
 def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisResult:
-    """Stage 6 without plots over the run folder stage 5 filled (training/sweep.json); see the module docstring."""
+    """Stage 6 without plots over the run folder stage 5 filled (training/sweep.json); see the module
+    docstring."""
     started = time.perf_counter()
     out = Path(run_dir)
     settings = params.analysis
@@ -263,9 +275,10 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
 def scaling_and_forecast(params: Params, run_dir: str | os.PathLike, acceptance: SweepAcceptance, cases: dict[str, float],
                          scaling_break_even: float, lower_bounds: dict, seed_accept_lengths: dict | None = None
                          ) -> tuple[SweepScaling, AnswerFile]:
-    """The scaling answer on the pooled held-out curve (sized for `scaling_break_even`) and the go / no-go forecast
-    against `cases` (`break_even_cases`: the user's serving timings when given, else this target's own loop), the
-    horizon analysis.full_data_size (unset: the largest planned size): stage 6's, and the staged run's after each size."""
+    """The scaling answer on the pooled held-out curve (sized for `scaling_break_even`) and the go / no-go
+    forecast against `cases` (`break_even_cases`: the user's serving timings when given, else this target's
+    own loop), the horizon analysis.full_data_size (unset: the largest planned size): stage 6's, and the
+    staged run's after each size."""
     settings, steps = params.analysis, params.analysis.chain_steps
     scaling = sweep_scaling(acceptance, scaling_break_even, max_accept_length=steps + 1.0, confidence=settings.confidence,
                             target_accept_length=settings.target_accept_length, lower_bound_sizes=lower_bounds)
@@ -291,7 +304,8 @@ def _answer(params: Params, out: Path, inputs: StageInputs, acceptance: SweepAcc
 
 def _topology(params: Params, largest_draft, inputs: StageInputs, loop_prompts: list[dict], draft_dir: str,
               eos_token_ids: list[int]) -> dict[str, Any]:
-    """Which topology to serve; the grid is sized for a 2-core CPU (on a GPU: default_topology_grid() and every sample)."""
+    """Which topology to serve; the grid is sized for a 2-core CPU (on a GPU: default_topology_grid() and
+    every sample)."""
     settings, max_length = params.analysis, params.training.max_length
     grid = default_topology_grid(max_steps=4, top_ks=(2, 4), draft_tokens=(4, 8, 16))
     topology_samples = inputs.heldout[: settings.specdec_prompts]

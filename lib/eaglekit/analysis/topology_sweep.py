@@ -9,9 +9,10 @@ The cost model extends the break-even model of `break_even` (Leviathan et al.; s
     speedup        = tau T_target / cycle,                   break-even tau = cycle / T_target
 
 (SGLang runs S draft forwards per cycle: the extend over the accepted rows, about tau of them, then S - 1
-tree steps over K nodes.) With verify_token = draft_node = 0 this is the chain model of `break_even`, speedup = tau T_target /
-(T_verify + g T_draft) with g = S. The four costs come from `measure_step_costs` (real forwards of the target and the draft on this
-machine) or from the user's own server measurements (`StepCosts(...)`).
+tree steps over K nodes.) With verify_token = draft_node = 0 this is the chain model of `break_even`, speedup
+= tau T_target / (T_verify + g T_draft) with g = S. The four costs come from `measure_step_costs` (real
+forwards of the target and the draft on this machine) or from the user's own server measurements
+(`StepCosts(...)`).
 
 tau comes from `tree.offline_tree_depths_grid` on held-out samples (captured features and the target's
 argmax from its final hidden states): each top-k is grown once to the deepest S, so a whole grid costs little
@@ -187,7 +188,8 @@ def measure_step_costs(
 # ---------------------------------------------------------------------------------------------------
 def default_topology_grid(max_steps: int = 6, top_ks: Sequence[int] = (2, 4, 8),
                           draft_tokens: Sequence[int] = (4, 8, 16, 32, 64)) -> list[Topology]:
-    """Chains of 1..max_steps steps and every valid tree with S in 2..max_steps, K in top_ks, T in draft_tokens."""
+    """Chains of 1..max_steps steps and every valid tree with S in 2..max_steps, K in top_ks, T in
+    draft_tokens."""
     return [Topology.chain(steps) for steps in range(1, max_steps + 1)] + [
         Topology.tree(steps, top_k, tokens) for top_k in top_ks for steps in range(2, max_steps + 1)
         for tokens in draft_tokens if 2 <= tokens <= 1 + top_k + (steps - 1) * top_k ** 2]

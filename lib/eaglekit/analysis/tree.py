@@ -68,7 +68,8 @@ class TreeKeyValues:
         self.draft_attention = draft_attention
         self.step_keys: list[torch.Tensor] = []  # per draft step (1, KV, N, D)
         self.step_values: list[torch.Tensor] = []
-        self.ancestors: list[torch.Tensor] = []  # per stored step (N,): index of each current node's ancestor there
+        # per stored step (N,): index of each current node's ancestor there
+        self.ancestors: list[torch.Tensor] = []
 
     def follow(self, parents: torch.Tensor) -> None:
         """The next nodes' parents (N,), indices into the current nodes (of the same tree)."""
@@ -106,9 +107,11 @@ class TreeCandidates:
 
 def _forward_nodes(draft: nn.Module, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor,
                    key_values: TreeKeyValues) -> tuple[torch.Tensor, torch.Tensor]:
-    """One draft forward over N nodes: tokens (1, N), states (1, N, H), positions (1, N) -> logits, pre-norm states.
+    """One draft forward over N nodes: tokens (1, N), states (1, N, H), positions (1, N) -> logits, pre-norm
+    states.
 
-    A draft that overrides its proposals (the oracle) provides `forward_nodes`; the kit's draft uses its hooks.
+    A draft that overrides its proposals (the oracle) provides `forward_nodes`; the kit's draft uses its
+    hooks.
     """
     if hasattr(draft, "forward_nodes"):
         return draft.forward_nodes(tokens, states, positions, key_values)
@@ -135,7 +138,8 @@ def grow_tree(
     candidate_tokens, candidate_scores = [tokens], [scores]
     candidate_parents = [torch.full((batch, top_k), -1, dtype=torch.long, device=device)]
     candidate_depths = [torch.ones(batch, top_k, dtype=torch.long, device=device)]
-    node_index = torch.arange(top_k, device=device).expand(batch, top_k)  # candidate index of each expanded node
+    # candidate index of each expanded node
+    node_index = torch.arange(top_k, device=device).expand(batch, top_k)
     states = first_states[:, None, :].expand(batch, top_k, first_states.shape[-1])  # (B, K, H)
     key_values = TreeKeyValues(prefix_keys, prefix_values, start_positions.repeat_interleave(top_k), draft_attention)
     offset = top_k
@@ -197,7 +201,8 @@ def select_tree(candidates: TreeCandidates, draft_tokens: int, root_tokens: torc
     parent_candidates = candidates.parents.gather(1, chosen)
     parent_nodes = torch.where(parent_candidates < 0, torch.zeros_like(parent_candidates),
                                node_of_candidate.gather(1, parent_candidates.clamp(min=0)))
-    parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long, device=device), parent_nodes], dim=1)  # (B, T)
+    # (B, T)
+    parents = torch.cat([torch.full((batch, 1), -1, dtype=torch.long, device=device), parent_nodes], dim=1)
     tokens = torch.cat([root_tokens.view(batch, 1).to(candidates.tokens.dtype), candidates.tokens.gather(1, chosen)], dim=1)
     depths = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=device), candidates.depths.gather(1, chosen)], dim=1)
     reachable = torch.ones(batch, draft_tokens, dtype=torch.bool, device=device)
@@ -293,7 +298,8 @@ def offline_tree_depths_grid(
     extend_tokens = torch.cat([input_ids[1:], target_argmax[-1:]]).view(1, -1)
     cache = DraftKVCache()
     logits, prenorm = draft.extend(extend_tokens, aux_hidden_states.view(1, length, -1), 0, cache)
-    sequence_next = torch.cat([input_ids, input_ids.new_full((deepest + 2,), -1)])  # token t + 1 + d may run past the end
+    # token t + 1 + d may run past the end
+    sequence_next = torch.cat([input_ids, input_ids.new_full((deepest + 2,), -1)])
     depths: dict[Topology, list[torch.Tensor]] = {topology: [] for topology in topologies}
     by_top_k: dict[int, list[Topology]] = {}
     for topology in topologies:
@@ -307,7 +313,8 @@ def offline_tree_depths_grid(
             for topology in group:
                 candidates = slice_candidates(grown, top_k, topology.steps)
                 tree = select_tree(candidates, topology.draft_tokens, input_ids[rows + 1])
-                # (P, T): the target's choice where a node of depth d stands, target_argmax[t + d] (the root's is unused).
+                # (P, T): the target's choice where a node of depth d stands, target_argmax[t + d] (the root's
+                # is unused).
                 choice_at_parent = target_argmax[(rows[:, None] + tree.depths.clamp(min=1)).clamp(max=length - 1)]
                 consistent = tree.tokens == sequence_next[rows[:, None] + 1 + tree.depths]
                 accepted, _ = accept_tree(tree, choice_at_parent, consistent)
