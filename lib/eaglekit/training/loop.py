@@ -112,12 +112,11 @@ def rank_samples_at(samples_seen: int, train_samples: Sequence[dict], settings: 
     micro-batch m of rank r takes slot m * world + r."""
     training = settings.training
     global_batch = training.micro_batch_size * training.grad_accumulation_steps * distributed.world_size
-    indices = [sample_index_at(position, len(train_samples), settings.seed) for position in range(samples_seen, samples_seen + global_batch)]
-    micro_batches = []
-    for micro in range(training.grad_accumulation_steps):
-        slot = micro * distributed.world_size + distributed.rank
-        micro_batches.append([train_samples[index] for index in indices[slot * training.micro_batch_size : (slot + 1) * training.micro_batch_size]])
-    return micro_batches
+    positions = range(samples_seen, samples_seen + global_batch)
+    indices = [sample_index_at(position, len(train_samples), settings.seed) for position in positions]
+    size = training.micro_batch_size
+    slots = [micro * distributed.world_size + distributed.rank for micro in range(training.grad_accumulation_steps)]
+    return [[train_samples[index] for index in indices[slot * size : (slot + 1) * size]] for slot in slots]
 
 
 def ttt_step(run: Run, rank_samples: list[list[dict]]) -> StepLoss:
