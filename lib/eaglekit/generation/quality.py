@@ -29,14 +29,10 @@ def quality_flags(content: str, reasoning: str | None, finish_reason: str | None
 
     An answer that is only tool calls is not empty.
     """
-    flags = []
-    if not content.strip() and not (reasoning or "").strip() and not tool_calls:
-        flags.append("empty")
-    if finish_reason == "length":
-        flags.append("truncated")
-    if has_repetition_loop(content) or has_repetition_loop(reasoning or ""):
-        flags.append("repetition_loop")
-    if (reasoning or "").strip() and not content.strip() and not tool_calls:
-        flags.append("reasoning_without_answer")
-    return flags
+    answered = content.strip() or tool_calls
+    thought = (reasoning or "").strip()
+    found = {"empty": not answered and not thought, "truncated": finish_reason == "length",
+             "repetition_loop": has_repetition_loop(content) or has_repetition_loop(reasoning or ""),
+             "reasoning_without_answer": thought and not answered}
+    return [flag for flag in QUALITY_FLAGS if found[flag]]
 
