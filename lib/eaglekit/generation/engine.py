@@ -1,11 +1,11 @@
-"""The async generation engine: every prompt through the endpoints, with each partition's concurrency kept full.
+"""The async generation engine: every prompt through the endpoints, each partition's concurrency kept full.
 
-A new request starts the moment one finishes (never waves that wait for their slowest member),
-partitions are sent in the order given (default short, then long), and requests go to the least busy
-healthy endpoint (`eaglekit.generation.client`). Once a partition has sent its last prompt, the next one starts
-in the room its drain frees (`client.EndpointPool`), so the endpoints stay full through the change. Answers and errors are
-appended to the files `eaglekit.generation.logs` reads; a progress record and line every `log_interval_s`, with an
-ETA from tokens and the work in flight (`logs.run_etas`).
+A new request starts the moment one finishes (never waves that wait for their slowest member), partitions are
+sent in the order given (default short, then long), and requests go to the least busy healthy endpoint
+(`eaglekit.generation.client`). Once a partition has sent its last prompt, the next one starts in the room its
+drain frees (`client.EndpointPool`), so the endpoints stay full through the change. Answers and errors are
+appended to the files `eaglekit.generation.logs` reads; a progress record and line every `log_interval_s`,
+with an ETA from tokens and the work in flight (`logs.run_etas`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from eaglekit.generation.logs import (
     summarize_generations)
 from eaglekit.generation.prompts import PromptItem, PromptSource, load_prompts
 from eaglekit.generation.quality import QUALITY_FLAGS, quality_flags
-from eaglekit.generation.settings import (  # noqa: F401  (GenerationSettingsChanged: the engine's refusal, importable here)
+from eaglekit.generation.settings import (  # noqa: F401  (GenerationSettingsChanged: importable here)
     SETTINGS_FILE, GenerationSettingsChanged, backoff_seconds, check_generation_settings)
 from eaglekit.generation.tokenized import EARLY_CHECK_ANSWERS
 from eaglekit.io import AppendLog, repair_torn_tail, write_json
@@ -87,10 +87,12 @@ class _Slot:
 class GenerationEngine:
     """Runs prompts through endpoints; `generate` is the blocking entry point.
 
-    sources: (dataset, partition, prompts.jsonl) triples. partitions: sent in this order, each with
-    its concurrency (per endpoint) and max_tokens; once one has sent its last prompt the next starts in the room
-    its drain frees (a request of a partition of concurrency C takes 1/C of an endpoint: `client.EndpointPool`).
-    overlap_partitions=False drains each partition before the next starts. temperature/top_p: None leaves the server default.
+    sources: (dataset, partition, prompts.jsonl) triples. partitions: sent in this order, each with its
+    concurrency (per endpoint) and max_tokens; once one has sent its last prompt the next starts in the room
+    its drain frees (a request of a partition of concurrency C takes 1/C of an endpoint:
+    `client.EndpointPool`).
+    overlap_partitions=False drains each partition before the next starts. temperature/top_p: None leaves the
+    server default.
     extra_body: extra request fields (e.g. {"seed": 0}).
     chat_template_kwargs: `prep.chat_template_kwargs` (e.g. {"enable_thinking": False} for Qwen3), sent
     in every request as the top-level `chat_template_kwargs` (SGLang, vLLM, `transformers serve`), so
@@ -107,8 +109,9 @@ class GenerationEngine:
     marked failed; a failure to write the outputs stops the run with its error.
     priority: (dataset, id) keys in the order to request them within each partition (the stage passes prep's
     planned training order, `training.order`: the samples the first data sizes need are answered first).
-    first_answers_check: called with (dataset, records) on each dataset's first EARLY_CHECK_ANSWERS answers of the
-    session; what it raises stops the run (the stage's usage check: a systematic mismatch is said after minutes, not days).
+    first_answers_check: called with (dataset, records) on each dataset's first EARLY_CHECK_ANSWERS answers of
+    the session; what it raises stops the run (the stage's usage check: a systematic mismatch is said after
+    minutes, not days).
     eta_min_seconds: seconds of sending before the progress line trusts a speed for its ETA.
     """
 
@@ -123,7 +126,8 @@ class GenerationEngine:
                  first_answers_check: Callable[[str, list[dict]], Any] | None = None,
                  overlap_partitions: bool = True, eta_min_seconds: float = ETA_MIN_SECONDS):
         self.sources = list(sources)
-        # (dataset, id) in the order to request them (prep's planned training order); the rest after, in file order.
+        # (dataset, id) in the order to request them (prep's planned training order); the rest after, in file
+        # order.
         self.priority = {tuple(key): rank for rank, key in enumerate(priority or ())}
         self.endpoint_specs = list(endpoints)
         self.output_dir = Path(output_dir)
@@ -148,14 +152,17 @@ class GenerationEngine:
         self.log_interval_s, self.flush_interval_s = log_interval_s, flush_interval_s
         self.shutdown_grace_s = shutdown_grace_s
         self.progress_bar = progress_bar
-        # False: each partition drains before the next is sent (the engine before the overlap; bench/generation.py)
+        # False: each partition drains before the next is sent (the engine before the overlap;
+        # bench/generation.py)
         self.overlap_partitions = overlap_partitions
-        self.eta_min_seconds = eta_min_seconds  # no ETA before this much sending (a bench's compressed run lowers it)
+        # No ETA before this much sending (a bench's compressed run lowers it).
+        self.eta_min_seconds = eta_min_seconds
         self.health_interval_s, self.probe_wait_s = health_interval_s, probe_wait_s
         self.rng = random.Random(seed)
         self._max_tokens = {partition.name: partition.max_tokens for partition in self.partitions}
-        # A systematic fault in the answers (the server's template is not the kit's) shows in a dataset's first
-        # answers of a session: `first_answers_check(dataset, records)` runs on them and an exception stops the run.
+        # A systematic fault in the answers (the server's template is not the kit's) shows in a dataset's
+        # first answers of a session: `first_answers_check(dataset, records)` runs on them and an exception
+        # stops the run.
         self.first_answers_check = first_answers_check
         self._first_records: dict[str, list[dict]] = defaultdict(list)
         self._first_checked: set[str] = set()
@@ -201,7 +208,7 @@ class GenerationEngine:
         if self._stop_requested.is_set():
             self._stop.set()
             self._stopped_at = time.monotonic()
-        session_started = time.monotonic()
+        self.session_started = time.monotonic()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         items, duplicates = load_prompts(self.sources, self.history_reasoning)
         if duplicates:
@@ -215,7 +222,6 @@ class GenerationEngine:
         self.requests_this_session = 0
         self.completion_tokens_this_session = 0
         self.finished_this_session = 0
-        self.session_started = session_started
         self.dispatch_started: float | None = None
         self._window = (time.monotonic(), 0, 0)  # (time, finished, completion tokens) at the last tick
         self._attempt_ids = itertools.count()
@@ -239,15 +245,15 @@ class GenerationEngine:
             for log in (self.generations, self.errors, self.metrics):
                 log.close()
             await self.pool.aclose()
-        summary = self._summary(items, duplicates, session_started)
+        summary = self._summary(items, duplicates)
         if self._fatal is not None:
             raise self._fatal
         return summary
 
     def _open_logs(self, items: list[PromptItem]) -> set:
         """Open the append-only logs (cutting a torn last line a crash left) and count what earlier sessions
-        answered: counters start from the files, so they stay cumulative and equal to a recount at every moment.
-        Returns the keys answered already."""
+        answered: counters start from the files, so they stay cumulative and equal to a recount at every
+        moment. Returns the keys answered already."""
         self.generations = AppendLog(self.output_dir / GENERATIONS_FILE)
         self.metrics = AppendLog(self.output_dir / METRICS_FILE, sync_every=1)
         errors_repaired = repair_torn_tail(self.output_dir / ERRORS_FILE)
@@ -265,7 +271,8 @@ class GenerationEngine:
         return answered
 
     def _start_session(self, items: list[PromptItem], answered: set) -> dict[str, list[PromptItem]]:
-        """This session's prompts by partition (errored ones only with retry_errors), recorded in sessions.jsonl."""
+        """This session's prompts by partition (errored ones only with retry_errors), recorded in
+        sessions.jsonl."""
         sessions_path = self.output_dir / SESSIONS_FILE
         self.session = 1 + count_lines(sessions_path)
         todo_by_partition: dict[str, list[PromptItem]] = {partition.name: [] for partition in self.partitions}
@@ -292,8 +299,9 @@ class GenerationEngine:
 
     async def _dispatch(self, todo_by_partition: dict[str, list[PromptItem]], resumed: bool,
                         background: list[asyncio.Task]) -> None:
-        """Probe, check the settings against the run's, then send every partition (the long one in the room the
-        short one's drain frees) and drain. The health and tick tasks go into `background`, for the caller to end."""
+        """Probe, check the settings against the run's, then send every partition (the long one in the room
+        the short one's drain frees) and drain. The health and tick tasks go into `background`, for the caller
+        to end."""
         await self.pool.probe_all(self.probe_wait_s)
         check_generation_settings(self.output_dir / SETTINGS_FILE, self._settings(), resumed)
         write_json(self.output_dir / "endpoints.json",
@@ -313,13 +321,13 @@ class GenerationEngine:
                 await self._drain(tasks)
         await self._drain(tasks)
 
-    def _summary(self, items: list[PromptItem], duplicates: int, session_started: float) -> GenerationSummary:
+    def _summary(self, items: list[PromptItem], duplicates: int) -> GenerationSummary:
         """The recount of the files after this session, written to summary.json."""
         summary = summarize_generations(self.output_dir, self.sources, items=items)
         compact_errors(self.output_dir, {key for key in finished_keys(self.output_dir / GENERATIONS_FILE)})
         summary.duplicate_prompt_ids = duplicates
         summary.requests_this_session = self.requests_this_session
-        summary.elapsed_s = time.monotonic() - session_started
+        summary.elapsed_s = time.monotonic() - self.session_started
         summary.interrupted = self._stop.is_set()
         summary.session = self.session
         summary.endpoints = [{"name": endpoint.name, "base_url": endpoint.base_url,
@@ -330,8 +338,9 @@ class GenerationEngine:
         return summary
 
     def _settings(self) -> dict[str, Any]:
-        """What decides an answer (never concurrency or routing): the served model, each partition's max_tokens, the
-        sampling and the extra request fields. Kept in settings.json; a resume must match it."""
+        """What decides an answer (never concurrency or routing): the served model, each partition's
+        max_tokens, the sampling and the extra request fields. Kept in settings.json; a resume must match
+        it."""
         models = sorted({endpoint.capabilities.served_model or endpoint.capabilities.model
                          for endpoint in self.pool.endpoints if endpoint.capabilities is not None})
         return {"model": models, "max_tokens": {partition.name: partition.max_tokens for partition in self.partitions},
@@ -345,8 +354,8 @@ class GenerationEngine:
 
     async def _send_partition(self, partition: PartitionParams, items: list[PromptItem],
                               tasks: set[asyncio.Task]) -> None:
-        """Send every prompt of a partition as room frees (`client.EndpointPool`); returns once the last is sent, its
-        requests (and the earlier partitions' still in flight) in `tasks`."""
+        """Send every prompt of a partition as room frees (`client.EndpointPool`); returns once the last is
+        sent, its requests (and the earlier partitions' still in flight) in `tasks`."""
         if items and tasks:
             logger.info("partition %s starts while %d requests of %s are in flight, in the room they free",
                         partition.name, sum(not task.done() for task in tasks), self.current_partition)
@@ -589,7 +598,8 @@ class GenerationEngine:
             "eta": {name: eta.words() for name, eta in etas.items()}, "eta_total": total_eta.words()}
 
     def _work(self, partition: PartitionParams, now: float) -> PartitionWork:
-        """A partition's state for its ETA; its slots are its concurrency on each healthy endpoint (capped there)."""
+        """A partition's state for its ETA; its slots are its concurrency on each healthy endpoint (capped
+        there)."""
         progress = self.progress[partition.name]
         endpoints = [endpoint for endpoint in self.pool.endpoints if endpoint.healthy] or self.pool.endpoints
         slots = sum(min(partition.concurrency, endpoint.spec.concurrency or partition.concurrency)
