@@ -50,10 +50,10 @@ logger = logging.getLogger(__name__)
 
 # Finish reasons that mean no answer: retried, then recorded as an error ("length" is a truncated answer).
 GAVE_UP_FINISH_REASONS = frozenset({"abort", "error"})
-# The most bytes an answer's body may hold: BODY_BYTES_PER_TOKEN per answer token (text escaped as \uXXXX runs to
-# ~18 B a token, each token id ~7 B), BODY_BYTES_PER_PROMPT_CHAR per request character (the prompt's token ids come
-# back), and BODY_BASE_BYTES for the rest. A body past it is a server fault: reading stops there, so a runaway
-# answer (one of 210 MB was seen) costs the cap, not the kernel's memory.
+# The most bytes an answer's body may hold: BODY_BYTES_PER_TOKEN per answer token (text escaped as \uXXXX runs
+# to ~18 B a token, each token id ~7 B), BODY_BYTES_PER_PROMPT_CHAR per request character (the prompt's token
+# ids come back), and BODY_BASE_BYTES for the rest. A body past it is a server fault: reading stops there, so
+# a runaway answer (one of 210 MB was seen) costs the cap, not the kernel's memory.
 BODY_BYTES_PER_TOKEN = 64
 BODY_BYTES_PER_PROMPT_CHAR = 8
 BODY_BASE_BYTES = 1 << 20
@@ -101,12 +101,12 @@ class EndpointCapabilities:
     returns_prompt_token_ids: bool   # ... and the prompt's token ids
     rejects_unknown_fields: bool     # answered 4xx to `return_token_ids` (e.g. 422 from transformers serve)
     reasoning_field: str | None      # "reasoning_content" or "reasoning" when the answer carried the key
-    served_model: str | None = None  # the `model` the probe's answer named; every later answer must name it too
+    served_model: str | None = None  # the `model` the probe's answer named; later answers must name it too
 
 
 class AnswerTooLarge(RequestRejected):
-    """A 200 whose body passed the size cap (`answer_body_cap`): recorded for the prompt, naming the endpoint, never
-    retried (the same request would run away again); the rest of the run goes on."""
+    """A 200 whose body passed the size cap (`answer_body_cap`): recorded for the prompt, naming the endpoint,
+    never retried (the same request would run away again); the rest of the run goes on."""
 
     kind = "too_large"
 
@@ -200,7 +200,7 @@ def parse_chat_response(data: Any) -> ChatAnswer:
     if extension is not None and not isinstance(extension, dict):
         raise _bad("sglext is not an object", data)
     extension = extension or {}
-    # SGLang's chat choice: `response_token_ids`; vLLM's chat choice (and SGLang's completions choice): `token_ids`.
+    # SGLang's chat choice: `response_token_ids`; vLLM's (and SGLang's completions choice): `token_ids`.
     token_ids = _token_list(choice.get("response_token_ids"), "choices[0].response_token_ids", data)
     if token_ids is None:
         token_ids = _token_list(choice.get("token_ids"), "choices[0].token_ids", data)
@@ -244,8 +244,8 @@ class Endpoint:
 
     def __init__(self, spec: EndpointSpec, max_connections: int, request_timeout_s: float):
         self.spec = spec
-        # The whole request, sending to the last byte of the answer: httpx's timeout bounds only each read, so a
-        # server that sends a byte a second would hold a request (and a stop) for ever.
+        # The whole request, sending to the last byte of the answer: httpx's timeout bounds only each read, so
+        # a server that sends a byte a second would hold a request (and a stop) for ever.
         self.request_deadline_s = request_timeout_s
         self.base_url = spec.base_url.rstrip("/")
         # Health lives at the server root (SGLang, vLLM, transformers serve all serve /health there).
@@ -444,10 +444,10 @@ class Endpoint:
 
 
 class EndpointPool:
-    """Least-in-flight routing over healthy endpoints, partitions sharing each by the room a request takes: one of
-    a partition whose concurrency there is C (capped by the endpoint's own) takes 1/C of it, and a request is sent
-    only while the endpoint's shares add up to at most 1 (so the long partition starts as the short one drains;
-    with one partition: in flight < C).
+    """Least-in-flight routing over healthy endpoints, partitions sharing each by the room a request takes:
+    one of a partition whose concurrency there is C (capped by the endpoint's own) takes 1/C of it, and a
+    request is sent only while the endpoint's shares add up to at most 1 (so the long partition starts as the
+    short one drains; with one partition: in flight < C).
 
     Single event loop, so state changes need no lock: waiters park on futures that every change
     (a released slot, an endpoint back to health, a stop) resolves, and then re-check.
@@ -491,7 +491,8 @@ class EndpointPool:
                 waiter.set_result(None)
 
     async def acquire(self, limit: int, stop: asyncio.Event | None = None) -> Endpoint | None:
-        """Wait for a slot (in_flight < limit and the endpoint's own cap) on a healthy endpoint; take it on the least busy one.
+        """Wait for a slot (in_flight < limit and the endpoint's own cap) on a healthy endpoint; take it on
+        the least busy one.
 
         Returns None once `stop` is set (call `notify` after setting it to wake waiters).
         """
@@ -516,7 +517,8 @@ class EndpointPool:
                     timer.cancel()
 
     def release(self, endpoint: Endpoint, transient_failure: bool, limit: int) -> None:
-        """Give the slot (taken with `limit`) back; count a transient failure toward marking the endpoint unhealthy."""
+        """Give the slot (taken with `limit`) back; count a transient failure toward marking the endpoint
+        unhealthy."""
         endpoint.in_flight -= 1
         self.shares[endpoint.name] -= self.share(limit, endpoint)
         if transient_failure:
