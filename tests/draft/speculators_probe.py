@@ -1,4 +1,5 @@
-"""Run inside the venv of the real vLLM CPU build, which has speculators==0.9.0 (requirements-vllm.txt), never the kit's.
+"""Run inside the venv of the real vLLM CPU build, which has speculators==0.9.0 (requirements-vllm.txt), never
+the kit's.
 
     python speculators_probe.py EXPORT_DIR INPUTS.safetensors OUT_DIR
 

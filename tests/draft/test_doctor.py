@@ -147,7 +147,8 @@ def test_capture_layers_given_by_the_training_run(tmp_path):
 
 def test_preflight_table_labels_the_folder_and_the_loop_rows(tmp_path):
     draft = _write(tmp_path / "draft", DRAFT)
-    # Trained on [3, 15, 27] (SGLang would capture [2, 15, 27]) and a bypassed draft in the loop: both surface, each under its label.
+    # Trained on [3, 15, 27] (SGLang would capture [2, 15, 27]) and a bypassed draft in the loop: both
+    # surface, each under its label.
     table = preflight_table(
         tmp_path / "target_config.json", draft, "training/export/sglang", [3, 15, 27], 1.05
     )
@@ -260,14 +261,16 @@ PARAMS_FILES = sorted((Path(__file__).resolve().parents[2] / "params").glob("*.y
 
 @pytest.mark.parametrize("params_file", PARAMS_FILES, ids=lambda path: path.name)
 def test_doctor_reads_every_shipped_params_file(params_file, capsys):
-    """`--target-config params/X.yaml` reads the target the params plan for (target.config, or the model folder)."""
+    """`--target-config params/X.yaml` reads the target the params plan for (target.config, or the model
+    folder)."""
     assert main(["doctor", "--target-config", str(params_file), "--accept-length", "2.1"]) == 0
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err and "0 error(s)" in captured.out
 
 
 def test_planned_eagle_flag_is_an_error_offline(capsys):
-    """The seed's mistake, caught from the planned flags with no server and no draft: EAGLE instead of EAGLE3."""
+    """The seed's mistake, caught from the planned flags with no server and no draft: EAGLE instead of
+    EAGLE3."""
     kimi = str(next(path for path in PARAMS_FILES if path.name == "kimi_k25_big_run.yaml"))
     planned = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1"
     assert main(["doctor", "--target-config", kimi, "--sglang-args", planned]) == 1

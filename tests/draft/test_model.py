@@ -45,7 +45,8 @@ def test_layer_matches_sglang_formula(target, samples):
     layer = model.midlayer
     with torch.no_grad():
         prenorm = model.step(input_ids, hidden, torch.arange(input_ids.shape[1])[None], DraftKVCache())
-        # By hand: residual = h; attention on cat(input_layernorm(embed), hidden_norm(h)); add; norm; mlp; add.
+        # By hand: residual = h; attention on cat(input_layernorm(embed), hidden_norm(h)); add; norm; mlp;
+        # add.
         embeds = model.embed_tokens(input_ids)
         attention_input = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
         assert attention_input.shape[-1] == 2 * model.config.hidden_size

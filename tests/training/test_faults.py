@@ -4,8 +4,8 @@ and a writer killed with SIGKILL in the middle of a large checkpoint write.
 - A NaN feature stops training (or held-out scoring) before the optimizer steps, naming the shard file
   and the sample; a draft whose weights are NaN never gets a tau (its argmax agreed with the target by
   accident: the chain's maximum).
-- A torn last.pt resumes from last.pt's predecessor (last.prev.pt) or trains the size again, naming the file; a
-  torn best.pt is restored or retrained, never listed in sweep.json.
+- A torn last.pt resumes from last.pt's predecessor (last.prev.pt) or trains the size again, naming the file;
+  a torn best.pt is restored or retrained, never listed in sweep.json.
 - A killed write's temp file is gone once the run resumes, and the files it was writing are whole.
 """
 
@@ -89,7 +89,8 @@ def cut_in_half(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 @pytest.fixture
 def shard_capture(world, tmp_path) -> Path:
-    """The world's samples as stage 4 stores them: real shard files (three samples to a shard) and index.json."""
+    """The world's samples as stage 4 stores them: real shard files (three samples to a shard) and
+    index.json."""
     target, samples, heldout = world
     writer = ShardWriter(
         tmp_path / "capture", rank=0, max_shard_bytes=3 * samples[0]["aux_hidden_states"].nbytes * 2
@@ -115,7 +116,8 @@ def shard_capture(world, tmp_path) -> Path:
 
 
 def write_nan_into_shard(capture_dir: Path, sample_id: str, token: int = 5) -> Path:
-    """Rewrite the shard file holding `sample_id` with one NaN in that sample's features; returns the shard."""
+    """Rewrite the shard file holding `sample_id` with one NaN in that sample's features; returns the
+    shard."""
     record = next(
         record
         for record in json.loads((capture_dir / INDEX_FILE).read_text())["samples"]
@@ -150,7 +152,8 @@ def test_a_nan_in_a_capture_shard_stops_training_naming_the_shard_and_the_sample
         and f"{samples[3]['dataset']}/{samples[3]['id']}" in message
         and "token 5" in message
     )
-    # It stopped before the optimizer stepped on the NaN: no loss nan was logged, and the checkpoints hold finite weights.
+    # It stopped before the optimizer stepped on the NaN: no loss nan was logged, and the checkpoints hold
+    # finite weights.
     assert all(
         line["loss"] == line["loss"]
         for line in metrics_lines(tmp_path / "run" / "metrics.jsonl")
@@ -182,7 +185,8 @@ def test_a_nan_in_a_heldout_sample_stops_scoring_before_any_tau(world, shard_cap
 
 def test_a_nan_draft_never_gets_a_tau(world):
     """A NaN draft's argmax is draft id 0 at every row. Against a teacher whose argmax is token 0 (all its
-    logits tie), the old scoring counted every chain as fully accepted: tau 4.0, the 3-step chain's maximum."""
+    logits tie), the old scoring counted every chain as fully accepted: tau 4.0, the 3-step chain's
+    maximum."""
     target, samples, heldout = world
     draft = tiny_draft(
         target, samples, draft_vocab_size=target.config.vocab_size
@@ -251,8 +255,9 @@ def test_a_torn_last_checkpoint_with_none_before_it_trains_the_size_again(world,
 
 @pytest.mark.parametrize("best_step_is_last", [True, False])
 def test_a_torn_best_checkpoint_is_restored_or_its_size_retrained(world, tmp_path, best_step_is_last):
-    """best.pt and last.pt are saved from one state at a new best: then a torn best.pt is restored from last.pt.
-    Otherwise its weights are lost and the size trains again from step 0, which gives the same best."""
+    """best.pt and last.pt are saved from one state at a new best: then a torn best.pt is restored from
+    last.pt. Otherwise its weights are lost and the size trains again from step 0, which gives the same
+    best."""
     from eaglekit.training import find_resume_point
 
     target, samples, _ = world

@@ -61,7 +61,8 @@ TINY = DraftConfig(
 
 
 def test_parameter_counts_by_hand():
-    # Llama-3.1-8B draft: fc 3H^2, q (2H -> 32x128), k and v (2H -> 8x128), o, SwiGLU, 4 norms, lm_head 32,000 x H.
+    # Llama-3.1-8B draft: fc 3H^2, q (2H -> 32x128), k and v (2H -> 8x128), o, SwiGLU, 4 norms,
+    # lm_head 32,000 x H.
     hidden, inter = 4096, 14336
     llama = (
         hidden * 3 * hidden
@@ -192,8 +193,8 @@ def test_reference_plans_and_the_largest_pack_is_the_edge():
 
 
 def test_params_draft_shape_picks_the_public_kimi_draft_shape():
-    """training.draft_shape reaches the draft config: Kimi-K2.5's 7168-wide, 64-head decoder gives head_dim 112
-    when derived, 128 with the published draft's shape."""
+    """training.draft_shape reaches the draft config: Kimi-K2.5's 7168-wide, 64-head decoder gives head_dim
+    112 when derived, 128 with the published draft's shape."""
     from eaglekit.training.memory import draft_config_for_target
 
     kimi_text = {

@@ -123,7 +123,8 @@ def test_without_document_mask_packing_would_leak(world):
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_mask_equals_eager(world):
-    """The flex backend's block mask (forward, eager flex on CPU) sees exactly what the eager TTT attention sees."""
+    """The flex backend's block mask (forward, eager flex on CPU) sees exactly what the eager TTT attention
+    sees."""
     _, samples, _ = world
     batch = pack_samples(samples[:3], 96, max_length=64)
     generator = torch.Generator().manual_seed(0)
@@ -219,7 +220,8 @@ def test_chunked_loss_equals_reference_on_padded_batches(world):
 
 
 def test_packing_gives_the_same_loss_and_gradients_as_padding(world):
-    """One step over six samples: padded micro-batches with the reference loss vs packs with the chunked loss."""
+    """One step over six samples: padded micro-batches with the reference loss vs packs with the chunked
+    loss."""
     target, samples, model = world
     model.train()
     padded = _loss_and_grads(
@@ -286,7 +288,8 @@ def test_training_with_packs_follows_the_padded_curve(tmp_path):
         load_checkpoint(packed.last_checkpoint)["model"],
     )
     for name in padded_state:
-        # Adam turns float-rounding gradient differences into updates of up to ~lr * 1e-3; each step moves weights by ~lr.
+        # Adam turns float-rounding gradient differences into updates of up to ~lr * 1e-3; each step moves
+        # weights by ~lr.
         torch.testing.assert_close(packed_state[name], padded_state[name], rtol=1e-4, atol=2e-5, msg=name)
 
 

@@ -142,7 +142,8 @@ def test_levers_come_from_params_and_are_checked():
 
 
 def test_ablation_variants_combine_levers_left_to_right(world):
-    """bench/recipe_ablation.py: "a+b" applies both levers' settings and vocab changes; an unknown part is named."""
+    """bench/recipe_ablation.py: "a+b" applies both levers' settings and vocab changes; an unknown part is
+    named."""
     import sys
     from pathlib import Path
 

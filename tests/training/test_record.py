@@ -1,5 +1,5 @@
-"""training/sweep.json as one type: what stage 5 saves, stage 6 loads unchanged; a malformed file fails on load
-with the file and the field named; an unversioned file from an earlier run still reads."""
+"""training/sweep.json as one type: what stage 5 saves, stage 6 loads unchanged; a malformed file fails on
+load with the file and the field named; an unversioned file from an earlier run still reads."""
 
 from __future__ import annotations
 
@@ -104,7 +104,8 @@ def test_not_json_and_missing_file_say_what_to_do(tmp_path):
 
 
 def unversioned() -> dict:
-    """A sweep.json as stage 5 wrote it before the record had a version (the shape of the demo runs' files)."""
+    """A sweep.json as stage 5 wrote it before the record had a version (the shape of the demo runs'
+    files)."""
     new = record().to_dict()
     runs = [
         {key: value for key, value in item.items() if key not in ("variant", "topology")}
@@ -172,10 +173,9 @@ def test_entry_from_a_sweep_row_makes_paths_relative(tmp_path):
         DraftEntry.from_sweep_row(dict(row, best_checkpoint="/elsewhere/best.pt"), CHAIN, tmp_path)
 
 
-def test_a_record_from_before_the_selection_split_still_reads_and_says_its_checkpoints_were_picked_on_the_scored_samples(
-    tmp_path,
-):
-    """A version-1 sweep.json has no `selection` and no `noise_seeds`: it loads, with neither, flagged optimistic."""
+def test_a_version_1_record_still_reads_and_says_its_checkpoints_were_picked_on_the_scored_samples(tmp_path):
+    """A version-1 sweep.json has no `selection` and no `noise_seeds`: it loads, with neither, flagged
+    optimistic."""
     written = {
         key: value
         for key, value in record().to_dict().items()
@@ -189,7 +189,8 @@ def test_a_record_from_before_the_selection_split_still_reads_and_says_its_check
 
 
 def seeded_record(tmp_path):
-    """record() with a selection split and one extra-seed draft at size 20, its best.pt a real file on disk."""
+    """record() with a selection split and one extra-seed draft at size 20, its best.pt a real file on
+    disk."""
     best = tmp_path / "training/seed-1/size-0000020/best.pt"
     best.parent.mkdir(parents=True)
     torch.save({"progress": {"step": 8}}, best)

@@ -1,6 +1,6 @@
-"""The held-out set cut in two (`split_selection`): one side picks and stops each draft, the other alone is scored.
-Disjoint, covering, dataset-stratified, conversations whole, and a function of the held-out keys and the seed only
-(stage 5 lists them in capture order, the staged worker in prep's planned order)."""
+"""The held-out set cut in two (`split_selection`): one side picks and stops each draft, the other alone is
+scored. Disjoint, covering, dataset-stratified, conversations whole, and a function of the held-out keys and
+the seed only (stage 5 lists them in capture order, the staged worker in prep's planned order)."""
 
 from __future__ import annotations
 

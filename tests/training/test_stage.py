@@ -1,7 +1,8 @@
 """Stage 5 reads any target through its TargetLayout (head tensors by the layout's names, Kimi-K2.5's
-`language_model.*` too; a whole stage 5 on tiny DeepSeek-V3 and Kimi-K2.5-shaped targets). Stage 5 under torchrun: `torchrun -m eaglekit.training` with 2 gloo processes (launched and streamed the
-way notebook 05 does) writes the same weights and sweep.json as one process on the same global batch;
-killed mid-run and launched again, it continues the same loss curve."""
+`language_model.*` too; a whole stage 5 on tiny DeepSeek-V3 and Kimi-K2.5-shaped targets). Stage 5 under
+torchrun: `torchrun -m eaglekit.training` with 2 gloo processes (launched and streamed the way notebook 05
+does) writes the same weights and sweep.json as one process on the same global batch; killed mid-run and
+launched again, it continues the same loss curve."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ SIZES = [4, 8]
 
 @pytest.fixture(scope="module")
 def captured_run(tmp_path_factory) -> tuple[Path, Path]:
-    """A run folder whose stage 4 finished offline on a tiny real target; returns (run folder, target folder)."""
+    """A run folder whose stage 4 finished offline on a tiny real target; returns (run folder, target
+    folder)."""
     root = tmp_path_factory.mktemp("stage5")
     target = tiny_target()
     target_dir = root / "target"
@@ -122,7 +124,8 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
     single_params = load_params(write_params(tmp_path / "single.yaml", target_dir, grad_accumulation_steps=4))
     single = run_training_stage(single_params, single_dir)
 
-    # torchrun, 2 gloo processes, packed: 2 ranks x 1 sample x 2 micro-batches, through the notebook's launcher.
+    # torchrun, 2 gloo processes, packed: 2 ranks x 1 sample x 2 micro-batches, through the notebook's
+    # launcher.
     parallel_dir = fresh_run(captured_run, "torchrun")
     parallel_params = load_params(
         write_params(tmp_path / "ddp.yaml", target_dir, parallel="ddp", nproc_per_node=2, pack_tokens=64)
@@ -168,7 +171,8 @@ def test_torchrun_two_processes_equal_one_process_and_resume_after_kill(captured
 
 def test_online_capture_trains_through_the_same_interface_as_the_shards(captured_run, tmp_path):
     """Stage 5 does not branch on the capture mode: with plan.json saying online and no shards, the target
-    recomputes the features and the sweep has the same split, vocab and (bf16 features aside) the same taus."""
+    recomputes the features and the sweep has the same split, vocab and (bf16 features aside) the same
+    taus."""
     _, target_dir = captured_run
     path = write_params(tmp_path / "p.yaml", target_dir)
     scenario = yaml.safe_load(path.read_text())
@@ -196,8 +200,9 @@ def test_online_capture_trains_through_the_same_interface_as_the_shards(captured
 
 
 def test_a_nan_in_a_capture_shard_stops_stage_5_naming_the_shard_and_the_sample(captured_run, tmp_path):
-    """One NaN in one training sample's features, written into its real shard file: the stage stops at the step
-    that reads it, naming the shard and the sample, instead of logging `loss nan` and scoring a NaN draft."""
+    """One NaN in one training sample's features, written into its real shard file: the stage stops at the
+    step that reads it, naming the shard and the sample, instead of logging `loss nan` and scoring a NaN
+    draft."""
     from safetensors.torch import load_file, save_file
 
     from eaglekit.capture.shards import ShardDataset
@@ -231,8 +236,9 @@ def test_a_nan_in_a_capture_shard_stops_stage_5_naming_the_shard_and_the_sample(
 
 
 def test_a_torn_best_checkpoint_is_found_on_read_and_retrained_on_rerun(captured_run, tmp_path):
-    """best.pt of the smaller size cut in half after the sweep: reading sweep.json's checkpoints names it; rerunning
-    stage 5 restores or retrains that size, and the sweep lists a best.pt that loads, with the same held-out tau."""
+    """best.pt of the smaller size cut in half after the sweep: reading sweep.json's checkpoints names it;
+    rerunning stage 5 restores or retrains that size, and the sweep lists a best.pt that loads, with the same
+    held-out tau."""
     _, target_dir = captured_run
     run_dir = fresh_run(captured_run, "torn_best")
     params = load_params(write_params(tmp_path / "p.yaml", target_dir))
@@ -330,7 +336,8 @@ def test_head_tensors_are_the_text_models_own(family, tmp_path):
 
 
 def test_wrapper_config_is_the_text_config(tmp_path):
-    """The Kimi wrapper's top-level config has no hidden_size: reading it (as AutoConfig of the folder did) is wrong."""
+    """The Kimi wrapper's top-level config has no hidden_size: reading it (as AutoConfig of the folder did) is
+    wrong."""
     layout = target_layout(tiny_target_folder("kimi_k25", tmp_path / "kimi"))
     assert layout.is_wrapper and "hidden_size" not in layout.config
     assert load_target_head_weights(layout).config.hidden_size == layout.text_config["hidden_size"]
@@ -421,10 +428,11 @@ def _draft_lines(caplog) -> list[str]:
 def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage_6_as_measured_noise(
     captured_run, tmp_path, caplog
 ):
-    """Stage 5 cuts the held-out set in two: every draft's best checkpoint is picked on the selection side (its best
-    tau is that side's), sweep.json's `heldout` is the other side alone; both are stable across a resume. The extra
-    seed at the small size trains on that size's samples, is listed with its checkpoint verified, and stage 6 scores
-    it on the scored side and hands it to the forecast as measured training noise, not the prior."""
+    """Stage 5 cuts the held-out set in two: every draft's best checkpoint is picked on the selection side
+    (its best tau is that side's), sweep.json's `heldout` is the other side alone; both are stable across a
+    resume. The extra seed at the small size trains on that size's samples, is listed with its checkpoint
+    verified, and stage 6 scores it on the scored side and hands it to the forecast as measured training
+    noise, not the prior."""
     from eaglekit.analysis.checkpoints import load_draft_checkpoint
     from eaglekit.analysis.forecast import training_noise
     from eaglekit.analysis.stage import _seed_accept_lengths
@@ -441,7 +449,8 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     )
     caplog.set_level("INFO", logger="eaglekit.training.sweep")
     sweep = run_training_stage(params, run_dir)
-    # The log counts every draft of the stage (two sizes, then the extra seed) and prices the rest from timed steps.
+    # The log counts every draft of the stage (two sizes, then the extra seed) and prices the rest from timed
+    # steps.
     lines = _draft_lines(caplog)
     assert [line.split(";")[0].split(", done")[0] for line in lines] == [
         "stage 5: draft 1 of 3, size 4",
@@ -494,7 +503,8 @@ def test_checkpoints_are_picked_on_a_selection_split_and_extra_seeds_reach_stage
     )
     assert noise.seeds_by_size == {4.0: 1} and "pooled with 1 extra seeds" in noise.source
 
-    # A resume finds every draft trained: the same cut, the same drafts, the same record; the log says each resumed at its end.
+    # A resume finds every draft trained: the same cut, the same drafts, the same record; the log says each
+    # resumed at its end.
     again = run_training_stage(params, run_dir)
     assert all("resumed at step 4" in line for line in _draft_lines(caplog)[1::2])
     assert (again.heldout, again.selection, again.scored) == (sweep.heldout, sweep.selection, sweep.scored)

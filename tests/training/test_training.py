@@ -32,7 +32,8 @@ from eaglekit.training import (
 )
 from support import samples_from_target, tiny_draft, tiny_target
 
-# decay_steps 0: its until_converged variants stop at convergence (the stop-rule tests); the anneal tests set one.
+# decay_steps 0: its until_converged variants stop at convergence (the stop-rule tests); the anneal tests set
+# one.
 FAST = TrainSettings(
     ttt_steps=3,
     learning_rate=3e-3,
@@ -157,7 +158,8 @@ def test_ttt_loss_by_hand():
     def cross_entropy(step, row):  # step i row t vs target row t+1+i
         return -(probs[0, row + 1 + step] * torch.log_softmax(logits[step][0, row], -1)).sum()
 
-    # Teacher position 2 has an out-of-vocab argmax: step 0 keeps rows 0, 2 (not 1); step 1 keeps row 1 (not 0).
+    # Teacher position 2 has an out-of-vocab argmax: step 0 keeps rows 0, 2 (not 1); step 1 keeps row 1
+    # (not 0).
     expected = (cross_entropy(0, 0) + cross_entropy(0, 2)) / 3 + 0.8 * cross_entropy(1, 1) / 2
     torch.testing.assert_close(loss, expected)
     assert stats[:, 1].tolist() == [2.0, 1.0] and stats[:, 3].tolist() == [3.0, 2.0]
@@ -467,8 +469,9 @@ def test_nested_stratified_subsets_and_heldout():
 
 
 def write_split_conversations(path, dataset: str, turns: list[int]) -> list[tuple[str, str]]:
-    """A tokenized_data.jsonl as prep writes it: a conversation of n > 1 turns split into samples `<id>.k` that name
-    it in meta.conversation_id (history: split), a 1-turn one as one sample (meta without conversation_id)."""
+    """A tokenized_data.jsonl as prep writes it: a conversation of n > 1 turns split into samples `<id>.k`
+    that name it in meta.conversation_id (history: split), a 1-turn one as one sample (meta without
+    conversation_id)."""
     keys = []
     with open(path, "w") as handle:
         for number, count in enumerate(turns):
@@ -657,8 +660,9 @@ def test_patience_counts_from_the_last_real_improvement():
 
 
 # Anneal lengths after a plateau at step 4 (patience 2 x eval_interval 2): a set decay_steps, overriding the
-# fraction (0.5 would give 2); None: the default fraction of the 4 steps taken to converge, round(0.75 * 4) = 3.
-# Other fractions and lengths: test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_converge.
+# fraction (0.5 would give 2); None: the default fraction of the 4 steps taken to converge,
+# round(0.75 * 4) = 3. Other fractions and lengths:
+# test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_converge.
 ANNEALS = [({"decay_steps": 4, "decay_fraction": 0.5}, 4), ({"decay_steps": None}, 3)]
 
 
@@ -844,7 +848,8 @@ def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
     assert capped["stopped"] == "step_cap"
     with pytest.raises(ValueError, match="decay_steps must be >= 0"):
         dataclass_replace(settings, decay_steps=-1)
-    # The default fraction: the plateau at step 50 starts an anneal of round(0.75 * 50) = 38 steps, to step 88.
+    # The default fraction: the plateau at step 50 starts an anneal of round(0.75 * 50) = 38 steps,
+    # to step 88.
     by_fraction = dataclass_replace(settings, decay_steps=None)
     progress = {
         "step": 0,
@@ -983,7 +988,8 @@ def test_smoothed_stopping_does_not_stop_a_rising_draft_on_noise():
 
 def test_smoothed_stopping_still_stops_on_a_noisy_plateau():
     """Drafts that rise to a plateau at step 100 and stay flat under the same noise are all declared
-    converged, a few evaluations after the plateau starts: smoothing delays the decision, it does not remove it."""
+    converged, a few evaluations after the plateau starts: smoothing delays the decision, it does not remove
+    it."""
     stops = [
         stop_on_curve(curve, dataclass_replace(DEMO_RULE, max_steps=400), 400)
         for curve in noisy_curves(0.02, 1.2, 40)
@@ -1140,7 +1146,8 @@ def test_checkpoints_from_before_a_recipe_lever_resume_only_under_its_old_behavi
 # target argmax computed once per sample (TargetArgmaxCache) == recomputed at every use
 # ---------------------------------------------------------------------------------------------------
 def twin_with_other_states(sample: dict) -> dict:
-    """Same id, same length, other final states (time-reversed): the ablation's original vs regenerated case."""
+    """Same id, same length, other final states (time-reversed): the ablation's original vs regenerated
+    case."""
     return {**sample, "final_hidden_states": sample["final_hidden_states"].flip(0)}
 
 
@@ -1178,7 +1185,8 @@ def test_target_argmax_cache_trains_and_evaluates_like_the_recomputed_path(world
     assert cached[2] == reference[2]
     assert len(set(reference[1])) > 1  # the taus move: equal curves are no accident of a flat draft
 
-    # Fault injection: keys that collide for the twins -> a stale argmax for one of them, and the curves differ.
+    # Fault injection: keys that collide for the twins -> a stale argmax for one of them, and the curves
+    # differ.
     monkeypatch.setattr(
         TargetArgmaxCache, "key", staticmethod(lambda states: str(tuple(states.shape)).encode())
     )
@@ -1277,8 +1285,8 @@ def test_size_sweep_computes_each_target_argmax_once(world, tmp_path, monkeypatc
 
 
 def test_local_device_gives_each_torchrun_process_its_own_gpu(monkeypatch):
-    """One rule for capture and training: under torchrun (RANK set) `cuda` is the GPU of LOCAL_RANK; a CPU device
-    and a run outside torchrun keep the configured device."""
+    """One rule for capture and training: under torchrun (RANK set) `cuda` is the GPU of LOCAL_RANK; a CPU
+    device and a run outside torchrun keep the configured device."""
     from eaglekit.training.distributed import local_device
 
     monkeypatch.delenv("RANK", raising=False)
