@@ -109,16 +109,15 @@ class PrepSummary:
 
     def table(self) -> pd.DataFrame:
         """One row per source: read, kept, duplicates, rejected, short, long, tokens."""
-        rows = []
-        for counts in self.sources:
-            rows.append({"source": counts.source, "class": counts.data_class, "read": counts.read, "kept": counts.kept,
-                         "duplicates": counts.duplicates, "rejected": counts.rejected,
-                         "short": counts.partitions.get("short", 0), "long": counts.partitions.get("long", 0),
-                         "tokens": counts.tokens, "template": counts.template_family, "split": counts.split,
-                         "samples": counts.samples, "rejected turns": counts.rejected_turns,
-                         "trained/generated": (round(counts.trained_tokens / counts.generated_tokens, 4)
-                                               if counts.generated_tokens else None)})
-        return pd.DataFrame(rows)
+        return pd.DataFrame([
+            {"source": counts.source, "class": counts.data_class, "read": counts.read, "kept": counts.kept,
+             "duplicates": counts.duplicates, "rejected": counts.rejected,
+             "short": counts.partitions.get("short", 0), "long": counts.partitions.get("long", 0),
+             "tokens": counts.tokens, "template": counts.template_family, "split": counts.split,
+             "samples": counts.samples, "rejected turns": counts.rejected_turns,
+             "trained/generated": (round(counts.trained_tokens / counts.generated_tokens, 4)
+                                   if counts.generated_tokens else None)}
+            for counts in self.sources])
 
     def rejects_by_reason(self) -> pd.DataFrame:
         rows = [{"source": c.source, "reason": reason, "count": n}
@@ -217,17 +216,15 @@ def prepare_sources(
             all_counts.append(counts)
             rejected_by_reason: Counter[str] = Counter()
 
-            def reject(error: InputError, record: int | None) -> None:
+            def reject(error: InputError, record: int | None, answer: bool = False) -> None:
+                """A bad record into rejects.jsonl (`answer`: a class-B dataset answer, its prompt kept)."""
                 if bad_input == "fail":
                     raise error
-                counts.rejected += 1
-                rejected_by_reason[Reject(error, record).reason_kind] += 1
-                outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
-
-            def reject_answer(error: InputError, record: int | None) -> None:
-                if bad_input == "fail":
-                    raise error
-                counts.original_rejected += 1
+                if answer:
+                    counts.original_rejected += 1
+                else:
+                    counts.rejected += 1
+                    rejected_by_reason[Reject(error, record).reason_kind] += 1
                 outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
 
             for item in iter_source(spec):
@@ -235,7 +232,7 @@ def prepare_sources(
                 if isinstance(item, Reject):
                     reject(item.error, item.record)
                     continue
-                _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject, settings, reject_answer)
+                _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject, settings)
             counts.rejected_by_reason = dict(rejected_by_reason)
         outputs.close()
         summary = PrepSummary(out_dir, all_counts, context_length, long_prompt_threshold)
@@ -251,7 +248,7 @@ def prepare_sources(
 
 
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
-                    outputs: _Outputs, reject, settings: PrepParams, reject_answer) -> None:
+                    outputs: _Outputs, reject, settings: PrepParams) -> None:
     location = item.location
     original_answer = None
     if spec.data_class == "A":
@@ -269,12 +266,12 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
         return
     record_id = conversation_id(spec.name, digest)
     prepare = _prepare_class_a if spec.data_class == "A" else _prepare_class_b
-    if prepare(spec, item, kept_messages, original_answer, record_id, tokenizer, counts, outputs, reject, settings, reject_answer):
+    if prepare(spec, item, kept_messages, original_answer, record_id, tokenizer, counts, outputs, reject, settings):
         seen.add(key)
 
 
 def _prepare_class_a(spec: SourceSpec, item: SourceRecord, kept_messages: list, _answer, record_id: str, tokenizer: Any,
-                     counts: SourceCounts, outputs: _Outputs, reject, settings: PrepParams, _reject_answer) -> bool:
+                     counts: SourceCounts, outputs: _Outputs, reject, settings: PrepParams) -> bool:
     """A conversation already in the target's words: tokenized whole (split where the template needs it). True: kept."""
     location, context_length = item.location, settings.context_length
     try:
@@ -310,7 +307,7 @@ def _prepare_class_a(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
 
 
 def _prepare_class_b(spec: SourceSpec, item: SourceRecord, kept_messages: list, original_answer, record_id: str, tokenizer: Any,
-                     counts: SourceCounts, outputs: _Outputs, reject, settings: PrepParams, reject_answer) -> bool:
+                     counts: SourceCounts, outputs: _Outputs, reject, settings: PrepParams) -> bool:
     """A prompt for the target to answer, in its partition's file; its dataset answer tokenized beside it
     (prep.original_answers). True: kept."""
     location, context_length = item.location, settings.context_length
@@ -338,8 +335,8 @@ def _prepare_class_b(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
                                           template_kwargs=template_kwargs)
         except ChatTemplateError as error:
             # The prompt is kept for regeneration; only the ablation loses this answer (listed, counted).
-            reject_answer(InputError(location.path, location.line, "messages",
-                                     f"chat template (dataset answer, prompt kept): {error}"), location.record)
+            reject(InputError(location.path, location.line, "messages",
+                              f"chat template (dataset answer, prompt kept): {error}"), location.record, answer=True)
             return True
         outputs.write(f"{spec.name}/original_tokenized_data.jsonl", {
             "id": record_id, "input_ids": original.input_ids[:context_length],
