@@ -68,6 +68,14 @@ def _text(value: Any, location: RecordLocation, field_name: str) -> str:
     raise _fail(location, field_name, f"wrong type: expected a string, got {type(value).__name__}")
 
 
+def _role(turn: Any, roles: dict[str, str], location: RecordLocation, prefix: str) -> str:
+    """The schema role of the turn's `role` field through `roles`; an InputError naming it when unknown."""
+    name = _get(turn, "role", str, location, prefix=prefix)
+    if name not in roles:
+        raise _fail(location, prefix + "role", f"unknown role {name!r}")
+    return roles[name]
+
+
 def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
     """One structured tool call (OpenAI shape); `arguments` parsed from JSON text where it parses to an object."""
     parsed = parse_json_text(arguments)
@@ -191,8 +199,7 @@ def adapt_sharegpt(record: Any, location: RecordLocation) -> Adapted:
         prefix = f"{key}[{index}]."
         speaker = _get(turn, "from", str, location, prefix=prefix)
         value = _get(turn, "value", str, location, prefix=prefix)
-        role = _SHAREGPT_ROLES.get(speaker.lower())
-        if role is None:
+        if (role := _SHAREGPT_ROLES.get(speaker.lower())) is None:
             raise _fail(location, prefix + "from", f"unknown role {speaker!r}")
         if speaker == "function_call":
             try:
@@ -214,10 +221,7 @@ def _openai_messages(turns: list, location: RecordLocation, key: str) -> list[di
     messages: list[dict] = []
     for index, turn in enumerate(turns):
         prefix = f"{key}[{index}]."
-        role_name = _get(turn, "role", str, location, prefix=prefix)
-        role = _OPENAI_ROLES.get(role_name)
-        if role is None:
-            raise _fail(location, prefix + "role", f"unknown role {role_name!r}")
+        role = _role(turn, _OPENAI_ROLES, location, prefix)
         tool_calls = turn.get("tool_calls") or []
         raw_content = turn.get("content")
         if raw_content is None and not tool_calls:
@@ -318,10 +322,7 @@ def adapt_trajectory(record: Any, location: RecordLocation) -> Adapted:
         prefix = f"{key}[{index}]."
         if isinstance(turn, dict) and turn.get("is_demo"):
             continue  # SWE-agent's in-context demonstrations are not part of the episode
-        role_name = _get(turn, "role", str, location, prefix=prefix)
-        role = _TRAJECTORY_ROLES.get(role_name)
-        if role is None:
-            raise _fail(location, prefix + "role", f"unknown role {role_name!r}")
+        role = _role(turn, _TRAJECTORY_ROLES, location, prefix)
         content = _text(_get(turn, text_key, (str, list), location, prefix=prefix), location, prefix + text_key)
         messages.append({"role": role, "content": content})
     return Adapted(messages, _trajectory_meta(record))
@@ -369,9 +370,7 @@ def adapt_tooltalk(record: Any, location: RecordLocation) -> Adapted:
     messages: list[dict] = []
     for index, turn in enumerate(turns):
         prefix = f"conversation[{index}]."
-        role = _get(turn, "role", str, location, prefix=prefix)
-        if role not in ("user", "assistant"):
-            raise _fail(location, prefix + "role", f"unknown role {role!r}")
+        role = _role(turn, {"user": "user", "assistant": "assistant"}, location, prefix)
         for call_index, api in enumerate(turn.get("apis") or []):
             request = _get(api, "request", dict, location, prefix=f"{prefix}apis[{call_index}].")
             name = _get(request, "api_name", str, location, prefix=f"{prefix}apis[{call_index}].request.")
@@ -447,11 +446,8 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
     normalized = []
     for message in messages:
         out = {"role": message["role"], "content": message["content"].replace("\r\n", "\n").strip()}
-        reasoning = (message.get("reasoning") or "").replace("\r\n", "\n").strip()
-        if reasoning:
+        if reasoning := (message.get("reasoning") or "").replace("\r\n", "\n").strip():
             out["reasoning"] = reasoning
-        for key in ("tool_calls", "tool_call_id", "name"):
-            if message.get(key):
-                out[key] = message[key]
+        out |= {key: message[key] for key in ("tool_calls", "tool_call_id", "name") if message.get(key)}
         normalized.append(out)
     return normalized
