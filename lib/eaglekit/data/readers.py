@@ -132,15 +132,11 @@ def iter_json_records(path: Path) -> Iterator[RawItem]:
 
 
 def _json_records(path: Path, stream: _JsonStream) -> Iterator[RawItem]:
-    empty = InputError(path, 1, None, "empty file: expected a JSON array or object of records")
-    if not stream.skip_whitespace():
-        yield empty
-        return
-    if stream.char() == "\ufeff":  # a byte-order mark (Windows editors write one)
+    if stream.skip_whitespace() and stream.char() == "\ufeff":  # a byte-order mark (Windows editors write one)
         stream.position += 1
-        if not stream.skip_whitespace():
-            yield empty
-            return
+    if not stream.skip_whitespace():
+        yield InputError(path, 1, None, "empty file: expected a JSON array or object of records")
+        return
     opening = stream.char()
     if opening not in "[{":
         yield InputError(path, stream.line, None, "expected a JSON array or object of records")

@@ -9,6 +9,7 @@ adapter that trips over an unexpected record shape.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
@@ -125,11 +126,7 @@ def _raw_items(spec: SourceSpec) -> tuple[Iterator[RawItem], str]:
             files = [path]
         format_name = spec.format or ""
 
-    def chained() -> Iterator[RawItem]:
-        for file_path in files:
-            yield from iter_file_records(file_path)
-
-    return chained(), format_name
+    return itertools.chain.from_iterable(iter_file_records(file_path) for file_path in files), format_name
 
 
 def iter_source(spec: SourceSpec) -> Iterator[SourceRecord | Reject]:

@@ -58,12 +58,6 @@ class _SourceStats:
         self.conversation_tokens = array("i")
 
 
-def _token_counts(tokenizer: Any, texts: list[str]) -> list[int]:
-    if not texts:
-        return []
-    return [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-
-
 def survey_sources(
     specs: Sequence[SourceSpec],
     tokenizer: Any,
@@ -85,12 +79,10 @@ def survey_sources(
         pending: list[tuple[str, str, str]] = []  # (prompt text, response text, conversation text)
 
         def flush() -> None:
-            prompts = _token_counts(tokenizer, [p for p, _, _ in pending])
-            responses = _token_counts(tokenizer, [r for _, r, _ in pending])
-            conversations = _token_counts(tokenizer, [c for _, _, c in pending])
-            stats.prompt_tokens.extend(prompts)
-            stats.response_tokens.extend(responses)
-            stats.conversation_tokens.extend(conversations)
+            # One tokenizer call per column (nothing to call when nothing is pending).
+            columns = (stats.prompt_tokens, stats.response_tokens, stats.conversation_tokens)
+            for column, texts in zip(columns, zip(*pending)):
+                column.extend(len(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"])
             pending.clear()
 
         for item in iter_source(spec):
