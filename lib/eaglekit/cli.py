@@ -20,16 +20,14 @@ def _run(args: argparse.Namespace) -> int:
     try:
         run_dir = run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume, staged=args.staged or None,
                                notebooks_dir=Path(args.notebooks) if args.notebooks else NOTEBOOKS_DIR)
-    except RunInterrupted as error:
-        print(f"eaglekit: {error}", file=sys.stderr)
-        return error.exit_status
     except (ParamsError, RunError) as error:
         print(f"eaglekit: {error}", file=sys.stderr)
-        return 1
+        return error.exit_status if isinstance(error, RunInterrupted) else 1
     except KeyboardInterrupt:
         print("eaglekit: interrupted; rerun with --run-id and --resume to continue", file=sys.stderr)
         return 130
-    # Finished, but a stage recorded errors (its last line said which): 3, so a script can retry with --resume.
+    # Finished, but a stage recorded errors (its last line said which): 3, so a script can retry with
+    # --resume.
     return 3 if stages_with_errors(run_dir) else 0
 
 
@@ -81,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _evaluate(args: argparse.Namespace) -> int:
-    """`eaglekit evaluate`: the real loop, the offline estimate and plain greedy on a prompts file (eaglekit.analysis.evaluate)."""
+    """`eaglekit evaluate`: the real loop, the offline estimate and plain greedy on a prompts file
+    (eaglekit.analysis.evaluate)."""
     import torch
 
     from eaglekit.analysis.evaluate import format_report, run_evaluate
@@ -113,7 +112,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    """`eaglekit train`: stage 5 from params on a run folder whose capture finished (under torchrun: each rank)."""
+    """`eaglekit train`: stage 5 from params on a run folder whose capture finished (under torchrun: each
+    rank)."""
     import logging
 
     import torch
@@ -142,7 +142,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    """`eaglekit doctor`: the silent ways a draft gets bypassed, one finding a line with its fix; 1 on any error."""
+    """`eaglekit doctor`: the silent ways a draft gets bypassed, one finding a line with its fix; 1 on any
+    error."""
     from eaglekit.config import ParamsError
     from eaglekit.draft.doctor import DoctorInputError, run_doctor
     from eaglekit.target import ModelResolutionError
@@ -164,7 +165,8 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """`eaglekit plan`: the run's capacity, storage, training memory, GPU hours and horizon from params alone."""
+    """`eaglekit plan`: the run's capacity, storage, training memory, GPU hours and horizon from params
+    alone."""
     import json
 
     from eaglekit.config import load_params
@@ -185,7 +187,8 @@ def _data_argument(value: str) -> tuple[str, str]:
 
 def _capture(args: argparse.Namespace) -> int:
     """`eaglekit capture`: stage 4's offline capture with the transformers hooks; data parallel under torchrun
-    (each rank holds a whole target: a target too large for one process is captured with params' capture.engine)."""
+    (each rank holds a whole target: a target too large for one process is captured with params'
+    capture.engine)."""
     import os
 
     import torch
@@ -282,7 +285,8 @@ def _add_serve(commands) -> None:
 
 
 def _add_evaluate(commands) -> None:
-    evaluate = commands.add_parser("evaluate", help="accept length and speed of an exported draft: real loop, offline estimate, plain greedy")
+    evaluate = commands.add_parser("evaluate", help="accept length and speed of an exported draft: real loop, offline "
+                                   "estimate, plain greedy")
     evaluate.add_argument("--target", required=True, help="target model folder (or embedded:NAME)")
     evaluate.add_argument("--draft", required=True, help="exported draft folder (SGLang or vLLM format)")
     evaluate.add_argument("--prompts", required=True, help="JSONL conversations (kit schema or OpenAI messages)")

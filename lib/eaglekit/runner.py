@@ -202,10 +202,12 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
 
     class StageKernelManager(AsyncKernelManager):
         async def start_kernel(self, **kw) -> None:
-            # start_kernel's keywords reach the kernel's Popen (pass_fds, env) and its command line (extra_arguments).
+            # start_kernel's keywords reach the kernel's Popen (pass_fds, env) and its command line
+            # (extra_arguments).
             kw["pass_fds"] = (*kw.get("pass_fds", ()), lock_fd)
             # No progress bars in a headless stage (transformers' and the hub's read this at import): a bar
-            # rendered into the executed notebook stays frozen at its first frame; run.log has the progress lines.
+            # rendered into the executed notebook stays frozen at its first frame; run.log has the progress
+            # lines.
             kw["env"] = {**(kw.get("env") or os.environ), RUN_LOG_ENV: str(run_log), STAGE_ENV: stage.label,
                          "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
             kw["extra_arguments"] = [*kw.get("extra_arguments", []), f"--IPKernelApp.exec_lines={KERNEL_HOOK}"]
@@ -215,8 +217,8 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
         async def _async_interrupt_kernel(self) -> None:
             # jupyter_client interrupts before every shutdown; an idle kernel caught mid-message then logs
             # "KeyboardInterrupt caught in kernel" into the runner's output. Stops are _StageControl's job.
-            # The one private hook left: shutdown_kernel calls _async_interrupt_kernel itself (jupyter_client 8.10),
-            # so overriding the public interrupt_kernel alone would not skip it.
+            # The one private hook left: shutdown_kernel calls _async_interrupt_kernel itself (jupyter_client
+            # 8.10), so overriding the public interrupt_kernel alone would not skip it.
             if not self.shutting_down:
                 await super()._async_interrupt_kernel()
 
@@ -246,6 +248,12 @@ def _now() -> str:
     return dt.datetime.now().astimezone().isoformat(timespec="seconds")
 
 
+def _logged_error(logger: logging.Logger, message: str) -> RunError:
+    """The RunError to raise with `message`, which run.log (and the terminal) get first."""
+    logger.error(message)
+    return RunError(message)
+
+
 def run_pipeline(
     params_path: str | Path,
     stages: list[str] | None = None,
@@ -256,8 +264,8 @@ def run_pipeline(
 ) -> Path:
     """Run the selected stages; returns the run folder.
 
-    staged (None: params' run.staged): while stage 3 runs, a worker trains each finished data size and rewrites
-    the forecast (`eaglekit.staged`); stages 4-6 then run over all the data as always.
+    staged (None: params' run.staged): while stage 3 runs, a worker trains each finished data size and
+    rewrites the forecast (`eaglekit.staged`); stages 4-6 then run over all the data as always.
 
     Raises RunError naming the failed cell (or the dead kernel), RunInterrupted after SIGINT/SIGTERM,
     RunLockedError when another live process writes into the run folder. A stage that finishes but
@@ -316,10 +324,9 @@ def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
         reserve.release()
         if not is_disk_full(error):
             raise
-        message = (f"run {run_id}: no room to start: {describe_os_error(error)} writing {error.filename}; {free_space(run_dir)} "
-                   f"(the runner keeps {SPACE_RESERVE_BYTES >> 10} KiB for its own records); free space, then continue with: {resume_command}")
-        logger.error(message)
-        raise RunError(message) from None
+        raise _logged_error(logger, f"run {run_id}: no room to start: {describe_os_error(error)} writing {error.filename}; "
+                            f"{free_space(run_dir)} (the runner keeps {SPACE_RESERVE_BYTES >> 10} KiB for its own records); "
+                            f"free space, then continue with: {resume_command}") from None
     try:
         return _run_stages(params, run_id, run_dir, chosen, resume, resume_command, lock, staged, logger, state, reserve)
     finally:
@@ -357,7 +364,8 @@ def _run_stages(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
                     endpoints = serving.enter_context(serving_endpoints(served, log_path=run_dir / "server.log"))
                     logger.info("endpoints: %s", [endpoint.url for endpoint in endpoints])
                 elif endpoints is not None and not any(later.needs_endpoint for later in chosen[index:]):
-                    serving.close()  # the embedded server's memory and cores go to the stages after generation
+                    # the embedded server's memory and cores go to the stages after generation
+                    serving.close()
                     endpoints = None
                     logger.info("endpoints stopped: no later stage needs them")
                 try:
@@ -374,7 +382,7 @@ def _run_stages(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
         unrecorded = ""
         if label:
             try:
-                _record(run_dir, state, label, "interrupted", failed=True)
+                _record(run_dir, state, label, "interrupted")
             except OSError as write_error:
                 if not is_disk_full(write_error):
                     raise
@@ -394,8 +402,9 @@ def _run_stages(params: Params, run_id: str, run_dir: Path, chosen: list[Stage],
 
 @contextlib.contextmanager
 def _staged_worker(wanted: bool, run_dir: Path, state: dict, control: _StageControl, logger: logging.Logger, lock: RunFolderLock):
-    """Around stage 3 of a staged run: the worker starts with it; when stage 3 returns it finishes the size it is
-    on (the runner waits), and when stage 3 fails or is stopped it is stopped too. Its outcome goes in state.json."""
+    """Around stage 3 of a staged run: the worker starts with it; when stage 3 returns it finishes the size it
+    is on (the runner waits), and when stage 3 fails or is stopped it is stopped too. Its outcome goes in
+    state.json."""
     if not wanted:
         yield
         return
@@ -439,32 +448,32 @@ def stages_with_errors(run_dir: Path) -> dict[str, int]:
             if entry.get("status", "").startswith("done with")}
 
 
-def _record(run_dir: Path, state: dict, label: str, status: str, failed: bool = False, **fields) -> None:
-    """state.json: `completed` (stages done without errors, skipped by --resume), `failed`, `running`
-    (a stage whose runner vanished without a word keeps it), and per stage its last status."""
+def _record(run_dir: Path, state: dict, label: str, status: str, **fields) -> None:
+    """state.json: `completed` (stages done without errors, skipped by --resume), `failed` (the stage whose
+    last attempt failed or was interrupted), `running` (a stage whose runner vanished without a word keeps
+    it), and per stage its last status."""
     previous = state["stages"].get(label, {})
     if status == "running":  # a new attempt: the last one's error is history (run.log keeps it)
         previous = {key: value for key, value in previous.items() if key not in ("error", "path")}
-    entry = {**previous, "status": status, "updated": _now(), **fields}
-    state["stages"][label] = entry
+    state["stages"][label] = {**previous, "status": status, "updated": _now(), **fields}
     state["running"] = label if status == "running" else None
-    if failed:
-        state["failed"] = label
-    elif status != "running":
-        state["failed"] = None
+    if status != "running":
+        state["failed"] = label if status in ("failed", "interrupted") else None
     if status == "done" and label not in state["completed"]:
         state["completed"] = [*state["completed"], label]
     elif status != "done" and status != "running":
         state["completed"] = [item for item in state["completed"] if item != label]
-    with naming(run_dir / "state.json"):  # atomic: a write refused by a full disk leaves the previous state.json whole
+    # atomic: a write refused by a full disk leaves the previous state.json whole
+    with naming(run_dir / "state.json"):
         write_json(run_dir / "state.json", state)
 
 
 def _stage_failed_on_full_disk(stage: Stage, full: DiskFull, run_dir: Path, state: dict, reserve: SpaceReserve,
                                logger: logging.Logger, resume_command: str) -> RunError:
-    """The stage ran out of room. The space reserve is given up so that state.json (the stage failed, with the error and
-    the path), the executed notebook (its last complete save, marked failed) and run.log can still say so; each of
-    those that still cannot be written is named in the one-line message, which ends with the resume command."""
+    """The stage ran out of room. The space reserve is given up so that state.json (the stage failed, with the
+    error and the path), the executed notebook (its last complete save, marked failed) and run.log can still
+    say so; each of those that still cannot be written is named in the one-line message, which ends with the
+    resume command."""
     free = free_space(Path(full.path) if full.path else run_dir)  # before the reserve is given back
     reserve.release()
     output = run_dir / stage.notebook.name
@@ -480,7 +489,7 @@ def _stage_failed_on_full_disk(stage: Stage, full: DiskFull, run_dir: Path, stat
     where = f" in cell [{full.cell}]" if full.cell is not None else ""
     parts = [f"stage {stage.label} failed{where}: {located}; {free}; largest in the run folder: {largest_files(run_dir)}"]
     try:
-        _record(run_dir, state, stage.label, "failed", failed=True, error=error_text, path=full.path)
+        _record(run_dir, state, stage.label, "failed", error=error_text, path=full.path)
         parts.append("state.json: stage marked failed")
     except OSError as error:
         kept = _read_state(run_dir)
@@ -489,14 +498,12 @@ def _stage_failed_on_full_disk(stage: Stage, full: DiskFull, run_dir: Path, stat
     unsaved = "the executed notebook could not be saved after this cell: " if full.path == str(output) else ""
     parts.append(settle_executed_notebook(output, unsaved + error_text))
     parts.append(f"free space, then continue with: {resume_command}")
-    message = "; ".join(parts)
-    logger.error(message)
-    return RunError(message)
+    return _logged_error(logger, "; ".join(parts))
 
 
 def notebook_parameters(params: Params, notebook: Path, **extra) -> dict:
-    """The resolved params sections (and `extra` values) that `notebook`'s parameters cell declares: papermill warns
-    "Passed unknown parameter" for each other one, and the notebook would never read it."""
+    """The resolved params sections (and `extra` values) that `notebook`'s parameters cell declares: papermill
+    warns "Passed unknown parameter" for each other one, and the notebook would never read it."""
     import papermill
 
     declared = set(papermill.inspect_notebook(str(notebook)))
@@ -531,16 +538,12 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
         full = DiskFull.from_cell_error(error.ename, error.evalue, error.exec_count)
         if full is not None:
             raise full from None
-        _record(run_dir, state, stage.label, "failed", failed=True, error=f"{error.ename}: {error.evalue}")
+        _record(run_dir, state, stage.label, "failed", error=f"{error.ename}: {error.evalue}")
         cell_source = "\n".join("    " + line for line in (error.source or "").splitlines()[:15])
-        message = (
-            f"stage {stage.label} failed in cell [{error.exec_count}]:\n{cell_source}\n"
-            f"{error.ename}: {error.evalue}\n"
-            f"executed notebook: {output}\n"
-            f"after fixing, continue with: {resume_command}"
-        )
-        logger.error(message)
-        raise RunError(message) from None
+        raise _logged_error(logger, f"stage {stage.label} failed in cell [{error.exec_count}]:\n{cell_source}\n"
+                                    f"{error.ename}: {error.evalue}\n"
+                                    f"executed notebook: {output}\n"
+                                    f"after fixing, continue with: {resume_command}") from None
     except DeadKernelError:
         process = control.process
         control.stage_ended()
@@ -550,14 +553,10 @@ def _run_stage(stage: Stage, params: Params, run_dir: Path, endpoints: list | No
             raise RunInterrupted(f"stopped by {signal.Signals(control.signum).name}", control.signum) from None
         how = _describe_exit(returncode)
         exec_count = mark_unfinished(output, "DeadKernelError", f"the kernel died ({how})")
-        _record(run_dir, state, stage.label, "failed", failed=True, error=f"kernel died ({how})")
-        message = (
-            f"stage {stage.label} failed: the kernel died in cell [{exec_count}] ({how})\n"
-            f"executed notebook: {output}\n"
-            f"continue with: {resume_command}"
-        )
-        logger.error(message)
-        raise RunError(message) from None
+        _record(run_dir, state, stage.label, "failed", error=f"kernel died ({how})")
+        raise _logged_error(logger, f"stage {stage.label} failed: the kernel died in cell [{exec_count}] ({how})\n"
+                                    f"executed notebook: {output}\n"
+                                    f"continue with: {resume_command}") from None
     finally:
         control.stage_ended()
     if control.signum is not None:  # the signal came as the last cell ended: stop before the next stage
