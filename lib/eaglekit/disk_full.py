@@ -1,9 +1,9 @@
-"""A full disk in a run folder: which errors mean it, the space the runner keeps for its own records, and the error
-a stage that ran out of room ends with (`DiskFull`), located by path and cell.
+"""A full disk in a run folder: which errors mean it, the space the runner keeps for its own records, and the
+error a stage that ran out of room ends with (`DiskFull`), located by path and cell.
 
 A run folder holds `space_reserve` while the run lasts (SPACE_RESERVE_BYTES): when a stage fills the disk the
-runner deletes it, so that state.json (the stage failed, with the error and the path), run.log and the executed
-notebook (marked failed) still fit, and the message ends with the resume command.
+runner deletes it, so that state.json (the stage failed, with the error and the path), run.log and the
+executed notebook (marked failed) still fit, and the message ends with the resume command.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import os
 import re
 from pathlib import Path
 
-# Errors that mean "no room to write": the disk is full, a quota is spent, or a file-size limit (RLIMIT_FSIZE) is hit.
+# Errors that mean "no room to write": the disk is full, a quota is spent, or a file-size limit (RLIMIT_FSIZE)
+# is hit.
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 SPACE_RESERVE_BYTES = 1 << 20  # state.json, a few run.log lines and a marked executed notebook fit in it
 SPACE_RESERVE = "space_reserve"
@@ -26,7 +27,8 @@ def is_disk_full(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def naming(path: Path):
-    """Re-raise an OSError with `path` as its filename: a failed flush names no file, an atomic write its temp file."""
+    """Re-raise an OSError with `path` as its filename: a failed flush names no file, an atomic write its temp
+    file."""
     try:
         yield
     except OSError as error:
@@ -36,7 +38,8 @@ def naming(path: Path):
 
 
 def describe_os_error(error: OSError) -> str:
-    """`No space left on device (ENOSPC)`: the reason and its errno name, without the path (the message places it)."""
+    """`No space left on device (ENOSPC)`: the reason and its errno name, without the path (the message places
+    it)."""
     name = errno.errorcode.get(error.errno, str(error.errno))
     return f"{error.strerror or os.strerror(error.errno)} ({name})"
 
@@ -64,7 +67,8 @@ def _size_text(size: int) -> str:
 
 
 def largest_files(folder: Path, count: int = 3) -> str:
-    """`shard-00041.safetensors 2.9 MiB, run.log 12 B`: what fills the folder, for the user deciding what to free."""
+    """`shard-00041.safetensors 2.9 MiB, run.log 12 B`: what fills the folder, for the user deciding what to
+    free."""
     sizes = []
     for root, _, names in os.walk(folder):
         for name in names:
@@ -74,15 +78,16 @@ def largest_files(folder: Path, count: int = 3) -> str:
 
 
 class SpaceReserve:
-    """`space_reserve` in the run folder: SPACE_RESERVE_BYTES written before the stages run and deleted when a stage
-    hits a full disk, so the runner's own records of that failure still have room. Random bytes: a compressing
-    filesystem would store zeros in nothing."""
+    """`space_reserve` in the run folder: SPACE_RESERVE_BYTES written before the stages run and deleted when a
+    stage hits a full disk, so the runner's own records of that failure still have room. Random bytes: a
+    compressing filesystem would store zeros in nothing."""
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / SPACE_RESERVE
 
     def make(self) -> None:
-        """Raises a disk-full OSError naming the reserve when there is no room for it: the run cannot start."""
+        """Raises a disk-full OSError naming the reserve when there is no room for it: the run cannot
+        start."""
         if self.path.is_file() and self.path.stat().st_size >= SPACE_RESERVE_BYTES:
             return
         try:
@@ -100,8 +105,9 @@ class SpaceReserve:
 
 
 class DiskFull(Exception):
-    """A stage ran out of room: the path that could not be written (None when the error names none), what it is, the
-    OSError's reason (`No space left on device (ENOSPC)`), and the cell when the stage's own code hit it."""
+    """A stage ran out of room: the path that could not be written (None when the error names none), what it
+    is, the OSError's reason (`No space left on device (ENOSPC)`), and the cell when the stage's own code hit
+    it."""
 
     def __init__(self, path: str | None, what: str, reason: str, cell: int | None = None):
         super().__init__(f"{reason} writing {path}")
@@ -116,8 +122,8 @@ class DiskFull(Exception):
 
     @classmethod
     def from_cell_error(cls, ename: str, evalue: str, exec_count: int | None) -> "DiskFull | None":
-        """The stage's own code raised it: papermill has only the exception's name and text (`[Errno 28] ...: 'path'`;
-        a failed write() names no path). None when it is not a disk-full error."""
+        """The stage's own code raised it: papermill has only the exception's name and text (`[Errno 28] ...:
+        'path'`; a failed write() names no path). None when it is not a disk-full error."""
         match = re.match(r"\[Errno (\d+)\] (.*?)(?:: '(.*)')?$", evalue or "")
         if not match or int(match[1]) not in DISK_FULL_ERRNOS:
             return None

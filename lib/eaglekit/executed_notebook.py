@@ -1,6 +1,6 @@
-"""The executed notebook a stage leaves in the run folder: saved atomically by papermill (a save refused by a full disk
-leaves the last complete one, never a torn file), and marked after a stage that did not end by itself (the cell that
-was running failed, the cells after it never ran).
+"""The executed notebook a stage leaves in the run folder: saved atomically by papermill (a save refused by a
+full disk leaves the last complete one, never a torn file), and marked after a stage that did not end by
+itself (the cell that was running failed, the cells after it never ran).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from eaglekit.io import atomic_write
 
 
 class AtomicNotebookSaves:
-    """papermill's I/O for one executed notebook: each save replaces the file whole (temp file, rename), so a save that
-    fails on a full disk leaves the last complete save, never a torn file. The notebook it could not save is kept, for
-    the runner to mark failed and write once there is room."""
+    """papermill's I/O for one executed notebook: each save replaces the file whole (temp file, rename), so a
+    save that fails on a full disk leaves the last complete save, never a torn file. The notebook it could not
+    save is kept, for the runner to mark failed and write once there is room."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -59,8 +59,8 @@ NOTEBOOK_SAVES: dict[str, AtomicNotebookSaves] = {}
 
 
 def notebook_saves(output: Path) -> AtomicNotebookSaves:
-    """The papermill handler for `output`, registered once per path (papermill matches a path by its prefix, newest
-    registration first; no other path starts with a run folder's `NN_stage.ipynb`)."""
+    """The papermill handler for `output`, registered once per path (papermill matches a path by its prefix,
+    newest registration first; no other path starts with a run folder's `NN_stage.ipynb`)."""
     from papermill.iorw import papermill_io
 
     key = str(output)
@@ -73,8 +73,8 @@ def notebook_saves(output: Path) -> AtomicNotebookSaves:
 
 
 def running_cell(output: Path) -> str:
-    """` in cell [5] (`result = run_analysis_stage(params, out)`) for 1m12s`: the cell papermill last marked running in
-    `output`'s newest save; '' before the first cell starts."""
+    """` in cell [5] (`result = run_analysis_stage(params, out)`) for 1m12s`: the cell papermill last marked
+    running in `output`'s newest save; '' before the first cell starts."""
     saves = NOTEBOOK_SAVES.get(str(output))
     if saves is None or saves.last is None:
         return ""
@@ -128,7 +128,8 @@ def mark_unfinished(output: Path, ename: str, evalue: str, unsaved: str | None =
 
 
 def failed_cell(output: Path) -> str:
-    """`cell [3] failed with OSError: ...` when the notebook papermill last tried to save shows a failed cell, else ''."""
+    """`cell [3] failed with OSError: ...` when the notebook papermill last tried to save shows a failed cell,
+    else ''."""
     saves = NOTEBOOK_SAVES.get(str(output))
     try:
         unsaved = saves.unsaved if saves is not None else None
@@ -144,8 +145,9 @@ def failed_cell(output: Path) -> str:
 
 
 def settle_executed_notebook(output: Path, error_text: str) -> str:
-    """After a full disk: write the notebook papermill could not save, marked failed, over its last complete save; when
-    that cannot be written either, the last complete save stays (never a torn file: saves are atomic). Says which."""
+    """After a full disk: write the notebook papermill could not save, marked failed, over its last complete
+    save; when that cannot be written either, the last complete save stays (never a torn file: saves are
+    atomic). Says which."""
     saves = NOTEBOOK_SAVES.get(str(output))
     unsaved = saves.unsaved if saves is not None else None
     if unsaved is None and not output.exists():

@@ -142,8 +142,8 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
 
 
 def parse_json_text(value: Any) -> Any:
-    """A string that holds JSON, parsed; anything else (a non-JSON string included) as it is. Datasets store tool
-    calls' arguments and tool definitions either way."""
+    """A string that holds JSON, parsed; anything else (a non-JSON string included) as it is. Datasets store
+    tool calls' arguments and tool definitions either way."""
     if isinstance(value, str):
         try:
             return json.loads(value)
@@ -242,7 +242,8 @@ class AppendLog(ClosesOnExit):
 
 
 def pid_alive(pid: Any) -> bool:
-    """Whether a process with this pid lives on this machine (a zombie does not count; not ours to know: alive)."""
+    """Whether a process with this pid lives on this machine (a zombie does not count; not ours to know:
+    alive)."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:

@@ -11,7 +11,8 @@ NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
 
 def cache_dir() -> Path:
-    """`$EAGLEKIT_CACHE`, else `~/.cache/eaglekit`: converted models (`models/`) and fetched data (`data/`)."""
+    """`$EAGLEKIT_CACHE`, else `~/.cache/eaglekit`: converted models (`models/`) and fetched data
+    (`data/`)."""
     root = Path(os.environ.get("EAGLEKIT_CACHE") or Path.home() / ".cache" / "eaglekit")
     root.mkdir(parents=True, exist_ok=True)
     return root

@@ -1,4 +1,5 @@
-"""`eaglekit plan params/X.yaml`: what a run will need, from params alone, before the weights or any data exist.
+"""`eaglekit plan params/X.yaml`: what a run will need, from params alone, before the weights or any data
+exist.
 
 Figures, each from the kit's own planners (the same functions the stages call once data is there):
 - KV cache per token, exact for the target's attention (MHA/GQA or MLA; eaglekit.generation.capacity), and the
@@ -92,8 +93,8 @@ def _capacity(params: Params, config: dict) -> tuple[dict[str, Any], dict[str, i
     return figures, {row.partition: row.recommended_concurrency for row in plan.partitions}
 
 
-# One stream's decode rate when the params give none: the seed's Kimi-K2.5 plain decode on 8 GPUs (90 tok/s), an
-# assumption the plan prints as one; analysis.baseline_tokens_per_s or --server-tokens-per-s replaces it.
+# One stream's decode rate when the params give none: the seed's Kimi-K2.5 plain decode on 8 GPUs (90 tok/s),
+# an assumption the plan prints as one; analysis.baseline_tokens_per_s or --server-tokens-per-s replaces it.
 ASSUMED_STREAM_TOKENS_PER_S = 90.0
 
 
@@ -111,7 +112,8 @@ def _training_memory(params: Params, config: dict) -> dict[str, Any]:
     cuda = training.device.startswith("cuda")
     vocab = training.draft_vocab_size or min(32_000, int(load_model_config(config)["vocab_size"]))
     plan = plan_training_memory(
-        draft_config_for_target(config, vocab, shape=training.draft_shape), gpu_memory_bytes=int(params.generation.plan.gpu_memory_gb * 1e9),
+        draft_config_for_target(config, vocab, shape=training.draft_shape),
+        gpu_memory_bytes=int(params.generation.plan.gpu_memory_gb * 1e9),
         pack_tokens=training.pack_tokens or training.max_length * training.micro_batch_size,
         ttt_steps=training.ttt_steps, world_size=training.nproc_per_node,
         parallel="fsdp" if training.parallel == "fsdp" else "ddp",
@@ -196,7 +198,8 @@ def format_plan(plan: RunPlan) -> str:
         lines.append(f"  {label:>16}: {bf16['samples']:>8,} samples  bf16 {_bytes(bf16['bytes']):>11} "
                      f"(disk {_bytes(bf16['cumulative_bytes'])})  fp8 {_bytes(fp8['bytes']):>11}")
     memory = plan.training_memory
-    lines.append(f"training memory per GPU: {_bytes(memory['total_bytes'])} of {_bytes(memory['gpu_memory_bytes'] * memory['memory_fraction'])} usable "
+    usable = memory["gpu_memory_bytes"] * memory["memory_fraction"]
+    lines.append(f"training memory per GPU: {_bytes(memory['total_bytes'])} of {_bytes(usable)} usable "
                  f"at a {memory['pack_tokens']:,}-token pack ({memory['parallel']} x {memory['world_size']}, "
                  f"{memory['attention']}, {memory['dtype']}, checkpointing {'on' if memory['activation_checkpointing'] else 'off'}): "
                  f"{'fits' if memory['fits'] else 'does NOT fit'}; largest pack {memory['largest_pack_tokens']:,} tokens")

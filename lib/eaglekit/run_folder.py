@@ -32,7 +32,8 @@ def new_run_id(name: str) -> str:
 
 
 RUN_DIR_ENV = "EAGLEKIT_RUN_DIR"  # names the run folder of a notebook run by hand (nbconvert, JupyterLab)
-FIRST_STAGE = "survey"  # the one stage that starts a run folder; every later one reads what earlier ones wrote
+# the one stage that starts a run folder; every later one reads what earlier ones wrote
+FIRST_STAGE = "survey"
 
 
 class RunFolderError(ValueError):
@@ -41,12 +42,13 @@ class RunFolderError(ValueError):
 
 def run_dir_for(params: Params, run_dir: str = "", stage: str | None = None) -> Path:
     """The notebook-side rule: the run folder is `run_dir` (the parameters cell; the runner sets it), else
-    $EAGLEKIT_RUN_DIR, else `outputs/<run.name>-interactive`, so stages run one after another by hand share one folder.
+    $EAGLEKIT_RUN_DIR, else `outputs/<run.name>-interactive`, so stages run one after another by hand share
+    one folder.
 
     `stage` (the notebook's stage name) guards a notebook run by hand (not by the runner, which sets
-    run_log.STAGE_ENV in its kernels): a stage after the first needs a folder that exists (earlier stages filled it),
-    so it stops saying how to name one instead of leaving an empty folder behind; and a stage that the folder's
-    state.json records as finished is not run into it again: a run folder is never overwritten.
+    run_log.STAGE_ENV in its kernels): a stage after the first needs a folder that exists (earlier stages
+    filled it), so it stops saying how to name one instead of leaving an empty folder behind; and a stage that
+    the folder's state.json records as finished is not run into it again: a run folder is never overwritten.
     """
     from eaglekit.run_log import STAGE_ENV
 
@@ -91,8 +93,9 @@ def _git(*args: str) -> str | None:
 
 
 def machine_load() -> dict[str, Any]:
-    """The machine's load now: every timing in a run depends on what else ran beside it (a 2-core machine with a
-    second job runs a stage at half speed). Load averages over 1, 5 and 15 minutes against the cores, and free memory."""
+    """The machine's load now: every timing in a run depends on what else ran beside it (a 2-core machine with
+    a second job runs a stage at half speed). Load averages over 1, 5 and 15 minutes against the cores, and
+    free memory."""
     load: dict[str, Any] = {"cpu_count": os.cpu_count()}
     with contextlib.suppress(OSError):
         load["loadavg_1m"], load["loadavg_5m"], load["loadavg_15m"] = (round(value, 2) for value in os.getloadavg())
@@ -160,7 +163,8 @@ class Metrics(ClosesOnExit):
 # Stage folders inside a run folder. Each stage reads only what earlier stages wrote here.
 STAGE_FOLDERS = {
     "survey": "survey",  # 01: summary tables
-    "prep": "prep",  # 02: <source>/tokenized_data.jsonl (class A), <source>/prompts.<partition>.jsonl (class B)
+    # 02: <source>/tokenized_data.jsonl (class A), <source>/prompts.<partition>.jsonl (class B)
+    "prep": "prep",
     "generation": "generation",  # 03: records, errors, tokenized/<source>/tokenized_data.jsonl
     "capture": "capture",  # 04: shards + index.json
     "training": "training",  # 05: size_<N>/ checkpoints and metrics, exports
@@ -224,7 +228,8 @@ class RunFolderLock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
             os.fsync(fd)
-        except OSError as error:  # a full disk: give the lock back rather than hold it with no record of who does
+        # a full disk: give the lock back rather than hold it with no record of who does
+        except OSError as error:
             os.close(fd)
             raise OSError(error.errno, error.strerror, str(self.path)) from error
         self.fd = fd
@@ -281,11 +286,13 @@ def clear_stage_outcome(run_dir: str | os.PathLike, stage: str) -> None:
         _outcome_path(run_dir, stage).unlink()
 
 
-# ---- the run folder's layout: where each stage's hand-over lies (the one place that knows the folder names) ----
+# ---- the run folder's layout: where each stage's hand-over lies (the one place that knows the folder names)
 ORDER_FILE = "order.json"  # prep/: the planned held-out set and training order (training.order.TrainingOrder)
 SWEEP_FILE = "sweep.json"  # training/: the drafts stage 5 hands stage 6 (training.record.SweepRecord)
-TOKENIZED_FILE = "tokenized_data.jsonl"  # prep/<source>/ (class A), generation/tokenized/<source>/ (class B regenerated)
-ORIGINAL_TOKENIZED_FILE = "original_tokenized_data.jsonl"  # prep/<source>/: class B's own answers (the ablation)
+# prep/<source>/ (class A), generation/tokenized/<source>/ (class B regenerated)
+TOKENIZED_FILE = "tokenized_data.jsonl"
+# prep/<source>/: class B's own answers (the ablation)
+ORIGINAL_TOKENIZED_FILE = "original_tokenized_data.jsonl"
 
 
 def stage_path(run_dir: str | os.PathLike, stage: str) -> Path:

@@ -1,5 +1,5 @@
-"""run.log: the runner's lines and every stage kernel's `eaglekit` log lines in one file of the run folder, also on
-the runner's terminal and in the running cell's output.
+"""run.log: the runner's lines and every stage kernel's `eaglekit` log lines in one file of the run folder,
+also on the runner's terminal and in the running cell's output.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from eaglekit.disk_full import describe_os_error
 
 
 def under_runner() -> bool:
-    """True in a stage kernel the runner started: progress goes to run.log as lines, never as a bar (a bar in an
-    executed notebook stays frozen at its first frame)."""
+    """True in a stage kernel the runner started: progress goes to run.log as lines, never as a bar (a bar in
+    an executed notebook stays frozen at its first frame)."""
     return bool(os.environ.get(STAGE_ENV))
 
 
@@ -36,10 +36,10 @@ def run_logger(run_dir: Path) -> logging.Logger:
 
 
 class RunLogHandler(logging.Handler):
-    """Appends each line to run.log in one write on an O_APPEND descriptor (the runner and its stage kernel share the
-    file). When the disk is full a line is lost from run.log only: the failure is said once on `report` (the
-    terminal), not as a traceback per line, and after a write torn by either process the next line that fits starts
-    on a line of its own."""
+    """Appends each line to run.log in one write on an O_APPEND descriptor (the runner and its stage kernel
+    share the file). When the disk is full a line is lost from run.log only: the failure is said once on
+    `report` (the terminal), not as a traceback per line, and after a write torn by either process the next
+    line that fits starts on a line of its own."""
 
     def __init__(self, path: Path, report):
         super().__init__()
@@ -102,8 +102,8 @@ def attach_stage_logging() -> None:
     terminal = open(os.dup(original), "w", buffering=1, encoding="utf-8", errors="replace") if original is not None else sys.__stderr__
     kit_logger = logging.getLogger("eaglekit")
     formatter = logging.Formatter(f"%(asctime)s %(levelname)s [{stage}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
-    # ipykernel routes sys.stderr into the running cell; a plain process (the staged worker) has no cell output, and
-    # its sys.stderr is the terminal handler's stream already.
+    # ipykernel routes sys.stderr into the running cell; a plain process (the staged worker) has no cell
+    # output, and its sys.stderr is the terminal handler's stream already.
     in_kernel = type(sys.stderr).__module__.startswith("ipykernel")
     handlers = (RunLogHandler(Path(run_log), terminal), logging.StreamHandler(terminal), *([_NotebookHandler()] if in_kernel else []))
     for handler in handlers:
@@ -128,12 +128,12 @@ class _NotebookHandler(logging.StreamHandler):
 def quiet_iopub_shutdown_race() -> None:
     """Run inside a stage kernel at start-up: a flush that races the kernel's shutdown prints no traceback.
 
-    ipykernel's IOPubThread.schedule asks whether the IO thread is alive, then wakes it through a pipe. When the
-    kernel shuts down between the two (the control thread flushes after the shutdown reply while the main thread
-    joins the IO thread and closes its pipes), the wake-up raises ENOTSOCK and tornado prints the traceback on
-    the runner's terminal, under the stage's located message. ipykernel 7.4 catches this race in `_really_send`
-    (ipython/ipykernel#1518) but not here. The thread is gone, so the callback runs at once, as schedule does for
-    a dead thread; any other error is raised as before.
+    ipykernel's IOPubThread.schedule asks whether the IO thread is alive, then wakes it through a pipe. When
+    the kernel shuts down between the two (the control thread flushes after the shutdown reply while the main
+    thread joins the IO thread and closes its pipes), the wake-up raises ENOTSOCK and tornado prints the
+    traceback on the runner's terminal, under the stage's located message. ipykernel 7.4 catches this race in
+    `_really_send` (ipython/ipykernel#1518) but not here. The thread is gone, so the callback runs at once, as
+    schedule does for a dead thread; any other error is raised as before.
     """
     try:
         import zmq
@@ -162,15 +162,18 @@ KERNEL_HOOK = ("import eaglekit.run_log as _eaglekit_run_log; _eaglekit_run_log.
 
 # ---- no silent stretch -----------------------------------------------------------------------
 
-SILENCE_LIMIT_S = 30.0  # run.log never goes longer without a line: a user tailing it tells a long step from a hang
-HEARTBEAT_AFTER_S = 25.0  # the runner's "still running" line comes this long after the last line, within the limit
+# run.log never goes longer without a line: a user tailing it tells a long step from a hang
+SILENCE_LIMIT_S = 30.0
+# the runner's "still running" line comes this long after the last line, within the limit
+HEARTBEAT_AFTER_S = 25.0
 
 
 class StageHeartbeat:
-    """While a stage runs, a thread watches run.log: after `after_s` without a new byte (from the runner, the stage's
-    kernel or the staged worker), one line says the stage still runs, where (`where()`: the running cell and for how
-    long) and how long nothing was logged. Stages log their own progress; this covers the steps that cannot (a model
-    load, one long forward) so that no stretch of run.log is silent past SILENCE_LIMIT_S."""
+    """While a stage runs, a thread watches run.log: after `after_s` without a new byte (from the runner, the
+    stage's kernel or the staged worker), one line says the stage still runs, where (`where()`: the running
+    cell and for how long) and how long nothing was logged. Stages log their own progress; this covers the
+    steps that cannot (a model load, one long forward) so that no stretch of run.log is silent past
+    SILENCE_LIMIT_S."""
 
     def __init__(self, run_log: Path, logger: logging.Logger, label: str, where: Callable[[], str],
                  after_s: float = HEARTBEAT_AFTER_S, poll_s: float = 1.0):

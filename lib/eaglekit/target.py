@@ -165,7 +165,8 @@ class TargetLayout:
     text_config: dict
     prefix: str
     trust_remote_code: bool = False
-    # Tensor name -> safetensors file, read once from the index (Kimi-K2.5's is large) when the layout is resolved.
+    # Tensor name -> safetensors file, read once from the index (Kimi-K2.5's is large) when the layout is
+    # resolved.
     tensor_files: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -201,14 +202,16 @@ class TargetLayout:
     lm_head_name = property(lambda self: f"{self.prefix}lm_head.weight")
 
     def text_config_object(self):
-        """The decoder's transformers config (a LlamaConfig, DeepseekV3Config, ...), remote code passed through."""
+        """The decoder's transformers config (a LlamaConfig, DeepseekV3Config, ...), remote code passed
+        through."""
         from transformers import AutoConfig
 
         if not self.is_wrapper:
             return AutoConfig.from_pretrained(self.folder, trust_remote_code=self.trust_remote_code)
         data = dict(self.text_config)
         model_type = data.pop("model_type")
-        if model_type == "kimi_k2":  # Kimi's text config names DeepSeek-V3's architecture (as transformers' kimi_k25 does)
+        # Kimi's text config names DeepSeek-V3's architecture (as transformers' kimi_k25 does)
+        if model_type == "kimi_k2":
             model_type = "deepseek_v3"
         return AutoConfig.for_model(model_type, **data)
 

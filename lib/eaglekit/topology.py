@@ -4,7 +4,8 @@ SGLang spells a topology with three flags (`python/sglang/srt/server_args.py`):
 
     --speculative-num-steps S        draft forward passes per verification (the tree's depth)
     --speculative-eagle-topk K       children kept per expanded node, and nodes expanded per step
-    --speculative-num-draft-tokens T tokens verified per step: the pending token + the T - 1 best drafted nodes
+    --speculative-num-draft-tokens T tokens verified per step: the pending token + the T - 1 best drafted
+                                     nodes
 
 How SGLang grows the tree (`eagle_utils.select_top_k_tokens`, `organize_draft_results`): the extend's last
 row proposes K children of the pending token; each later step runs the draft once on the K current nodes and
@@ -49,7 +50,8 @@ class Topology:
     # -- constructors --------------------------------------------------------------------------------
     @classmethod
     def chain(cls, steps: int) -> Topology:
-        """A greedy chain of k draft steps (SGLang top-k 1, k + 1 draft tokens; vLLM num_speculative_tokens k)."""
+        """A greedy chain of k draft steps (SGLang top-k 1, k + 1 draft tokens; vLLM num_speculative_tokens
+        k)."""
         return cls(steps=steps)
 
     @classmethod
@@ -104,7 +106,8 @@ class Topology:
 
     # -- records -------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        """The four columns every tau row carries (the keys notebook 06 and `checkpoint_evaluation.summarize` use)."""
+        """The four columns every tau row carries (the keys notebook 06 and `checkpoint_evaluation.summarize`
+        use)."""
         return {"topology": self.kind, "steps": self.steps, "top_k": self.top_k, "draft_tokens": self.draft_tokens}
 
     @classmethod
@@ -114,7 +117,8 @@ class Topology:
             raise ValueError(f"topology record {record!r} lacks {missing}; expected keys topology, steps, top_k, draft_tokens")
         topology = cls(steps=int(record["steps"]), top_k=int(record.get("top_k", 1)), draft_tokens=int(record.get("draft_tokens", 0)))
         if record["topology"] != topology.kind:
-            raise ValueError(f"topology record {record!r} says {record['topology']!r} but top_k {topology.top_k} makes it a {topology.kind}")
+            raise ValueError(f"topology record {record!r} says {record['topology']!r} but top_k {topology.top_k} makes it "
+                             f"a {topology.kind}")
         return topology
 
     # -- serving settings ----------------------------------------------------------------------------
@@ -130,7 +134,8 @@ class Topology:
         return " ".join(self.sglang_flags())
 
     def vllm_speculative_config(self, draft_dir: str) -> dict | None:
-        """vLLM's `--speculative-config` for a chain; None for a tree (vLLM's EAGLE-3 proposer drafts chains)."""
+        """vLLM's `--speculative-config` for a chain; None for a tree (vLLM's EAGLE-3 proposer drafts
+        chains)."""
         if not self.is_chain:
             return None
         return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": self.steps}

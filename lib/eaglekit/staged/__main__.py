@@ -1,10 +1,11 @@
-"""`python -m eaglekit.staged --params P --run-dir D [--generation-fd N --runner-pid PID]`: the staged worker, as the runner starts it.
+"""`python -m eaglekit.staged --params P --run-dir D [--generation-fd N --runner-pid PID]`: the staged worker,
+as the runner starts it.
 
 The runner passes the run folder's lock (inherited, so this process is a writer under the same lock, never a
 second one) and the read end of a pipe it closes when stage 3 ends. When the runner itself dies (kill -9), the
-worker stops at once, as a stage kernel does, so the lock it holds does not block the resume: the size it was on
-continues from its last checkpoint then. Run by hand on a run folder whose generation
-has ended, it stages nothing new: it only finishes a size a stopped worker left in training.
+worker stops at once, as a stage kernel does, so the lock it holds does not block the resume: the size it was
+on continues from its last checkpoint then. Run by hand on a run folder whose generation has ended, it stages
+nothing new: it only finishes a size a stopped worker left in training.
 """
 
 from __future__ import annotations
@@ -22,17 +23,18 @@ HARD_STOP_AFTER_S = 10.0  # the interrupt's grace period before the worker exits
 
 
 def _stop_when_parent_dies(parent: int, interval_s: float = PARENT_POLL_S) -> None:
-    """A thread that interrupts this process (as Ctrl-C would) once `parent`, the runner that started it, is gone
-    (this process is then re-parented, so its parent pid changes; checked from the start, so no death is missed)."""
+    """A thread that interrupts this process (as Ctrl-C would) once `parent`, the runner that started it, is
+    gone (this process is then re-parented, so its parent pid changes; checked from the start, so no death is
+    missed)."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(interval_s)
         logging.getLogger("eaglekit.staged").warning("staged worker: the runner (pid %d) is gone; stopping", parent)
         os.kill(os.getpid(), signal.SIGINT)
-        # An interrupt that lands in a C call or is swallowed never ends the process, and the run folder's lock
-        # would outlive the runner: after a grace period, stop hard. Every write is atomic, so this loses no more
-        # than a kill -9 would (the size in progress resumes from its last checkpoint).
+        # An interrupt that lands in a C call or is swallowed never ends the process, and the run folder's
+        # lock would outlive the runner: after a grace period, stop hard. Every write is atomic, so this loses
+        # no more than a kill -9 would (the size in progress resumes from its last checkpoint).
         time.sleep(HARD_STOP_AFTER_S)
         logging.getLogger("eaglekit.staged").warning("staged worker: still running %.0f s after the interrupt; exiting", HARD_STOP_AFTER_S)
         os._exit(130)

@@ -1,4 +1,5 @@
-"""The runner's side of a staged run: the worker process beside stage 3's kernel, and how it is told and stopped.
+"""The runner's side of a staged run: the worker process beside stage 3's kernel, and how it is told and
+stopped.
 
 The worker (`python -m eaglekit.staged`) inherits the run folder's lock descriptor, so the folder keeps one
 writer (the runner and its children) even if the runner dies; it leads its own process group, so the runner
@@ -20,8 +21,8 @@ STAGE_LABEL = "staged"
 
 
 def staged_serving_params(params):
-    """Params for the embedded server of a staged run: on a machine without a GPU, unless `server.threads` is set,
-    it gets the CPU threads the worker leaves (`worker.cpu_threads_split`)."""
+    """Params for the embedded server of a staged run: on a machine without a GPU, unless `server.threads` is
+    set, it gets the CPU threads the worker leaves (`worker.cpu_threads_split`)."""
     from eaglekit.staged.worker import cpu_threads_split
 
     split = cpu_threads_split()
@@ -73,7 +74,8 @@ class StagedProcess:
             return None
 
     def stop(self, grace_s: float) -> int:
-        """SIGINT (the worker's training stops at its next step), then SIGKILL after `grace_s`: a resume continues it."""
+        """SIGINT (the worker's training stops at its next step), then SIGKILL after `grace_s`: a resume
+        continues it."""
         self.generation_ended()
         if self.process.poll() is None:
             self.signal(signal.SIGINT)

@@ -1,4 +1,5 @@
-"""Which data sizes can train while stage 3 is still answering, and the record of what each staged size trained on.
+"""Which data sizes can train while stage 3 is still answering, and the record of what each staged size
+trained on.
 
 A staged run trains the sizes of `training.data_sizes` on the prefixes of prep's planned order
 (`prep/order.json`) as their answers arrive. The rule is the full run's (`TrainingOrder.split`): a
@@ -11,11 +12,11 @@ being answered. Size N can train once the held-out set is settled and the settle
 holds N samples that tokenize: then its slice is exactly the subset stage 5 trains N on, if no later session
 answers one of its holes.
 
-`staged/slices.json` (`StagedRecord`) keeps, per size, the exact samples it trained on (and their hash), written
-before training starts, the hash of the prep/order.json they were taken from, and the draft vocab the first
-size fixed. A later `--resume` that answers a prompt which had failed moves every later sample by one place:
-the worker compares each recorded slice with the slice stage 5 would now train (`slice_mismatch`), reports a
-difference and stages that size again.
+`staged/slices.json` (`StagedRecord`) keeps, per size, the exact samples it trained on (and their hash),
+written before training starts, the hash of the prep/order.json they were taken from, and the draft vocab the
+first size fixed. A later `--resume` that answers a prompt which had failed moves every later sample by one
+place: the worker compares each recorded slice with the slice stage 5 would now train (`slice_mismatch`),
+reports a difference and stages that size again.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from eaglekit.training.order import Key, TrainingOrder
 
 STAGED_DIR = "staged"
 SLICES_FILE = "slices.json"
-FORECASTS_FILE = "forecasts.jsonl"  # one line per forecast the staged run wrote: the answer as it was, size by size
+# one line per forecast the staged run wrote: the answer as it was, size by size
+FORECASTS_FILE = "forecasts.jsonl"
 
 
 def now() -> str:
@@ -49,7 +51,8 @@ def now() -> str:
 
 @dataclass(frozen=True)
 class Settled:
-    """The state of every planned sample at one moment: class A (no answer needed), answered, failed for good."""
+    """The state of every planned sample at one moment: class A (no answer needed), answered, failed for
+    good."""
 
     class_a: frozenset[Key]
     answered: frozenset[Key]
@@ -68,18 +71,18 @@ def class_a_keys(run_dir: str | os.PathLike) -> frozenset[Key]:
 
 
 def next_session(run_dir: str | os.PathLike) -> int:
-    """The number stage 3 gives its next session (1 + the sessions recorded): read before stage 3 starts, it is
-    the session this run's generation writes."""
+    """The number stage 3 gives its next session (1 + the sessions recorded): read before stage 3 starts, it
+    is the session this run's generation writes."""
     return 1 + count_lines(stage_path(run_dir, "generation") / SESSIONS_FILE)
 
 
 def read_settled(run_dir: str | os.PathLike, class_a: frozenset[Key], first_session: int | None = None) -> Settled:
-    """What stage 3's logs say now. Both files are append-only; a torn last line (a write in progress) is skipped.
-    An answer read after an error record of the same prompt wins (the prompt was retried).
+    """What stage 3's logs say now. Both files are append-only; a torn last line (a write in progress) is
+    skipped. An answer read after an error record of the same prompt wins (the prompt was retried).
 
-    first_session: the first session of the generation running now (`next_session` before it started); an error
-    whose latest record is older is retried in this session, so it is not settled yet. None: every error is final
-    (generation.retry_errors false, or a generation that has ended)."""
+    first_session: the first session of the generation running now (`next_session` before it started); an
+    error whose latest record is older is retried in this session, so it is not settled yet. None: every error
+    is final (generation.retry_errors false, or a generation that has ended)."""
     generation_dir = stage_path(run_dir, "generation")
     answered = frozenset(finished_keys(generation_dir / GENERATIONS_FILE))
     latest_session = {(head["dataset"], head["id"]): int(head.get("session") or 0)
@@ -108,8 +111,9 @@ def settled_prefix(order: TrainingOrder, settled: Settled) -> Prefix:
 # ---- the staged training data --------------------------------------------------------------------
 
 def write_staged_data(run_dir: str | os.PathLike, keys: Collection[Key], params, tokenizer) -> tuple[dict[str, Path], set[Key]]:
-    """`staged/tokenized/<dataset>/tokenized_data.jsonl` for `keys`: class A filtered from prep's files, class B
-    tokenized from the answers exactly as stage 3 will tokenize them (`build_tokenized_data`, the same filters).
+    """`staged/tokenized/<dataset>/tokenized_data.jsonl` for `keys`: class A filtered from prep's files, class
+    B tokenized from the answers exactly as stage 3 will tokenize them (`build_tokenized_data`, the same
+    filters).
 
     Returns ({dataset: file}, the keys that became samples: an answer dropped or rejected is not among them).
     Each call rewrites the files for the keys given (the staged runner passes a growing set), atomically."""
@@ -157,7 +161,8 @@ class SliceEntry:
 
 @dataclass
 class StagedRecord:
-    """`staged/slices.json`: the held-out set and draft vocab fixed at the first size, and every staged size."""
+    """`staged/slices.json`: the held-out set and draft vocab fixed at the first size, and every staged
+    size."""
 
     seed: int
     heldout_size: int
@@ -165,7 +170,8 @@ class StagedRecord:
     vocab_counted_over: int | None = None  # the size whose training samples the draft vocab was counted over
     slices: dict[int, SliceEntry] = field(default_factory=dict)
     order_sha256: str = ""  # of the prep/order.json the slices were taken from
-    set_aside: list[dict] = field(default_factory=list)  # sizes whose recorded samples were not stage 5's: size, problem, folder
+    # sizes whose recorded samples were not stage 5's: size, problem, folder
+    set_aside: list[dict] = field(default_factory=list)
 
     @staticmethod
     def path(run_dir: str | os.PathLike) -> Path:
@@ -182,7 +188,8 @@ class StagedRecord:
 
     @classmethod
     def load(cls, run_dir: str | os.PathLike, seed: int, heldout_size: int) -> StagedRecord:
-        """The record of this run folder, or a fresh one. Refuses one made for another seed or held-out size."""
+        """The record of this run folder, or a fresh one. Refuses one made for another seed or held-out
+        size."""
         path = cls.path(run_dir)
         if not path.exists():
             return cls(seed, heldout_size)
@@ -227,8 +234,8 @@ def check_order(record: StagedRecord, order: TrainingOrder, run_dir: str | os.Pa
 def slice_mismatch(entry: SliceEntry, expected: Sequence[Key], order: TrainingOrder) -> str | None:
     """Why a recorded slice is not the subset stage 5 trains its size on, or None when it is.
 
-    expected: the slice the settled logs give now (`slice_for`). Also checked against prep's order alone: every
-    sample planned for training, none held out, in the planned order."""
+    expected: the slice the settled logs give now (`slice_for`). Also checked against prep's order alone:
+    every sample planned for training, none held out, in the planned order."""
     place = {key: index for index, key in enumerate(order.train)}
     unplanned = [key for key in entry.train if key not in place]
     if unplanned:
@@ -244,13 +251,15 @@ def slice_mismatch(entry: SliceEntry, expected: Sequence[Key], order: TrainingOr
 
 
 def slice_for(size: int, prefix: Prefix, samples: set[Key]) -> list[Key] | None:
-    """The first `size` training samples of the settled prefix that became samples; None when there are fewer."""
+    """The first `size` training samples of the settled prefix that became samples; None when there are
+    fewer."""
     train = [key for key in prefix.train if key in samples]
     return train[:size] if len(train) >= size else None
 
 
 def read_forecast_history(run_dir: str | os.PathLike) -> list[dict]:
-    """staged/forecasts.jsonl: the forecast after each staged size, oldest first ([] for a run that was not staged)."""
+    """staged/forecasts.jsonl: the forecast after each staged size, oldest first ([] for a run that was not
+    staged)."""
     path = Path(run_dir) / STAGED_DIR / FORECASTS_FILE
     return [record for _, record in read_jsonl(path)] if path.exists() else []
 

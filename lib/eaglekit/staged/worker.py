@@ -1,26 +1,27 @@
-"""The staged run: stages 4-6 on each finished slice while stage 3 is still answering, the forecast after each size.
+"""The staged run: stages 4-6 on each finished slice while stage 3 is still answering, the forecast after each
+size.
 
-`StagedWorker(params, run_dir, generation).run()` takes the sizes of `training.data_sizes` smallest first.
-For each it waits until its slice is settled (`slices.settled_prefix`), tokenizes the slice's answers as
-stage 3 will (`slices.write_staged_data`), captures them into `staged/capture/` (resuming by sample, so each
-slice adds only its new samples), trains the size by the default rule into `staged/training/size-<N>/`
-(resumable from its last.pt), picking its checkpoint on the selection side of the held-out set and scoring every
-staged size on the other side (stage 5's and stage 6's cut, `split.split_selection`), and rewrites
+`StagedWorker(params, run_dir, generation).run()` takes the sizes of `training.data_sizes` smallest first. For
+each it waits until its slice is settled (`slices.settled_prefix`), tokenizes the slice's answers as stage 3
+will (`slices.write_staged_data`), captures them into `staged/capture/` (resuming by sample, so each slice
+adds only its new samples), trains the size by the default rule into `staged/training/size-<N>/` (resumable
+from its last.pt), picking its checkpoint on the selection side of the held-out set and scoring every staged
+size on the other side (stage 5's and stage 6's cut, `split.split_selection`), and rewrites
 `analysis/answer.json` with the forecast (`forecast.forecast`), appending it to `staged/forecasts.jsonl`.
 
 What differs from the full stages 4-6, on purpose:
 - the draft vocab is counted over the first staged size's training samples and kept for every size (stage 5
   counts it over the largest subset, which does not exist yet);
-- the break-even is the user's serving timings (params.analysis) when given, else this target's own loop timed once
-  with the first staged draft (staged/break_even.json; stage 6 times it again with the largest draft);
-- a slice is taken only once settled as stage 5 will see it (an error an earlier session left is retried first),
-  and every recorded size is matched with stage 5's slice again before it is reused: a difference is reported and
-  the size staged again (`slices.slice_mismatch`);
+- the break-even is the user's serving timings (params.analysis) when given, else this target's own loop timed
+  once with the first staged draft (staged/break_even.json; stage 6 times it again with the largest draft);
+- a slice is taken only once settled as stage 5 will see it (an error an earlier session left is retried
+  first), and every recorded size is matched with stage 5's slice again before it is reused: a difference is
+  reported and the size staged again (`slices.slice_mismatch`);
 - each verdict is made at (1 - confidence) / looks, looks counting every staged forecast and stage 6's
   (`analysis.stage.run_looks`);
 - training runs in this one process (no torchrun), and capture writes shards (no online mode).
-Once generation has ended, no new size starts: the size in progress finishes, and stages 4-6 then run over
-all the data as in any run, writing the final answer.
+Once generation has ended, no new size starts: the size in progress finishes, and stages 4-6 then run over all
+the data as in any run, writing the final answer.
 
 The runner (`eaglekit run --staged`) starts this as `python -m eaglekit.staged` beside stage 3's kernel,
 under the run folder's one lock, and tells it that generation ended by closing a pipe.
@@ -66,8 +67,9 @@ def cpu_threads_split() -> tuple[int, int] | None:
 
 
 class GenerationSignal:
-    """Whether stage 3 is still running, as a pipe the runner holds open: EOF (closed, or the runner died) means ended.
-    Without a pipe (`fd` None) `running` is the given constant, for a direct call on a finished generation."""
+    """Whether stage 3 is still running, as a pipe the runner holds open: EOF (closed, or the runner died)
+    means ended. Without a pipe (`fd` None) `running` is the given constant, for a direct call on a finished
+    generation."""
 
     def __init__(self, fd: int | None = None, running: bool = False):
         self.fd = fd
@@ -95,16 +97,17 @@ class StagedWorker:
         self.generation = generation
         self.poll_s = poll_s
         self.staged_dir = self.run_dir / STAGED_DIR
-        self._target = None  # (layout, feature source, engine or None, capture layer ids), loaded at the first slice
+        # (layout, feature source, engine or None, capture layer ids), loaded at the first slice
+        self._target = None
         self._agreements: dict[int, dict] = {}  # size -> held-out agreements, scored once per draft
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run(self) -> list[int]:
         """Stage every size it can while generation runs; returns the sizes trained by this call.
 
-        Every size, recorded or not, is first matched with the slice stage 5 would train it on now (`_wait_for_slice`):
-        a recorded size whose samples differ (a failed prompt was answered since) is reported and set aside, and the
-        size is staged again; a new size starts only while generation runs."""
+        Every size, recorded or not, is first matched with the slice stage 5 would train it on now
+        (`_wait_for_slice`): a recorded size whose samples differ (a failed prompt was answered since) is
+        reported and set aside, and the size is staged again; a new size starts only while generation runs."""
         params = self.params
         order = read_training_order(self.run_dir, params.training.heldout_size, params.run.seed)
         if order is None:
@@ -120,7 +123,8 @@ class StagedWorker:
                         split[0], os.cpu_count() or 0)
         class_a = class_a_keys(self.run_dir)
         planned_prompts = planned_prompt_count(order, class_a)
-        # Stage 3 retries the errors of earlier sessions (generation.retry_errors): only this session's are final.
+        # Stage 3 retries the errors of earlier sessions (generation.retry_errors): only this session's are
+        # final.
         first_session = next_session(self.run_dir) if params.generation.retry_errors else None
         trained = []
         try:
@@ -141,7 +145,8 @@ class StagedWorker:
                 elif entry.status == "done":
                     continue
                 else:
-                    logger.info("staged size %d: resuming its training on the %d samples recorded in staged/slices.json", size, len(entry.train))
+                    logger.info("staged size %d: resuming its training on the %d samples recorded in staged/slices.json",
+                                size, len(entry.train))
                 self._stage_size(entry, record, planned_prompts)
                 trained.append(size)
         finally:
@@ -150,14 +155,17 @@ class StagedWorker:
 
     def _wait_for_slice(self, size: int, order, class_a, first_session: int | None, record: StagedRecord,
                         new: bool) -> tuple[list, int] | None:
-        """(the slice stage 5 would train `size` on, prompts answered) once it is settled; None when generation ended
-        before a new size's slice was, or when every sample is settled and too few can train."""
+        """(the slice stage 5 would train `size` on, prompts answered) once it is settled; None when
+        generation ended before a new size's slice was, or when every sample is settled and too few can
+        train."""
         while True:
-            running = self.generation.running()  # read before the logs: once ended, the logs hold every answer
+            # read before the logs: once ended, the logs hold every answer
+            running = self.generation.running()
             if new and not running:
                 logger.info("staged run: generation has ended; size %d and larger are left to stages 4-6", size)
                 return None
-            # An ended generation retries nothing more until a resume, so then every error is a hole stage 5 skips.
+            # An ended generation retries nothing more until a resume, so then every error is a hole stage 5
+            # skips.
             settled = read_settled(self.run_dir, class_a, first_session if running else None)
             prefix = settled_prefix(order, settled)
             if prefix.heldout is not None and len(prefix.train) >= size:
@@ -178,7 +186,8 @@ class StagedWorker:
             self.generation.wait(self.poll_s)
 
     def _check_heldout(self, record: StagedRecord, heldout: list) -> None:
-        """The held-out set is fixed at the first size; if stage 5's would now differ, every staged score is on another set."""
+        """The held-out set is fixed at the first size; if stage 5's would now differ, every staged score is
+        on another set."""
         if not record.heldout:
             record.heldout = heldout
         elif record.heldout != heldout:
@@ -195,7 +204,8 @@ class StagedWorker:
         return entry
 
     def _set_aside(self, entry: SliceEntry, record: StagedRecord, problem: str) -> None:
-        """Report a recorded size whose samples are not stage 5's, move its training folder aside, and forget it."""
+        """Report a recorded size whose samples are not stage 5's, move its training folder aside, and forget
+        it."""
         folder = self.staged_dir / "training" / f"size-{entry.size:07d}"
         aside = folder.with_name(f"{folder.name}.set-aside-{dt.datetime.now():%Y%m%d-%H%M%S}")
         if folder.exists():
@@ -230,8 +240,9 @@ class StagedWorker:
                     report.captured_samples, report.captured_tokens, report.seconds)
         captured = ShardDataset(self.staged_dir / "capture")
         position = {tuple(key): index for index, key in enumerate(captured.keys)}
-        # Stage 5's cut of the held-out set (split_selection depends on the keys, not their order): checkpoints are
-        # picked on the selection side and the forecast scores the other side, as stage 6 does.
+        # Stage 5's cut of the held-out set (split_selection depends on the keys, not their order):
+        # checkpoints are picked on the selection side and the forecast scores the other side, as stage 6
+        # does.
         selection, scored = split_selection(record.heldout, params.training.selection_share, params.run.seed,
                                             read_conversation_keys(files, record.heldout))
         selection_indices = [position[tuple(record.heldout[index])] for index in selection]
@@ -301,10 +312,10 @@ class StagedWorker:
                     planned_prompts, cases[answer.primary], answer.primary, answer.line)
 
     def _embedded_break_even(self, record: StagedRecord, heldout: list[dict]):
-        """This target's own break-even, from the real loop with the smallest staged draft on held-out prompts (the
-        cycle's cost hardly depends on the draft's quality), measured once and kept in staged/break_even.json. None
-        when the target runs in an engine (no local model to time).
-        Timed while generation shares the machine: greedy and speculative alternate, so the load hits both alike."""
+        """This target's own break-even, from the real loop with the smallest staged draft on held-out prompts
+        (the cycle's cost hardly depends on the draft's quality), measured once and kept in
+        staged/break_even.json. None when the target runs in an engine (no local model to time). Timed while
+        generation shares the machine: greedy and speculative alternate, so the load hits both alike."""
         from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
         from eaglekit.analysis.checkpoints import evaluate_speculative_loop, heldout_prompts, load_draft_checkpoint
         from eaglekit.analysis.speculative import one_torch_thread
@@ -366,7 +377,8 @@ class StagedWorker:
 
 
 def staged_summary(run_dir: str | os.PathLike) -> dict:
-    """What the staged run did, for the runner's state.json: the sizes staged and the last forecast's verdict."""
+    """What the staged run did, for the runner's state.json: the sizes staged and the last forecast's
+    verdict."""
     from eaglekit.staged.slices import read_forecast_history
 
     path = StagedRecord.path(run_dir)
