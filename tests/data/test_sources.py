@@ -75,6 +75,14 @@ def test_openai_tool_calls_tool_turns_content_parts_and_reasoning():
     }
 
 
+def test_a_bad_turn_after_a_tool_turn_is_named_under_messages(tmp_path):
+    path = tmp_path / "tool_then_bad.jsonl"
+    turns = [{"role": "user", "content": "a"}, {"role": "tool", "content": "x", "name": "f"}]
+    path.write_text(json.dumps({"messages": [*turns, {"role": "bogus", "content": "y"}]}) + "\n")
+    _, bad = records(SourceSpec(name="oa", format="openai", path=str(path)))
+    assert [(r.error.field, r.error.reason) for r in bad] == [("messages[2].role", "unknown role 'bogus'")]
+
+
 def test_alpaca_instruction_input_output_and_history_from_json_array():
     good, bad = records(SourceSpec(name="al", format="alpaca", path=str(DATA / "alpaca.json")))
     assert not bad and len(good) == 3

@@ -240,9 +240,8 @@ def _openai_messages(turns: list, location: RecordLocation, key: str) -> list[di
             if calls:
                 message["tool_calls"] = calls
         if role == "tool":
-            for key in ("tool_call_id", "name"):
-                if isinstance(turn.get(key), str) and turn[key]:
-                    message[key] = turn[key]
+            message |= {name: turn[name] for name in ("tool_call_id", "name")
+                        if isinstance(turn.get(name), str) and turn[name]}
         messages.append(message)
     return messages
 
