@@ -14,8 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; a hub id must fail clearly
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Under `make test`'s workers, each worker (and the servers, kernels and subprocesses it starts) gets its share of
-# the cores for torch's thread pool: every process at full width oversubscribes a 2-core machine twice over.
+# Under `make test`'s workers, each worker (and the servers, kernels and subprocesses it starts) gets its
+# share of the cores for torch's thread pool: every process at full width oversubscribes a 2-core machine
+# twice over.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
@@ -46,8 +47,8 @@ def pytest_collection_modifyitems(config, items):
         _start_vllm_build()
 
 
-# The longest files measured from a fresh clone (tens of seconds to minutes each: the smoke pipeline, the runner's
-# kill and stop cases, the chaos run, generation against real servers).
+# The longest files measured from a fresh clone (tens of seconds to minutes each: the smoke pipeline, the
+# runner's kill and stop cases, the chaos run, generation against real servers).
 LONGEST_FILES = (
     "tests/e2e/test_pipeline.py",
     "tests/test_runner.py",
@@ -81,7 +82,8 @@ def embedded_server(embedded_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
-    """Tiny tensors: extra torch threads only contend with the rest of the machine (and time the wrong thing)."""
+    """Tiny tensors: extra torch threads only contend with the rest of the machine (and time the wrong
+    thing)."""
     import torch
 
     previous = torch.get_num_threads()
@@ -99,12 +101,13 @@ VLLM_LOCK = REPO / ".venv-vllm.lock"
 
 
 def _start_vllm_build() -> None:
-    """`make vllm-env` (requirements-vllm.txt; a few minutes) in a process of its own under the venv's file lock:
-    it goes on if the worker that started it ends first, and a second start waits for it and finds the venv built
-    (make's stamp). Ctrl-C reaches it with the rest of the run."""
+    """`make vllm-env` (requirements-vllm.txt; a few minutes) in a process of its own under the venv's file
+    lock: it goes on if the worker that started it ends first, and a second start waits for it and finds the
+    venv built (make's stamp). Ctrl-C reaches it with the rest of the run."""
     code = (
         "import subprocess, sys\nfrom filelock import FileLock\nwith FileLock(sys.argv[1]):\n"
-        "    subprocess.run(['make', '--no-print-directory', 'vllm-env'], cwd=sys.argv[2], capture_output=True)"
+        "    subprocess.run(['make', '--no-print-directory', 'vllm-env'], cwd=sys.argv[2],"
+        " capture_output=True)"
     )
     subprocess.Popen(
         [sys.executable, "-c", code, str(VLLM_LOCK), str(REPO)],
@@ -130,7 +133,8 @@ def vllm_python() -> Path:
             if result.returncode != 0:
                 tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-6:])
                 pytest.skip(
-                    f"the vLLM CPU build could not be installed (`make vllm-env` exited {result.returncode}):\n{tail}"
+                    "the vLLM CPU build could not be installed "
+                    f"(`make vllm-env` exited {result.returncode}):\n{tail}"
                 )
     return VLLM_VENV / "bin" / "python"
 

@@ -10,7 +10,8 @@ mixed run and the test reads what it asked for:
     #fault:429x1 / #fault:503x3 / #fault:408x1   same, other statuses
     #fault:resetx1   reset the TCP connection instead of answering (first attempt)
     #fault:slowx1    sleep `slow_seconds` before answering (past the client's timeout)
-    #fault:drip      a whole answer, one byte every `drip_seconds` (no read waits long; the whole takes minutes)
+    #fault:drip      a whole answer, one byte every `drip_seconds` (no read waits long; the whole takes
+                     minutes)
     #fault:huge      a valid answer `huge_bytes` long (a runaway body), streamed in 1 MiB chunks
     #fault:400       always 400 with a context-length message (x<n> works too); also 413, 422, 404
     #fault:401 / #fault:403   the key refused (x<n> works too)
@@ -20,17 +21,20 @@ mixed run and the test reads what it asked for:
     (usage a list), #fault:notjson (not JSON), #fault:badids (token_ids strings)
     #fault:toolcall  answer with tool calls (content null), OpenAI shape
     #fault:length    finish_reason "length" (truncated)
-    #fault:abort / #fault:error   finish_reason "abort" / "error" (the server gave up: retried; x<n> works too)
+    #fault:abort / #fault:error   finish_reason "abort" / "error" (the server gave up: retried; x<n> works
+                                  too)
     #fault:empty     empty content
     #fault:loop      content that ends in a repetition loop
     #fault:think     reasoning but empty content
     #sleep:0.25      answer after 0.25 s (bench latency distributions)
-    #tokens:300      an answer of 300 tokens (fewer, finish_reason "length", past the request's max_tokens), made at
-                     `token_seconds` a token: a decode of realistic length and time (ETA and partition-overlap tests);
-                     each one's (prompt, start, end) is kept in `spans`, its seconds in `in_flight`/`peak_in_flight`
+    #tokens:300      an answer of 300 tokens (fewer, finish_reason "length", past the request's max_tokens),
+                     made at `token_seconds` a token: a decode of realistic length and time (ETA and
+                     partition-overlap tests); each one's (prompt, start, end) is kept in `spans`, its seconds
+                     in `in_flight`/`peak_in_flight`
 Attempts are counted per prompt text. With `api_key` set, every route (health and models too)
 answers 401 unless `Authorization: Bearer <api_key>` is sent; tests rotate it mid-run by assigning
-`server.options.api_key` (and swap the served model by assigning `server.options.served_model`). `last_request` holds the last chat request's JSON body, `chat_requests` all of them.
+`server.options.api_key` (and swap the served model by assigning `server.options.served_model`).
+`last_request` holds the last chat request's JSON body, `chat_requests` all of them.
 Server-wide options choose the dialect. `token_ids="sglang"` / `"vllm"` answer exactly in the
 shape of that engine's own pydantic `ChatCompletionResponse` dump (the fixtures
 tests/fixtures/serving/{sglang,vllm}_chat_protocol.json, built by protocol_fixtures.py from the
@@ -227,7 +231,9 @@ class FaultServer:
                 {
                     "object": "error",
                     "code": 400,
-                    "message": "This model's maximum context length is 32 tokens. However, you requested 99 tokens.",
+                    "message": (
+                        "This model's maximum context length is 32 tokens. However, you requested 99 tokens."
+                    ),
                 },
             )
         if failing and kind in REQUEST_STATUSES:
@@ -254,8 +260,8 @@ class FaultServer:
     async def send_tokens(
         self, writer: asyncio.StreamWriter, request: dict, prompt: str, wanted: int
     ) -> bool:
-        """An answer of `wanted` tokens (one a character), cut at the request's max_tokens, after that many tokens'
-        decode time."""
+        """An answer of `wanted` tokens (one a character), cut at the request's max_tokens, after that many
+        tokens' decode time."""
         limit = request.get("max_tokens") or request.get("max_completion_tokens") or wanted
         made = min(wanted, int(limit))
         started = time.monotonic()
@@ -274,10 +280,13 @@ class FaultServer:
         return self.send(writer, 200, answer)
 
     async def send_dripping(self, writer: asyncio.StreamWriter, body: bytes) -> bool:
-        """A whole, valid answer sent one byte every `drip_seconds` (each read arrives well within any read timeout)."""
+        """A whole, valid answer sent one byte every `drip_seconds` (each read arrives well within any read
+        timeout)."""
         self.statuses["drip"] += 1
         writer.write(
-            f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            (
+                f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+            ).encode()
         )
         for index in range(len(body)):
             writer.write(body[index : index + 1])
@@ -286,8 +295,8 @@ class FaultServer:
         return True
 
     async def send_huge(self, writer: asyncio.StreamWriter) -> bool:
-        """A valid chat completion whose content is `huge_bytes` long, streamed in 1 MiB chunks; `huge_bytes_sent`
-        counts what left before the client stopped reading."""
+        """A valid chat completion whose content is `huge_bytes` long, streamed in 1 MiB chunks;
+        `huge_bytes_sent` counts what left before the client stopped reading."""
         self.statuses["huge"] += 1
         head = (
             b'{"object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop", '
@@ -375,9 +384,9 @@ class FaultServer:
     def _sglang(
         self, head: dict, content, reasoning, tool_calls, finish_reason, ids, prompt_ids, usage
     ) -> dict:
-        """SGLang 0.5.23's `ChatCompletionResponse.model_dump()` (tests/fixtures/serving/sglang_chat_protocol.json):
-        ids on the choice as `response_token_ids` / `prompt_token_ids`, only when asked; None fields dropped
-        where its serializers drop them."""
+        """SGLang 0.5.23's `ChatCompletionResponse.model_dump()`
+        (tests/fixtures/serving/sglang_chat_protocol.json): ids on the choice as `response_token_ids` /
+        `prompt_token_ids`, only when asked; None fields dropped where its serializers drop them."""
         message = {"role": "assistant", "content": content}
         self._reasoning(message, "reasoning_content", reasoning)
         if tool_calls:
@@ -497,7 +506,8 @@ class FaultServer:
 
 
 class FaultEndpoint:
-    """The fault server in a background thread: `with FaultEndpoint(options) as endpoint: endpoint.base_url`."""
+    """The fault server in a background thread: `with FaultEndpoint(options) as endpoint:
+    endpoint.base_url`."""
 
     def __init__(self, options: FaultOptions | None = None, port: int = 0):
         self.server = FaultServer(options or FaultOptions())

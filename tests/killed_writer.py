@@ -1,5 +1,6 @@
 """A real process killed with SIGKILL in the middle of an atomic write: what a kill -9 during an export or a
-checkpoint save leaves on disk. Importable from any test folder (`from killed_writer import kill_mid_write`)."""
+checkpoint save leaves on disk. Importable from any test folder (`from killed_writer import
+kill_mid_write`)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def kill(writer: subprocess.Popen) -> None:
 
 
 def kill_mid_write(target: Path, megabytes: int) -> Path:
-    """SIGKILL a real process mid-write of `target`; returns the temp file it left (checked: `megabytes` MiB)."""
+    """SIGKILL a real process mid-write of `target`; returns the temp file it left (checked: `megabytes`
+    MiB)."""
     kill(start_writer(target, megabytes))
     left = list(target.parent.glob(f".{target.name}.*.tmp"))
     assert len(left) == 1 and left[0].stat().st_size == megabytes << 20, (

@@ -370,7 +370,8 @@ def fit_draft_on_greedy_answers(
     on the same prompts accepts most drafts: (draft, prompt token lists, full greedy sequences).
 
     Fits with the kit's TTT unroll (the draft's own forward over `ttt_steps` steps), argmax targets over the
-    draft vocab, Adam; a few seconds on CPU for a few short answers. `target`: the loaded target, if the caller has it."""
+    draft vocab, Adam; a few seconds on CPU for a few short answers. `target`: the loaded target, if the
+    caller has it."""
     import torch.nn.functional as F
 
     from eaglekit.analysis.speculative import greedy_decode
@@ -433,7 +434,8 @@ def fit_draft_on_greedy_answers(
 
 
 def read_strict_json(path: Path):
-    """A JSON file read as strict JSON: NaN and Infinity (which Python's json writes by default) are refused."""
+    """A JSON file read as strict JSON: NaN and Infinity (which Python's json writes by default) are
+    refused."""
 
     def refuse(constant: str):
         raise ValueError(f"{path}: {constant} is not strict JSON")
@@ -445,8 +447,8 @@ LINE_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ")  # run.log's times
 
 
 def silent_stretches(run_log: Path, limit_s: float) -> list[tuple[str, str, float]]:
-    """(line before, line after, seconds) for every gap between consecutive timestamped lines of run.log longer than
-    `limit_s` (lines without a timestamp, such as a traceback's, belong to the line before)."""
+    """(line before, line after, seconds) for every gap between consecutive timestamped lines of run.log
+    longer than `limit_s` (lines without a timestamp, such as a traceback's, belong to the line before)."""
     stretches, previous, previous_line = [], None, ""
     for line in Path(run_log).read_text(encoding="utf-8", errors="replace").splitlines():
         match = LINE_TIME.match(line)

@@ -234,7 +234,8 @@ def test_ttt_steps_default_to_the_served_chain_and_never_fall_short_of_it(tmp_pa
     assert (
         TrainingParams.model_validate(resolved.model_dump()) == resolved
     )  # a dump re-validates (the runner's round trip)
-    # Unset stays unset in a dump: the injected parameters edited to serve deeper follow it; a set value stays.
+    # Unset stays unset in a dump: the injected parameters edited to serve deeper follow it; a set value
+    # stays.
     assert TrainingParams.model_validate({**resolved.model_dump(), "speculative_tokens": 5}).ttt_steps == 5
     assert (
         TrainingParams.model_validate(
@@ -258,7 +259,8 @@ def test_ttt_steps_default_to_the_served_chain_and_never_fall_short_of_it(tmp_pa
 
 
 def test_the_measured_recipe_is_the_default():
-    """docs/recipe_ablation.md: lr 3e-4, an anneal of 0.75 x the steps taken to converge, TTT as deep as served."""
+    """docs/recipe_ablation.md: lr 3e-4, an anneal of 0.75 x the steps taken to converge, TTT as deep as
+    served."""
     from eaglekit.config import TrainingParams
 
     defaults = TrainingParams()
@@ -276,7 +278,8 @@ def test_the_measured_recipe_is_the_default():
 
 
 def test_draft_shape_names_are_the_draft_packages_presets():
-    """params may name exactly the presets eaglekit.draft.config defines (config does not import the draft)."""
+    """params may name exactly the presets eaglekit.draft.config defines (config does not import the
+    draft)."""
     import typing
 
     from eaglekit.config import TrainingParams

@@ -1,4 +1,5 @@
-"""The executed notebook: papermill's saves go through the kit's atomic handler, which also says what runs now."""
+"""The executed notebook: papermill's saves go through the kit's atomic handler, which also says what runs
+now."""
 
 import datetime as dt
 

@@ -1,6 +1,7 @@
 """Tests mirror the library: tests/<package>/test_<module>.py is about lib/eaglekit/<package>/<module>.py,
-tests/<package>/test_<package>.py about the package itself, and tests/test_<module>.py about a top-level module.
-A renamed module leaves no test named after a module that is gone. Whole-pipeline tests live in tests/e2e/."""
+tests/<package>/test_<package>.py about the package itself, and tests/test_<module>.py about a top-level
+module. A renamed module leaves no test named after a module that is gone. Whole-pipeline tests live in
+tests/e2e/."""
 
 import ast
 from pathlib import Path
@@ -13,8 +14,12 @@ TOPICS = {
     "e2e": {
         "chaos": "stage 03 under kill -9 of runner, kernel and endpoint",
         "pipeline": "the six notebooks through the runner on params/smoke.yaml",
-        "targets": "tiny Llama, DeepSeek-V3 and Kimi-K2.5-shaped targets through capture, training, export, evaluate",
-        "vllm_eagle3": "a real vLLM serving the kit's export with EAGLE-3: its tau against the kit's loop and offline",
+        "targets": (
+            "tiny Llama, DeepSeek-V3 and Kimi-K2.5-shaped targets through capture, training, export, evaluate"
+        ),
+        "vllm_eagle3": (
+            "a real vLLM serving the kit's export with EAGLE-3: its tau against the kit's loop and offline"
+        ),
     },
     "chat": {
         "templates": "published chat templates through eaglekit.chat",
@@ -75,8 +80,8 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path, deferred: bool) -> set[str]:
-    """eaglekit modules `path` imports at module level, or (deferred) inside its functions, resolved to modules that
-    exist. A deferred import is a dependency all the same: deferring it only hides a circle."""
+    """eaglekit modules `path` imports at module level, or (deferred) inside its functions, resolved to
+    modules that exist. A deferred import is a dependency all the same: deferring it only hides a circle."""
     tree = ast.parse(path.read_text())
     nodes = [node for node in ast.walk(tree) if node not in tree.body] if deferred else tree.body
     names: set[str] = set()
@@ -176,13 +181,14 @@ def test_the_function_budget_sees_a_long_function(tmp_path):
 
 
 def test_the_readme_layout_names_every_package_and_module_of_the_library():
-    """README's Layout section lists `lib/eaglekit/`'s packages (`name/`) and top-level modules (`name`): a new one
-    is described there, a removed one leaves no stale entry."""
+    """README's Layout section lists `lib/eaglekit/`'s packages (`name/`) and top-level modules (`name`): a
+    new one is described there, a removed one leaves no stale entry."""
     readme = (TESTS.parent / "README.md").read_text()
     layout = readme[readme.index("## Layout") : readme.index("## Tests and benchmarks")]
     listed = {line.split("`")[1] for line in layout.splitlines() if line.startswith("- `")}
     tree = {f"{path.name}/" for path in LIBRARY.iterdir() if (path / "__init__.py").is_file()}
     tree |= {path.stem for path in LIBRARY.glob("*.py") if not path.name.startswith("__")}
     assert listed == tree, (
-        f"in the tree, not the README: {sorted(tree - listed)}; in the README, not the tree: {sorted(listed - tree)}"
+        f"in the tree, not the README: {sorted(tree - listed)}; "
+        f"in the README, not the tree: {sorted(listed - tree)}"
     )

@@ -1,5 +1,5 @@
-"""Committed notebooks: outputs stripped, exactly one `parameters` cell, thin (no def, class or lambda: logic lives in
-lib/eaglekit, a cell is a library call and a display)."""
+"""Committed notebooks: outputs stripped, exactly one `parameters` cell, thin (no def, class or lambda: logic
+lives in lib/eaglekit, a cell is a library call and a display)."""
 
 import ast
 import json
@@ -95,8 +95,9 @@ def test_papermill_sees_every_parameter(path: Path):
 
 @pytest.mark.parametrize("path", STAGE_NOTEBOOKS, ids=[path.name for path in STAGE_NOTEBOOKS])
 def test_each_notebook_names_its_stage_to_the_run_folder(path: Path):
-    """run_dir_for(..., stage=<its stage>) is what stops a notebook run by hand from leaving an empty folder or running
-    into a finished stage's folder; a notebook that calls it without its stage has neither guard."""
+    """run_dir_for(..., stage=<its stage>) is what stops a notebook run by hand from leaving an empty folder
+    or running into a finished stage's folder; a notebook that calls it without its stage has neither
+    guard."""
     from eaglekit.runner import STAGE_FILE
 
     source = "\n".join(
@@ -108,8 +109,8 @@ def test_each_notebook_names_its_stage_to_the_run_folder(path: Path):
 
 @pytest.mark.slow
 def test_analysis_run_by_hand_with_no_run_folder_says_how_to_name_one_and_leaves_none(tmp_path):
-    """`jupyter nbconvert --execute notebooks/06_analysis.ipynb` on a machine with no run: a located error naming
-    EAGLEKIT_RUN_DIR, and no outputs/<name>-interactive/ left behind."""
+    """`jupyter nbconvert --execute notebooks/06_analysis.ipynb` on a machine with no run: a located error
+    naming EAGLEKIT_RUN_DIR, and no outputs/<name>-interactive/ left behind."""
     import os
     import subprocess
     import sys

@@ -1,4 +1,5 @@
-"""`eaglekit plan`: every shipped params file planned from params alone, the seed's figures checked against DESIGN."""
+"""`eaglekit plan`: every shipped params file planned from params alone, the seed's figures checked against
+DESIGN."""
 
 from __future__ import annotations
 

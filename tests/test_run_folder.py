@@ -34,7 +34,8 @@ def test_stage_outcome_is_never_half_written(tmp_path):
     record_stage_outcome(tmp_path, "capture", errors=1)
     code = (
         "import os\n"
-        "os.replace = lambda *args: os.kill(os.getpid(), 9)  # killed between the temp file's fsync and its rename\n"
+        "# killed between the temp file's fsync and its rename\n"
+        "os.replace = lambda *args: os.kill(os.getpid(), 9)\n"
         "from eaglekit.run_folder import record_stage_outcome\n"
         f"record_stage_outcome({str(tmp_path)!r}, 'capture', errors=7, detail='x' * 100000)\n"
     )

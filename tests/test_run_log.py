@@ -1,4 +1,5 @@
-"""run.log: the runner's heartbeat fills every silence of a running stage, and the silence check reads the file."""
+"""run.log: the runner's heartbeat fills every silence of a running stage, and the silence check reads the
+file."""
 
 import logging
 import time
@@ -36,8 +37,8 @@ def test_a_quiet_stage_gets_a_line_saying_where_it_is_and_a_talking_one_none(tmp
     beats = [line for line in run_log.read_text().splitlines() if "still running" in line]
     assert 2 <= len(beats) <= 4, beats
     assert (
-        "stage 06_analysis: still running in cell [5] (`result = run_analysis_stage(params, out)`); nothing logged for"
-        in beats[0]
+        "stage 06_analysis: still running in cell [5] (`result = run_analysis_stage(params, out)`); "
+        "nothing logged for" in beats[0]
     )
 
     talking = tmp_path / "talking.log"
@@ -67,9 +68,10 @@ def test_silent_stretches_are_the_gaps_between_timestamped_lines(tmp_path):
 
 # ---- a flush that races the kernel's shutdown -----------------------------------------------------
 
-# The interleaving CI met once under load (a stage kernel shut down while its control thread flushed): the flushing
-# thread finds ipykernel's IO thread alive, loses the CPU, and wakes it through a pipe that stop() has closed since.
-# Here the flushing thread is held at that point until stop() returns, so the race happens every time.
+# The interleaving CI met once under load (a stage kernel shut down while its control thread flushed): the
+# flushing thread finds ipykernel's IO thread alive, loses the CPU, and wakes it through a pipe that stop()
+# has closed since. Here the flushing thread is held at that point until stop() returns, so the race happens
+# every time.
 RACE = r"""
 import json, sys, threading
 import zmq
@@ -89,14 +91,16 @@ def is_alive():
     alive = really_alive()
     if hold.is_set() and threading.current_thread().name == "flusher":
         found_alive.set()
-        stopped.wait(10)  # preempted here until the main thread has stopped the IO thread and closed its pipes
+        # preempted here until the main thread has stopped the IO thread and closed its pipes
+        stopped.wait(10)
     return alive
 
 pub.thread.is_alive = is_alive
 errors = []
 
 def flusher():
-    pub.schedule(lambda: None)  # this thread's wake-up pipe exists before the shutdown, as the control thread's does
+    # this thread's wake-up pipe exists before the shutdown, as the control thread's does
+    pub.schedule(lambda: None)
     hold.set()
     try:
         pub.schedule(ran.set)

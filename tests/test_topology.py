@@ -94,7 +94,8 @@ def test_cost_model_reduces_to_the_break_even_model_of_scaling():
         target_step_s=0.011, verify_base_s=0.012, verify_token_s=0.0, draft_base_s=0.002, draft_node_s=0.0
     )
     chain = Topology.chain(3)
-    # The chain model: speedup = tau T_target / (T_verify + g T_draft), break-even tau = (T_verify + g T_draft) / T_target.
+    # The chain model: speedup = tau T_target / (T_verify + g T_draft), break-even tau = (T_verify + g
+    # T_draft) / T_target.
     assert costs.predicted_speedup(chain, 2.1) == pytest.approx(2.1 * 0.011 / (0.012 + 3 * 0.002))
     assert costs.break_even_accept_length(chain) == pytest.approx((0.012 + 3 * 0.002) / 0.011)
     # Per-token verification and per-node draft costs make wide trees pay for their width.

@@ -1,4 +1,5 @@
-"""The worker process as the runner starts it: told by a pipe that generation ended, stopped when the runner dies."""
+"""The worker process as the runner starts it: told by a pipe that generation ended, stopped when the runner
+dies."""
 
 import json
 import os
@@ -59,9 +60,9 @@ def test_closing_the_pipe_ends_a_worker_that_waits_for_a_slice(tmp_path):
     assert "generation has ended" in (run_dir / "run.log").read_text()
 
 
-# A runner that starts the worker, then hands a copy of the pipe's write end to a process that outlives it: the
-# pipe stays open after the runner dies, as it is in effect while the worker trains a size (it reads the pipe
-# only between sizes), so only the worker's watch on the runner's pid can stop it.
+# A runner that starts the worker, then hands a copy of the pipe's write end to a process that outlives it:
+# the pipe stays open after the runner dies, as it is in effect while the worker trains a size (it reads the
+# pipe only between sizes), so only the worker's watch on the runner's pid can stop it.
 RUNNER = """
 import subprocess, sys, time
 from pathlib import Path
@@ -69,7 +70,8 @@ from eaglekit.run_folder import RunFolderLock
 from eaglekit.staged.launch import StagedProcess
 run_dir = Path(sys.argv[1])
 lock = RunFolderLock(run_dir).acquire()
-worker = StagedProcess.start(run_dir / "params.yaml", run_dir, lock.fd, {"EAGLEKIT_RUN_LOG": str(run_dir / "run.log")})
+environment = {"EAGLEKIT_RUN_LOG": str(run_dir / "run.log")}
+worker = StagedProcess.start(run_dir / "params.yaml", run_dir, lock.fd, environment)
 holder = subprocess.Popen(["sleep", "120"], pass_fds=(worker._write_fd,), start_new_session=True)
 print(worker.pid, holder.pid, flush=True)
 time.sleep(600)

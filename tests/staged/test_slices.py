@@ -144,8 +144,8 @@ def write_logs(run_dir, answered=(), errors=()):
 
 
 def test_an_error_an_earlier_session_left_is_not_settled_while_this_session_retries_it(tmp_path):
-    """Stage 3 retries every error of an earlier session (generation.retry_errors): the staged slice once took such an
-    error as final, so it trained on other samples than stage 5 when the retry answered."""
+    """Stage 3 retries every error of an earlier session (generation.retry_errors): the staged slice once took
+    such an error as final, so it trained on other samples than stage 5 when the retry answered."""
     write_logs(tmp_path, answered=[*HELDOUT, TRAIN[0], TRAIN[2]], errors=[(TRAIN[1], 1), (TRAIN[3], 2)])
     state = read_settled(tmp_path, frozenset(), first_session=2)
     assert state.failed == {TRAIN[3]} and not state.settled(TRAIN[1])  # session 1's error: retried now

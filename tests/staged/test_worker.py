@@ -102,7 +102,8 @@ def staged_folder(tmp_path: Path, params, answered, errors, sessions: int) -> Pa
 
 
 def stub_training(monkeypatch) -> list:
-    """Every answered sample tokenizes; "training" a size marks it done. Returns the sizes staged, in order."""
+    """Every answered sample tokenizes; "training" a size marks it done. Returns the sizes staged, in
+    order."""
     import eaglekit.staged.worker as worker
 
     staged = []
