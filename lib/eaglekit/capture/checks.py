@@ -19,11 +19,9 @@ def check_captured_samples(
     """Compare captured samples with their source lines: ids and loss mask equal (up to truncation),
     feature shapes (T, 3H)/(T, H), bf16, finite. Returns one row per sample; raises on any mismatch."""
     wanted = {(str(sample["dataset"]), str(sample["id"])) for sample in captured}
-    source: dict[tuple[str, str], tuple[list[int], list[int]]] = {}
-    for dataset, path in data_files.items():
-        for _, record in read_jsonl(Path(path)):
-            if isinstance(record, dict) and (dataset, record.get("id")) in wanted:
-                source[(dataset, record["id"])] = (record["input_ids"], record["loss_mask"])
+    source = {(dataset, record["id"]): (record["input_ids"], record["loss_mask"])
+              for dataset, path in data_files.items() for _, record in read_jsonl(Path(path))
+              if isinstance(record, dict) and (dataset, record.get("id")) in wanted}
     rows = []
     for sample in captured:
         key = (str(sample["dataset"]), str(sample["id"]))
@@ -71,9 +69,11 @@ def feature_norms(captured: Iterable[dict], capture_layer_ids: Sequence[int]) ->
 def write_sample_subset(
     data_files: Mapping[str, str | os.PathLike], keep: set[tuple[str, str]], output_dir: str | os.PathLike
 ) -> dict[str, Path]:
-    """Copy the lines of `data_files` whose (dataset, id) is in `keep` to output_dir/<dataset>/tokenized_data.jsonl.
+    """Copy the lines of `data_files` whose (dataset, id) is in `keep` to
+    output_dir/<dataset>/tokenized_data.jsonl.
 
-    For a chosen subset: the ablation's original answers, a staged size's class-A samples. Returns the new data files.
+    For a chosen subset: the ablation's original answers, a staged size's class-A samples.
+    Returns the new data files.
     """
     output_dir = Path(output_dir)
     written: dict[str, Path] = {}

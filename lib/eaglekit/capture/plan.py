@@ -1,4 +1,5 @@
-"""The storage plan of stage 4: the bytes offline shards would take against the free disk, and the mode chosen.
+"""The storage plan of stage 4: the bytes offline shards would take against the free disk,
+and the mode chosen.
 
 `plan_capture_storage` decides offline (shards) or online (features recomputed in stage 5); stage 4
 writes the plan to `capture/plan.json` and `read_capture_plan` reads it back for the later stages.
@@ -84,10 +85,8 @@ def nested_capture_slices(data_files: Mapping[str, str | os.PathLike], vocab_siz
     from eaglekit.training.split import conversation_key, split_heldout
 
     samples, _ = read_tokenized_samples(data_files, vocab_size, max_seq_len)
-    meta = {}
-    for dataset, path in data_files.items():
-        for _, record in read_jsonl(path):
-            meta[(dataset, record["id"])] = conversation_key(record["id"], record.get("meta"))
+    meta = {(dataset, record["id"]): conversation_key(record["id"], record.get("meta"))
+            for dataset, path in data_files.items() for _, record in read_jsonl(path)}
     if order is not None:
         heldout, train_order = order.split([sample.key for sample in samples])
     else:
@@ -159,7 +158,8 @@ def read_capture_plan(capture_dir: str | os.PathLike) -> StoragePlan:
 
 def planned_slice_bytes(data_sizes: Sequence[int], heldout_size: int, total_samples: int, tokens_per_sample: float,
                         hidden_size: int, feature_dtype: str = "bf16") -> list[dict]:
-    """Bytes per nested slice before any data exists (a mean length instead of measured tokens), for planning a run.
+    """Bytes per nested slice before any data exists (a mean length instead of measured
+    tokens), for planning a run.
 
     Slice 0: held-out + the smallest size; then each size's new samples; then what no size trains on.
     """

@@ -9,7 +9,8 @@ Layout of an output folder:
                                    input_ids           int64 (sum T,)
                                    loss_mask           uint8 (sum T,)
                                  with capture.feature_dtype fp8: the features as float8_e4m3fn and
-                                   aux_hidden_states_scale float32 (sum T, 3), final_hidden_states_scale (sum T, 1)
+                                   aux_hidden_states_scale float32 (sum T, 3),
+                                   final_hidden_states_scale (sum T, 1)
     index-rank00.jsonl           append-only: one line per sample once its shard is on disk
     index.json                   merged index written at the end of a run (the reader needs it)
 
@@ -78,7 +79,8 @@ def encode_fp8(features: torch.Tensor, blocks: int) -> tuple[torch.Tensor, torch
     """(T, blocks x H) features -> float8_e4m3fn (T, blocks x H) and float32 scales (T, blocks).
 
     Each token's block (one capture layer, or the final state) is scaled so its largest |value| maps to
-    448 (e4m3's largest finite value); decode multiplies back. Relative error per entry <= 2^-4 (3 mantissa bits).
+    448 (e4m3's largest finite value); decode multiplies back. Relative error per entry <=
+    2^-4 (3 mantissa bits).
     """
     tokens, width = features.shape
     blocked = features.float().reshape(tokens, blocks, width // blocks)  # (T, blocks, H)
@@ -99,7 +101,8 @@ def decode_fp8(encoded: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class CapturedSample:
     """One sample's features on CPU, ready for a shard.
 
-    aux_hidden_states: bf16 (T, 3H); final_hidden_states: bf16 (T, H); input_ids: int64 (T,); loss_mask: (T,) 0/1.
+    aux_hidden_states: bf16 (T, 3H); final_hidden_states: bf16 (T, H); input_ids: int64 (T,);
+    loss_mask: (T,) 0/1.
     """
 
     id: str
@@ -112,7 +115,8 @@ class CapturedSample:
 
     @classmethod
     def of(cls, sample: TokenizedSample, aux_hidden_states: torch.Tensor, final_hidden_states: torch.Tensor) -> CapturedSample:
-        """A tokenized sample with its two feature tensors, as every capture path hands them to the shard writer."""
+        """A tokenized sample with its two feature tensors, as every capture path hands them to
+        the shard writer."""
         return cls(sample.id, sample.dataset, torch.tensor(sample.input_ids, dtype=torch.long),
                    torch.tensor(sample.loss_mask, dtype=torch.uint8), aux_hidden_states, final_hidden_states,
                    sample.original_length)
@@ -122,11 +126,8 @@ class CapturedSample:
         return int(self.input_ids.shape[0])
 
     def nbytes(self) -> int:
-        return (
-            self.aux_hidden_states.nbytes
-            + self.final_hidden_states.nbytes
-            + self.length * TOKEN_ID_AND_MASK_BYTES
-        )
+        return (self.aux_hidden_states.nbytes + self.final_hidden_states.nbytes
+                + self.length * TOKEN_ID_AND_MASK_BYTES)
 
 
 def read_rank_indexes(output_dir: Path) -> dict[int, list[dict]]:
@@ -225,7 +226,8 @@ class ShardWriter:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.max_shard_bytes = max_shard_bytes
-        # Temp shards of this rank were left by a killed run; only this rank writes them, so all are safe to drop.
+        # Temp shards of this rank were left by a killed run; only this rank writes them, so
+        # all are safe to drop.
         remove_stale_temp_files(self.output_dir, f"shard-r{rank:02d}-*", every_writer=True)
         existing = read_rank_indexes(self.output_dir).get(rank, [])
         self.next_shard_number = 1 + max((record["shard_number"] for record in existing), default=-1)
@@ -260,7 +262,8 @@ class ShardWriter:
         path = self.output_dir / name
         # Serialized in memory (one shard, bounded by max_shard_bytes) so the write goes through
         # atomic_write: a kill leaves a stray temp file, never a half shard under the final name.
-        # One metadata key only: safetensors orders metadata keys by hash, which would make bytes differ between runs.
+        # One metadata key only: safetensors orders metadata keys by hash, which would make bytes
+        # differ between runs.
         payload = save(tensors, metadata={"format": "pt"})
         with atomic_write(path, "wb") as handle:
             handle.write(payload)
@@ -304,7 +307,8 @@ def write_merged_index(output_dir: str | os.PathLike, header: dict[str, Any], sa
     Raises when a sample of `sample_order` has no shard: the run is incomplete and must be resumed.
     """
     output_dir = Path(output_dir)
-    records, _ = _valid_records(output_dir)  # a sample captured again after its shard broke: the readable copy
+    # a sample captured again after its shard broke: the readable copy
+    records, _ = _valid_records(output_dir)
     by_key = {(record["dataset"], record["id"]): record for record in records}
     missing = [key for key in sample_order if key not in by_key]
     if missing:
@@ -397,7 +401,8 @@ class ShardDataset(torch.utils.data.Dataset):
             if with_features:
                 for name in ("aux_hidden_states", "final_hidden_states"):
                     features = shard.get_slice(name)[start:stop]
-                    if features.dtype == torch.float8_e4m3fn:  # an fp8 capture: decoded to bf16 here, so readers see one format
+                    if features.dtype == torch.float8_e4m3fn:
+                        # an fp8 capture: decoded to bf16 here, so readers see one format
                         features = decode_fp8(features, shard.get_slice(f"{name}_scale")[start:stop])
                     sample[name] = features
             return sample
