@@ -59,17 +59,17 @@ def _chat_template_text(tokenizer: Any) -> str:
 
 
 def _control_tokens(tokenizer: Any, template: str) -> tuple[str, ...]:
-    """Special added tokens, plus non-special added tokens the template writes itself (as transformers does)."""
-    tokens = []
-    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
-        content = token.content
-        if content and not content.isspace() and (token.special or content in template):
-            tokens.append(content)
+    """Special added tokens, plus non-special added tokens the template writes itself (as
+    transformers does)."""
+    added = (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+    tokens = [token.content for token in added
+              if token.content and not token.content.isspace() and (token.special or token.content in template)]
     return tuple(sorted(set(tokens), key=len, reverse=True))
 
 
 def _probe_user() -> list[dict]:
-    return [{"role": "user", "content": PROBE_USER}]  # fresh each call: a render never sees another's messages
+    # fresh each call: a render never sees another's messages
+    return [{"role": "user", "content": PROBE_USER}]
 
 
 def _probe_assistant() -> dict:
@@ -128,7 +128,8 @@ def template_layout(tokenizer: Any, template_kwargs: dict | None = None, tools: 
 
 
 def _end_of_turn(tokenizer: Any, turn: str, base: list | None, template_kwargs: dict, control_tokens) -> tuple[str, bool]:
-    """(the token that closes an assistant turn, whether it is the next turn's role token), from the probe turn."""
+    """(the token that closes an assistant turn, whether it is the next turn's role token),
+    from the probe turn."""
     at = turn.find(PROBE_ASSISTANT)
     if at < 0:
         raise ChatTemplateError("chat template: an assistant turn's content does not appear in its rendering")
@@ -152,8 +153,8 @@ def _end_of_turn(tokenizer: Any, turn: str, base: list | None, template_kwargs: 
 
 
 def _tool_call_form(tokenizer: Any, base: list | None, template_kwargs: dict) -> tuple[dict, str, str]:
-    """(the probe call turn, tool arguments as "object" or "string", tool calls rendered by the "template" or as
-    "hermes-text")."""
+    """(the probe call turn, tool arguments as "object" or "string", tool calls rendered by the "template" or
+    as "hermes-text")."""
     user = _probe_user()
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "probe", "arguments": {"x": PROBE_TOOL}}}]}
@@ -169,8 +170,8 @@ def _tool_call_form(tokenizer: Any, base: list | None, template_kwargs: dict) ->
 
 
 def _reasoning_placement(tokenizer: Any, prompt: str, turn: str, call: dict, base: list | None, template_kwargs: dict) -> str:
-    """Where reasoning goes: "field" (the template renders reasoning_content), "fold" (written in the content, where
-    the model wrote it) or "splice" (the kit places the think block itself)."""
+    """Where reasoning goes: "field" (the template renders reasoning_content), "fold" (written in the content,
+    where the model wrote it) or "splice" (the kit places the think block itself)."""
     user, assistant = _probe_user(), _probe_assistant()
     reasoning_turns = [{**assistant, "reasoning_content": PROBE_REASONING},
                        {**call, "reasoning_content": PROBE_REASONING}]

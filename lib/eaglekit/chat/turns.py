@@ -23,7 +23,8 @@ class GeneratedTurn:
     # turn: where the header is a tool result's closing (DeepSeek, Mistral) each result before it writes one.
     skip: int
     prompt: str  # the turn's prompt in its small context (it ends in `header`)
-    tail: str  # what follows the turn in its small rendering (the end-of-turn token of a truncated turn, a newline)
+    # what follows the turn in its small rendering (the end-of-turn token of a truncated turn, a newline)
+    tail: str
     # Whether the small context's shape showed the prompt to be the turn's rendering up to its header, then
     # the header: the prompt can then be read off a rendering that holds the turn.
     prompt_readable: bool
@@ -165,14 +166,10 @@ def _turn_header(renderer: Renderer, context: list[dict], prompt: str, layout: T
 
 def _header(prompt: str, layout: TemplateLayout) -> str:
     """The end of a prompt from its last control token: what precedes a turn's body in any rendering."""
-    last = -1
     body = prompt
     for opener in ("<think>\n", "<think>"):
         if prompt.endswith(opener):
             body = prompt[: -len(opener)]
             break
-    for token in layout.control_tokens:
-        at = body.rfind(token)
-        if at > last:
-            last = at
+    last = max((body.rfind(token) for token in layout.control_tokens), default=-1)
     return prompt[last:] if last >= 0 else prompt[-16:]
