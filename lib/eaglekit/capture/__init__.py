@@ -15,7 +15,8 @@ Modules, in dependency order:
 - `online`: the same features on the fly (`OnlineCaptureSamples`), and a finished
   capture in either mode behind one interface (`open_captured_samples`, `CapturedSamples`).
 - `checks`: captured samples against their source lines, feature norms, sample subsets.
-- `stage`: `run_capture_stage(params, run_dir)`, what notebook 04 computes (imported from `eaglekit.capture.stage`).
+- `stage`: `run_capture_stage(params, run_dir)`, what notebook 04 computes (imported from
+  `eaglekit.capture.stage`).
 """
 
 from eaglekit.capture.checks import check_captured_samples, feature_norms, write_sample_subset

@@ -1,4 +1,5 @@
-"""python -m eaglekit.capture (what torchrun launches for data-parallel capture): an alias of `eaglekit capture`."""
+"""python -m eaglekit.capture (what torchrun launches for data-parallel capture): an alias of
+`eaglekit capture`."""
 
 import sys
 

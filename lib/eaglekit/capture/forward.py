@@ -202,7 +202,8 @@ class FeatureSource(Protocol):
 
 @dataclass
 class HookedTarget:
-    """The transformers target as a FeatureSource: forward pre-hooks on the capture layers (`capture_batches`)."""
+    """The transformers target as a FeatureSource: forward pre-hooks on the capture layers
+    (`capture_batches`)."""
 
     model: nn.Module
 

@@ -1,4 +1,5 @@
-"""Stage 4's input: `tokenized_data.jsonl` lines read, validated against the target's vocabulary and truncated."""
+"""Stage 4's input: `tokenized_data.jsonl` lines read, validated against the target's
+vocabulary and truncated."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ if TYPE_CHECKING:
 
 
 def capture_length(params: Params) -> int:
-    """Tokens captured per sample: capture.max_seq_len, but never past training.max_length (training reads no more)."""
+    """Tokens captured per sample: capture.max_seq_len, but never past training.max_length
+    (training reads no more)."""
     return min(params.capture.max_seq_len, params.training.max_length)
 
 

@@ -41,7 +41,8 @@ def validate_capture_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int)
 
 
 def resolve_capture_layer_ids(layer_ids: Sequence[int] | None, num_hidden_layers: int) -> list[int]:
-    """The checked capture layers of an N-layer target: `layer_ids` as configured, or EAGLE-3's defaults when None."""
+    """The checked capture layers of an N-layer target: `layer_ids` as configured, or EAGLE-3's
+    defaults when None."""
     return validate_capture_layer_ids(layer_ids if layer_ids is not None else default_capture_layer_ids(num_hidden_layers),
                                       num_hidden_layers)
 
@@ -52,7 +53,8 @@ _DECODER_PATHS = ("language_model.model", "language_model", "model.language_mode
 
 
 def base_model_of(model: nn.Module) -> nn.Module:
-    """The decoder stack under a *ForCausalLM or a wrapper (or the model itself): has `layers`, returns `last_hidden_state`."""
+    """The decoder stack under a *ForCausalLM or a wrapper (or the model itself): has `layers`, returns
+    `last_hidden_state`."""
     prefix = getattr(model, "base_model_prefix", "model") or "model"
     candidates = [getattr(model, prefix, None), *(_attribute_path(model, path) for path in _DECODER_PATHS), model]
     for candidate in candidates:

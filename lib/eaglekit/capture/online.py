@@ -68,14 +68,16 @@ class CapturedSamples(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, position: int) -> dict[str, Any]:
-        """{"id", "dataset", "input_ids" (T,), "loss_mask" (T,), "aux_hidden_states" bf16 (T, 3H), "final_hidden_states" bf16 (T, H)}."""
+        """{"id", "dataset", "input_ids" (T,), "loss_mask" (T,), "aux_hidden_states" bf16 (T, 3H),
+        "final_hidden_states" bf16 (T, H)}."""
 
     @property
     def keys(self) -> list[tuple[str, str]]:
         """(dataset, id) of each position."""
 
     def tokens(self, position: int) -> dict[str, Any]:
-        """The sample without its features (cheap in both modes): {"id", "dataset", "input_ids", "loss_mask"}."""
+        """The sample without its features (cheap in both modes): {"id", "dataset",
+        "input_ids", "loss_mask"}."""
 
 
 

@@ -1,6 +1,7 @@
 """Offline capture: every sample's features into bounded-size shards, resumable, data parallel under torchrun.
 
-`capture_to_shards` is the library call; `eaglekit capture` (alias `python -m eaglekit.capture`, the torchrun entry) calls it.
+`capture_to_shards` is the library call; `eaglekit capture` (alias `python -m eaglekit.capture`, the
+torchrun entry) calls it.
 """
 
 from __future__ import annotations
@@ -225,7 +226,8 @@ def capture_to_shards(
 
 def _capture_batches(source: FeatureSource, samples: list[TokenizedSample], batches: list[list[int]], done: set, layer_ids: list[int],
                      writer: ShardWriter | None, report: CaptureReport, progress: bool, log_interval_s: float) -> None:
-    """This rank's share of `batches` (batch i goes to rank i % world size) through `source`, new samples into `writer`."""
+    """This rank's share of `batches` (batch i goes to rank i % world size) through `source`, new
+    samples into `writer`."""
     rank, world_size = report.rank, report.world_size
     my_batches = [batch for number, batch in enumerate(batches) if number % world_size == rank]
     mine = [samples[position] for batch in my_batches for position in batch]  # this rank's share, done or not

@@ -48,7 +48,8 @@ def check_sglang_version() -> None:
 
 
 def sglang_layer_ids(capture_layer_ids: Sequence[int]) -> list[int]:
-    """SGLang's EAGLE-3 hook captures the input of layer id + 1: our output_hidden_states indices minus one."""
+    """SGLang's EAGLE-3 hook captures the input of layer id + 1: our output_hidden_states
+    indices minus one."""
     return [int(layer_id) - 1 for layer_id in capture_layer_ids]
 
 
@@ -92,7 +93,8 @@ class SglangCapture:
                    tensor_parallel_rank=tensor_parallel_rank)
 
     def _extend(self, samples: Sequence[TokenizedSample]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One prefill of the batch with FULL hidden-state capture: aux (sum T, 3H), final (sum T, H) on the GPU."""
+        """One prefill of the batch with FULL hidden-state capture: aux (sum T, 3H), final (sum
+        T, H) on the GPU."""
         from sglang.benchmark.one_batch import TreeCacheNamespace, _maybe_prepare_mlp_sync_batch
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
@@ -144,7 +146,8 @@ class SglangCapture:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`torchrun --nproc-per-node TP -m eaglekit.capture.sglang_capture --params P --run-dir D`: stage 4's shards via SGLang."""
+    """`torchrun --nproc-per-node TP -m eaglekit.capture.sglang_capture --params P --run-dir D`: stage 4's
+    shards via SGLang."""
     from pathlib import Path
 
     from eaglekit.capture.layers import resolve_capture_layer_ids

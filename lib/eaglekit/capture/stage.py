@@ -1,4 +1,5 @@
-"""Stage 4 as one library call: `run_capture_stage(params, run_dir)` does what notebook 04 computes, without the plots.
+"""Stage 4 as one library call: `run_capture_stage(params, run_dir)` does what notebook 04
+computes, without the plots.
 
 In order: load the target; plan the storage (`capture/plan.json`: offline shards when they fit the
 disk, else online); capture the shards (offline); count truncation per dataset; read a few samples
@@ -53,7 +54,8 @@ class CaptureResult:
     plan: StoragePlan
     capture_layer_ids: list[int]
     report: CaptureReport | None  # None in online mode: nothing stored
-    datasets: dict[str, dict[str, int]]  # per dataset: samples, tokens, loss_tokens, truncated_samples, truncated_tokens, ...
+    # per dataset: samples, tokens, loss_tokens, truncated_samples, truncated_tokens, ...
+    datasets: dict[str, dict[str, int]]
     checks: list[dict[str, Any]]  # one row per checked sample (`check_captured_samples`)
     norms: dict[str, torch.Tensor]  # "layer <i>" and "final" -> per-token L2 norms (sum T,)
     ablation_report: CaptureReport | None  # the original answers' capture, when the ablation ran
@@ -71,15 +73,17 @@ class CaptureResult:
 def _capture_original_answers(params: Params, model: torch.nn.Module, capture_dir: Path, out: Path, data_files: dict[str, Path],
                               captured: CapturedSamples, capture_layer_ids: list[int], mode: str,
                               metrics: Metrics) -> tuple[CaptureReport | None, str]:
-    """The ablation's input: the class-B datasets' own answers that the ablation draft trains on, into capture/original/."""
+    """The ablation's input: the class-B datasets' own answers that the ablation draft trains on, into
+    capture/original/."""
     original_files = original_answer_files(out)
     if params.analysis.ablation and original_files and mode == "offline" and model is None:
         return None, f"ablation skipped: capture.engine {params.capture.engine} captured the sweep; capture the original answers with it separately"
     if params.analysis.ablation and original_files and mode == "offline":
         main_keys = captured.keys
         original_keys = [(name, record["id"]) for name, path in original_files.items() for _, record in read_jsonl(path)]
+        # the held-out split training makes
         heldout, _ = sweep_split(out, main_keys, params.training.heldout_size, params.run.seed,
-                                 read_conversation_keys(data_files, main_keys))  # the held-out split training makes
+                                 read_conversation_keys(data_files, main_keys))
         chosen = ablation_sample_keys(main_keys, original_keys, params.training.heldout_size, params.analysis.ablation_size, params.run.seed,
                                       heldout_indices=heldout)
         original_dir = capture_dir / "original"
@@ -98,9 +102,10 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
 
 def capture_samples(params: Params, source, files: dict[str, Path], out_dir: Path, capture_layer_ids: list[int], *,
                     progress: bool = True, slices: list | None = None) -> CaptureReport:
-    """`files` captured into shards in `out_dir` under the params' capture settings (capture_length, batch tokens,
-    shard size, feature dtype, log interval): the one call stage 4, its ablation input and the staged run make.
-    Resumes past the samples `out_dir` holds. No tqdm bar under the runner (its progress lines go to run.log)."""
+    """`files` captured into shards in `out_dir` under the params' capture settings (capture_length, batch
+    tokens, shard size, feature dtype, log interval): the one call stage 4, its ablation input and the staged
+    run make. Resumes past the samples `out_dir` holds. No tqdm bar under the runner (its progress
+    lines go to run.log)."""
     return capture_to_shards(source, files, out_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
                              max_seq_len=capture_length(params), max_tokens_per_batch=params.capture.max_tokens_per_batch,
                              max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=progress and not under_runner(),
@@ -137,7 +142,8 @@ def _slice_keys(params: Params, run_dir: Path, data_files: dict[str, Path], max_
 
 
 def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResult:
-    """Stage 4 without plots: storage plan, capture, truncation counts, read-back checks, feature norms, ablation input.
+    """Stage 4 without plots: storage plan, capture, truncation counts, read-back checks, feature
+    norms, ablation input.
 
     Writes `capture/plan.json`, the shards (offline) and the stage's metrics events (storage_plan, capture,
     truncation, feature_norms, capture_original). Resumes past samples already in the shards.
@@ -178,12 +184,14 @@ def run_capture_stage(params: Params, run_dir: str | os.PathLike) -> CaptureResu
             _, stats = read_tokenized_samples(data_files, layout.vocab_size, max_seq_len)
             datasets = {name: dict(vars(dataset_stats)) for name, dataset_stats in stats.items()}
         if engine is not None:
-            engine.close()  # the read-back below uses the shards; the ablation input needs a model only with transformers
+            # the read-back below uses the shards; the ablation input needs a model only with transformers
+            engine.close()
         metrics.log(event="truncation", max_seq_len=max_seq_len,
                     truncated_samples=sum(stats["truncated_samples"] for stats in datasets.values()),
                     truncated_tokens=sum(stats["truncated_tokens"] for stats in datasets.values()))
 
-        # In the mode plan.json names, through the interface stages 5 and 6 read: shards, or features recomputed per access.
+        # In the mode plan.json names, through the interface stages 5 and 6 read: shards, or features
+        # recomputed per access.
         captured = open_captured_samples(capture_dir, data_files, model, capture_layer_ids=capture_layer_ids,
                                          max_seq_len=max_seq_len)
         step = max(1, len(captured) // CHECKED_SAMPLES)

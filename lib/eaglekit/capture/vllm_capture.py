@@ -1,4 +1,5 @@
-"""Capture through stock vLLM: the `extract_hidden_states` speculative method and a hidden-states KV connector.
+"""Capture through stock vLLM: the `extract_hidden_states` speculative method and a
+hidden-states KV connector.
 
 vLLM (0.32) owns tensor and data parallelism, so a target too large for one process (Kimi-K2.5 at TP8)
 is captured at serving speed. Per sample we send its token ids as the prompt with `max_tokens: 1`;
@@ -82,7 +83,8 @@ class VllmCaptureSettings:
 
 
 def server_configs(settings: VllmCaptureSettings, storage_dir: Path) -> tuple[dict, dict, list[str], dict[str, str]]:
-    """(speculative_config, kv_transfer_config, extra args, extra environment) of a capture server writing into `storage_dir`."""
+    """(speculative_config, kv_transfer_config, extra args, extra environment) of a capture server writing
+    into `storage_dir`."""
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": settings.server_layer_ids}}}
     transfer = {"kv_connector": STOCK_CONNECTOR_CLASS, "kv_role": "kv_producer",
@@ -114,7 +116,8 @@ def _vllm_server(settings: VllmCaptureSettings, storage_dir: Path, port: int | N
 
 
 class VllmHiddenStatesServer:
-    """A vLLM capture server (eaglekit.generation.server.VLLMServer) with its files under `work_dir/hidden_states`.
+    """A vLLM capture server (eaglekit.generation.server.VLLMServer) with its files under
+    `work_dir/hidden_states`.
 
     Context manager: starts the server (the log's tail in the error when it dies or times out), drops the
     file its warm-up completion left, and stops it on exit.
@@ -146,7 +149,8 @@ class VllmHiddenStatesServer:
 
     def _drop_startup_file(self, timeout_s: float = 20.0) -> None:
         """Delete the file of the start-up check's own completion. The connector writes it when the request
-        finishes, which can be after the answer reached us: wait for it (bounded), take its lock, delete it."""
+        finishes, which can be after the answer reached us: wait for it (bounded), take
+        its lock, delete it."""
         deadline = time.monotonic() + timeout_s
         while not any(path.suffix == ".safetensors" for path in self.storage_dir.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -167,14 +171,16 @@ class VllmHiddenStatesServer:
 
 
 def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The target's final RMSNorm as transformers computes it: (T, H) float32 math, back to the input dtype, times weight."""
+    """The target's final RMSNorm as transformers computes it: (T, H) float32 math, back to the input
+    dtype, times weight."""
     variance = hidden_states.float().pow(2).mean(-1, keepdim=True)
     normed = (hidden_states.float() * torch.rsqrt(variance + eps)).to(hidden_states.dtype)
     return weight.to(hidden_states.dtype) * normed
 
 
 def read_hidden_states_file(path: str, sample: TokenizedSample, num_layers: int, hidden_size: int) -> torch.Tensor:
-    """The (T, layers, H) hidden states of `sample` from a connector file, after checking ids and counts; then deleted."""
+    """The (T, layers, H) hidden states of `sample` from a connector file, after checking ids and
+    counts; then deleted."""
     where = f"sample {sample.dataset}/{sample.id}"
     lock_path = path + ".lock"
     try:
@@ -211,7 +217,8 @@ class VllmCapture(ClosesOnExit):
     layout: TargetLayout
     final_norm_weight: torch.Tensor = field(repr=False)
     final_norm_eps: float = 1e-6
-    output_dtype: torch.dtype = torch.bfloat16  # the shards' dtype; float32 to compare with a float32 target exactly
+    # the shards' dtype; float32 to compare with a float32 target exactly
+    output_dtype: torch.dtype = torch.bfloat16
     seconds_in_requests: float = 0.0
 
     @classmethod
@@ -244,12 +251,15 @@ class VllmCapture(ClosesOnExit):
     def _captured(self, sample: TokenizedSample, path: str) -> CapturedSample:
         layers = len(self.server.settings.server_layer_ids)
         hidden_states = read_hidden_states_file(path, sample, layers, self.hidden_size)  # (T, 4, H)
-        aux = hidden_states[:, :-1].reshape(hidden_states.shape[0], -1)  # (T, 3, H) -> (T, 3H), capture-layer order
-        final = rms_norm(hidden_states[:, -1], self.final_norm_weight, self.final_norm_eps)  # (T, H), post-norm
+        # (T, 3, H) -> (T, 3H), capture-layer order
+        aux = hidden_states[:, :-1].reshape(hidden_states.shape[0], -1)
+        # (T, H), post-norm
+        final = rms_norm(hidden_states[:, -1], self.final_norm_weight, self.final_norm_eps)
         return CapturedSample.of(sample, aux.to(self.output_dtype), final.to(self.output_dtype))
 
     def capture_samples(self, samples: Sequence[TokenizedSample]) -> list[CapturedSample]:
-        """One batch: every sample's request in flight at once (up to `concurrency`), features in sample order."""
+        """One batch: every sample's request in flight at once (up to `concurrency`),
+        features in sample order."""
         started = time.perf_counter()
         with httpx.Client() as client, concurrent.futures.ThreadPoolExecutor(self.server.settings.concurrency) as pool:
             paths = list(pool.map(lambda sample: self._request(client, sample), samples))
@@ -265,7 +275,8 @@ class VllmCapture(ClosesOnExit):
 
 
 def vllm_settings_from_params(params, layout: TargetLayout, capture_layer_ids: Sequence[int], max_seq_len: int) -> VllmCaptureSettings:
-    """The server settings stage 4 uses: params' capture.* (engine_python, TP/DP, engine args) and target.*."""
+    """The server settings stage 4 uses: params' capture.* (engine_python, TP/DP, engine
+    args) and target.*."""
     capture = params.capture
     cuda = capture.device != "cpu"
     return VllmCaptureSettings(

@@ -34,12 +34,12 @@ already made where probes of the template say it reads the same there (one small
 of tool rounds; the history rendering for a turn right after its anchor); group ends are confirmed
 with the oracle's own criterion on the composed texts; samples reuse the tokens of the sample before
 them or of the history rendering, whichever they share more text with (for tokenizers that split
-text at control tokens first, as byte-level BPE does). Each conversation gets real checks (the last sample is the full rendering, the one before it
-its prompt rendered whole); where a check or a search fails, each sample is rendered whole. A
-template that moves text it wrote earlier (Mistral: the tools before the last user message, the
-system prompt inside it while it is the last message) changes earlier turns' context where no span
-shows it: there every turn's prompt is composed (`injected.injected_groups`: the history before its last user
-message from the full rendering, the rest from one small rendering per stretch, with the system
+text at control tokens first, as byte-level BPE does). Each conversation gets real checks (the last sample is
+the full rendering, the one before it its prompt rendered whole); where a check or a search fails, each sample
+is rendered whole. A template that moves text it wrote earlier (Mistral: the tools before the last user
+message, the system prompt inside it while it is the last message) changes earlier turns' context where no
+span shows it: there every turn's prompt is composed (`injected.injected_groups`: the history before its last
+user message from the full rendering, the rest from one small rendering per stretch, with the system
 prompt and tools) and samples are cut with the oracle's own criterion on the composed texts, checked
 against the last turn's prompt and the sample before the last rendered whole. Where a check fails, or
 two user messages are equal (Mistral finds the last one by equality), the conversation goes to the

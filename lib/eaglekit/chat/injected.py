@@ -28,8 +28,8 @@ def injected_groups(renderer: Renderer, template_messages: list[dict], indices: 
     system prompt shows) with the system prompt inserted as `_system_insertion` probed, or, where the
     stretch has one turn or the probe does not read so, its own small prompt. Samples are then cut with
     the oracle's own criterion (P_{i+1} does not extend P_i + turn i) on the composed texts. Checked: the
-    anchor reads the same in the full rendering and the small one, and the last turn's prompt and the last turn of the
-    sample before the last sample equal their real renderings.
+    anchor reads the same in the full rendering and the small one, and the last turn's prompt and the last
+    turn of the sample before the last sample equal their real renderings.
     """
     messages = template_messages[: indices[-1] + 1]
     count = len(indices)
@@ -98,8 +98,8 @@ def injected_groups(renderer: Renderer, template_messages: list[dict], indices: 
 
 def _cut_and_check(renderer: Renderer, messages: list[dict], indices: list[int], composed: list[str],
                    generated: list[GeneratedTurn], full: str, layout: TemplateLayout) -> list[Rendered] | None:
-    """The composed prompts cut into samples by the oracle's criterion (P_{i+1} does not extend P_i + turn i), then
-    checked against real renderings; None where a check fails."""
+    """The composed prompts cut into samples by the oracle's criterion (P_{i+1} does not extend P_i + turn i),
+    then checked against real renderings; None where a check fails."""
     count = len(indices)
     groups: list[Rendered] = []
     current: Rendered | None = None

@@ -74,7 +74,9 @@ def to_template_messages(messages: Sequence[dict], layout: TemplateLayout, marke
                 item["reasoning_content"] = reasoning
             elif layout.reasoning == "fold":
                 item["content"] = fold_reasoning(reasoning, content)
-            else:  # the template may show it on some turns (Kimi's tool-call turns); Renderer.last places the rest
+            else:
+                # the template may show it on some turns (Kimi's tool-call turns);
+                # Renderer.last places the rest
                 item["reasoning_content"] = reasoning
                 item["_reasoning"] = reasoning
         if role == "assistant" and message.get("tool_calls") and layout.tool_calls == "hermes-text":

@@ -37,7 +37,8 @@ def prepare(tokenizer: Any, messages: Sequence[dict], tools: list | None, templa
 
 def render_conversation(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = False,
                         tools: list | None = None, template_kwargs: dict | None = None) -> str:
-    """The chat-template text of `messages` (kit schema), reasoning and tool calls placed as the template needs."""
+    """The chat-template text of `messages` (kit schema), reasoning and tool calls placed as
+    the template needs."""
     _, marker, template_messages, renderer = _setup(tokenizer, messages, tools, template_kwargs)
     if add_generation_prompt:
         text = renderer.prompt(template_messages)

@@ -84,7 +84,8 @@ class Renderer:
             if not reasoning or f"<think>{reasoning}" in rest or f"<think>\n{reasoning}" in rest:
                 return full
             opened = prompt.endswith(("<think>", "<think>\n"))
-            if opened and rest.startswith(reasoning):  # written inside the block the prompt opened (Kimi-K2.5)
+            if opened and rest.startswith(reasoning):
+                # written inside the block the prompt opened (Kimi-K2.5)
                 return full
             # The prompt opens the think block and the template closes it blank (Kimi-K2.5's history form
             # "<think></think>", which extends the prompt's "<think>"): the model wrote its reasoning there.
@@ -100,7 +101,8 @@ class Renderer:
                 raise ChatTemplateError("this turn has reasoning but the template's generation prompt closes the "
                                         "think block (thinking off): set the template's thinking flag in "
                                         "prep.chat_template_kwargs")
-            # No think block and none opened by the prompt (DeepSeek-R1 after tool output): the model wrote it.
+            # No think block and none opened by the prompt (DeepSeek-R1 after tool
+            # output): the model wrote it.
             return prompt + fold_reasoning(reasoning, "") + rest
         # The prompt opens a think block the template's history form does not have (DeepSeek-R1/V3.1).
         if not prompt.rstrip("\n").endswith("<think>"):
@@ -140,7 +142,8 @@ def small_context(template_messages: list[dict], index: int) -> list[dict]:
         caller -= 1
     if caller < index - 1:
         keep_from = caller if caller >= 0 and template_messages[caller]["role"] == "assistant" else caller + 1
-        # Without their reasoning, so no template rewrites the context (Kimi blanks it once a final answer follows).
+        # Without their reasoning, so no template rewrites the context (Kimi blanks it once a
+        # final answer follows).
         return [probe, *({key: value for key, value in message.items() if key not in ("reasoning_content", "_reasoning")}
                          for message in template_messages[keep_from:index])]
     return [probe]

@@ -201,7 +201,8 @@ class _Composer:
         self.rendered: dict[int, str] = {}  # real renders of groups without history to share
         # Small renderings by (anchor, turn): the turn's prompt from the anchor's small context on.
         self.small_prompts: dict[tuple[int, int], str | None] = {}
-        self.checked: set[tuple[int, int]] = set()  # groups (first, last turn) found equal to a real rendering
+        # groups (first, last turn) found equal to a real rendering
+        self.checked: set[tuple[int, int]] = set()
         self.users = [index for index, message in enumerate(template_messages) if message["role"] == "user"]
         self.stretch_end = list(range(count))  # each turn's last turn before the next user message
         for position in range(count - 2, -1, -1):

@@ -40,7 +40,8 @@ class TemplateLayout:
     # hands such conversations to the oracle.
     stable_with_system: bool
     # Whether it stays one with a system message after an assistant turn (DeepSeek-V3.1 gathers every system
-    # message into the prompt's beginning, so a later one changes what every earlier turn was generated after).
+    # message into the prompt's beginning, so a later one changes what every earlier turn
+    # was generated after).
     stable_with_late_system: bool
     stable_with_tools: bool
     control_tokens: tuple[str, ...]  # longest first: what is text when it appears inside a message

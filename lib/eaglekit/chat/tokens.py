@@ -30,9 +30,9 @@ class ConversationSamples:
     trained_tokens: int  # tokens with loss_mask 1 over all samples
     fallback: bool = False  # the fast path handed this conversation to the oracle
     boundary_merges: int = 0  # oracle only: turns whose prompt tokens are not a token prefix of the turn's
-    # Assistant turns that cannot be defined as generated, (message index, reason): trained nowhere (their text
-    # stays the later turns' context, mask 0) and counted, while the conversation's other turns are trained.
-    # MiniMax-M2: a turn without reasoning after a generation prompt that opens `<think>`.
+    # Assistant turns that cannot be defined as generated, (message index, reason): trained nowhere (their
+    # text stays the later turns' context, mask 0) and counted, while the conversation's other turns are
+    # trained. MiniMax-M2: a turn without reasoning after a generation prompt that opens `<think>`.
     rejected_turns: tuple[tuple[int, str], ...] = ()
 
     @property
@@ -202,7 +202,8 @@ def _tokenize_many(tokenizer: Any, texts: list[str], marker: Marker) -> list[tup
 
 def finish_samples(tokenizer: Any, rendered: list[Rendered], marker: Marker, bodies: list[str],
                    layout: TemplateLayout | None = None) -> ConversationSamples:
-    """Tokenize the samples (reusing their history's tokens where `layout` allows) and count what they train."""
+    """Tokenize the samples (reusing their history's tokens where `layout` allows) and
+    count what they train."""
     if layout is not None and layout.splits_at_control_tokens and len(rendered) > 1:
         samples = _samples_sharing_history(tokenizer, rendered, marker, layout)
     else:

@@ -1,9 +1,10 @@
 """Format adapters: one function per source format turns a raw record into the kit's conversation schema.
 
-One conversation schema (DESIGN.md): `{"id", "source", "messages": [{"role", "content", "reasoning"?}], "meta"}`
-with roles system | user | assistant | tool. An adapter produces the messages and meta of each record
-(ids are given in `eaglekit.data.prep` after normalization and deduplication) and raises an `InputError`
-naming file, line and field on a record it cannot read.
+One conversation schema (DESIGN.md):
+`{"id", "source", "messages": [{"role", "content", "reasoning"?}], "meta"}` with roles system | user |
+assistant | tool. An adapter produces the messages and meta of each record (ids are given in
+`eaglekit.data.prep` after normalization and deduplication) and raises an `InputError` naming file, line
+and field on a record it cannot read.
 
 Tool calls stay structured, in the OpenAI shape: an assistant message carries `tool_calls`
 (`[{"id", "type": "function", "function": {"name", "arguments"}}]`, arguments a JSON object where
@@ -77,7 +78,8 @@ def _role(turn: Any, roles: dict[str, str], location: RecordLocation, prefix: st
 
 
 def tool_call(name: str, arguments: Any, call_id: str | None = None) -> dict:
-    """One structured tool call (OpenAI shape); `arguments` parsed from JSON text where it parses to an object."""
+    """One structured tool call (OpenAI shape); `arguments` parsed from JSON text where it
+    parses to an object."""
     parsed = parse_json_text(arguments)
     call = {"type": "function", "function": {"name": name, "arguments": parsed if isinstance(parsed, dict) else arguments}}
     return {"id": call_id, **call} if call_id else call
@@ -87,7 +89,8 @@ _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
 def parse_hermes_tool_calls(content: str) -> tuple[str, list[dict]]:
-    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks in assistant text -> (text left, calls).
+    """Hermes/Qwen `<tool_call>{"name", "arguments"}</tool_call>` blocks in assistant text
+    -> (text left, calls).
 
     Blocks that are not a JSON object with a string `name` are left in the text (nothing is dropped)."""
     calls: list[dict] = []
@@ -188,7 +191,8 @@ _SHAREGPT_ROLES = {
 
 
 def adapt_sharegpt(record: Any, location: RecordLocation) -> Adapted:
-    """ShareGPT: `conversations` (or `items`) of `{"from", "value"}`; Glaive's function_call/observation turns."""
+    """ShareGPT: `conversations` (or `items`) of `{"from", "value"}`; Glaive's
+    function_call/observation turns."""
     key = "items" if isinstance(record, dict) and "items" in record else "conversations"
     turns = _get(record, key, list, location)
     messages: list[dict] = []
@@ -271,7 +275,8 @@ def adapt_alpaca(record: Any, location: RecordLocation) -> Adapted:
 
 
 def adapt_problem_solution(record: Any, location: RecordLocation) -> Adapted:
-    """`problem` with optional `solution` (math and code sets); a `<think>` block in the solution is reasoning."""
+    """`problem` with optional `solution` (math and code sets); a `<think>` block in the
+    solution is reasoning."""
     problem = _get(record, "problem", str, location)
     solution = _get(record, "solution", str, location, required=False)
     messages: list[dict] = [{"role": "user", "content": problem}]
@@ -441,7 +446,8 @@ def validate_messages(messages: list[dict], location: RecordLocation) -> None:
 
 
 def normalize_messages(messages: list[dict]) -> list[dict]:
-    """Canonical text: CRLF -> LF and surrounding whitespace stripped (templates like Llama-3's trim anyway)."""
+    """Canonical text: CRLF -> LF and surrounding whitespace stripped (templates like
+    Llama-3's trim anyway)."""
     normalized = []
     for message in messages:
         out = {"role": message["role"], "content": message["content"].replace("\r\n", "\n").strip()}

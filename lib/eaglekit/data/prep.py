@@ -7,7 +7,8 @@ nothing) and never a half-written file:
     <out_dir>/<source>/tokenized_data.jsonl    class A: {"id", "input_ids", "loss_mask", "source", "meta"}
     <out_dir>/<source>/prompts.short.jsonl     class B: conversations ending in the prompt to answer,
     <out_dir>/<source>/prompts.long.jsonl      split by measured prompt tokens (<= threshold: short)
-    <out_dir>/rejects.jsonl                    one line per rejected record: source, file, line, record, field, reason
+    <out_dir>/rejects.jsonl                    one line per rejected record: source, file, line,
+                                               record, field, reason
     <out_dir>/summary.json                     per-source counts and the settings used (written last)
 
 Ids are `<source>-<first 16 hex of sha256>` over the normalized messages that are kept (the whole
@@ -62,7 +63,8 @@ def prep_settings(prep: PrepParams | None, fields: dict[str, Any]) -> PrepParams
 
 
 def content_hash(messages: Sequence[dict]) -> str:
-    """sha256 hex of the canonical JSON of (role, content, reasoning[, tool_calls, tool_call_id]) per message."""
+    """sha256 hex of the canonical JSON of (role, content, reasoning[, tool_calls,
+    tool_call_id]) per message."""
     canonical = [[m["role"], m["content"], m.get("reasoning", "")]
                  + ([m.get("tool_calls"), m.get("tool_call_id")] if m.get("tool_calls") or m.get("tool_call_id") else [])
                  for m in messages]
@@ -94,7 +96,8 @@ class SourceCounts:
     generated_tokens: int = 0  # class A: tokens the target generated (every assistant turn as generated)
     trained_tokens: int = 0  # class A: tokens with loss_mask 1 (equal to generated under history "split")
     template_family: str = ""
-    original_rejected: int = 0  # class B: dataset answers the template cannot render (listed in rejects.jsonl)
+    # class B: dataset answers the template cannot render (listed in rejects.jsonl)
+    original_rejected: int = 0
     # class A: assistant turns of kept conversations that the template leaves undefined (eaglekit.chat's
     # rejected_turns: context with mask 0, not trained), each listed in rejects.jsonl as messages[i]
     rejected_turns: int = 0
@@ -272,7 +275,8 @@ def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts
 
 def _prepare_class_a(spec: SourceSpec, item: SourceRecord, kept_messages: list, _answer, record_id: str, tokenizer: Any,
                      counts: SourceCounts, outputs: _Outputs, reject, settings: PrepParams) -> bool:
-    """A conversation already in the target's words: tokenized whole (split where the template needs it). True: kept."""
+    """A conversation already in the target's words: tokenized whole (split where the template
+    needs it). True: kept."""
     location, context_length = item.location, settings.context_length
     try:
         result = tokenize_conversation(tokenizer, kept_messages, tools=item.meta.get("tools"), history=settings.history,
@@ -287,7 +291,8 @@ def _prepare_class_a(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
                location.record)
         return False
     counts.kept += 1
-    for index, reason in result.rejected_turns:  # a template limit, not bad input: listed under any bad_input policy
+    for index, reason in result.rejected_turns:
+        # a template limit, not bad input: listed under any bad_input policy
         counts.rejected_turns += 1
         turn = InputError(location.path, location.line, f"messages[{index}]", f"chat template turn not trained: {reason}")
         outputs.write("rejects.jsonl", {"source": spec.name, **Reject(turn, location.record).as_record()})
@@ -346,7 +351,8 @@ def _prepare_class_b(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
 
 
 def plot_partitions(summary: PrepSummary, figure_path: Path) -> Path:
-    """Class-B prompts per source, stacked by partition (what stage 3 will regenerate); a PNG at `figure_path`."""
+    """Class-B prompts per source, stacked by partition (what stage 3 will regenerate); a PNG
+    at `figure_path`."""
     import matplotlib
 
     matplotlib.use("Agg")

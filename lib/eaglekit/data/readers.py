@@ -70,7 +70,8 @@ def iter_jsonl_records(path: Path) -> Iterator[RawItem]:
 
 
 class _JsonStream:
-    """A JSON text read in chunks of `_CHUNK_CHARS`: the text not yet consumed, the position in it and the line."""
+    """A JSON text read in chunks of `_CHUNK_CHARS`: the text not yet consumed, the position
+    in it and the line."""
 
     def __init__(self, handle):
         self.handle, self.decoder = handle, json.JSONDecoder()
@@ -132,7 +133,8 @@ def iter_json_records(path: Path) -> Iterator[RawItem]:
 
 
 def _json_records(path: Path, stream: _JsonStream) -> Iterator[RawItem]:
-    if stream.skip_whitespace() and stream.char() == "\ufeff":  # a byte-order mark (Windows editors write one)
+    if stream.skip_whitespace() and stream.char() == "\ufeff":
+        # a byte-order mark (Windows editors write one)
         stream.position += 1
     if not stream.skip_whitespace():
         yield InputError(path, 1, None, "empty file: expected a JSON array or object of records")
@@ -178,7 +180,8 @@ def _json_records(path: Path, stream: _JsonStream) -> Iterator[RawItem]:
 
 
 def iter_parquet_records(path: Path, batch_rows: int = 1024) -> Iterator[RawItem]:
-    """Parquet rows as dicts, read in batches (never the whole table); an unreadable file or batch is an error."""
+    """Parquet rows as dicts, read in batches (never the whole table); an unreadable file or
+    batch is an error."""
     import pyarrow as arrow
     import pyarrow.parquet as parquet
 

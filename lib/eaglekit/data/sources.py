@@ -77,7 +77,8 @@ class SourceSpec:
     hf_split: str = "train"
     hf_subset: str | None = None
     data_class: DataClass = "B"  # A: already target-generated, tokenized; B: prompts to regenerate
-    multi_turn: MultiTurnPolicy = "first_user"  # class B: answer the first user turn, or the last with context
+    # class B: answer the first user turn, or the last with context
+    multi_turn: MultiTurnPolicy = "first_user"
     limit: int | None = None  # stop after this many records read (None: all)
 
     def __post_init__(self) -> None:

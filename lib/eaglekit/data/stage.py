@@ -1,4 +1,5 @@
-"""Stages 1 and 2 as one library call each: the dataset survey and prompt prep, from params into the run folder.
+"""Stages 1 and 2 as one library call each: the dataset survey and prompt prep, from params
+into the run folder.
 
 `run_survey_stage(params, run_dir)` does what notebook 01 shows: one streaming pass per source with
 the target's tokenizer (`data.survey.survey_sources`), the tables saved under `survey/` and the
@@ -34,7 +35,8 @@ PARTITIONS_FIGURE = "02_partitions.png"
 class SurveyResult:
     """Stage 1's answer: the survey's tables and the files it wrote (paths inside the run folder)."""
 
-    tables: SurveyTables  # summary (one row per source), lengths (one row per kept record), rejects (by reason)
+    # summary (one row per source), lengths (one row per kept record), rejects (by reason)
+    tables: SurveyTables
     files: tuple[Path, ...]  # survey/survey_summary.csv, survey_summary.json, survey_rejects.csv
     figures: tuple[Path, ...]  # figures/survey_*.png
 
@@ -56,10 +58,12 @@ class PrepResult:
     files: tuple[Path, ...]  # every JSONL under prep/, relative to it
     figure: Path  # figures/02_partitions.png
     first_sample: TokenizedConversation | None  # the first class-A sample as trained; None without class A
-    first_sample_html: str  # that sample through the target's tokenizer, trained tokens highlighted (chat.mask_html)
+    # that sample through the target's tokenizer, trained tokens highlighted (chat.mask_html)
+    first_sample_html: str
 
     def table(self) -> pd.DataFrame:
-        """One row per source: read, kept, duplicates, rejected, short, long, tokens, template, split, samples."""
+        """One row per source: read, kept, duplicates, rejected, short, long, tokens,
+        template, split, samples."""
         return self.summary.table()
 
     def rejects_by_reason(self) -> pd.DataFrame:
@@ -75,7 +79,8 @@ def source_specs(params: Params) -> list[SourceSpec]:
 
 
 def run_survey_stage(params: Params, run_dir: str | os.PathLike) -> SurveyResult:
-    """Stage 1 without display: survey every source, save the tables in `survey/`, the figures in `figures/`."""
+    """Stage 1 without display: survey every source, save the tables in `survey/`, the
+    figures in `figures/`."""
     out = Path(run_dir)
     specs = source_specs(params)  # before the tokenizer loads: a params mistake fails at once
     tables = survey_sources(specs, load_tokenizer(params.target), params.prep)

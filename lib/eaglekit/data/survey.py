@@ -10,8 +10,8 @@ Rust side runs in parallel.
 Definitions (the same as prep): prompt = the source's multi-turn policy applied to the conversation
 and rendered with the target's chat template and generation prompt; response = the record's own
 assistant answer to that prompt (reasoning + content, plain tokens; 0 when it has none);
-conversation = the whole conversation rendered (class A only; 0 for class B). Over the context: class A by conversation tokens,
-class B by prompt tokens (no room left to answer).
+conversation = the whole conversation rendered (class A only; 0 for class B). Over the context: class A by
+conversation tokens, class B by prompt tokens (no room left to answer).
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ class SurveyTables:
     """What `survey_sources` measured, as DataFrames (one streaming pass per source)."""
 
     summary: pd.DataFrame  # one row per source
-    lengths: pd.DataFrame  # one row per kept record: source, turns, prompt_tokens, response_tokens, conversation_tokens
+    # one row per kept record: source, turns, prompt_tokens, response_tokens, conversation_tokens
+    lengths: pd.DataFrame
     rejects: pd.DataFrame  # source, reason, count
 
 
@@ -107,7 +108,8 @@ def survey_sources(
                 conversation = render_conversation(tokenizer, item.messages, tools=tools) \
                     if spec.data_class == "A" else ""
                 prompt_text = render_conversation(tokenizer, prompt, add_generation_prompt=True, tools=tools)
-            except ChatTemplateError:  # the target's template cannot hold it: prep rejects it, with the reason
+            except ChatTemplateError:
+                # the target's template cannot hold it: prep rejects it, with the reason
                 stats.rejects["chat template"] += 1
                 continue
             pending.append((prompt_text, response, conversation))
