@@ -148,7 +148,8 @@ def analysis_summary_record(
         "points": scaling.points.to_dict(orient="records"),
         "scaling": None if scaling.answer is None else scaling.answer.to_dict(),
         "statements": scaling.statements,
-        "benchmark": None if benchmark_summary is None else {"file": benchmark_file, "summary": benchmark_summary.to_dict(orient="records")},
+        "benchmark": None if benchmark_summary is None else {"file": benchmark_file,
+                                                             "summary": benchmark_summary.to_dict(orient="records")},
         "break_even": embedded_case.to_dict(),
         # None: no serving timings given
         "seed_break_even": None if seed_case is None else seed_case.to_dict(),
@@ -234,7 +235,8 @@ def answer_in_words(
         first_bench, last_bench = benchmark_summary.iloc[0], benchmark_summary.iloc[-1]
         lines.append(f"On {int(last_bench['prompts'])} benchmark prompts from outside the training data ({benchmark_name}), the real "
                      f"loop's tau went from {first_bench['tau']:.2f} ({first_bench['data_size']:g} samples) to {last_bench['tau']:.2f} "
-                     f"({confidence:.0%} interval {last_bench['tau_low']:.2f}-{last_bench['tau_high']:.2f}) with {last_bench['data_size']:g}.")
+                     f"({confidence:.0%} interval {last_bench['tau_low']:.2f}-{last_bench['tau_high']:.2f}) with "
+                     f"{last_bench['data_size']:g}.")
     if seed_case is None:
         return lines
     lines.append(f"For the serving timings of params.analysis ({seed_case.baseline_tokens_per_s:g} tok/s plain, "

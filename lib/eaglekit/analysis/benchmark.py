@@ -86,7 +86,8 @@ def _prompt_messages(record: dict, path: Path, line: int) -> list[dict]:
                 raise InputError(path, line, field, "must be a non-empty string")
             extra = record.get("input") if field == "instruction" else None
             return [{"role": "user", "content": text + (f"\n\n{extra}" if isinstance(extra, str) and extra.strip() else "")}]
-    raise InputError(path, line, None, f"no prompt field: expected one of messages, turns, prompt, question, instruction (has {sorted(record)})")
+    raise InputError(path, line, None, "no prompt field: expected one of messages, turns, prompt, question, instruction "
+                     f"(has {sorted(record)})")
 
 
 def _prompt_tools(record: dict) -> Any:

@@ -81,7 +81,8 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[EvaluationP
             raise InputError(path, line, "messages", "must be a non-empty list of {role, content} objects")
         for index, message in enumerate(messages):
             if not isinstance(message, dict) or message.get("role") not in ROLES:
-                raise InputError(path, line, f"messages[{index}].role", f"must be one of {list(ROLES)}, got {message.get('role') if isinstance(message, dict) else message!r}")
+                got = message.get("role") if isinstance(message, dict) else message
+                raise InputError(path, line, f"messages[{index}].role", f"must be one of {list(ROLES)}, got {got!r}")
             if not isinstance(message.get("content", ""), (str, type(None))):
                 raise InputError(path, line, f"messages[{index}].content", "must be a string (multimodal parts are not supported)")
         while messages and messages[-1]["role"] == "assistant":
@@ -275,17 +276,23 @@ def format_report(records: Sequence[dict]) -> str:
         lines += [
             f"== {record['topology']}  (ceiling {record['ceiling']}; SGLang: {record['sglang_flags']}"
             + (f"; vLLM num_speculative_tokens {record['steps']})" if record["kind"] == "chain" else "; vLLM: chains only)"),
-            f"   tau loop    {record['tau_loop']:.3f}  [{low:.3f}, {high:.3f}]   (accepted + bonus per verification, {record['verification_steps']} steps)",
-            f"   tau server  {record['tau_server']:.3f}  [{server_low:.3f}, {server_high:.3f}]   (completion tokens / verification steps, as SGLang counts)",
-            (f"   tau offline {record['tau_offline']:.3f}  [{offline_low:.3f}, {offline_high:.3f}]   ({record['offline_positions']} start rows of the "
-             f"greedy continuations; {100 * record['tau_offline_vs_loop']:+.1f}% vs loop)"),
-            f"   lossless    {'yes: every output equals plain greedy decoding' if record['outputs_equal'] else 'NO: some outputs differ from plain greedy decoding'}",
-            f"   tokens/s    {record['tokens_per_s']:.2f} speculative vs {record['greedy_tokens_per_s']:.2f} greedy ({record['speedup']:.2f}x)",
+            (f"   tau loop    {record['tau_loop']:.3f}  [{low:.3f}, {high:.3f}]   (accepted + bonus per verification, "
+             f"{record['verification_steps']} steps)"),
+            (f"   tau server  {record['tau_server']:.3f}  [{server_low:.3f}, {server_high:.3f}]   (completion tokens / "
+             "verification steps, as SGLang counts)"),
+            (f"   tau offline {record['tau_offline']:.3f}  [{offline_low:.3f}, {offline_high:.3f}]   "
+             f"({record['offline_positions']} start rows of the greedy continuations; "
+             f"{100 * record['tau_offline_vs_loop']:+.1f}% vs loop)"),
+            "   lossless    " + ("yes: every output equals plain greedy decoding" if record["outputs_equal"]
+                                 else "NO: some outputs differ from plain greedy decoding"),
+            (f"   tokens/s    {record['tokens_per_s']:.2f} speculative vs {record['greedy_tokens_per_s']:.2f} greedy "
+             f"({record['speedup']:.2f}x)"),
             "   prompt                 tokens  out  steps  tau_loop  tau_server  tau_offline  equal",
         ]
         for row in record["per_prompt"]:
             lines.append(f"   {row['prompt'][:22]:<22} {row['prompt_tokens']:>6} {row['output_tokens']:>4} {row['verification_steps']:>6}"
-                         f"  {row['tau_loop']:>8.3f}  {row['tau_server']:>10.3f}  {row['tau_offline']:>11.3f}  {'yes' if row['outputs_equal'] else 'NO'}")
+                         f"  {row['tau_loop']:>8.3f}  {row['tau_server']:>10.3f}  {row['tau_offline']:>11.3f}  "
+                         + ("yes" if row["outputs_equal"] else "NO"))
     return "\n".join(lines)
 
 

@@ -206,7 +206,8 @@ def _point_weights(sizes: np.ndarray, taus: np.ndarray, ceiling: float) -> tuple
     loo = {model: leave_one_size_out_error(sizes, taus, model, ceiling) for model in MEASURED_SHAPE}
     if len(sizes) >= SIZES_TO_RANK_MODELS and all(value is not None for value in loo.values()):
         inverse = {model: 1.0 / max(float(value) ** 2, 1e-12) for model, value in loo.items()}
-        return {model: value / sum(inverse.values()) for model, value in inverse.items()}, "inverse leave-one-size-out mean squared error", loo
+        weights = {model: value / sum(inverse.values()) for model, value in inverse.items()}
+        return weights, "inverse leave-one-size-out mean squared error", loo
     return ({model: 0.5 for model in MEASURED_SHAPE},
             f"equal: with {len(sizes)} sizes the 3-parameter curve cannot be scored on a left-out size (needs {SIZES_TO_RANK_MODELS})", loo)
 
@@ -290,7 +291,8 @@ class _Forecaster:
         self.verdict_tail = (1.0 - confidence) / looks
         self.largest = float(sizes[-1])
         self.planned = sorted({float(size) for size in planned_sizes})
-        self.horizon = full_size if full_size is not None else (max(self.planned) if self.planned and max(self.planned) > self.largest else None)
+        self.horizon = full_size if full_size is not None else (
+            max(self.planned) if self.planned and max(self.planned) > self.largest else None)
         self.doublings_to_horizon = None if self.horizon is None else max(0.0, math.log2(self.horizon / self.largest))
         limit = self.largest * 2.0**MAX_DOUBLINGS_BEYOND
         self.reach = limit if self.horizon is None else min(limit, max(float(self.horizon), self.largest))
@@ -300,8 +302,8 @@ class _Forecaster:
         self.percent = f"{confidence:.0%}"
         self.notes: list[str] = [f"Training noise: sd {noise.sd:.4f} tau per draft ({noise.source}), in every interval."]
         if lower_bounds:
-            self.notes.append(f"The drafts at {_sizes_text(lower_bounds)} samples were stopped by the step cap while still improving: their "
-                              "tau is a lower bound, so the forecast may be low and no no-go rests on it.")
+            self.notes.append(f"The drafts at {_sizes_text(lower_bounds)} samples were stopped by the step cap while still improving: "
+                              "their tau is a lower bound, so the forecast may be low and no no-go rests on it.")
 
     # ---- the measured largest draft: the only ground for a "go" ------------------------------------------
     def measured_bounds(self) -> tuple[float, float]:
@@ -320,9 +322,9 @@ class _Forecaster:
         low, _ = self.measured_bounds()
         if low < self.break_even:
             return None
-        return (f"go: the draft trained on {self.largest:g} samples measures tau {self.taus[-1]:.3f}, above break-even {self.break_even:.3f} "
-                f"even at its lower bound {low:.3f} ({self.level_text()}): measured, not forecast; a draft on more data of this kind "
-                "is not expected to score lower.")
+        return (f"go: the draft trained on {self.largest:g} samples measures tau {self.taus[-1]:.3f}, above break-even "
+                f"{self.break_even:.3f} even at its lower bound {low:.3f} ({self.level_text()}): measured, not forecast; "
+                "a draft on more data of this kind is not expected to score lower.")
 
     def measured_at_horizon(self) -> tuple[str, str]:
         """The verdict when the horizon is already measured (the full data was trained): a measurement, not a
@@ -331,9 +333,9 @@ class _Forecaster:
         # The full data's own draft is the measurement: a smaller size's lower bound does not move it; its own
         # does.
         if high < self.break_even and self.largest not in self.lower_bounds:
-            return "no-go", (f"no-go: the draft trained on {self.largest:g} samples, the full data, measures tau {self.taus[-1]:.3f}, below "
-                             f"break-even {self.break_even:.3f} even at its upper bound {high:.3f} ({self.level_text()}): measured, not "
-                             f"forecast; {self.rests_on}.")
+            return "no-go", (f"no-go: the draft trained on {self.largest:g} samples, the full data, measures tau "
+                             f"{self.taus[-1]:.3f}, below break-even {self.break_even:.3f} even at its upper bound {high:.3f} "
+                             f"({self.level_text()}): measured, not forecast; {self.rests_on}.")
         capped = " (its tau is a lower bound)" if high < self.break_even else ""
         return "not yet known", (f"not yet known{capped}: the draft trained on {self.largest:g} samples, the full data, measures tau "
                                  f"{self.taus[-1]:.3f} (bounds {low:.3f} to {high:.3f}, {self.level_text()}) against break-even "
@@ -421,8 +423,8 @@ class _Forecaster:
                 predictions.append(SizeForecast(size, point, float(low[column]), float(high[column]),
                                                 {model: float(points[model][0, column]) for model in FAMILIES}, False))
         if beyond:
-            self.notes.append(f"Not forecast: {_sizes_text(beyond)} samples, more than {MAX_DOUBLINGS_BEYOND:g} doublings beyond the largest "
-                              f"measured size ({self.largest:g}).")
+            self.notes.append(f"Not forecast: {_sizes_text(beyond)} samples, more than {MAX_DOUBLINGS_BEYOND:g} doublings beyond the "
+                              f"largest measured size ({self.largest:g}).")
         parts = dict(slope=slope.to_dict(), model_weights=weights, weight_rule=rule, loo_rmse=loo, predictions=predictions,
                      doublings_at_slope=slope.doublings_to(self.break_even) if self.break_even is not None else None)
         if self.break_even is None:
@@ -458,28 +460,33 @@ class _Forecaster:
         if (go := self.measured_go()) is not None:
             return "go", go, self.measured_bounds()
         if self.horizon is None:
-            return "not yet known", (f"not yet known: no size beyond the largest measured ({self.largest:g}) is planned or known, so there "
-                                     f"is nothing to forecast against break-even {be:.3f} (set analysis.full_data_size); {self.rests_on}."), None
+            return "not yet known", (f"not yet known: no size beyond the largest measured ({self.largest:g}) is planned or known, so "
+                                     f"there is nothing to forecast against break-even {be:.3f} (set analysis.full_data_size); "
+                                     f"{self.rests_on}."), None
         if self.horizon <= self.largest:
             return (*self.measured_at_horizon(), self.measured_bounds())
         if self.horizon > self.reach * (1 + 1e-9):
-            return "not yet known", (f"not yet known: the horizon ({self.horizon:,.0f} samples) is {self.doublings_to_horizon:.1f} doublings "
-                                     f"beyond the largest measured size ({self.largest:g}), past the {MAX_DOUBLINGS_BEYOND:g} a forecast "
-                                     f"extrapolates: measure a size within {MAX_DOUBLINGS_BEYOND:g} doublings of it; {self.rests_on}, {shape}."), None
+            return "not yet known", (f"not yet known: the horizon ({self.horizon:,.0f} samples) is {self.doublings_to_horizon:.1f} "
+                                     f"doublings beyond the largest measured size ({self.largest:g}), past the "
+                                     f"{MAX_DOUBLINGS_BEYOND:g} a forecast extrapolates: measure a size within "
+                                     f"{MAX_DOUBLINGS_BEYOND:g} doublings of it; {self.rests_on}, {shape}."), None
         at = next(item for item in predictions if item.data_size == float(self.horizon))
         curves = self.fits.at([float(self.horizon)])
         low, high = (float(bound[0]) for bound in union_interval(curves, self.verdict_tail, self.verdict_tail))
-        where = (f"at {at.data_size:,.0f} samples ({self.doublings_to_horizon:.1f} doublings beyond {self.largest:g}) tau is forecast "
-                 f"{at.tau:.3f} under the measured shape ({self.percent} interval {at.tau_low:.3f}-{at.tau_high:.3f} over the curve families: "
+        where = (f"at {at.data_size:,.0f} samples ({self.doublings_to_horizon:.1f} doublings beyond {self.largest:g}) tau is "
+                 f"forecast {at.tau:.3f} under the measured shape ({self.percent} interval {at.tau_low:.3f}-{at.tau_high:.3f} "
+                 "over the curve families: "
                  + ", ".join(f"{name} {at.by_model[name]:.3f}" for name in FAMILIES) + ")")
         if high < be:
             if self.lower_bounds:
                 return "not yet known", (f"not yet known (capped sizes are lower bounds): {where}, below break-even {be:.3f} even at the "
                                          f"highest family's upper bound {high:.3f} ({self.level_text()}), but the drafts at "
                                          f"{_sizes_text(self.lower_bounds)} samples were stopped by the step cap while still improving, so "
-                                         f"their tau and this forecast are lower bounds (raise training.max_steps); {self.rests_on}, {shape}."), (low, high)
+                                         "their tau and this forecast are lower bounds (raise training.max_steps); "
+                                         f"{self.rests_on}, {shape}."), (low, high)
             return "no-go", (f"no-go: {where}, below break-even {be:.3f} even at the highest family's upper bound {high:.3f} "
-                             f"({self.level_text()}): not within {self.doublings_to_horizon:.1f} doublings; {self.rests_on}, {shape}."), (low, high)
+                             f"({self.level_text()}): not within {self.doublings_to_horizon:.1f} doublings; "
+                             f"{self.rests_on}, {shape}."), (low, high)
         crossing = parts.get("crossing_size")
         cross = ("" if crossing is None else
                  f"; the measured shape crosses break-even at {crossing:,.0f} samples" if not isinstance(crossing, str) else

@@ -274,7 +274,8 @@ def summarize_sglang(records: Sequence[RequestRecord], endpoint: str, setup: Spe
     else:
         speculating = [record.prompt_id for record in records if record.verification_steps is not None]
         if speculating:
-            raise RuntimeError(f"{endpoint}: the baseline reports spec_verify_ct for {speculating[:5]}: start it without --speculative-algorithm")
+            raise RuntimeError(f"{endpoint}: the baseline reports spec_verify_ct for {speculating[:5]}: "
+                               "start it without --speculative-algorithm")
     return _measurement(records, endpoint, "sglang", role, setup, **tau)
 
 
@@ -367,7 +368,8 @@ def measure_vllm(
         per_request.append(records_frame(baseline, baseline_url))
     summary = measurements_frame(measurements)
     summary["acceptance_per_position"] = [
-        [count / delta.drafts for count in delta.accepted_per_position] if row.role == "speculative" else None for row in summary.itertuples()
+        [count / delta.drafts for count in delta.accepted_per_position] if row.role == "speculative" else None
+        for row in summary.itertuples()
     ]
     return summary, pd.concat(per_request, ignore_index=True)
 

@@ -287,13 +287,17 @@ def plot_accept_length_vs_data_size(
                   label=f"slope {slope.slope:+.3f}/doubling ({slope.confidence:.0%}: {slope.slope_low:+.3f} to {slope.slope_high:+.3f})")
     if fit is not None:
         grid = np.geomspace(float(points["data_size"].min()) / 1.5, float(points["data_size"].max()) * 1.5, 200)
-        axes.plot(grid, fit.predict(grid), linestyle="--", color=POOLED_COLOR, alpha=0.8, label=f"fit (ceiling identified): tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
+        axes.plot(grid, fit.predict(grid), linestyle="--", color=POOLED_COLOR, alpha=0.8,
+                  label=f"fit (ceiling identified): tau_inf={fit.tau_inf:.2f}, c={fit.exponent:.2f}")
         band_low, band_high = fit.predict_band(grid)
-        axes.fill_between(grid, band_low, band_high, color=POOLED_COLOR, alpha=0.08, label=f"fit {fit.confidence:.0%} band ({fit.bootstrap_method} bootstrap)")
+        axes.fill_between(grid, band_low, band_high, color=POOLED_COLOR, alpha=0.08,
+                          label=f"fit {fit.confidence:.0%} band ({fit.bootstrap_method} bootstrap)")
     if break_even_accept_length is not None:
-        axes.axhline(break_even_accept_length, color=BREAK_EVEN_COLOR, linestyle="--", linewidth=1.5, label=f"break-even tau = {break_even_accept_length:.2f}")
+        axes.axhline(break_even_accept_length, color=BREAK_EVEN_COLOR, linestyle="--", linewidth=1.5,
+                     label=f"break-even tau = {break_even_accept_length:.2f}")
     if target_accept_length is not None:
-        axes.axhline(target_accept_length, color=TARGET_COLOR, linestyle=":", linewidth=1.5, label=f"target tau = {target_accept_length:.2f}")
+        axes.axhline(target_accept_length, color=TARGET_COLOR, linestyle=":", linewidth=1.5,
+                     label=f"target tau = {target_accept_length:.2f}")
     axes.set_xscale("log")
     plain_log_ticks(axes.xaxis, list(points["data_size"]))
     axes.set_xlabel("training samples (log scale)")

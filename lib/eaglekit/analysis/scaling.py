@@ -275,7 +275,8 @@ class CeilingIdentification:
     at_bound_fraction: float | None  # share of bootstrap refits with tau_inf or the exponent at a bound
 
     def statement(self) -> str:
-        errors = ", ".join(f"{name} {value:.4f}" if value is not None else f"{name} not evaluable" for name, value in self.loo_error.items())
+        errors = ", ".join(f"{name} {value:.4f}" if value is not None else f"{name} not evaluable"
+                           for name, value in self.loo_error.items())
         if self.identified and self.fit is not None:
             low, high = self.fit.ceiling_interval()
             return (f"The ceiling is identified: tau_inf = {self.fit.tau_inf:.3g} ({self.fit.confidence:.0%} interval {low:.3g} to "

@@ -404,8 +404,8 @@ def propose_tree(
     so the draft's rollback is to drop them.
     """
     start = torch.tensor([last_row], device=first_logits.device)
-    candidates = grow_tree(draft, first_logits, last_state[:, -1], start, cache.keys, cache.values, topology.steps, topology.top_k, draft_to_target,
-                           draft_attention)
+    candidates = grow_tree(draft, first_logits, last_state[:, -1], start, cache.keys, cache.values, topology.steps, topology.top_k,
+                           draft_to_target, draft_attention)
     return select_tree(candidates, topology.draft_tokens, torch.tensor([pending_token], device=first_logits.device))
 
 

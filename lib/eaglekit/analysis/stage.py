@@ -111,8 +111,10 @@ class AnalysisResult:
         return self.topology.steps + 1.0
 
     def break_even_table(self) -> pd.DataFrame:
-        serving = [] if self.seed_case is None else [{"case": "serving (params.analysis)", "topology": "as served", **self.seed_case.to_dict()}]
-        return pd.DataFrame([*serving, {"case": "embedded loop, largest draft", "topology": self.topology.label, **self.embedded_case.to_dict()}])
+        serving = [] if self.seed_case is None else [
+            {"case": "serving (params.analysis)", "topology": "as served", **self.seed_case.to_dict()}]
+        return pd.DataFrame([*serving, {"case": "embedded loop, largest draft", "topology": self.topology.label,
+                                        **self.embedded_case.to_dict()}])
 
 
 def run_looks(run_dir: str | os.PathLike, data_sizes) -> int:
@@ -131,7 +133,8 @@ def scored_samples(sweep: SweepRecord, captured) -> list[dict]:
     return [sample for key, sample in zip(sweep.heldout, heldout_samples(sweep, captured)) if key in scored]
 
 
-def _seed_accept_lengths(sweep: SweepRecord, run_dir: Path, head, heldout: list[dict], steps: int, max_length: int) -> dict[float, list[float]]:
+def _seed_accept_lengths(sweep: SweepRecord, run_dir: Path, head, heldout: list[dict], steps: int,
+                         max_length: int) -> dict[float, list[float]]:
     """Held-out tau of the extra-seed drafts stage 5 trained (training.noise_seeds: training noise), scored on
     the same held-out samples as the sweep's drafts; {} when it trained none (the forecast then uses its
     documented prior)."""

@@ -225,7 +225,8 @@ def tree_depths_by_dataset(
         target_argmax = (torch.as_tensor(sample["final_hidden_states"])[:length].to(device).float() @ lm_head.T).argmax(-1)
         rows = [t for t in range(length - 1 - deepest) if bool(loss_mask[t + 2 : t + 2 + deepest].all())]
         start_rows = torch.tensor(rows, dtype=torch.long, device=device)
-        depths = offline_tree_depths_grid(draft, input_ids, aux, target_argmax, start_rows, list(topologies), draft_attention=draft_attention)
+        depths = offline_tree_depths_grid(draft, input_ids, aux, target_argmax, start_rows, list(topologies),
+                                          draft_attention=draft_attention)
         dataset = str(sample.get("dataset", ""))
         for topology in topologies:
             result[topology].setdefault(dataset, []).append(depths[topology].cpu().numpy())
@@ -354,7 +355,8 @@ def plot_topology_sweep(table: pd.DataFrame, recommended: str | None = None):
         speed_axes.plot(best["draft_tokens"], best["predicted_speedup"], marker="o", label=label)
     if recommended is not None and recommended in set(table["topology"]):
         row = table[table["topology"] == recommended].iloc[0]
-        tau_axes.plot(row["draft_tokens"], row["tau"], marker="*", markersize=16, color="black", linestyle="none", label=f"recommended {recommended}")
+        tau_axes.plot(row["draft_tokens"], row["tau"], marker="*", markersize=16, color="black", linestyle="none",
+                      label=f"recommended {recommended}")
         speed_axes.plot(row["draft_tokens"], row["predicted_speedup"], marker="*", markersize=16, color="black", linestyle="none")
     speed_axes.axhline(1.0, color="grey", linestyle="--", label="break-even (plain decoding)")
     for axes in (tau_axes, speed_axes):

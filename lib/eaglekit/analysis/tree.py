@@ -231,7 +231,8 @@ def verification_mask(tree: DraftTree, cached: int, dtype: torch.dtype) -> torch
     return mask.masked_fill(~visible, torch.finfo(dtype).min)[None, None]
 
 
-def accept_tree(tree: DraftTree, choice_at_parent: torch.Tensor, consistent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_tree(tree: DraftTree, choice_at_parent: torch.Tensor,
+                consistent: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The deepest node whose root path matches the target, per tree.
 
     choice_at_parent (B, T): the target's greedy token at each node's parent (ignored for the root).
