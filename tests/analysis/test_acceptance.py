@@ -145,7 +145,8 @@ def test_sweep_pairs_bootstrap_across_sizes_and_matches_single_tables():
         assert len(sweep.per_position[sweep.per_position["data_size"] == size]) == len(per_position)
     replicates = sweep.pooled_replicates["all"]
     assert replicates.shape == (200, 2)
-    # Paired: the same resampled samples for both sizes; every sample improved or stayed, so no replicate drops.
+    # Paired: the same resampled samples for both sizes; every sample improved or stayed, so no replicate
+    # drops.
     assert (replicates[:, 1] >= replicates[:, 0]).all()
     assert set(sweep.summary["topology"]) == {"chain"} and set(sweep.summary["steps"]) == {2}
 
@@ -173,7 +174,8 @@ def test_tree_depths_read_as_chain_counts_per_depth():
         [True, False, False],
         [True, True, False],
     ]
-    # The tree sweep (topology_sweep.sweep_table) pools them as chain counts: 1 + mean accepted depth over the 6 rows.
+    # The tree sweep (topology_sweep.sweep_table) pools them as chain counts: 1 + mean accepted depth over the
+    # 6 rows.
     assert pooled_accept_length(chain_counts(arrays, tree.steps)) == pytest.approx(1 + 10 / 6)
     # Per depth: P(>= 1) = 5/6, P(>= 2 | >= 1) = 4/5, P(>= 3 | >= 2) = 1/4.
     _, per_depth = acceptance_tables({"d": arrays}, num_resamples=200)

@@ -1,5 +1,5 @@
-"""Stage 6's answer: the sweep's scaling answer, the scaling_summary.json record, the headline metrics, and the
-plain-words answer with the measured numbers and intervals at the configured confidence."""
+"""Stage 6's answer: the sweep's scaling answer, the scaling_summary.json record, the headline metrics, and
+the plain-words answer with the measured numbers and intervals at the configured confidence."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def test_the_answer_reports_the_measured_numbers_at_the_configured_confidence():
 
     overall = acceptance.summary[acceptance.summary["dataset"] == "all"].set_index("data_size")
     assert (
-        f"tau went from {overall.loc[20, 'tau_pooled']:.2f} with 20 training samples to {overall.loc[80, 'tau_pooled']:.2f}"
-        in lines[0]
+        f"tau went from {overall.loc[20, 'tau_pooled']:.2f} with 20 training samples to "
+        f"{overall.loc[80, 'tau_pooled']:.2f}" in lines[0]
     )
     assert "80% interval" in lines[0] and "ceiling tau 4" in lines[0] and "16 held-out samples" in lines[0]
     # The paired gain's interval is at the configured confidence (80% here), not a fixed 95%.
@@ -306,13 +306,14 @@ def test_summary_record_and_headline_carry_the_measured_numbers(tmp_path):
     assert none["largest_data_size"] == 40.0
 
 
-# ----------------------------------------------------------------------------- the forecast on every shipped params file
+# ------------------------------------------------------------------ the forecast on every shipped params file
 
 PARAMS_FILES = sorted((Path(__file__).resolve().parents[2] / "params").glob("*.yaml"))
 
 
 def rising_agreements(sizes, steps: int) -> dict[int, dict[str, list[np.ndarray]]]:
-    """Synthetic held-out agreements whose acceptance rises by 0.04 per doubling from 0.3 (chain of `steps`)."""
+    """Synthetic held-out agreements whose acceptance rises by 0.04 per doubling from 0.3 (chain of
+    `steps`)."""
     return {
         size: agreements(min(0.9, 0.3 + 0.04 * np.log2(size / sizes[0])), index, steps)
         for index, size in enumerate(sizes)
@@ -321,8 +322,9 @@ def rising_agreements(sizes, steps: int) -> dict[int, dict[str, list[np.ndarray]
 
 @pytest.mark.parametrize("path", PARAMS_FILES, ids=[path.stem for path in PARAMS_FILES])
 def test_the_forecast_and_the_answer_file_on_every_shipped_params_file(path, tmp_path):
-    """Each params file's data sizes, full data and break-even, with synthetic measured taus, after every size in turn:
-    params/kimi_k25_big_run.yaml's last size is its full data, where the forecast raised KeyError('log-linear')."""
+    """Each params file's data sizes, full data and break-even, with synthetic measured taus, after every size
+    in turn: params/kimi_k25_big_run.yaml's last size is its full data, where the forecast raised
+    KeyError('log-linear')."""
     from eaglekit.analysis.forecast import VERDICTS
     from eaglekit.analysis.answer import forecast_answer
     from eaglekit.config import load_params
@@ -369,8 +371,9 @@ def test_the_forecast_and_the_answer_file_on_every_shipped_params_file(path, tmp
 
 
 def test_a_draft_labelled_converged_while_its_tau_still_rose_is_a_lower_bound():
-    """The rule stops when tau has not improved by min_improvement for `patience` evaluations. Judged on smoothed taus,
-    it labelled converged drafts whose best tau rose by more than that over those evaluations (the demo had two)."""
+    """The rule stops when tau has not improved by min_improvement for `patience` evaluations. Judged on
+    smoothed taus, it labelled converged drafts whose best tau rose by more than that over those evaluations
+    (the demo had two)."""
     from eaglekit.analysis.answer import lower_bound_sizes
 
     rows = [
@@ -396,7 +399,8 @@ def test_a_draft_labelled_converged_while_its_tau_still_rose_is_a_lower_bound():
 
 
 def test_the_verdict_uses_this_targets_break_even_unless_serving_timings_are_given():
-    """The demo's answer.json opened with 2.296, the Kimi-K2.5 serving case of the params defaults, on SmolLM2."""
+    """The demo's answer.json opened with 2.296, the Kimi-K2.5 serving case of the params defaults, on
+    SmolLM2."""
     from types import SimpleNamespace
 
     from eaglekit.analysis.answer import EMBEDDED_CASE, SERVING_CASE, break_even_cases, serving_case
@@ -420,8 +424,9 @@ def test_the_verdict_uses_this_targets_break_even_unless_serving_timings_are_giv
 
 
 def test_only_a_params_file_that_gives_serving_timings_has_a_serving_case():
-    """The schema's defaults were the seed's Kimi-K2.5 timings, so every run without timings still had a serving case
-    (the demo's answer.json opened with 2.296 on SmolLM2). Now the defaults are none; the seed's file gives its own."""
+    """The schema's defaults were the seed's Kimi-K2.5 timings, so every run without timings still had a
+    serving case (the demo's answer.json opened with 2.296 on SmolLM2). Now the defaults are none; the seed's
+    file gives its own."""
     from eaglekit.analysis.answer import serving_case
     from eaglekit.config import Params, load_params
 

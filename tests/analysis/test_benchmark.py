@@ -114,8 +114,9 @@ def test_chat_template_prompts_end_with_the_generation_prompt(embedded_model_dir
 def test_prompts_render_as_prep_does_with_tools_template_kwargs_and_quoted_special_tokens(
     tmp_path, embedded_model_dir
 ):
-    """Qwen3's real template with tool definitions, a tool-call round, enable_thinking off and a user text quoting
-    <|im_start|>: the benchmark's prompt is chat.prompt_token_ids' (what prep measures and the server renders)."""
+    """Qwen3's real template with tool definitions, a tool-call round, enable_thinking off and a user text
+    quoting <|im_start|>: the benchmark's prompt is chat.prompt_token_ids' (what prep measures and the server
+    renders)."""
     from eaglekit.chat import prompt_token_ids
     from support import TOOLS, fixture_tokenizer
 
@@ -342,7 +343,8 @@ def test_benchmark_drafts_from_params_equals_scoring_the_loaded_checkpoints(
     assert unset.summary is None and "benchmark_prompts is not set" in unset.note
     assert unset.write(tmp_path / "nothing") == []
 
-    # A draft whose output differed from greedy on prompt "b" (as a broken KV rollback would make it): refused, named.
+    # A draft whose output differed from greedy on prompt "b" (as a broken KV rollback would make it):
+    # refused, named.
     import eaglekit.analysis.benchmark as benchmark_module
 
     lossy_rows = expected.per_prompt.assign(outputs_equal=expected.per_prompt["id"] != "b")

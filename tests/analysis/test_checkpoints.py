@@ -145,7 +145,8 @@ def test_loop_table_names_each_prompt_and_a_lossy_loop_is_refused(tmp_path):
 
 
 def test_a_checkpoint_with_nan_weights_is_refused_before_any_tau(tmp_path):
-    """What a run that trained on a NaN feature saved before the guard: loading it for scoring names the file."""
+    """What a run that trained on a NaN feature saved before the guard: loading it for scoring names the
+    file."""
     from eaglekit.analysis.checkpoints import load_draft_checkpoint
 
     target = tiny_target()

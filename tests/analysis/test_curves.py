@@ -42,8 +42,9 @@ def test_the_accelerating_family_bends_only_upward():
 
 
 def test_the_scaling_fit_and_the_forecast_read_one_saturating_fit():
-    """One path: the ceiling test's fit and the forecast's saturating family are the same numbers, row for row,
-    and the curve they draw is the same (the scaling fit once had its own scipy fit beside the forecast's)."""
+    """One path: the ceiling test's fit and the forecast's saturating family are the same numbers, row for
+    row, and the curve they draw is the same (the scaling fit once had its own scipy fit beside the
+    forecast's)."""
     truth = saturating(SIZES)
     rows = _rows(truth)
     scaling = fit_scaling(SIZES, truth, replicate_accept_lengths=rows, max_accept_length=4.0)

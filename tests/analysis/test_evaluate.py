@@ -1,5 +1,6 @@
 """`eaglekit evaluate` end to end on the embedded target: a small fitted draft exported with the kit's own
-export functions (SGLang and vLLM folders), a prompts file in the kit's schema and OpenAI's, a chain and a tree."""
+export functions (SGLang and vLLM folders), a prompts file in the kit's schema and OpenAI's, a chain and a
+tree."""
 
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def test_evaluate_command_end_to_end(tmp_path, embedded_model_dir, exports, prom
         assert low <= record["tau_loop"] <= high
         assert record["tokens_per_s"] > 0 and record["greedy_tokens_per_s"] > 0
         assert record["speedup"] == pytest.approx(record["tokens_per_s"] / record["greedy_tokens_per_s"])
-    # The fitted draft accepts something, and the tree (which holds the chain's first two levels) no less offline.
+    # The fitted draft accepts something, and the tree (which holds the chain's first two levels) no less
+    # offline.
     assert chain["tau_offline"] > 1.1
     assert tree["tau_offline"] >= chain["tau_offline"] - 1e-9
     assert "tau loop" in printed and "lossless    yes" in printed and "tree:3,2,6" in printed
@@ -137,7 +139,8 @@ def test_vllm_and_sglang_exports_load_the_same_draft(embedded_model_dir, exports
 def test_bad_prompts_and_topologies_fail_clearly(tmp_path, embedded_model_dir, exports, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text(
-        '{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "robot", "content": "x"}]}\n'
+        '{"messages": [{"role": "user", "content": "hi"}]}\n'
+        '{"messages": [{"role": "robot", "content": "x"}]}\n'
     )
     with pytest.raises(InputError, match=r"bad.jsonl:2: field 'messages\[0\].role'"):
         read_prompts(path)
@@ -207,7 +210,8 @@ def heldout_samples(target, fitted):
 def test_tree_depths_from_captured_features_with_top_k_1_equal_the_chain_evaluation(
     embedded_model_dir, fitted, heldout_samples
 ):
-    """K = 1 from shards-style samples gives training's chain agreement exactly (same rows, same leading agreements)."""
+    """K = 1 from shards-style samples gives training's chain agreement exactly (same rows, same leading
+    agreements)."""
     import numpy as np
     from eaglekit.topology import Topology
     from eaglekit.analysis.topology_sweep import tree_depths_by_dataset

@@ -1,4 +1,5 @@
-"""The go / no-go forecast on synthetic curves of known truth: coverage, wrong "go"s near break-even, the wording.
+"""The go / no-go forecast on synthetic curves of known truth: coverage, wrong "go"s near break-even, the
+wording.
 
 Synthetic held-out data: m samples, each scored by every size's draft (paired), per-sample tau =
 truth(N) + u_i (the sample's difficulty, shared by every size, sd 0.25) + e_iN (independent, sd 0.15) + d_N
@@ -73,7 +74,8 @@ def synthetic(
 
 @functools.lru_cache(maxsize=None)
 def experiments(name: str, sizes: tuple[float, ...]) -> dict:
-    """Coverage at AHEAD and the wrong-"go" rate with break-even just above the truth at the horizon (by 0 to 0.02)."""
+    """Coverage at AHEAD and the wrong-"go" rate with break-even just above the truth at the horizon (by 0 to
+    0.02)."""
     truth = TRUTHS[name]
     hits, wrong_go = dict.fromkeys(AHEAD, 0), 0
     for seed in range(EXPERIMENTS):
@@ -116,8 +118,8 @@ def test_a_wrong_go_near_break_even_stays_within_five_percent(name, sizes):
 
 @pytest.mark.parametrize("name", ["knee", "flat"])
 def test_re_forecasting_after_every_staged_size_keeps_the_chance_of_ever_a_wrong_go(name):
-    """A staged run forecasts after each of 5 sizes, then stage 6 once more on redrawn drafts: 6 looks. Break-even
-    sits just above the truth at the horizon, so any "go" on the way is wrong."""
+    """A staged run forecasts after each of 5 sizes, then stage 6 once more on redrawn drafts: 6 looks.
+    Break-even sits just above the truth at the horizon, so any "go" on the way is wrong."""
     truth, sequences = TRUTHS[name], 40
     ever = 0
     for seed in range(sequences):
@@ -248,8 +250,8 @@ def test_the_horizon_past_three_doublings_is_refused_in_words():
     result = _forecast(TRUTHS["saturating"], THREE, break_even=1.78, full_size=15360.0)
     assert result.verdict == "not yet known"
     assert (
-        "the horizon (15,360 samples) is 4.0 doublings beyond the largest measured size (960), past the 3 a forecast"
-        in result.line
+        "the horizon (15,360 samples) is 4.0 doublings beyond the largest measured size (960), "
+        "past the 3 a forecast" in result.line
     )
     assert result.predictions == [
         item for item in result.predictions if item.measured
@@ -312,7 +314,8 @@ def test_measured_draft_above_break_even_is_a_go_whatever_the_sizes():
 
 
 def test_a_measured_full_data_is_a_measurement_not_a_forecast():
-    """The horizon is a measured size (params/kimi_k25_big_run.yaml's last size is its full data): this raised KeyError."""
+    """The horizon is a measured size (params/kimi_k25_big_run.yaml's last size is its full data): this raised
+    KeyError."""
     result = _forecast(TRUTHS["flat"], FIVE, break_even=2.0, full_size=960.0)
     assert (
         result.verdict == "no-go"

@@ -183,7 +183,8 @@ def test_live_serving_vllm_gets_the_same_token_ids_under_the_served_name():
     prompts = [{**prompt, "dataset": "chitchat"} for prompt in GENERATE_PROMPTS]
     with replay.serve(app) as url:
         live = measure_live_serving(prompts, max_new_tokens=128, vllm_endpoint=url + "/v1")
-    # Token ids on /v1/completions, as SGLang's /generate gets them: no second chat template around the prompt.
+    # Token ids on /v1/completions, as SGLang's /generate gets them: no second chat template around the
+    # prompt.
     assert [body["prompt"] for body in app.state.requests_seen] == [
         prompt["input_ids"] for prompt in GENERATE_PROMPTS
     ]
@@ -208,8 +209,9 @@ def test_vllm_completions_refuses_prompts_without_token_ids():
 
 
 def test_request_without_verification_steps_counts_as_zero_steps():
-    # SGLang sets spec_* in meta_info only when spec_verify_ct > 0 (tokenizer_manager.py), so a request answered
-    # by its prefill alone (1 token) has no spec_verify_ct on a speculating server. It must not abort the run.
+    # SGLang sets spec_* in meta_info only when spec_verify_ct > 0 (tokenizer_manager.py), so a request
+    # answered by its prefill alone (1 token) has no spec_verify_ct on a speculating server. It must not abort
+    # the run.
     records = replay.load("sglang_generate_speculative.json")
     p2 = records[2]["response"]
     meta = {key: value for key, value in p2["meta_info"].items() if not key.startswith("spec_")}

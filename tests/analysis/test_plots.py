@@ -1,7 +1,7 @@
-"""The figures of notebooks 04-06 rendered from real stage tables (`acceptance.sweep_acceptance` over agreement
-arrays, `answer.sweep_scaling` over it), checked on their matplotlib artists: one colour per dataset across
-figures, log ticks in plain numbers, the benchmark line lighter than the held-out curve, n on per-position points,
-values on the ablation bars."""
+"""The figures of notebooks 04-06 rendered from real stage tables (`acceptance.sweep_acceptance` over
+agreement arrays, `answer.sweep_scaling` over it), checked on their matplotlib artists: one colour per dataset
+across figures, log ticks in plain numbers, the benchmark line lighter than the held-out curve, n on
+per-position points, values on the ablation bars."""
 
 import warnings
 
@@ -206,7 +206,8 @@ def test_per_position_points_say_how_many_positions_they_rest_on(acceptance):
     assert largest[largest["dataset"] == "all"]["positions_reaching"].is_monotonic_decreasing
     plt.close(figure)
 
-    # A dataset whose draft never agrees at step 1 has no step-2 point (NaN, 0 positions): no label for it either.
+    # A dataset whose draft never agrees at step 1 has no step-2 point (NaN, 0 positions): no label for it
+    # either.
     never = sweep_acceptance(
         {60: {"chat": [np.ones((10, 2), bool)] * 3, "code": [np.zeros((10, 2), bool)] * 3}},
         steps=2,
@@ -243,8 +244,8 @@ def test_ablation_bars_print_their_values():
     assert axes.get_ylim()[1] > pooled["tau_pooled_high"].max()  # the printed values sit inside the axes
     plt.close(figure)
 
-    # Drafts that never agree (an untrained smoke draft): every tau is exactly 1 with no interval. The axis still
-    # opens above 1, without matplotlib's singular-limits warning.
+    # Drafts that never agree (an untrained smoke draft): every tau is exactly 1 with no interval. The axis
+    # still opens above 1, without matplotlib's singular-limits warning.
     never, _ = acceptance_tables({"chat": [np.zeros((20, 3), bool)] * 4}, num_resamples=20, seed=0)
     flat = pd.concat(
         [

@@ -1,4 +1,5 @@
-"""The saturating scaling fit with bootstrap, the local slope and ceiling identification, and the scaling curve's figure."""
+"""The saturating scaling fit with bootstrap, the local slope and ceiling identification, and the scaling
+curve's figure."""
 
 from __future__ import annotations
 

@@ -57,7 +57,8 @@ def prompts(embedded_model_dir) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def references(target, prompts, eos_token_id) -> list[list[int]]:
-    """transformers' own greedy output: the ground truth for every loop below (shorter budgets are prefixes)."""
+    """transformers' own greedy output: the ground truth for every loop below (shorter budgets are
+    prefixes)."""
     outputs = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -167,7 +168,8 @@ def test_random_draft_output_equals_greedy(target, random_draft, prompts, refere
 
 @pytest.mark.parametrize("steps", [2, 5])  # k = 1 runs in the random-draft test
 def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, references, eos_token_id, steps):
-    """Proposals forced right except at chosen positions: exact accept counts, budget cuts mid-block, EOS mid-block."""
+    """Proposals forced right except at chosen positions: exact accept counts, budget cuts mid-block, EOS
+    mid-block."""
     prompt, reference = prompts[1], references[1]
     sequence = prompt + reference
     wrong = [len(prompt) + 6]  # the 7th generated token is proposed wrong wherever a chain reaches it
@@ -175,8 +177,8 @@ def test_oracle_draft_multi_token_acceptance(target, random_draft, prompts, refe
     for max_new_tokens in (1, 2, steps + 3, MAX_NEW_TOKENS):
         result = speculative_decode(target, oracle, prompt, steps, max_new_tokens, [eos_token_id])
         assert result.output_ids == reference[:max_new_tokens]
-        # The chain from row r proposes tokens r + 2 .. r + 1 + k: all accepted up to the wrong position (or up
-        # to the end of the known sequence: past it the oracle does not know the target's answer).
+        # The chain from row r proposes tokens r + 2 .. r + 1 + k: all accepted up to the wrong position (or
+        # up to the end of the known sequence: past it the oracle does not know the target's answer).
         for row, accepted in zip(result.chain_start_rows, result.accepted_per_step):
             proposed_positions = range(row + 2, row + 2 + steps)
             expected = next(
@@ -233,12 +235,13 @@ def test_fitted_draft_loop_matches_offline_chain(
     tau_loop = sum(loop_tokens) / sum(loop_steps)
     tau_offline = pooled_accept_length(chain_counts(offline_arrays, steps))
     assert tau_offline > 1.2
-    # Why the two still differ a little, although every visited chain accepts exactly what the offline row says:
+    # Why the two still differ a little, although every visited chain accepts exactly what the offline row
+    # says:
     # (1) the loop counts the prefill token as a completion token without a verification step (+1 / steps, as
     # SGLang does); (2) its last chain is cut by max_new_tokens/EOS; (3) it visits only the rows where the
     # previous chain ended, the offline figure averages every row (and drops rows within k of the end).
-    # Measured here (fitted draft, 3 prompts, 16 tokens): loop 1.54 vs offline 1.48 for k = 2 and 4, of which the
-    # prefill token is +0.12 -- the loop without it (1.42) sits on the other side of the offline figure.
+    # Measured here (fitted draft, 3 prompts, 16 tokens): loop 1.54 vs offline 1.48 for k = 2 and 4, of which
+    # the prefill token is +0.12 -- the loop without it (1.42) sits on the other side of the offline figure.
     assert abs(tau_loop - tau_offline) < 0.2, (tau_loop, tau_offline)
 
 
@@ -399,7 +402,8 @@ def test_tree_loop_output_equals_greedy_random_and_fitted(
 
 
 def test_tree_loop_with_top_k_1_is_the_chain_loop(target, fitted_draft, prompts, references, eos_token_id):
-    """The tree code with K = 1 (its own draft attention, cache rollback by index) accepts what the chain loop accepts."""
+    """The tree code with K = 1 (its own draft attention, cache rollback by index) accepts what the chain loop
+    accepts."""
     for prompt in prompts[1:]:
         chain = speculative_decode(target, fitted_draft, prompt, 3, MAX_NEW_TOKENS, [eos_token_id])
         tree = tree_speculative_decode(
@@ -415,8 +419,8 @@ def test_tree_loop_with_top_k_1_is_the_chain_loop(target, fitted_draft, prompts,
 def test_tree_oracle_accepts_deep_paths_and_stops_mid_block(
     target, random_draft, prompts, references, eos_token_id
 ):
-    """Forced right except one position: whole paths of depth S accepted where the oracle is right, budget cuts
-    and an EOS inside an accepted block."""
+    """Forced right except one position: whole paths of depth S accepted where the oracle is right, budget
+    cuts and an EOS inside an accepted block."""
     prompt, reference = prompts[1], references[1]
     sequence = prompt + reference
     wrong = [len(prompt) + 6]
@@ -444,7 +448,8 @@ def test_tree_oracle_accepts_deep_paths_and_stops_mid_block(
 def test_tree_loop_with_true_ancestor_attention_is_lossless_and_matches_its_offline(
     target, fitted_draft, prompts, references, eos_token_id
 ):
-    """The other draft-attention choice ("ancestors", EAGLE's tree mask): lossless, and loop == offline at visited rows."""
+    """The other draft-attention choice ("ancestors", EAGLE's tree mask): lossless, and loop == offline at
+    visited rows."""
     topology = Topology.parse("tree:3,3,8")
     prompt, reference = prompts[2], references[2]
     result = tree_speculative_decode(
@@ -511,9 +516,9 @@ def test_tree_loop_matches_offline_tree_row_by_row(target, fitted_draft, prompts
     tau_offline = pooled_accept_length(chain_counts(offline_arrays))
     assert tau_offline >= pooled_accept_length(chain_counts(chain_arrays))
     tau_loop = 1 + float(np.mean(loop_accepted))
-    # Every visited row agrees exactly (above); the taus differ only because the loop visits the rows where the
-    # previous tree ended while the offline figure averages every row: a sampling gap, wide at 48 tokens. The
-    # issue's 5% is measured at a larger size by bench/acceptance.py --topology (docs/evaluate.md).
+    # Every visited row agrees exactly (above); the taus differ only because the loop visits the rows where
+    # the previous tree ended while the offline figure averages every row: a sampling gap, wide at 48 tokens.
+    # The issue's 5% is measured at a larger size by bench/acceptance.py --topology (docs/evaluate.md).
     assert tau_offline > 1.2 and abs(tau_loop - tau_offline) / tau_offline < 0.15, (tau_loop, tau_offline)
 
 

@@ -1,5 +1,5 @@
-"""Stage 6's entry: the one-thread context of its timed loops, the held-out side it scores (the whole stage runs in
-tests/e2e/test_pipeline.py)."""
+"""Stage 6's entry: the one-thread context of its timed loops, the held-out side it scores (the whole stage
+runs in tests/e2e/test_pipeline.py)."""
 
 import dataclasses
 

@@ -116,8 +116,8 @@ def test_grow_expands_the_top_k_by_cumulative_log_prob():
 
 
 def test_draft_attention_slots_versus_ancestors():
-    """SGLang's per-slot KV: after the slots swap parents, slot j still reads slot j's earlier key; "ancestors"
-    reads the true parent's. Checked on the attention output itself."""
+    """SGLang's per-slot KV: after the slots swap parents, slot j still reads slot j's earlier key;
+    "ancestors" reads the true parent's. Checked on the attention output itself."""
     from eaglekit.analysis.tree import ANCESTORS, SGLANG_SLOTS, TreeKeyValues
 
     prefix = torch.zeros(1, 1, 1, 2)  # one prefix row with a zero key and value
@@ -132,7 +132,8 @@ def test_draft_attention_slots_versus_ancestors():
         outputs[mode] = key_values.attend(query, torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2), scale=1.0)[
             0, 0
         ]
-    # ancestors: both nodes see slot 1's key/value; slots: node 0 sees slot 0's (a large score on dimension 0).
+    # ancestors: both nodes see slot 1's key/value; slots: node 0 sees slot 0's (a large score on dimension
+    # 0).
     assert torch.allclose(outputs[ANCESTORS][0], outputs[ANCESTORS][1])
     assert outputs[SGLANG_SLOTS][0, 0] > 0.5 and outputs[ANCESTORS][0, 0] < 0.01
     assert torch.allclose(
