@@ -36,7 +36,8 @@ def check_captured_samples(
         if sample["loss_mask"].tolist() != loss_mask[:length]:
             problems.append("loss_mask differs from the tokenized file")
         if tuple(aux.shape) != (length, num_aux_layers * hidden_size) or tuple(final.shape) != (length, hidden_size):
-            problems.append(f"shapes {tuple(aux.shape)}, {tuple(final.shape)} != ({length}, {num_aux_layers * hidden_size}), ({length}, {hidden_size})")
+            problems.append(f"shapes {tuple(aux.shape)}, {tuple(final.shape)} != "
+                            f"({length}, {num_aux_layers * hidden_size}), ({length}, {hidden_size})")
         if aux.dtype != torch.bfloat16 or final.dtype != torch.bfloat16:
             problems.append(f"dtypes {aux.dtype}, {final.dtype} are not bfloat16")
         if not (torch.isfinite(aux.float()).all() and torch.isfinite(final.float()).all()):
@@ -44,8 +45,9 @@ def check_captured_samples(
         if problems:
             raise ValueError(f"captured sample {key}: " + "; ".join(problems))
         rows.append({
-            "dataset": key[0], "id": key[1], "tokens": length, "source_tokens": len(input_ids), "loss_tokens": int(sample["loss_mask"].sum()),
-            "aux_shape": tuple(aux.shape), "final_shape": tuple(final.shape), "dtype": str(aux.dtype).removeprefix("torch."),
+            "dataset": key[0], "id": key[1], "tokens": length, "source_tokens": len(input_ids),
+            "loss_tokens": int(sample["loss_mask"].sum()), "aux_shape": tuple(aux.shape), "final_shape": tuple(final.shape),
+            "dtype": str(aux.dtype).removeprefix("torch."),
         })
     return rows
 

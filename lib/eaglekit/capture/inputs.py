@@ -100,7 +100,8 @@ def read_tokenized_samples(
         for line, record in read_jsonl(path):
             sample_id, input_ids, loss_mask = _validate_record(record, path, line, vocab_size)
             if sample_id in first_line_of_id:
-                raise InputError(path, line, "id", f"sample {sample_id!r} already appears at line {first_line_of_id[sample_id]}; ids must be unique")
+                raise InputError(path, line, "id", f"sample {sample_id!r} already appears at line "
+                                 f"{first_line_of_id[sample_id]}; ids must be unique")
             first_line_of_id[sample_id] = line
             original_length = len(input_ids)
             if original_length > max_seq_len:

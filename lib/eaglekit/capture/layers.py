@@ -27,14 +27,16 @@ def validate_capture_layer_ids(layer_ids: Sequence[int], num_hidden_layers: int)
     """
     layer_ids = [int(layer_id) for layer_id in layer_ids]
     if len(layer_ids) != 3:
-        raise ValueError(f"EAGLE-3 captures exactly 3 layers, got {layer_ids}; the default is {default_capture_layer_ids(num_hidden_layers)}")
+        raise ValueError(f"EAGLE-3 captures exactly 3 layers, got {layer_ids}; "
+                         f"the default is {default_capture_layer_ids(num_hidden_layers)}")
     if len(set(layer_ids)) != 3:
         raise ValueError(f"capture layer ids must be distinct, got {layer_ids}")
     out_of_range = [layer_id for layer_id in layer_ids if not 0 <= layer_id < num_hidden_layers]
     if out_of_range:
         raise ValueError(
             f"capture layer ids {out_of_range} are outside [0, {num_hidden_layers - 1}] for a {num_hidden_layers}-layer target "
-            f"(ids index output_hidden_states: i = the residual entering layer i); the default is {default_capture_layer_ids(num_hidden_layers)}"
+            f"(ids index output_hidden_states: i = the residual entering layer i); "
+            f"the default is {default_capture_layer_ids(num_hidden_layers)}"
         )
     return layer_ids
 

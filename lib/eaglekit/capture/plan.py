@@ -43,8 +43,8 @@ class StoragePlan:
 
 
 def plan_capture_storage(
-    data_files: Mapping[str, str | os.PathLike], hidden_size: int, vocab_size: int, max_seq_len: int, output_dir: str | os.PathLike, mode: str = "auto",
-    feature_dtype: str = "bf16", slices: list[dict] | None = None,
+    data_files: Mapping[str, str | os.PathLike], hidden_size: int, vocab_size: int, max_seq_len: int,
+    output_dir: str | os.PathLike, mode: str = "auto", feature_dtype: str = "bf16", slices: list[dict] | None = None,
 ) -> StoragePlan:
     """Count the tokens to capture (validated, truncated) and decide offline vs online.
 
@@ -116,7 +116,8 @@ def format_bytes(count: float) -> str:
 def format_slice_plan(plan: StoragePlan) -> str:
     """The per-slice bytes as lines: what the disk must hold before each size can train."""
     if not plan.slices:
-        return f"one capture: {plan.tokens:,} tokens x {plan.bytes_per_token:,} B = {format_bytes(plan.planned_bytes)} ({plan.feature_dtype})"
+        return (f"one capture: {plan.tokens:,} tokens x {plan.bytes_per_token:,} B = "
+                f"{format_bytes(plan.planned_bytes)} ({plan.feature_dtype})")
     lines = []
     for part in plan.slices:
         label = f"size {part['size']:>7,}" if part["size"] is not None else "untrained   "

@@ -129,14 +129,16 @@ class SglangCapture:
         runner.token_to_kv_pool_allocator.clear()
         return aux, final
 
-    def capture_batches(self, batches: Iterable[Sequence[TokenizedSample]], capture_layer_ids: Sequence[int]) -> Iterator[list[CapturedSample]]:
+    def capture_batches(self, batches: Iterable[Sequence[TokenizedSample]],
+                        capture_layer_ids: Sequence[int]) -> Iterator[list[CapturedSample]]:
         if list(capture_layer_ids) != self.capture_layer_ids:
             raise ValueError(f"the SGLang runner captures layers {self.capture_layer_ids}, capture asked for {list(capture_layer_ids)}")
         for samples in batches:
             with torch.inference_mode():
                 aux, final = self._extend(samples)
             lengths = [len(sample.input_ids) for sample in samples]
-            if aux is None or final is None or aux.shape != (sum(lengths), 3 * self.hidden_size) or final.shape != (sum(lengths), self.hidden_size):
+            if aux is None or final is None or aux.shape != (sum(lengths), 3 * self.hidden_size) \
+                    or final.shape != (sum(lengths), self.hidden_size):
                 raise RuntimeError(f"SGLang returned aux {None if aux is None else tuple(aux.shape)} and final "
                                    f"{None if final is None else tuple(final.shape)} for {sum(lengths)} tokens of samples "
                                    f"{[f'{s.dataset}/{s.id}' for s in samples][:3]}: expected (T, 3H) and (T, H)")
@@ -173,8 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run_dir = Path(arguments.run_dir)
     report = capture_to_shards(source, tokenized_data_files(run_dir), stage_dir(run_dir, "capture"), model_name=params.target.model,
                                capture_layer_ids=capture_layer_ids, max_seq_len=capture_length(params),
-                               max_tokens_per_batch=params.capture.max_tokens_per_batch, max_shard_bytes=params.capture.max_shard_mb * 2**20,
-                               progress=rank == 0, feature_dtype=params.capture.feature_dtype)
+                               max_tokens_per_batch=params.capture.max_tokens_per_batch,
+                               max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=rank == 0,
+                               feature_dtype=params.capture.feature_dtype)
     if rank == 0:
         print(f"SGLang capture: {report.captured_samples} samples, {report.captured_tokens:,} tokens, {report.seconds:.1f} s")
     return 0

@@ -77,15 +77,16 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
     capture/original/."""
     original_files = original_answer_files(out)
     if params.analysis.ablation and original_files and mode == "offline" and model is None:
-        return None, f"ablation skipped: capture.engine {params.capture.engine} captured the sweep; capture the original answers with it separately"
+        return None, (f"ablation skipped: capture.engine {params.capture.engine} captured the sweep; "
+                      "capture the original answers with it separately")
     if params.analysis.ablation and original_files and mode == "offline":
         main_keys = captured.keys
         original_keys = [(name, record["id"]) for name, path in original_files.items() for _, record in read_jsonl(path)]
         # the held-out split training makes
         heldout, _ = sweep_split(out, main_keys, params.training.heldout_size, params.run.seed,
                                  read_conversation_keys(data_files, main_keys))
-        chosen = ablation_sample_keys(main_keys, original_keys, params.training.heldout_size, params.analysis.ablation_size, params.run.seed,
-                                      heldout_indices=heldout)
+        chosen = ablation_sample_keys(main_keys, original_keys, params.training.heldout_size, params.analysis.ablation_size,
+                                      params.run.seed, heldout_indices=heldout)
         original_dir = capture_dir / "original"
         subset_files = write_sample_subset(original_files, set(chosen), original_dir / "inputs")
         report = capture_samples(params, model, subset_files, original_dir, capture_layer_ids, progress=False)

@@ -241,7 +241,8 @@ class VllmCapture(ClosesOnExit):
         body = {"model": self.server.settings.served_model, "prompt": list(sample.input_ids), "max_tokens": 1, "temperature": 0}
         response = client.post(f"{self.server.url}/v1/completions", json=body, timeout=self.server.settings.request_timeout_s)
         if response.status_code != 200:
-            raise VllmCaptureError(f"sample {sample.dataset}/{sample.id}: the server answered {response.status_code}: {response.text[:500]}")
+            raise VllmCaptureError(f"sample {sample.dataset}/{sample.id}: the server answered {response.status_code}: "
+                                   f"{response.text[:500]}")
         path = (response.json().get("kv_transfer_params") or {}).get("hidden_states_path")
         if not path:
             raise VllmCaptureError(f"sample {sample.dataset}/{sample.id}: the answer names no kv_transfer_params.hidden_states_path "
@@ -267,9 +268,11 @@ class VllmCapture(ClosesOnExit):
         self.seconds_in_requests += time.perf_counter() - started
         return captured
 
-    def capture_batches(self, batches: Iterable[Sequence[TokenizedSample]], capture_layer_ids: Sequence[int]) -> Iterator[list[CapturedSample]]:
+    def capture_batches(self, batches: Iterable[Sequence[TokenizedSample]],
+                        capture_layer_ids: Sequence[int]) -> Iterator[list[CapturedSample]]:
         if list(capture_layer_ids) != list(self.server.settings.layer_ids):
-            raise ValueError(f"the vLLM server captures layers {list(self.server.settings.layer_ids)}, capture asked for {list(capture_layer_ids)}")
+            raise ValueError(f"the vLLM server captures layers {list(self.server.settings.layer_ids)}, "
+                             f"capture asked for {list(capture_layer_ids)}")
         for samples in batches:
             yield self.capture_samples(samples)
 
