@@ -145,10 +145,8 @@ def parse_json_text(value: Any) -> Any:
     """A string that holds JSON, parsed; anything else (a non-JSON string included) as it is. Datasets store
     tool calls' arguments and tool definitions either way."""
     if isinstance(value, str):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             return json.loads(value)
-        except json.JSONDecodeError:
-            return value
     return value
 
 

@@ -143,11 +143,7 @@ class Topology:
 
 def parse_topologies(texts: list[str] | tuple[str, ...]) -> list[Topology]:
     """Several topologies, duplicates dropped in order; an empty list is an error."""
-    topologies: list[Topology] = []
-    for text in texts:
-        topology = Topology.parse(text)
-        if topology not in topologies:
-            topologies.append(topology)
+    topologies = list(dict.fromkeys(Topology.parse(text) for text in texts))
     if not topologies:
         raise ValueError("no topology given: pass e.g. chain:3 or tree:5,8,32")
     return topologies
