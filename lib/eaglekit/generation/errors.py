@@ -1,5 +1,5 @@
-"""What an endpoint's answer or error means for the run: the exceptions the client raises and the HTTP statuses behind
-them (see eaglekit.generation.client's docstring for the policy each carries)."""
+"""What an endpoint's answer or error means for the run: the exceptions the client raises and the HTTP
+statuses behind them (see eaglekit.generation.client's docstring for the policy each carries)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,14 @@ class RequestRejected(Exception):
 
 
 class EndpointFatalError(RuntimeError):
-    """A fault of the endpoint, not of a prompt: the run stops at once, no prompt is marked failed, and a resume
-    (once the endpoint is fixed) requests again whatever was in flight."""
+    """A fault of the endpoint, not of a prompt: the run stops at once, no prompt is marked failed, and a
+    resume (once the endpoint is fixed) requests again whatever was in flight."""
 
 
 class EndpointModelChangedError(EndpointFatalError):
-    """An answer names another model than the probe found: the server was restarted with another model mid-run.
-    Answers of two models would train one draft silently; the run stops, naming the endpoint and both models."""
+    """An answer names another model than the probe found: the server was restarted with another model
+    mid-run. Answers of two models would train one draft silently; the run stops, naming the endpoint and both
+    models."""
 
     def __init__(self, endpoint: str, probed: str, answered: str):
         super().__init__(

@@ -30,8 +30,8 @@ METRICS_FILE = "metrics.jsonl"
 SESSIONS_FILE = "sessions.jsonl"
 
 
-# Every record's small fields come before "content" (see `engine.GenerationEngine._record_answer`). In a JSON line, a
-# quote inside a string value is escaped, so the first `, "content": ` is the key itself: the head
+# Every record's small fields come before "content" (see `engine.GenerationEngine._record_answer`). In a JSON
+# line, a quote inside a string value is escaped, so the first `, "content": ` is the key itself: the head
 # `line[:index] + "}"` is valid JSON with everything but the answer text and token ids.
 _CONTENT_KEY = b', "content": '
 _BULKY_FIELDS = ("content", "reasoning", "tool_calls", "prompt_token_ids", "token_ids")
@@ -321,8 +321,8 @@ def progress_line(snapshot: dict[str, Any]) -> str:
     progress 1h02m | B1 1200/9000, B2 300/5000 | errors 3 truncated 41 | 2.10 req/s 480 tok/s
     mean 231 tok | in flight 150 (sglang-kimi 150) | ETA short 3h10m, long at most 9h40m (0 answers of it yet:
     up to max_tokens), total at most 12h50m
-    The final line's rates are over the whole session (`rate_window_s`), the others' over the interval; the ETA's
-    words are `Eta.words` (records from before them carry only seconds).
+    The final line's rates are over the whole session (`rate_window_s`), the others' over the interval; the
+    ETA's words are `Eta.words` (records from before them carry only seconds).
     """
     datasets = ", ".join(f"{name} {snapshot['done'][name]}/{snapshot['total'][name]}" for name in snapshot["done"])
     words = snapshot.get("eta") or {name: format_duration(eta) for name, eta in snapshot["eta_s"].items()}
@@ -341,19 +341,20 @@ def progress_line(snapshot: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------------------------
 # The ETA, from tokens and the work in flight
 #
-# A request's time is its answer's length over the speed one sequence decodes at (tokens per second of latency,
-# queue and prefill included). With a partition's `slots` full, its throughput is slots x that speed, and its
-# work left is the prompts not yet sent x the expected answer length, plus what each request in flight has still
-# to generate. Answer lengths are estimated from the answers finished so far with the ones still running counted
-# as at least as long as they already are (Kaplan-Meier): early on only short answers have finished, and a plain
-# mean of them is the bias that made a long partition's ETA look minutes long. Where the running answers may
-# still end anywhere up to max_tokens, the figure is an upper bound ("at most"); before enough evidence there
-# is no figure ("not yet known"), never a rate borrowed from another partition's request count.
+# A request's time is its answer's length over the speed one sequence decodes at (tokens per second of
+# latency, queue and prefill included). With a partition's `slots` full, its throughput is slots x that speed,
+# and its work left is the prompts not yet sent x the expected answer length, plus what each request in flight
+# has still to generate. Answer lengths are estimated from the answers finished so far with the ones still
+# running counted as at least as long as they already are (Kaplan-Meier): early on only short answers have
+# finished, and a plain mean of them is the bias that made a long partition's ETA look minutes long. Where the
+# running answers may still end anywhere up to max_tokens, the figure is an upper bound ("at most"); before
+# enough evidence there is no figure ("not yet known"), never a rate borrowed from another partition's request
+# count.
 
 ETA_MIN_ANSWERS = 8       # answers finished (this session) before any speed is trusted
-ETA_MIN_SECONDS = 30.0    # seconds of sending before any speed is trusted (the first answers are the quick ones)
+ETA_MIN_SECONDS = 30.0    # seconds of sending before any speed is trusted (the first answers are quick ones)
 ETA_WINDOW_S = 300.0      # the decode speed is measured over the answers finished in the last 5 minutes
-ETA_TAIL_AT_RISK = 8      # the lengths are known up to where this many answers (finished or running) still reach
+ETA_TAIL_AT_RISK = 8      # lengths are known up to where this many answers (finished or running) still reach
 ETA_RESOLVED = 0.1        # an estimate once its lower and upper bounds differ by less than this share
 
 
@@ -364,8 +365,8 @@ class PartitionWork:
     name: str
     to_send: int                        # prompts of this session neither in flight nor finished
     in_flight_ages_s: Sequence[float]   # how long each request in flight has been running
-    lengths: Sequence[int]              # completion tokens of every answer this partition finished this session
-    recent: Sequence[tuple[int, float]]  # (completion tokens, latency s) of its answers finished in the window
+    lengths: Sequence[int]              # completion tokens of each answer it finished this session
+    recent: Sequence[tuple[int, float]]  # (completion tokens, latency s) of answers it finished in the window
     slots: int                          # requests in flight when it has the endpoints to itself
     max_tokens: int
 
@@ -412,8 +413,8 @@ def decode_speed(recent: Sequence[tuple[int, float]]) -> float | None:
 
 
 def _survival(lengths: np.ndarray, running: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Kaplan-Meier steps of P(length > x): where each step starts (0 first) and its value; running answers are
-    censored at what they made."""
+    """Kaplan-Meier steps of P(length > x): where each step starts (0 first) and its value; running answers
+    are censored at what they made."""
     observations = np.sort(np.concatenate([lengths, running]))
     times, deaths = np.unique(lengths, return_counts=True)
     at_risk = len(observations) - np.searchsorted(observations, times, side="left")
@@ -430,8 +431,8 @@ class WorkLeft:
 
 
 def _schedule(rests: np.ndarray, jobs: np.ndarray, bulk: float, slots: int) -> float:
-    """Greedy list scheduling, in tokens: the running rests hold their slots, `bulk` tokens spread evenly over all
-    of them, then each job takes the first free slot; when the last one is done."""
+    """Greedy list scheduling, in tokens: the running rests hold their slots, `bulk` tokens spread evenly over
+    all of them, then each job takes the first free slot; when the last one is done."""
     free = np.zeros(max(slots, len(rests)))
     free[:len(rests)] = np.sort(rests)[::-1]
     free = (free + bulk / len(free)).tolist()
@@ -444,13 +445,15 @@ def _schedule(rests: np.ndarray, jobs: np.ndarray, bulk: float, slots: int) -> f
 def work_left(lengths: Sequence[int], generated: Sequence[float], max_tokens: int, to_send: int, slots: int
               ) -> tuple[WorkLeft, WorkLeft]:
     """The tokens left, as (lower, upper) bounds: `to_send` new answers and the rest of each running one
-    (`generated`: what each has made so far), and when the last ends with `slots` kept full as long as there is work.
+    (`generated`: what each has made so far), and when the last ends with `slots` kept full as long as there
+    is work.
 
     The running answers' lengths are censored at what they made. The lengths are known up to where fewer than
-    ETA_TAIL_AT_RISK answers still reach (a curve from one or two answers past it says nothing); past it the lower
-    bound ends every unfinished answer there, the upper bound lets it run on to max_tokens. The drain's tail comes from
-    scheduling the last prompts (4 per slot, lengths at the distribution's quantiles, 3 orders averaged): long
-    answers sent last are what keeps a partition running after its throughput says it is done."""
+    ETA_TAIL_AT_RISK answers still reach (a curve from one or two answers past it says nothing); past it the
+    lower bound ends every unfinished answer there, the upper bound lets it run on to max_tokens. The drain's
+    tail comes from scheduling the last prompts (4 per slot, lengths at the distribution's quantiles, 3 orders
+    averaged): long answers sent last are what keeps a partition running after its throughput says it is
+    done."""
     end = float(max_tokens)
     finished = np.minimum(np.asarray(lengths, dtype=float), end)
     running = np.minimum(np.asarray(generated, dtype=float), end - 1.0)
@@ -461,8 +464,9 @@ def work_left(lengths: Sequence[int], generated: Sequence[float], max_tokens: in
     known[0] = True
     starts, values = starts[known], values[known]
     stops = np.append(starts[1:], last)
-    after = np.append(np.cumsum((values * (stops - starts))[::-1])[::-1], 0.0)  # area of steps i.. up to `last`
-    step = np.searchsorted(starts, running, side="right") - 1                 # the step each running answer is on
+    # The area of steps i.. up to `last`, and the step each running answer is on.
+    after = np.append(np.cumsum((values * (stops - starts))[::-1])[::-1], 0.0)
+    step = np.searchsorted(starts, running, side="right") - 1
     inside = running < last
     partial = np.where(inside, values[step] * (stops[step] - running) + after[step + 1], 0.0)
     last_jobs = min(to_send, 4 * max(1, slots))
@@ -475,9 +479,9 @@ def work_left(lengths: Sequence[int], generated: Sequence[float], max_tokens: in
         rests = np.divide(partial + tail * (end - np.maximum(running, last)), alive,
                           out=np.zeros_like(running), where=alive > 0)
         # The lengths' distribution: each step's drop is the mass at its start; what is left at `last` sits at
-        # `last` (lower) or max_tokens (upper). Its quantiles stand for the last prompts' answers; each running
-        # answer's rest is drawn from it beyond what it made (the drain ends with the longest of them, and the
-        # longest of several draws is longer than the longest of their means).
+        # `last` (lower) or max_tokens (upper). Its quantiles stand for the last prompts' answers; each
+        # running answer's rest is drawn from it beyond what it made (the drain ends with the longest of them,
+        # and the longest of several draws is longer than the longest of their means).
         points = np.append(starts[1:], last if tail == 0.0 else end)
         cumulative = np.cumsum(np.append(-np.diff(values), values[-1]))
         jobs = points[np.minimum(np.searchsorted(cumulative / cumulative[-1], quantiles), len(points) - 1)]
@@ -496,8 +500,8 @@ def work_left(lengths: Sequence[int], generated: Sequence[float], max_tokens: in
 def partition_eta(work: PartitionWork, pooled_speed: float | None, evidence: str) -> Eta:
     """The time a partition's work takes at its own concurrency; see the section comment.
 
-    pooled_speed: the decode speed over every partition's recent answers, used (for an upper bound only) while this
-    partition has too few answers of its own. evidence: why no speed is trusted yet ("" when one is)."""
+    pooled_speed: the decode speed over every partition's recent answers, used (for an upper bound only) while
+    this partition has too few answers of its own. evidence: why no speed is trusted yet ("" when one is)."""
     if work.to_send == 0 and not work.in_flight_ages_s:
         return Eta("done", 0.0, 0.0)
     own = decode_speed(work.recent) if len(work.recent) >= ETA_MIN_ANSWERS else None
@@ -520,9 +524,10 @@ def run_etas(partitions: Sequence[PartitionWork], elapsed_s: float, min_seconds:
              overlap: bool = True) -> tuple[dict[str, Eta], Eta]:
     """Each partition's ETA and the whole run's, partitions in the order they are sent.
 
-    With overlap (the engine's default) the next partition fills the room the last one's drain frees, so the total
-    is the earlier partitions' work at full throughput plus the last one's time with its tail; without, each
-    partition's drain adds up. Nothing is trusted before ETA_MIN_ANSWERS answers and `min_seconds` of sending."""
+    With overlap (the engine's default) the next partition fills the room the last one's drain frees, so the
+    total is the earlier partitions' work at full throughput plus the last one's time with its tail; without,
+    each partition's drain adds up. Nothing is trusted before ETA_MIN_ANSWERS answers and `min_seconds` of
+    sending."""
     answered = sum(len(work.lengths) for work in partitions)
     evidence = ""
     if elapsed_s < min_seconds:
