@@ -26,13 +26,13 @@ and requested again on resume; SIGTERM exits 143), and an endpoint refusing the 
 `EndpointAuthError`, raised at once; no prompt is marked failed by it).
 
 Modules, in dependency order: `settings` (the retry backoff, the settings a resume keeps), `prompts` (the
-prompts files as requests), `quality` (answer flags), `errors` (what an HTTP status or a fault means for the run),
-`client` (endpoints, probing, routing), `logs`
-(readers of the files above, counters, the progress line), `engine` (the async engine), `run`
-(`generate`, the blocking entry point), `server` (the embedded server), `capacity` and `plan` (the
-capacity plan before launch), `tokenized` (`build_tokenized_data`: generations into
-`tokenized_data.jsonl` per dataset, the DESIGN contract), and `stage` (`run_generation_stage(params,
-run_dir)`, what notebook 03 computes; imported from `eaglekit.generation.stage`).
+prompts files as requests), `quality` (answer flags), `errors` (what an HTTP status or a fault means for the
+run), `client` (endpoints, probing, routing), `logs` (readers of the files above, counters, the progress
+line), `engine` (the async engine), `run` (`generate`, the blocking entry point), `server` (the embedded
+server), `capacity` and `plan` (the capacity plan before launch), `tokenized` (`build_tokenized_data`:
+generations into `tokenized_data.jsonl` per dataset, the DESIGN contract), and `stage`
+(`run_generation_stage(params, run_dir)`, what notebook 03 computes; imported from
+`eaglekit.generation.stage`).
 """
 
 from eaglekit.generation.engine import GenerationEngine

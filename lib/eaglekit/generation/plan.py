@@ -98,7 +98,8 @@ def dataset_answer_lengths(prep_dir: str | Path) -> dict[str, MeasuredLengths]:
 def plan_generation(params: Params, prompts: list[tuple[str, str, Path]]) -> CapacityPlan:
     """Capacity plan for this run's partitions from measured lengths (see the module docstring).
 
-    prompts: (dataset, partition, prompts file) from prep; the datasets' own answers are in their grandparent folder.
+    prompts: (dataset, partition, prompts file) from prep; the datasets' own answers are in their grandparent
+    folder.
     """
     lengths: dict[str, list[int]] = defaultdict(list)
     for _dataset, partition, path in prompts:

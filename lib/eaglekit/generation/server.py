@@ -57,8 +57,8 @@ def _die_with_parent() -> None:
 
 
 # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, not the process. A server started from
-# a short-lived worker thread would be killed with that thread; forking from this pool's one thread, which lives
-# as long as the process, ties the server's life to the process, whichever thread asks.
+# a short-lived worker thread would be killed with that thread; forking from this pool's one thread, which
+# lives as long as the process, ties the server's life to the process, whichever thread asks.
 _spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eaglekit-spawner")
 
 
@@ -82,7 +82,8 @@ class ManagedServer:
         self._log_handle = None
         self.startup_s: float | None = None  # start to first answer, once started
 
-    model_name = property(lambda self: str(self.model_dir))  # the path it was loaded from (what /v1/models lists)
+    # The path it was loaded from (what /v1/models lists).
+    model_name = property(lambda self: str(self.model_dir))
     root_url = property(lambda self: f"http://{self.host}:{self.port}")
     base_url = property(lambda self: f"{self.root_url}/v1")
 
@@ -202,7 +203,8 @@ class EmbeddedServer(ManagedServer):
     def __init__(self, model_dir: str | os.PathLike, settings: ServerParams = ServerParams(), cb_page_size: int = 256,
                  **options):
         """settings: params `server` (dtype, continuous_batching, kv_cache_tokens, threads are read here).
-        cb_page_size: tokens per KV-cache block (transformers' default page size). options: `ManagedServer`'s."""
+        cb_page_size: tokens per KV-cache block (transformers' default page size). options:
+        `ManagedServer`'s."""
         super().__init__(model_dir, **options)
         self.settings = settings
         self.cb_page_size = cb_page_size
@@ -298,7 +300,8 @@ class VLLMServer(ManagedServer):
         return command + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:
-        return {**super().environment(), "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}  # GiB: the CPU build's KV cache
+        # VLLM_CPU_KVCACHE_SPACE: GiB of the CPU build's KV cache.
+        return {**super().environment(), "VLLM_CPU_KVCACHE_SPACE": "1", **self.env}
 
 
 def server_for(params, model_dir: str | os.PathLike, log_path: str | os.PathLike | None = None) -> ManagedServer:

@@ -1,5 +1,6 @@
 """How a generation run retries (params `generation`: max_attempts, backoff_base_s, backoff_max_s), and the
-answer-deciding settings a resume must keep (settings.json). Partitions are params `generation.partitions` as they are."""
+answer-deciding settings a resume must keep (settings.json). Partitions are params `generation.partitions` as
+they are."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 def backoff_seconds(retry: GenerationParams, attempt: int, rng: random.Random) -> float:
-    """Transient failures retry with full-jitter exponential backoff: uniform(0, min(max, base x 2^(n-1))), from
-    params generation's backoff_base_s and backoff_max_s (the one source of these settings and their defaults)."""
+    """Transient failures retry with full-jitter exponential backoff: uniform(0, min(max, base x 2^(n-1))),
+    from params generation's backoff_base_s and backoff_max_s (the one source of these settings and their
+    defaults)."""
     return rng.uniform(0.0, min(retry.backoff_max_s, retry.backoff_base_s * 2 ** (attempt - 1)))
 
 
@@ -31,8 +33,8 @@ class GenerationSettingsChanged(ValueError):
 def check_generation_settings(path: Path, settings: dict[str, Any], has_answers: bool) -> None:
     """Refuse a resume whose answer-deciding settings differ from those the folder's answers were made with.
 
-    A first session writes `path`. A folder with answers but no settings file (written before the kit kept one)
-    adopts the current settings with a warning: its earlier records carry none."""
+    A first session writes `path`. A folder with answers but no settings file (written before the kit kept
+    one) adopts the current settings with a warning: its earlier records carry none."""
     if not path.is_file():
         if has_answers:
             logger.warning("%s: none kept by the session(s) that wrote the answers here; taking this session's "
