@@ -1,4 +1,5 @@
-"""Capture: hook features equal output_hidden_states, padding is harmless, resume and torchrun match one clean run."""
+"""Capture: hook features equal output_hidden_states, padding is harmless, resume and torchrun
+match one clean run."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ TINY_LAYERS = 8  # default capture layers [2, 4, 5]
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A random 8-layer Llama saved as a transformers folder: fast, and loaded the same way as a real target."""
+    """A random 8-layer Llama saved as a transformers folder: fast, and loaded the same way
+    as a real target."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

@@ -1,4 +1,5 @@
-"""Stage 4's storage plan as notebook 04 prints it: bytes in the unit they fill, from a demo's kilobytes to a big run's terabytes."""
+"""Stage 4's storage plan as notebook 04 prints it: bytes in the unit they fill, from a demo's kilobytes to a
+big run's terabytes."""
 
 import json
 

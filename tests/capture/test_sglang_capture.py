@@ -18,7 +18,8 @@ def test_layer_ids_follow_sglangs_plus_one_convention():
 
 @pytest.mark.gpu
 def test_sglang_features_equal_the_hook_capture(embedded_model_dir, tmp_path):
-    """One TP rank (TP1) on the embedded SmolLM2 in bf16: SGLang's aux and final features against the hooks'."""
+    """One TP rank (TP1) on the embedded SmolLM2 in bf16: SGLang's aux and final features
+    against the hooks'."""
     pytest.importorskip("sglang")
     from eaglekit.capture.forward import load_target
     from eaglekit.capture.inputs import read_tokenized_samples
@@ -57,7 +58,8 @@ def test_sglang_features_equal_the_hook_capture(embedded_model_dir, tmp_path):
         final_error = float((got.final_hidden_states.float() - want.final_hidden_states.float()).abs().max())
         scale = float(want.aux_hidden_states.float().abs().max())
         print(
-            f"bf16 max |SGLang - hooks|: aux {aux_error:.3e} (max |value| {scale:.1f}), final {final_error:.3e}"
+            f"bf16 max |SGLang - hooks|: aux {aux_error:.3e} (max |value| {scale:.1f}), "
+            f"final {final_error:.3e}"
         )
         torch.testing.assert_close(
             got.aux_hidden_states.float(), want.aux_hidden_states.float(), rtol=3e-2, atol=0.25

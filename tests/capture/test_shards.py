@@ -1,4 +1,5 @@
-"""Shards: bounded size, atomic writes, index logs that survive a torn tail, a reader that returns what was written."""
+"""Shards: bounded size, atomic writes, index logs that survive a torn tail, a reader that returns
+what was written."""
 
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ def test_fp8_features_round_trip_within_e4m3_precision(tmp_path):
 
     generator = torch.Generator().manual_seed(0)
     hidden = 16
-    # Per-layer magnitudes that differ by orders (as a deep layer's residual does): one scale per token and layer.
+    # Per-layer magnitudes that differ by orders (as a deep layer's residual does): one scale
+    # per token and layer.
     aux = torch.cat(
         [torch.randn(7, hidden, generator=generator) * scale for scale in (0.1, 10.0, 3000.0)], dim=-1
     )
@@ -182,7 +184,8 @@ def test_fp8_features_round_trip_within_e4m3_precision(tmp_path):
     block_max = (
         aux.reshape(7, 3, hidden).abs().amax(-1, keepdim=True).expand(7, 3, hidden).reshape(7, 3 * hidden)
     )
-    # e4m3: 3 mantissa bits, so at most 2^-4 relative per entry, plus subnormal steps near zero (2^-9 of the block max).
+    # e4m3: 3 mantissa bits, so at most 2^-4 relative per entry, plus subnormal steps near zero
+    # (2^-9 of the block max).
     assert ((decoded - aux).abs() <= aux.abs() / 16 + block_max * 2**-9 + block_max * 2**-8).all()
     assert (
         stored_bytes_per_token(7168, "fp8") == 4 * 7168 + 16 + 9 and stored_bytes_per_token(7168) == 57344 + 9

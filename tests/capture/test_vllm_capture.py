@@ -24,10 +24,10 @@ from eaglekit.capture.vllm_capture import (
 from eaglekit.target import target_layout
 
 LAYER_IDS = (2, 15, 27)  # SmolLM2-135M (30 layers): [2, N//2, N-3]
-# float32, vLLM's CPU kernels against transformers' eager ones on the same ids: |difference| <= ATOL + RTOL x |value|.
-# Measured here: max |difference| 5.3e-2 on the aux features, where the residual stream entering the deep layers
-# holds entries of several thousand (SmolLM2's massive activations), so about 1e-5 of the value; 1.3e-4 on the
-# final (post-norm) state. DESIGN's bf16 shards round at 2^-8 relative, far coarser than either.
+# float32, vLLM's CPU kernels against transformers' eager ones on the same ids: |difference| <= ATOL + RTOL x
+# |value|. Measured here: max |difference| 5.3e-2 on the aux features, where the residual stream entering the
+# deep layers holds entries of several thousand (SmolLM2's massive activations), so about 1e-5 of the value;
+# 1.3e-4 on the final (post-norm) state. DESIGN's bf16 shards round at 2^-8 relative, far coarser than either.
 ATOL, RTOL = 1e-3, 1e-4
 
 
@@ -119,7 +119,8 @@ def test_vllm_features_equal_the_hook_capture_in_float32(vllm_capture, transform
     tokens = sum(len(sample.input_ids) for sample in samples)
     print(
         f"float32 max |vLLM - hooks|: aux {worst['aux'][0]:.2e}, final {worst['final'][0]:.2e}; "
-        f"share of the tolerance used: aux {worst['aux'][1]:.2f}, final {worst['final'][1]:.2f}; {tokens / seconds:.0f} tok/s"
+        f"share of the tolerance used: aux {worst['aux'][1]:.2f}, final {worst['final'][1]:.2f}; "
+        f"{tokens / seconds:.0f} tok/s"
     )
     assert worst["aux"][1] <= 1 and worst["final"][1] <= 1, worst
     assert not list(vllm_capture.server.storage_dir.iterdir()), "the server's files are deleted once copied"

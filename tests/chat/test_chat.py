@@ -38,7 +38,8 @@ LLAMA3_STYLE = (
 )
 THINKING_STYLE = (
     "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}"
+    "{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- if m.role == 'assistant' -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
@@ -233,7 +234,10 @@ def test_long_agent_conversation_matches_reference(tokenizers):
             else {"role": "tool", "content": f"output of step {step - 1}: {'ok ' * step}"},
             {
                 "role": "assistant",
-                "content": f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "pytest -k {step}"}}}}\n</tool_call>',
+                "content": (
+                    f'<tool_call>\n{{"name": "bash", "arguments": {{"cmd": "pytest -k {step}"}}}}'
+                    "\n</tool_call>"
+                ),
             },
         ]
     for name in ("chatml", "llama3"):

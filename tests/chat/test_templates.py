@@ -153,7 +153,8 @@ SPLIT_TEMPLATES = ["deepseek_r1", "deepseek_v31", "kimi_k2_thinking", "qwen3", "
 
 
 def fast_and_oracle(tokenizer, name: str, messages: list[dict], tools, truncated: bool = False):
-    """(fast path, oracle) on one conversation, or None when the template cannot hold it (both paths say so)."""
+    """(fast path, oracle) on one conversation, or None when the template cannot hold it
+    (both paths say so)."""
     kwargs = TEMPLATE_KWARGS.get(name)
     try:
         oracle = tokenize_conversation_reference(
@@ -302,8 +303,10 @@ def test_template_that_rewrites_earlier_tool_rounds_is_not_read(embedded_model_d
     tokenizer.chat_template = tokenizer.chat_template.replace(
         condition,
         (
-            "{%- set here = loop.index0 %}{%- set later = namespace(count=0) %}{%- for other in messages[here + 1:] %}"
-            '{%- if other.role == "assistant" %}{%- set later.count = later.count + 1 %}{%- endif %}{%- endfor %}'
+            "{%- set here = loop.index0 %}{%- set later = namespace(count=0) %}"
+            "{%- for other in messages[here + 1:] %}"
+            '{%- if other.role == "assistant" %}{%- set later.count = later.count + 1 %}'
+            "{%- endif %}{%- endfor %}"
             "{%- if here > ns.last_query_index and later.count < 2 %}"
         ),
         1,
@@ -381,10 +384,10 @@ def test_mistral_composition_without_the_system_prompt_is_caught_by_the_real_che
 
 def test_mistral_stretch_first_prompt_read_off_the_stretch_is_checked(tokenizers, monkeypatch):
     """A stretch's first prompt (its user message last: Mistral shows the system prompt there) is read off
-    the stretch's rendering with the system prompt inserted as probed (chat.injected._system_insertion: Mistral's
-    "[INST]" + system + "\\n\\n" + content + "[/INST]"; Qwen3 has no such reading). A wrong separator is
-    caught by the real check of the sample before the last where that is the last stretch's first turn
-    (the conversation goes to the oracle, and the samples stay the oracle's); the real checks do not
+    the stretch's rendering with the system prompt inserted as probed (chat.injected._system_insertion:
+    Mistral's "[INST]" + system + "\\n\\n" + content + "[/INST]"; Qwen3 has no such reading). A wrong
+    separator is caught by the real check of the sample before the last where that is the last stretch's first
+    turn (the conversation goes to the oracle, and the samples stay the oracle's); the real checks do not
     reach an earlier stretch's, and there the oracle comparison says the samples differ."""
     from eaglekit.chat import injected, turns
     from eaglekit.chat.render import Renderer
@@ -448,8 +451,8 @@ def test_split_trains_every_generated_turn_exactly_once(tokenizers, name):
     for index, message in enumerate(messages):
         if message["role"] == "assistant" and index not in rejected:
             # Llama 3 writes a tool-call turn as the call alone (its model generates no text beside it).
-            # Llama 3 and Mistral write a tool-call turn as the call alone, dropping content and folded reasoning
-            # (a known limit, see README): its model generates no text beside a call.
+            # Llama 3 and Mistral write a tool-call turn as the call alone, dropping content and folded
+            # reasoning (a known limit, see README): its model generates no text beside a call.
             # Hermes-3 tool_use writes it as the calls alone too.
             piece = (
                 ""
@@ -591,8 +594,9 @@ def test_visible_policy_is_one_sequence_that_trains_only_assistant_text(tokenize
 
 
 def test_shape_cache_is_bounded_when_every_record_has_its_own_tools(tokenizers, monkeypatch):
-    """What a context's shape tells is kept per tool list (chat.turns._SHAPE_CACHE); records with distinct tool
-    lists (Glaive gives each its own) must not grow it without bound, and the samples stay the oracle's."""
+    """What a context's shape tells is kept per tool list (chat.turns._SHAPE_CACHE); records with distinct
+    tool lists (Glaive gives each its own) must not grow it without bound, and the samples
+    stay the oracle's."""
     from eaglekit.chat import turns
 
     monkeypatch.setattr(turns, "_SHAPE_CACHE", {})

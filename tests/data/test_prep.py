@@ -257,7 +257,8 @@ def test_a_conversation_the_template_cannot_render_is_a_located_reject_not_a_fai
 def test_class_a_with_reasoning_and_tool_calls_on_a_thinking_template_split_and_counted(
     tmp_path, embedded_model_dir, template
 ):
-    """Issue 12's done-when: DeepSWE-like class A on Qwen3 and Kimi thinking templates, nothing silently dropped."""
+    """Issue 12's done-when: DeepSWE-like class A on Qwen3 and Kimi thinking templates, nothing
+    silently dropped."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -313,7 +314,8 @@ def test_class_a_with_reasoning_and_tool_calls_on_a_thinking_template_split_and_
 def test_a_dataset_answer_the_template_cannot_render_keeps_its_prompt_and_is_listed(
     tmp_path, embedded_model_dir
 ):
-    """The ablation's original answers fail per record too: DeepSeek-V3.1 (thinking off) has no place for reasoning."""
+    """The ablation's original answers fail per record too: DeepSeek-V3.1 (thinking off) has no
+    place for reasoning."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -344,8 +346,9 @@ def test_a_dataset_answer_the_template_cannot_render_keeps_its_prompt_and_is_lis
 def test_a_turn_the_template_leaves_undefined_is_listed_and_counted_while_the_others_train(
     tmp_path, embedded_model_dir
 ):
-    """MiniMax-M2 opens `<think>` in its generation prompt: an answer without reasoning is undefined there. The
-    conversation is kept, its other turns train, and the undefined turn is counted and listed with file, line, field."""
+    """MiniMax-M2 opens `<think>` in its generation prompt: an answer without reasoning is undefined there.
+    The conversation is kept, its other turns train, and the undefined turn is counted and listed with
+    file, line, field."""
     from support import fixture_tokenizer
 
     minimax = fixture_tokenizer(embedded_model_dir, "minimax_m2")

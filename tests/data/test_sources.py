@@ -111,8 +111,8 @@ def test_reasoning_think_blocks_openthoughts_markers_and_separate_field():
 
 
 def test_each_adapter_reads_its_own_reasoning_field_first_and_names_it_when_wrong():
-    """A turn with both reasoning fields: the OpenAI adapter takes reasoning_content, the reasoning adapter takes
-    reasoning; a non-string one is named with its own field."""
+    """A turn with both reasoning fields: the OpenAI adapter takes reasoning_content, the reasoning adapter
+    takes reasoning; a non-string one is named with its own field."""
     from eaglekit.data.adapters import adapt_openai, adapt_reasoning
     from eaglekit.data.readers import RecordLocation
 
