@@ -415,21 +415,14 @@ class ShardDataset(torch.utils.data.Dataset):
             yield self[position]
 
 
-def read_config(output_dir: Path) -> dict[str, Any] | None:
-    path = Path(output_dir) / CONFIG_FILE
-    if not path.exists():
-        return None
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
-
-
 def write_config_once(output_dir: Path, config: dict[str, Any]) -> None:
     """Record what produces this folder; refuse to mix runs with different settings in one folder."""
     output_dir = Path(output_dir)
-    existing = read_config(output_dir)
-    if existing is None:
-        write_json(output_dir / CONFIG_FILE, config)
+    path = output_dir / CONFIG_FILE
+    if not path.exists():
+        write_json(path, config)
         return
+    existing = json.loads(path.read_text(encoding="utf-8"))
     differences = {key: (existing.get(key), config.get(key)) for key in set(existing) | set(config) if existing.get(key) != config.get(key)}
     if differences:
         details = ", ".join(f"{key}: folder has {old!r}, this run {new!r}" for key, (old, new) in sorted(differences.items()))

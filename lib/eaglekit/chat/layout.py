@@ -31,19 +31,22 @@ PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description":
                                                  "parameters": {"type": "object", "properties": {}}}}]
 
 
-def _needs_tools(tokenizer: Any, template_kwargs: dict) -> bool:
-    """Whether the template cannot render a probe conversation without tool definitions but can with them."""
-    user = [{"role": "user", "content": PROBE_USER}]
+def _renders(tokenizer: Any, messages: list[dict], add_generation_prompt: bool, tools: list | None,
+             template_kwargs: dict) -> bool:
+    """Whether the template renders `messages` (a ChatTemplateError: it does not)."""
     try:
-        render_template(tokenizer, user, True, None, template_kwargs)
+        render_template(tokenizer, messages, add_generation_prompt, tools, template_kwargs)
+    except ChatTemplateError:
         return False
-    except ChatTemplateError:
-        pass
-    try:
-        render_template(tokenizer, user, True, PROBE_TOOLS, template_kwargs)
-        return True
-    except ChatTemplateError:
-        return False  # it cannot render even then: the probe says why
+    return True
+
+
+def _needs_tools(tokenizer: Any, template_kwargs: dict) -> bool:
+    """Whether the template cannot render a probe conversation without tool definitions but can with them
+    (where it cannot render it even then, the probe says why)."""
+    user = [{"role": "user", "content": PROBE_USER}]
+    return not _renders(tokenizer, user, True, None, template_kwargs) \
+        and _renders(tokenizer, user, True, PROBE_TOOLS, template_kwargs)
 
 
 def _chat_template_text(tokenizer: Any) -> str:
@@ -158,11 +161,8 @@ def _tool_call_form(tokenizer: Any, base: list | None, template_kwargs: dict) ->
     user = _probe_user()
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"id": PROBE_CALL_ID, "type": "function", "function": {"name": "probe", "arguments": {"x": PROBE_TOOL}}}]}
-    tool_arguments = "object"
-    try:
-        render_template(tokenizer, user + [call], False, base, template_kwargs)
-    except ChatTemplateError:
-        tool_arguments = "string"
+    tool_arguments = "object" if _renders(tokenizer, user + [call], False, base, template_kwargs) else "string"
+    if tool_arguments == "string":
         call["tool_calls"][0]["function"]["arguments"] = json.dumps({"x": PROBE_TOOL})
     tool_calls = "template" if PROBE_TOOL in render_template(tokenizer, user + [call], False, base, template_kwargs) \
         else "hermes-text"
