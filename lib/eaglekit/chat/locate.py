@@ -32,14 +32,10 @@ def locate_group(text: str, generated: list[GeneratedTurn], first: int, last: in
     Returns the rendering with its spans, or the position of the first turn not found as generated
     (None when even the context turns cannot be followed).
     """
-    for position in range(context_from, first):
-        header = history_header(generated[position].header)
-        at = find_nth(text, header, cursor, generated[position].skip)
-        if at < 0:
-            return None
-        start = at + len(header)
-        cursor = turn_end(text, start, layout.closers, False)
-    return locate_turns(text, generated, first, last, cursor)
+    context = history_turns(text, generated[context_from:first], layout, cursor)
+    if context is None:
+        return None
+    return locate_turns(text, generated, first, last, context[-1][1] if context else cursor)
 
 
 def locate_turns(text: str, generated: list[GeneratedTurn], first: int, last: int,
