@@ -126,11 +126,8 @@ def survey_sources(
 
 
 def _quantiles(values: np.ndarray, prefix: str) -> dict[str, float]:
-    if values.size == 0:
-        return {f"{prefix}_{name}": float("nan") for name in ("p50", "p90", "p99", "max")}
-    p50, p90, p99 = np.percentile(values, [50, 90, 99])
-    return {f"{prefix}_p50": float(p50), f"{prefix}_p90": float(p90), f"{prefix}_p99": float(p99),
-            f"{prefix}_max": float(values.max())}
+    measured = [*np.percentile(values, [50, 90, 99]), values.max()] if values.size else [float("nan")] * 4
+    return {f"{prefix}_{name}": float(value) for name, value in zip(("p50", "p90", "p99", "max"), measured)}
 
 
 def _summary(all_stats: list[_SourceStats], context_length: int, long_prompt_threshold: int) -> pd.DataFrame:
