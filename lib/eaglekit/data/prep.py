@@ -50,6 +50,7 @@ from eaglekit.chat import (
 )
 from eaglekit.config import PrepParams
 from eaglekit.io import InputError, pid_alive, write_json
+from eaglekit.data.readers import RecordLocation
 from eaglekit.data.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
 
 PARTITIONS = ("short", "long")
@@ -219,21 +220,21 @@ def prepare_sources(
             all_counts.append(counts)
             rejected_by_reason: Counter[str] = Counter()
 
-            def reject(error: InputError, record: int | None, answer: bool = False) -> None:
+            def reject(rejected: Reject, answer: bool = False) -> None:
                 """A bad record into rejects.jsonl (`answer`: a class-B dataset answer, its prompt kept)."""
                 if bad_input == "fail":
-                    raise error
+                    raise rejected.error
                 if answer:
                     counts.original_rejected += 1
                 else:
                     counts.rejected += 1
-                    rejected_by_reason[Reject(error, record).reason_kind] += 1
-                outputs.write("rejects.jsonl", {"source": spec.name, **Reject(error, record).as_record()})
+                    rejected_by_reason[rejected.reason_kind] += 1
+                outputs.write("rejects.jsonl", {"source": spec.name, **rejected.as_record()})
 
             for item in iter_source(spec):
                 counts.read += 1
                 if isinstance(item, Reject):
-                    reject(item.error, item.record)
+                    reject(item)
                     continue
                 _prepare_record(spec, item, tokenizer, counts, seen, outputs, reject, settings)
             counts.rejected_by_reason = dict(rejected_by_reason)
@@ -250,14 +251,18 @@ def prepare_sources(
         raise
 
 
+def _rejected(location: RecordLocation, reason: str) -> Reject:
+    """The record at `location` rejected for `reason`, naming its messages."""
+    return Reject(InputError(location.path, location.line, "messages", reason), location.record)
+
+
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
                     outputs: _Outputs, reject, settings: PrepParams) -> None:
     location = item.location
     original_answer = None
     if spec.data_class == "A":
         if not any(m["role"] == "assistant" for m in item.messages):
-            reject(InputError(location.path, location.line, "messages", "no assistant turn (class A needs one)"),
-                   location.record)
+            reject(_rejected(location, "no assistant turn (class A needs one)"))
             return
         kept_messages = item.messages
     else:
@@ -282,13 +287,11 @@ def _prepare_class_a(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
         result = tokenize_conversation(tokenizer, kept_messages, tools=item.meta.get("tools"), history=settings.history,
                                        template_kwargs=settings.chat_template_kwargs)
     except ChatTemplateError as error:
-        reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
+        reject(_rejected(location, f"chat template: {error}"))
         return False
     longest = max(len(sample.input_ids) for sample in result.samples)
     if longest > context_length:
-        reject(InputError(location.path, location.line, "messages",
-                          f"longer than the context ({longest} tokens > {context_length})"),
-               location.record)
+        reject(_rejected(location, f"longer than the context ({longest} tokens > {context_length})"))
         return False
     counts.kept += 1
     for index, reason in result.rejected_turns:
@@ -320,12 +323,11 @@ def _prepare_class_b(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
     try:
         prompt_tokens = prompt_token_count(tokenizer, kept_messages, tools=tools, template_kwargs=template_kwargs)
     except ChatTemplateError as error:
-        reject(InputError(location.path, location.line, "messages", f"chat template: {error}"), location.record)
+        reject(_rejected(location, f"chat template: {error}"))
         return False
     if prompt_tokens >= context_length:
-        reject(InputError(location.path, location.line, "messages",
-                          f"longer than the context (prompt of {prompt_tokens} tokens >= {context_length})"),
-               location.record)
+        reason = f"longer than the context (prompt of {prompt_tokens} tokens >= {context_length})"
+        reject(_rejected(location, reason))
         return False
     partition = partition_of(prompt_tokens, settings.long_prompt_threshold)
     counts.kept += 1
@@ -340,8 +342,7 @@ def _prepare_class_b(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
                                           template_kwargs=template_kwargs)
         except ChatTemplateError as error:
             # The prompt is kept for regeneration; only the ablation loses this answer (listed, counted).
-            reject(InputError(location.path, location.line, "messages",
-                              f"chat template (dataset answer, prompt kept): {error}"), location.record, answer=True)
+            reject(_rejected(location, f"chat template (dataset answer, prompt kept): {error}"), answer=True)
             return True
         outputs.write(f"{spec.name}/original_tokenized_data.jsonl", {
             "id": record_id, "input_ids": original.input_ids[:context_length],
