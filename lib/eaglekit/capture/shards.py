@@ -286,8 +286,7 @@ class ShardWriter:
         self.samples_written += len(self._buffer)
         self.bytes_written += path.stat().st_size
         self.next_shard_number += 1
-        self._buffer = []
-        self._buffer_bytes = 0
+        self._buffer, self._buffer_bytes = [], 0
 
     def close(self) -> None:
         """Write the last, partial shard and close the index log."""
@@ -296,8 +295,7 @@ class ShardWriter:
 
     def abandon(self) -> None:
         """Drop buffered samples (they were never indexed, so a resume recomputes them) and close the log."""
-        self._buffer = []
-        self._buffer_bytes = 0
+        self._buffer, self._buffer_bytes = [], 0
         self._index_log.close()
 
 
@@ -338,8 +336,7 @@ def load_index(output_dir: str | os.PathLike) -> dict[str, Any]:
             f"{path} not found: the capture into {output_dir} has not finished (run it again to resume), "
             "or this is not a capture output folder"
         )
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
 class ShardDataset(torch.utils.data.Dataset):
