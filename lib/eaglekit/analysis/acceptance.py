@@ -263,12 +263,10 @@ def acceptance_tables(
       prefix_rate (P(steps 1..j all agree)), positions_reaching (positions whose steps 1..j-1 agreed).
     Each dataset uses the same seed, so the "all" row resamples its own samples independently.
     """
-    summary_rows, position_rows = [], []
-    for name, counts in _counts_by_dataset(agreements_by_dataset, steps).items():
-        summary_row, rows, _ = _dataset_rows(name, counts, num_resamples, confidence, seed)
-        summary_rows.append(summary_row)
-        position_rows.extend(rows)
-    return pd.DataFrame(summary_rows), pd.DataFrame(position_rows)
+    datasets = [_dataset_rows(name, counts, num_resamples, confidence, seed)
+                for name, counts in _counts_by_dataset(agreements_by_dataset, steps).items()]
+    return (pd.DataFrame([summary for summary, _, _ in datasets]),
+            pd.DataFrame([row for _, rows, _ in datasets for row in rows]))
 
 
 @dataclass(frozen=True)
@@ -308,9 +306,7 @@ def sweep_acceptance(
     reference_positions: dict[str, np.ndarray] = {}
     for size in sizes:
         for name, counts in _counts_by_dataset(agreements_by_size[size], steps).items():
-            if name not in reference_positions:
-                reference_positions[name] = counts.positions
-            elif not np.array_equal(reference_positions[name], counts.positions):
+            if not np.array_equal(reference_positions.setdefault(name, counts.positions), counts.positions):
                 raise ValueError(
                     f"dataset {name!r}: the draft of size {size} was scored on other held-out samples than the draft of "
                     f"size {sizes[0]} (positions per sample differ); score every draft on the same held-out set"

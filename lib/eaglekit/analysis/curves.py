@@ -157,9 +157,8 @@ def leave_one_size_out_error(data_sizes: Sequence[float], accept_lengths: Sequen
     taus = np.asarray(accept_lengths, dtype=np.float64)
     if len(sizes) - 1 <= PARAMETERS[model]:
         return None
-    errors = []
-    for left_out in range(len(sizes)):
-        keep = np.arange(len(sizes)) != left_out
-        fits = FamilyFits.fit(sizes[keep], taus[keep][None, :], ceiling)
-        errors.append(float(fits.raw(sizes[left_out : left_out + 1])[model][0, 0]) - taus[left_out])
+    # Each size predicted by the family fitted to the others.
+    errors = [float(FamilyFits.fit(np.delete(sizes, left_out), np.delete(taus, left_out)[None, :], ceiling)
+                    .raw(sizes[left_out : left_out + 1])[model][0, 0]) - taus[left_out]
+              for left_out in range(len(sizes))]
     return float(np.sqrt(np.mean(np.square(errors))))

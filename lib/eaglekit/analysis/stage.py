@@ -327,9 +327,8 @@ def _live_serving(settings, model_dir: Path, sglang_dir: Path, loop_prompts: lis
                   summary: dict) -> tuple[pd.DataFrame | None, LiveServing]:
     """The doctor against the running SGLang server's info (before measuring it), and the live measurements
     (analysis/serving.csv and the summary's `serving`, when measured)."""
-    live_doctor = None
-    if settings.sglang_endpoint:
-        live_doctor = findings_frame(run_doctor(model_dir / "config.json", draft_dir=sglang_dir, endpoint=settings.sglang_endpoint))
+    live_doctor = (findings_frame(run_doctor(model_dir / "config.json", draft_dir=sglang_dir, endpoint=settings.sglang_endpoint))
+                   if settings.sglang_endpoint else None)
     live = measure_live_serving(loop_prompts, settings.specdec_max_new_tokens, sglang_endpoint=settings.sglang_endpoint,
                                 baseline_endpoint=settings.baseline_endpoint, vllm_endpoint=settings.vllm_endpoint)
     if live.measured:

@@ -135,16 +135,16 @@ def measure_step_costs(
     _, aux = target_forward(target, context, cache, capture_layer_ids)
     dtype = next(target.parameters()).dtype
 
+    synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
     def time_call(call) -> float:
         call()  # warm-up
         samples = []
         for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize()
             started = time.perf_counter()
             call()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize()
             samples.append(time.perf_counter() - started)
         return float(np.median(samples))
 

@@ -250,8 +250,7 @@ def accept_tree(tree: DraftTree, choice_at_parent: torch.Tensor,
         parent = tree.parents[:, node].clamp(min=0)
         full[:, node] = matched[:, node] & full[rows, parent] & (extendable[rows, parent] | (tree.parents[:, node] == 0))
     depth = torch.where(full, tree.depths, torch.full_like(tree.depths, -1))
-    accepted_depth, accepted_node = depth.max(dim=1)
-    return accepted_depth, accepted_node
+    return tuple(depth.max(dim=1))
 
 
 def path_to(tree: DraftTree, node: int, index: int = 0) -> list[int]:
