@@ -1,10 +1,11 @@
-"""Stage 3 as one library call: `run_generation_stage(params, run_dir)` does what notebook 03 computes, without the plots.
+"""Stage 3 as one library call: `run_generation_stage(params, run_dir)` does what notebook 03 computes,
+without the plots.
 
-In order: the prompts stage 2 wrote, requested in its planned training order (`prep/order.json`); the capacity plan before launch (`plan.plan_generation`); the
-endpoints (those in params, or the embedded server, started here and stopped at the end); the
-generation run (`generate`: resumable, Ctrl-C/SIGTERM stop it cleanly); the training data from the
-answers (`tokenized.build_tokenized_data`); the stage's metrics event; and its outcome for the runner
-(how many prompts failed for good).
+In order: the prompts stage 2 wrote, requested in its planned training order (`prep/order.json`); the capacity
+plan before launch (`plan.plan_generation`); the endpoints (those in params, or the embedded server, started
+here and stopped at the end); the generation run (`generate`: resumable, Ctrl-C/SIGTERM stop it cleanly); the
+training data from the answers (`tokenized.build_tokenized_data`); the stage's metrics event; and its outcome
+for the runner (how many prompts failed for good).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """What stage 3 did, for display: the plan, the endpoints, the run's summary, the training data, the errors."""
+    """What stage 3 did, for display: the plan, the endpoints, the run's summary, the training data, the
+    errors."""
 
     run_dir: Path
     generation_dir: Path
@@ -47,12 +49,13 @@ class GenerationResult:
     summary: GenerationSummary
     tokenized: TokenizedDataSummary
     records: pd.DataFrame  # one row per answer, no text (`generation_table`)
-    errors: list[dict[str, Any]]  # the latest error record of each prompt that failed for good, with its history
+    errors: list[dict[str, Any]]  # latest error record of each prompt that failed for good, with its history
 
 
 def _log_size_readiness(order: TrainingOrder, sources: list[PromptSource], sizes: list[int]) -> None:
     """One line per data size: how many requests of each partition must be answered before it can train."""
-    partition_of = {(source.dataset, str(record.get("id"))): source.partition for source in sources for _, record in read_jsonl(source.path)}
+    partition_of = {(source.dataset, str(record.get("id"))): source.partition
+                    for source in sources for _, record in read_jsonl(source.path)}
     for row in requests_before_each_size(order, partition_of, sizes):
         parts = ", ".join(f"{row[partition][0]} of {row[partition][1]} {partition}" for partition in row if partition != "size")
         logger.info("size %d (and the held-out set) answered after %s requests (prep/order.json)", row["size"], parts)
@@ -72,10 +75,12 @@ def _first_answers_check(sources: list[PromptSource], tokenizer, params: Params)
 
 
 def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> GenerationResult:
-    """Stage 3 without plots: plan, serve, generate, tokenize the answers, log metrics, record the stage outcome.
+    """Stage 3 without plots: plan, serve, generate, tokenize the answers, log metrics, record the stage
+    outcome.
 
-    Writes generation/ (generations.jsonl, errors.jsonl, metrics.jsonl, ..., tokenized/<dataset>/tokenized_data.jsonl),
-    the stage's metrics event and its outcome. Rerunning resumes by stable id.
+    Writes generation/ (generations.jsonl, errors.jsonl, metrics.jsonl, ...,
+    tokenized/<dataset>/tokenized_data.jsonl), the stage's metrics event and its outcome. Rerunning resumes by
+    stable id.
     """
     out = Path(run_dir)
     generation_dir = stage_dir(out, "generation")
@@ -92,19 +97,22 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
     order = read_training_order(out, params.training.heldout_size, params.run.seed)
     if order is not None:
         _log_size_readiness(order, sources, params.training.data_sizes)
-    with serving_endpoints(params, log_path=out / "server.log") as serving:  # the embedded server stops at the end of the block
+    # The embedded server stops at the end of the block.
+    with serving_endpoints(params, log_path=out / "server.log") as serving:
         endpoint_specs = [EndpointSpec.from_params(endpoint) for endpoint in serving]
         summary = generate(
             sources, endpoint_specs, generation_dir, params.generation.partitions, temperature=settings.temperature, top_p=settings.top_p,
             retry=settings,
             request_timeout_s=settings.request_timeout_s, retry_errors=settings.retry_errors,
             log_interval_s=settings.log_interval_s, shutdown_grace_s=settings.shutdown_grace_s, seed=params.run.seed,
-            chat_template_kwargs=params.prep.chat_template_kwargs,  # e.g. Qwen3's enable_thinking, as prep rendered it
+            # e.g. Qwen3's enable_thinking, as prep rendered it
+            chat_template_kwargs=params.prep.chat_template_kwargs,
             history_reasoning=history_reasoning,
             priority=order.priority() if order is not None else None,
             first_answers_check=_first_answers_check(sources, tokenizer, params),
-            # Under the runner the progress line (run.log, the cell's output) says it all: a tqdm bar saved in the
-            # executed notebook would stay frozen at its first frame. By hand, in JupyterLab, the bar is live.
+            # Under the runner the progress line (run.log, the cell's output) says it all: a tqdm bar saved in
+            # the executed notebook would stay frozen at its first frame. By hand, in JupyterLab, the bar is
+            # live.
             progress_bar=not under_runner(),
         )
     tokenized = build_tokenized_data(

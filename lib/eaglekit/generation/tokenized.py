@@ -12,12 +12,13 @@ generation never ends in this error.
 
 A truncated answer (finish_reason "length") ends at its last generated token: no end-of-turn token is
 appended. Re-tokenized from its text (a server without raw ids), the cut is not where the target's tokens
-ended: the text of a cut answer can end inside a word or a UTF-8 character, and encoding it again merges
-or splits the last tokens (on 1,003 ShareGPT answers cut at 96 tokens, counts off by -4 to +4, none
-further; docs/long_runs.md). So for such a record a count within `TRUNCATION_BOUNDARY_TOKENS` of the
-server's is the cut's boundary, not a disagreement, and its last `TRUNCATION_BOUNDARY_TOKENS` generated
-tokens get loss_mask 0: the draft never trains on a token the target may not have produced there. A record that cannot be tokenized goes to `<tokenized_dir>/rejects.jsonl`
-(dataset, id, file, line, reason) under bad_input "skip", and stops the stage under "fail".
+ended: the text of a cut answer can end inside a word or a UTF-8 character, and encoding it again merges or
+splits the last tokens (on 1,003 ShareGPT answers cut at 96 tokens, counts off by -4 to +4, none further;
+docs/long_runs.md). So for such a record a count within `TRUNCATION_BOUNDARY_TOKENS` of the server's is the
+cut's boundary, not a disagreement, and its last `TRUNCATION_BOUNDARY_TOKENS` generated tokens get loss_mask
+0: the draft never trains on a token the target may not have produced there. A record that cannot be tokenized
+goes to `<tokenized_dir>/rejects.jsonl` (dataset, id, file, line, reason) under bad_input "skip", and stops
+the stage under "fail".
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from eaglekit.io import InputError, read_jsonl, write_jsonl
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_BOUNDARY_TOKENS = 4  # tokens at a cut re-tokenized text may merge or split (see the module docstring)
+TRUNCATION_BOUNDARY_TOKENS = 4  # tokens at a cut re-tokenized text may merge or split (module docstring)
 EARLY_CHECK_ANSWERS = 32  # a dataset's first answers checked against the server's usage while generation runs
 
 
@@ -46,16 +47,17 @@ class TokenizedDataSummary:
     files: dict[str, Path] = field(default_factory=dict)
     written: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, dict[str, int]] = field(default_factory=dict)  # dataset -> reason -> count
-    missing: dict[str, int] = field(default_factory=dict)  # prompts with no answer (errors or not yet generated)
+    missing: dict[str, int] = field(default_factory=dict)  # unanswered prompts (errored or not yet generated)
     from_token_ids: int = 0  # samples built from the target's raw token ids
     from_chat_template: int = 0  # samples built by re-tokenizing text
     compared: int = 0  # samples with both raw ids and a re-tokenization
     disagreements: int = 0  # ... where the two token sequences differ
     disagreement_examples: list[str] = field(default_factory=list)  # first few ids that disagree
-    usage_checked: dict[str, int] = field(default_factory=dict)  # records whose counts were checked against usage
+    usage_checked: dict[str, int] = field(default_factory=dict)  # records checked against the server's usage
     usage_disagreements: dict[str, int] = field(default_factory=dict)  # ... where a token count differs
     usage_examples: list[str] = field(default_factory=list)  # first few: "dataset/id: prompt 51 vs server 38"
-    rejected: dict[str, dict[str, int]] = field(default_factory=dict)  # dataset -> reason -> count (rejects.jsonl)
+    # dataset -> reason -> count (rejects.jsonl)
+    rejected: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def usage_table(self) -> list[dict]:
         return [{"dataset": dataset, "checked": checked, "disagree": self.usage_disagreements.get(dataset, 0),
@@ -93,10 +95,12 @@ def _usage_error(dataset: str, disagree: int, checked: int, allowed: float, exam
 
 def check_first_answers(dataset: str, records: Sequence[dict], conversations: dict[str, dict], tokenizer,
                         max_usage_disagreement: float, template_kwargs: dict | None = None) -> int:
-    """Re-tokenize a dataset's first answers and compare them with the server's usage; raise UsageMismatchError when
-    more than max_usage_disagreement of them disagree (a systematic mismatch: stop now, not after the last answer).
+    """Re-tokenize a dataset's first answers and compare them with the server's usage; raise
+    UsageMismatchError when more than max_usage_disagreement of them disagree (a systematic mismatch: stop
+    now, not after the last answer).
 
-    records: generation records (with text); conversations: the prompts by id. Returns how many were checked."""
+    records: generation records (with text); conversations: the prompts by id. Returns how many were
+    checked."""
     checked, examples = 0, []
     for record in records:
         conversation = conversations.get(record["id"])
@@ -115,7 +119,8 @@ def check_first_answers(dataset: str, records: Sequence[dict], conversations: di
 
 
 def _mask_cut(loss_mask: list[int]) -> list[int]:
-    """loss_mask 0 on the last TRUNCATION_BOUNDARY_TOKENS generated tokens (a truncated answer re-tokenized from text)."""
+    """loss_mask 0 on the last TRUNCATION_BOUNDARY_TOKENS generated tokens (a truncated answer re-tokenized
+    from text)."""
     cut = set([index for index, mask in enumerate(loss_mask) if mask][-TRUNCATION_BOUNDARY_TOKENS:])
     return [0 if index in cut else mask for index, mask in enumerate(loss_mask)]
 
@@ -219,7 +224,8 @@ def build_tokenized_data(output_dir: str | Path, sources: Sequence[PromptSource]
 
 def _training_sample(conversation: dict, dataset: str, record: dict, input_ids: list[int], loss_mask: list[int],
                      raw_ids: bool) -> dict:
-    """One tokenized_data.jsonl line. A truncated answer re-tokenized from text has its cut's tokens masked."""
+    """One tokenized_data.jsonl line. A truncated answer re-tokenized from text has its cut's tokens
+    masked."""
     if record.get("truncated") and not raw_ids:
         loss_mask = _mask_cut(loss_mask)
     return {"id": conversation["id"], "input_ids": input_ids, "loss_mask": loss_mask,
@@ -253,8 +259,9 @@ def _dropped_because(record: dict, truncated_policy: str, drop_flags: set[str]) 
 
 def _sample_tokens(record: dict, retokenized, raw_ids: bool, summary: TokenizedDataSummary, label: str,
                    max_examples: int) -> tuple[list[int], list[int], int, int]:
-    """(input_ids, loss_mask, prompt tokens, completion tokens) of one answer: the server's raw ids when there are
-    some (compared with the re-tokenized text where both exist and the answer is whole), else the chat template's."""
+    """(input_ids, loss_mask, prompt tokens, completion tokens) of one answer: the server's raw ids when there
+    are some (compared with the re-tokenized text where both exist and the answer is whole), else the chat
+    template's."""
     if raw_ids:
         prompt_ids, completion_ids = list(record["prompt_token_ids"]), list(record["token_ids"])
         summary.from_token_ids += 1
