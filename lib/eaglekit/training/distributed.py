@@ -83,7 +83,6 @@ def wrap_model(model: Eagle3DraftModel, parallel: str, device: torch.device, act
         fully_shard(model.midlayer)
         fully_shard(model.lm_head)
         fully_shard(model)
-        return model
     return model
 
 

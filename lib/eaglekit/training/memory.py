@@ -143,21 +143,17 @@ def activation_bytes_curve(config: DraftConfig, ttt_steps: int, attention: str =
     """
     key = (json.dumps(config.to_dict(), sort_keys=True), ttt_steps, attention, dtype, checkpointing)
     if key not in _CURVES:
-        _CURVES[key] = _fit_curve(config, ttt_steps, attention, dtype, checkpointing)
+        points = [PACK_ALIGNMENT, 2 * PACK_ALIGNMENT, 3 * PACK_ALIGNMENT]
+        first, second, third = (activation_bytes(config, tokens, ttt_steps, attention, dtype, checkpointing) for tokens in points)
+        step = PACK_ALIGNMENT
+        c2 = (third - 2 * second + first) / (2 * step * step)
+        c1 = (second - first) / step - c2 * (points[1] + points[0])
+        c0 = first - c1 * points[0] - c2 * points[0] ** 2
+        _CURVES[key] = (c0, c1, c2)
     return _CURVES[key]
 
 
 _CURVES: dict[tuple, tuple[float, float, float]] = {}  # dry runs are pure functions of their arguments
-
-
-def _fit_curve(config: DraftConfig, ttt_steps: int, attention: str, dtype: str, checkpointing: bool) -> tuple[float, float, float]:
-    points = [PACK_ALIGNMENT, 2 * PACK_ALIGNMENT, 3 * PACK_ALIGNMENT]
-    first, second, third = (activation_bytes(config, tokens, ttt_steps, attention, dtype, checkpointing) for tokens in points)
-    step = PACK_ALIGNMENT
-    c2 = (third - 2 * second + first) / (2 * step * step)
-    c1 = (second - first) / step - c2 * (points[1] + points[0])
-    c0 = first - c1 * points[0] - c2 * points[0] ** 2
-    return c0, c1, c2
 
 
 @dataclass(frozen=True)
@@ -202,18 +198,6 @@ class TrainingMemoryPlan:
         return {**asdict(self), "bytes_per_token": self.bytes_per_token, "total_bytes": self.total_bytes, "fits": self.fits}
 
 
-def _fixed_bytes(config: DraftConfig, world_size: int, parallel: str) -> tuple[int, int, int, int, int]:
-    trainable, frozen = parameter_counts(config)
-    state = trainable * ADAM_BYTES_PER_TRAINABLE + frozen * FROZEN_BYTES_PER_PARAMETER
-    if parallel == "fsdp":
-        state = -(-state // world_size)
-    teacher_head = config.vocab_size * config.hidden_size * TEACHER_HEAD_BYTES_PER_ENTRY
-    # One loss chunk: logits, teacher rows and gradient (3 x rows x Vd fp32); one teacher chunk: rows x V
-    # fp32.
-    transient = 3 * LOSS_CHUNK_ROWS * config.draft_vocab_size * 4 + TEACHER_CHUNK_ROWS * config.vocab_size * 4
-    return trainable, frozen, state, teacher_head, transient
-
-
 def plan_training_memory(
     target_config: str | os.PathLike | Mapping[str, Any] | DraftConfig,
     *,
@@ -235,7 +219,14 @@ def plan_training_memory(
     if parallel not in ("ddp", "fsdp"):
         raise ValueError(f"parallel {parallel!r}: plan for 'ddp' or 'fsdp'")
     config = target_config if isinstance(target_config, DraftConfig) else draft_config_for_target(target_config, draft_vocab_size)
-    trainable, frozen, state, teacher_head, transient = _fixed_bytes(config, world_size, parallel)
+    trainable, frozen = parameter_counts(config)
+    state = trainable * ADAM_BYTES_PER_TRAINABLE + frozen * FROZEN_BYTES_PER_PARAMETER
+    if parallel == "fsdp":
+        state = -(-state // world_size)
+    teacher_head = config.vocab_size * config.hidden_size * TEACHER_HEAD_BYTES_PER_ENTRY
+    # One loss chunk: logits, teacher rows and gradient (3 x rows x Vd fp32); one teacher chunk: rows x V
+    # fp32.
+    transient = 3 * LOSS_CHUNK_ROWS * config.draft_vocab_size * 4 + TEACHER_CHUNK_ROWS * config.vocab_size * 4
     teacher_per_token = config.draft_vocab_size * 4 + 8 + 1
     c0, c1, c2 = activation_bytes_curve(config, ttt_steps, attention, dtype, activation_checkpointing)
 
