@@ -102,8 +102,7 @@ def run_generation_stage(params: Params, run_dir: str | os.PathLike) -> Generati
         endpoint_specs = [EndpointSpec.from_params(endpoint) for endpoint in serving]
         summary = generate(
             sources, endpoint_specs, generation_dir, params.generation.partitions, temperature=settings.temperature, top_p=settings.top_p,
-            retry=settings,
-            request_timeout_s=settings.request_timeout_s, retry_errors=settings.retry_errors,
+            retry=settings, request_timeout_s=settings.request_timeout_s, retry_errors=settings.retry_errors,
             log_interval_s=settings.log_interval_s, shutdown_grace_s=settings.shutdown_grace_s, seed=params.run.seed,
             # e.g. Qwen3's enable_thinking, as prep rendered it
             chat_template_kwargs=params.prep.chat_template_kwargs,
