@@ -819,7 +819,7 @@ def test_progress_lines_in_the_log_with_endpoint_names_and_whole_session_final_r
     assert abs(last["requests_per_s"] - measured) / measured < 0.25, (last["requests_per_s"], measured)
 
 
-@pytest.mark.parametrize("grace, sleep, recorded", [(6.0, 1.0, 2), (0.3, 5.0, 0)])
+@pytest.mark.parametrize("grace, sleep, recorded", [(6.0, 1.0, 2), (0.3, 20.0, 0)])
 def test_sigterm_gives_in_flight_requests_exactly_the_grace_then_exits_143(tmp_path, grace, sleep, recorded):
     prompts = write_prompts(tmp_path / "prompts.jsonl", [f"q{i} #sleep:{sleep}" for i in range(6)])
     output = tmp_path / "out"
@@ -848,7 +848,9 @@ def test_sigterm_gives_in_flight_requests_exactly_the_grace_then_exits_143(tmp_p
     if recorded:
         assert stopped_in < grace  # finished within the grace: no need to wait it out
     else:
-        assert grace <= stopped_in < grace + 3.0, stopped_in  # abandoned at the grace, not the request's end
+        # Abandoned at the grace, not at the request's end (20 s after it started): the 10 s margin is the
+        # client's own exit, which takes over 3 s on a loaded 2-core machine.
+        assert grace <= stopped_in < grace + 10.0, stopped_in
 
 
 # -------------------------------------------------------------------------------------------------
