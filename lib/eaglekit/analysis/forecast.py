@@ -69,7 +69,7 @@ VERDICTS = ("go", "no-go", "not yet known")
 def paired_bootstrap_means(per_sample: np.ndarray, num_resamples: int = 1000, seed: int = 0) -> np.ndarray:
     """(m, n) per-held-out-sample values (m samples, each scored by every size's draft) -> (R, n) replicate
     means, the same resampled samples for every size (paired). The kit's stage 6 gets its replicates from
-    `acceptance.sweep_acceptance` (pooled over positions); this is for per-sample tau, as in the tests."""
+    `acceptance.sweep_acceptance` (pooled over positions); this is for per-sample tau (bench/forecast_backtest.py, the tests)."""
     values = np.asarray(per_sample, dtype=np.float64)
     if values.ndim != 2 or len(values) < 2:
         raise ValueError(f"per_sample must be (samples, sizes) with at least 2 samples, got {values.shape}")
