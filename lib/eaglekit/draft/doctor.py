@@ -196,9 +196,9 @@ def check_draft_config(
     if speculators:
         findings.extend(_check_norm_before_residual(raw_config))
     else:
-        findings.extend(_check_capture_layers(draft_config, target, capture_layers))
+        findings.extend(_check_capture_layers(raw_config, target, capture_layers, "SGLang"))
     if speculators or "eagle_aux_hidden_state_layer_ids" in raw_config:
-        findings.extend(_check_vllm_capture_layers(raw_config, target, capture_layers))
+        findings.extend(_check_capture_layers(raw_config, target, capture_layers, "vLLM"))
     findings.extend(check_serving_settings(raw_config, target))
     return findings
 
@@ -216,37 +216,52 @@ def _check_norm_before_residual(draft_config: Mapping[str, Any]) -> list[Finding
     return [_ok("norm_before_residual", "false (residual = h), stated explicitly")]
 
 
-def _check_vllm_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any],
-                               capture_layers: Sequence[int] | None) -> list[Finding]:
-    """vLLM's top-level ids: layer inputs as given (no +1); missing, it captures [2, N//2, N-3]."""
+def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any], capture_layers: Sequence[int] | None,
+                          server: str) -> list[Finding]:
+    """The layers `server` captures from this config against those the draft was trained on. "SGLang" reads
+    `eagle_config.eagle_aux_hidden_state_layer_ids`, layer-output ids, and captures index id + 1; "vLLM" reads
+    the top-level key, layer inputs as given (no +1). Without the key, both capture [2, N//2, N-3]."""
+    # the one definition; imported here so the doctor loads without torch
     from eaglekit.capture import default_capture_layer_ids
 
+    sglang = server == "SGLang"
+    check = "capture_layers" if sglang else "vllm_capture_layers"
     num_layers = target.get("num_hidden_layers")
     if num_layers is None:
-        return [Finding("error", "vllm_capture_layers", "target config has no num_hidden_layers", "pass the target's own config.json")]
+        return [Finding("error", check, "target config has no num_hidden_layers", "pass the target's own config.json")]
     expected = list(capture_layers) if capture_layers is not None else default_capture_layer_ids(num_layers)
-    ids = draft_config.get("eagle_aux_hidden_state_layer_ids")
+    if sglang and (len(expected) != 3 or any(not 1 <= index <= num_layers for index in expected)):
+        return [Finding("error", check, f"training capture layers {expected} are not 3 hidden-states indices in [1, {num_layers}]",
+                        "capture exactly three layers of the target (fc takes 3H)")]
+    if sglang:
+        ids, absent = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"), "no"
+        fix = f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {[index - 1 for index in expected]}}}'
+    else:
+        ids, absent = draft_config.get("eagle_aux_hidden_state_layer_ids"), "no top-level"
+        fix = f'set "eagle_aux_hidden_state_layer_ids": {expected} at the top of config.json'
     if ids is None:
         served = default_capture_layer_ids(num_layers)
         if served == expected:
-            return [_ok("vllm_capture_layers", f"no eagle_aux_hidden_state_layer_ids; vLLM's default {served} matches training")]
-        return [Finding("error", "vllm_capture_layers", f"no top-level eagle_aux_hidden_state_layer_ids: vLLM captures its default "
-                        f"{served}, but the draft was trained on {expected}",
-                        f'set "eagle_aux_hidden_state_layer_ids": {expected} at the top of config.json')]
-    ids = list(ids)
-    findings = []
-    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers:
-        findings.append(Finding("warning", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} repeat a layer or leave "
-                                f"[0, {num_layers}]: speculators' loader refuses them",
-                                f"capture three distinct layers of the {num_layers}-layer target"))
-    if ids != expected:
-        hint = " (SGLang's layer-output ids? vLLM takes the hidden-states indices themselves)" if [i + 1 for i in ids] == expected else ""
-        findings.append(Finding("error", "vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids} make vLLM capture {ids}, "
-                                f"but the draft was trained on {expected}{hint}",
-                                f'set "eagle_aux_hidden_state_layer_ids": {expected} at the top of config.json'))
+            return [_ok(check, f"no eagle_aux_hidden_state_layer_ids; {server}'s default {served} matches training")]
+        return [Finding("error", check, f"{absent} eagle_aux_hidden_state_layer_ids: {server} captures its default {served}, "
+                        f"but the draft was trained on {expected}", fix)]
+    ids, findings = list(ids), []
+    if sglang:
+        served = [value + 1 for value in ids]  # SGLang: layers_to_capture = [id + 1 for id in layer_ids]
+        ok = f"eagle_aux_hidden_state_layer_ids {ids} -> SGLang captures {served}, as trained"
+        hint = " (the config holds the hidden-states indices themselves; SGLang adds 1 to each)" if ids == expected else ""
+        fix += " (layer-output ids = hidden-states index - 1)"
     else:
-        findings.append(_ok("vllm_capture_layers", f"eagle_aux_hidden_state_layer_ids {ids}: vLLM captures them as trained"))
-    return findings
+        served, ok = ids, f"eagle_aux_hidden_state_layer_ids {ids}: vLLM captures them as trained"
+        hint = " (SGLang's layer-output ids? vLLM takes the hidden-states indices themselves)" if [i + 1 for i in ids] == expected else ""
+        if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers:
+            findings.append(Finding("warning", check, f"eagle_aux_hidden_state_layer_ids {ids} repeat a layer or leave "
+                                    f"[0, {num_layers}]: speculators' loader refuses them",
+                                    f"capture three distinct layers of the {num_layers}-layer target"))
+    if served == expected:
+        return findings + [_ok(check, ok)]
+    return findings + [Finding("error", check, f"eagle_aux_hidden_state_layer_ids {ids} make {server} capture {served}, "
+                               f"but the draft was trained on {expected}{hint}", fix)]
 
 
 def check_serving_settings(draft_config: Mapping[str, Any], target: Mapping[str, Any],
@@ -293,39 +308,6 @@ def parse_sglang_args(arguments: Sequence[str] | str) -> dict[str, Any]:
             value = following if following is not None and not following.startswith("--") else True
         settings[key.replace("-", "_")] = value
     return settings
-
-
-def _check_capture_layers(draft_config: Mapping[str, Any], target: Mapping[str, Any],
-                          capture_layers: Sequence[int] | None) -> list[Finding]:
-    # the one definition; imported here so the doctor loads without torch
-    from eaglekit.capture import default_capture_layer_ids
-
-    num_layers = target.get("num_hidden_layers")
-    if num_layers is None:
-        return [Finding("error", "capture_layers", "target config has no num_hidden_layers", "pass the target's own config.json")]
-    expected = list(capture_layers) if capture_layers is not None else default_capture_layer_ids(num_layers)
-    bad = [index for index in expected if not 1 <= index <= num_layers]
-    if len(expected) != 3 or bad:
-        return [Finding("error", "capture_layers",
-                        f"training capture layers {expected} are not 3 hidden-states indices in [1, {num_layers}]",
-                        "capture exactly three layers of the target (fc takes 3H)")]
-    wanted_ids = [index - 1 for index in expected]
-    ids = (draft_config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        served = default_capture_layer_ids(num_layers)
-        if served == expected:
-            return [_ok("capture_layers", f"no eagle_aux_hidden_state_layer_ids; SGLang's default {served} matches training")]
-        return [Finding("error", "capture_layers", f"no eagle_aux_hidden_state_layer_ids: SGLang captures its default {served}, "
-                        f"but the draft was trained on {expected}",
-                        f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {wanted_ids}}}')]
-    served = [value + 1 for value in ids]  # SGLang: layers_to_capture = [id + 1 for id in layer_ids]
-    if served == expected:
-        return [_ok("capture_layers", f"eagle_aux_hidden_state_layer_ids {list(ids)} -> SGLang captures {served}, as trained")]
-    hint = " (the config holds the hidden-states indices themselves; SGLang adds 1 to each)" if list(ids) == expected else ""
-    return [Finding("error", "capture_layers", f"eagle_aux_hidden_state_layer_ids {list(ids)} make SGLang capture {served}, "
-                    f"but the draft was trained on {expected}{hint}",
-                    f'set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {wanted_ids}}} '
-                    "(layer-output ids = hidden-states index - 1)")]
 
 
 # ----------------------------------------------------------------------------- weights
