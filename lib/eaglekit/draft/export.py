@@ -82,6 +82,17 @@ def to_kit_name(name: str) -> str:
     return SGLANG_LAYER_PREFIX + name[len(VLLM_LAYER_PREFIX):] if name.startswith(VLLM_LAYER_PREFIX) else name
 
 
+def _target_mismatches(config: DraftConfig, target: TargetTextConfig, positions_note: str = "") -> list[str]:
+    """Where the draft config contradicts its target in hidden_size, vocab_size or (too short)
+    max_position_embeddings, one phrase each; `positions_note` follows the last."""
+    problems = [f"{key} {getattr(config, key)} != target {getattr(target, key)}" for key in ("hidden_size", "vocab_size")
+                if getattr(config, key) != getattr(target, key)]
+    if config.max_position_embeddings < target.max_position_embeddings:
+        problems.append(f"max_position_embeddings {config.max_position_embeddings} < target's {target.max_position_embeddings}"
+                        + positions_note)
+    return problems
+
+
 def check_against_target(model: Eagle3DraftModel, target_config: TargetConfigLike) -> None:
     """Raise DraftTargetMismatch naming every contradiction between the draft and its target.
 
@@ -89,14 +100,7 @@ def check_against_target(model: Eagle3DraftModel, target_config: TargetConfigLik
     config dict, a wrapper's whole config.json, a transformers config)."""
     target = TargetTextConfig.of(target_config)
     config = model.config
-    problems = []
-    if config.hidden_size != target.hidden_size:
-        problems.append(f"hidden_size {config.hidden_size} != target {target.hidden_size}")
-    if config.vocab_size != target.vocab_size:
-        problems.append(f"vocab_size {config.vocab_size} != target {target.vocab_size}")
-    if config.max_position_embeddings < target.max_position_embeddings:
-        problems.append(f"max_position_embeddings {config.max_position_embeddings} < target's {target.max_position_embeddings} "
-                        "(long prompts would get positions the draft never saw)")
+    problems = _target_mismatches(config, target, " (long prompts would get positions the draft never saw)")
     if config.target_num_hidden_layers != target.num_hidden_layers:
         problems.append(f"trained on features of a {config.target_num_hidden_layers}-layer target, "
                         f"this target has {target.num_hidden_layers}")
@@ -361,14 +365,9 @@ def validate_export(folder: str | Path, target_config: TargetConfigLike | None =
                 problems.append(f"{name}: {tuple(tensor.shape)} {tensor.dtype}, expected {shape} {tensor_dtype}")
     if problems:
         raise InputError(weights, None, None, "; ".join(problems))
-    if target_config is not None:
-        target = TargetTextConfig.of(target_config)
-        mismatched = [f"{key} {getattr(config, key)} != target {getattr(target, key)}" for key in ("hidden_size", "vocab_size")
-                      if getattr(config, key) != getattr(target, key)]
-        if config.max_position_embeddings < target.max_position_embeddings:
-            mismatched.append(f"max_position_embeddings {config.max_position_embeddings} < target's {target.max_position_embeddings}")
-        if mismatched:
-            raise DraftTargetMismatch(f"{folder}: " + "; ".join(mismatched))
+    mismatched = [] if target_config is None else _target_mismatches(config, TargetTextConfig.of(target_config))
+    if mismatched:
+        raise DraftTargetMismatch(f"{folder}: " + "; ".join(mismatched))
     return config
 
 
