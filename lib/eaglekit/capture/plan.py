@@ -7,6 +7,7 @@ writes the plan to `capture/plan.json` and `read_capture_plan` reads it back for
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ from typing import Any
 
 from eaglekit.capture.inputs import read_tokenized_samples
 from eaglekit.capture.shards import stored_bytes_per_token
-from eaglekit.io import InputError, read_jsonl
+from eaglekit.io import InputError
 
 PLAN_FILE = "plan.json"
 
@@ -56,19 +57,14 @@ def plan_capture_storage(
     samples, stats = read_tokenized_samples(data_files, vocab_size, max_seq_len)
     tokens = sum(dataset_stats.tokens for dataset_stats in stats.values())
     bytes_per_token = stored_bytes_per_token(hidden_size, feature_dtype)
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    free_bytes = shutil.disk_usage(output_dir).free
     planned_bytes = tokens * bytes_per_token
-    if mode == "offline":
-        check_disk_space(output_dir, planned_bytes)
+    # offline refuses what does not fit; auto and online only read the free space
+    free_bytes = check_disk_space(Path(output_dir), planned_bytes if mode == "offline" else 0)
     chosen = "online" if mode == "online" or (mode == "auto" and planned_bytes > free_bytes) else "offline"
     if slices is not None:
-        cumulative = 0
-        for part in slices:
-            part["bytes"] = part["tokens"] * bytes_per_token
-            cumulative += part["bytes"]
-            part["cumulative_bytes"] = cumulative
+        cumulative = itertools.accumulate(part["tokens"] * bytes_per_token for part in slices)
+        for part, total in zip(slices, cumulative):
+            part.update(bytes=part["tokens"] * bytes_per_token, cumulative_bytes=total)
     return StoragePlan(tokens, len(samples), bytes_per_token, planned_bytes, free_bytes, mode, chosen, feature_dtype, slices)
 
 
@@ -82,16 +78,15 @@ def nested_capture_slices(data_files: Mapping[str, str | os.PathLike], vocab_siz
     so once slice i is in shards, size i can train. `order` (`training.order.TrainingOrder`, prep's plan):
     split by it, as stage 5 then does.
     """
-    from eaglekit.training.split import conversation_key, split_heldout
+    from eaglekit.training.split import read_conversation_keys, split_heldout
 
     samples, _ = read_tokenized_samples(data_files, vocab_size, max_seq_len)
-    meta = {(dataset, record["id"]): conversation_key(record["id"], record.get("meta"))
-            for dataset, path in data_files.items() for _, record in read_jsonl(path)}
+    keys = [sample.key for sample in samples]
     if order is not None:
-        heldout, train_order = order.split([sample.key for sample in samples])
+        heldout, train_order = order.split(keys)
     else:
         heldout, train_order = split_heldout([sample.dataset for sample in samples], heldout_size, seed,
-                                             [meta[sample.key] for sample in samples])
+                                             read_conversation_keys(data_files, keys))
     bounds = [size for size in data_sizes if size <= len(train_order)]
     parts = [(data_sizes[0], heldout + train_order[:data_sizes[0]])]
     parts += [(size, train_order[previous:size]) for previous, size in zip(bounds, bounds[1:])]
@@ -171,10 +166,7 @@ def planned_slice_bytes(data_sizes: Sequence[int], heldout_size: int, total_samp
     if bounds[-1] < total_samples:
         counts.append(total_samples - bounds[-1])
         sizes.append(None)
-    cumulative, rows = 0, []
-    for size, samples in zip(sizes, counts):
-        slice_bytes = int(samples * tokens_per_sample) * bytes_per_token
-        cumulative += slice_bytes
-        rows.append({"size": size, "samples": samples, "tokens": int(samples * tokens_per_sample), "bytes": slice_bytes,
-                     "cumulative_bytes": cumulative})
-    return rows
+    tokens = [int(samples * tokens_per_sample) for samples in counts]
+    cumulative = itertools.accumulate(count * bytes_per_token for count in tokens)
+    return [{"size": size, "samples": samples, "tokens": count, "bytes": count * bytes_per_token, "cumulative_bytes": total}
+            for size, samples, count, total in zip(sizes, counts, tokens, cumulative)]
