@@ -250,12 +250,10 @@ class ShardWriter:
         if not self._buffer:
             return
         name = shard_name(self.rank, self.next_shard_number)
-        tensors = {
-            "aux_hidden_states": torch.cat([s.aux_hidden_states for s in self._buffer]).contiguous(),
-            "final_hidden_states": torch.cat([s.final_hidden_states for s in self._buffer]).contiguous(),
-            "input_ids": torch.cat([s.input_ids for s in self._buffer]).to(torch.int64).contiguous(),
-            "loss_mask": torch.cat([s.loss_mask for s in self._buffer]).to(torch.uint8).contiguous(),
-        }
+        # torch.cat makes new contiguous tensors, as safetensors' save needs them
+        tensors = {key: torch.cat([getattr(sample, key) for sample in self._buffer]) for key in SHARD_TENSORS}
+        tensors["input_ids"] = tensors["input_ids"].to(torch.int64)
+        tensors["loss_mask"] = tensors["loss_mask"].to(torch.uint8)
         if self.feature_dtype == "fp8":
             tensors["aux_hidden_states"], tensors["aux_hidden_states_scale"] = encode_fp8(tensors["aux_hidden_states"], 3)
             tensors["final_hidden_states"], tensors["final_hidden_states_scale"] = encode_fp8(tensors["final_hidden_states"], 1)
