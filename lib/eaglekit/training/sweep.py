@@ -82,9 +82,7 @@ def train_size_sweep(
     heldout_size: int,
     output_dir: str | Path,
     settings: TrainSettings,
-    split_seed: int = 0,
     datasets: Sequence[str] | None = None,
-    conversations: Sequence[str] | None = None,
     target_cache: TargetArgmaxCache | None = None,
     split: tuple[Sequence[int], Sequence[int]] | None = None,
     progress: SweepProgress | None = None,
@@ -97,14 +95,13 @@ def train_size_sweep(
     schedule, steps used and the step cap, samples seen (and epochs), best step, best held-out simulated
     accept length, whether it converged and why it stopped, the last improvement (`recent_gain`: held-out
     tau gained over the last `patience` evaluations), checkpoint and metrics paths, held-out size.
-    `datasets` (one name per sample) spares reading every sample just for its dataset name;
-    `conversations` (one key per sample, `read_conversation_keys`) keeps split conversations on one side.
+    `datasets` (one name per sample) spares reading every sample just for its dataset name.
     `target_cache`: a cache the caller shares with other drafts on the same samples (None: one for this
     sweep).
     `split`: (held-out indices, training order) already made (`order.sweep_split`: prep's planned order);
-    None splits here with `split_heldout`. The held-out indices are the samples that pick each size's best
-    checkpoint and stop it: stage 5 passes the selection side only (`split.split_selection`), so the side
-    stage 6 scores never chose what it scores.
+    None splits here with `split_heldout` (seed 0, every sample its own conversation). The held-out
+    indices are the samples that pick each size's best checkpoint and stop it: stage 5 passes the
+    selection side only (`split.split_selection`), so the side stage 6 scores never chose what it scores.
     `progress`: the log's 'draft i of n' over a longer plan (stage 5's sizes, seeds and ablation); None, over
     these sizes. `label` follows each size's name in it (", seed 1").
     """
@@ -114,7 +111,7 @@ def train_size_sweep(
     elif len(datasets) != len(samples):
         raise ValueError(f"datasets names {len(datasets)} samples but there are {len(samples)}")
     datasets = [str(name) for name in datasets]
-    heldout_indices, train_order = split or split_heldout(datasets, heldout_size, split_seed, conversations)
+    heldout_indices, train_order = split or split_heldout(datasets, heldout_size, 0)
     subsets = nested_subsets(train_order, sizes)
     heldout = IndexedSubset(samples, heldout_indices)
     # One target argmax per sample for the whole sweep: the held-out set and the nested subsets recur in every
