@@ -146,14 +146,10 @@ def check_draft_config(
     raw_config, draft_config = draft_config, layer_fields(draft_config)
 
     architectures = raw_config.get("architectures") or []
-    if speculators:
-        findings.append(_ok("architectures", f"speculators eagle3 config ({architectures}): the vLLM / speculators folder"))
-    elif architectures != [DRAFT_ARCHITECTURE]:
-        findings.append(Finding("error", "architectures",
-                                f"draft architectures is {architectures}; SGLang picks the EAGLE-3 model class from it",
-                                f'set "architectures": ["{DRAFT_ARCHITECTURE}"] in the draft config.json'))
-    else:
-        findings.append(_ok("architectures", DRAFT_ARCHITECTURE))
+    ok = f"speculators eagle3 config ({architectures}): the vLLM / speculators folder" if speculators else DRAFT_ARCHITECTURE
+    findings.append(_error_or_ok("architectures", not speculators and architectures != [DRAFT_ARCHITECTURE], ok,
+                                 f"draft architectures is {architectures}; SGLang picks the EAGLE-3 model class from it",
+                                 f'set "architectures": ["{DRAFT_ARCHITECTURE}"] in the draft config.json'))
 
     layers = draft_config.get("num_hidden_layers")
     findings.append(_error_or_ok("num_hidden_layers", layers != 1, "1", f"draft num_hidden_layers is {layers}; the kit's EAGLE-3 draft "
@@ -365,8 +361,8 @@ def check_draft_weights(weights_path: str | Path, draft_config: Mapping[str, Any
         for name, (shape, dtype) in expected.items():
             if name not in names:
                 continue
-            actual_shape = tuple(handle.get_slice(name).get_shape())
-            actual_dtype = _DTYPE_NAMES.get(handle.get_slice(name).get_dtype(), handle.get_slice(name).get_dtype())
+            stored = handle.get_slice(name)
+            actual_shape, actual_dtype = tuple(stored.get_shape()), _DTYPE_NAMES.get(stored.get_dtype(), stored.get_dtype())
             if actual_shape != shape:
                 shape_errors.append(f"{name} {actual_shape} (expected {shape})")
             elif dtype is not None and actual_dtype != dtype:
