@@ -200,25 +200,18 @@ def portable_verifier_reference(target: str | os.PathLike) -> str:
         match = re.match(r"^models--([^-].*?)--(.+)$", part)
         if match:
             return f"{match.group(1)}/{match.group(2)}"
-    try:
-        named = json.loads((path / CONFIG_FILE).read_text()).get("_name_or_path") or ""
-    except (OSError, json.JSONDecodeError):
-        named = ""
+    named = _config_json_or_empty(path).get("_name_or_path") or ""
     if hub_id.match(named) and not Path(named).is_absolute():
         return named
     return path.resolve().name if path.exists() else path.name
 
 
-def _verifier_architectures(target: TargetTextConfig, verifier: str | os.PathLike | None) -> list[str]:
-    """The verifier's top-level architectures: the target config's, else its folder's config.json."""
-    if target.architectures:
-        return list(target.architectures)
-    if verifier is not None:
-        try:
-            return list(json.loads((Path(verifier) / CONFIG_FILE).read_text()).get("architectures") or [])
-        except (OSError, json.JSONDecodeError):
-            pass
-    return []
+def _config_json_or_empty(folder: Path) -> dict:
+    """The folder's config.json, or {} where it has none that reads as JSON (a hub id is not a folder)."""
+    try:
+        return json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def vllm_config(
@@ -239,6 +232,8 @@ def vllm_config(
         if verifier_name_or_path is None:
             raise ValueError("vllm_config: name the target (verifier_name_or_path: a hub id or the target folder)")
     reference = portable_verifier_reference(verifier_name_or_path)
+    # the verifier's top-level architectures: the target config's, else its folder's config.json
+    architectures = list(target.architectures) or list(_config_json_or_empty(Path(verifier_name_or_path)).get("architectures") or [])
     return {
         "architectures": [VLLM_SPECULATORS_ARCHITECTURE],
         "speculators_model_type": "eagle3",
@@ -252,7 +247,7 @@ def vllm_config(
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": reference, "architectures": _verifier_architectures(target, verifier_name_or_path)},
+            "verifier": {"name_or_path": reference, "architectures": architectures},
         },
         "torch_dtype": _DTYPE_NAMES[dtype],
     }
