@@ -115,24 +115,17 @@ class SelectedRows:
     def from_eligible(cls, eligible: torch.Tensor) -> "SelectedRows":
         """eligible (k, B, T) bool, on the CPU: computing indices there keeps the device stream free of
         syncs."""
-        steps = eligible.shape[0]
-        rows, teacher_rows, step_ids = [], [], []
-        for step in range(steps):
-            flat = torch.nonzero(eligible[step].reshape(-1)).flatten()
-            # Row t of step i is eligible only if token t+2+i exists in its sample, so t+1+i < T: same batch
-            # row.
-            rows.append(flat)
-            teacher_rows.append(flat + 1 + step)
-            step_ids.append(torch.full_like(flat, step))
-        eligible_by_step = torch.tensor([len(flat) for flat in rows], dtype=torch.int64)
-        return cls(torch.cat(rows), torch.cat(teacher_rows), torch.cat(step_ids), eligible_by_step)
+        by_step = eligible.reshape(eligible.shape[0], -1)  # (k, B T)
+        # nonzero (N, 2): [step, flat row], step by step and rows ascending within a step
+        steps, rows = torch.nonzero(by_step).T.contiguous()
+        # Row t of step i is eligible only if token t+2+i exists in its sample, so t+1+i < T: same batch row.
+        return cls(rows, rows + 1 + steps, steps, by_step.sum(1))
 
     def to(self, device: torch.device) -> "SelectedRows":
         """Pinned, non-blocking copies on CUDA (a pageable copy would wait for the GPU to drain)."""
-        if device.type == "cuda":
-            moved = (tensor.pin_memory().to(device, non_blocking=True) for tensor in (self.rows, self.teacher_rows, self.steps))
-        else:
-            moved = (tensor.to(device) for tensor in (self.rows, self.teacher_rows, self.steps))
+        cuda = device.type == "cuda"
+        moved = (tensor.pin_memory().to(device, non_blocking=True) if cuda else tensor.to(device)
+                 for tensor in (self.rows, self.teacher_rows, self.steps))
         return SelectedRows(*moved, self.eligible_by_step)
 
 
