@@ -177,10 +177,7 @@ class DraftConfig:
         indices = tuple(capture_layer_indices) if capture_layer_indices is not None else tuple(default_capture_layer_ids(num_layers))
         heads = shape.num_attention_heads or target.num_attention_heads
         # a shape that sets the heads sets the KV heads with them (MHA unless stated)
-        if shape.num_attention_heads:
-            kv_heads = shape.num_key_value_heads or heads
-        else:
-            kv_heads = shape.num_key_value_heads or target.num_key_value_heads
+        kv_heads = shape.num_key_value_heads or (heads if shape.num_attention_heads else target.num_key_value_heads)
         head_dim = shape.head_dim or (target.head_dim if not shape.num_attention_heads else None) or target.hidden_size // heads
         if heads % kv_heads:
             raise ValueError(f"draft shape: {heads} attention heads are not a multiple of {kv_heads} KV heads")

@@ -47,11 +47,8 @@ def layer_fields(draft_config: Mapping[str, Any]) -> dict[str, Any]:
     `transformer_layer_config`, with draft_vocab_size / target_hidden_size at the top."""
     if not is_speculators_config(draft_config):
         return dict(draft_config)
-    fields = dict(draft_config.get("transformer_layer_config") or {})
-    for key in ("draft_vocab_size", "target_hidden_size"):
-        if draft_config.get(key) is not None:
-            fields[key] = draft_config[key]
-    return fields
+    top = {key: draft_config[key] for key in ("draft_vocab_size", "target_hidden_size") if draft_config.get(key) is not None}
+    return {**(draft_config.get("transformer_layer_config") or {}), **top}
 
 
 def to_vllm_name(name: str) -> str:
