@@ -19,7 +19,9 @@ from eaglekit.draft.vocab import (
     default_draft_vocab_size,
     select_draft_vocab,
 )
-from support import tiny_target, samples_from_target, tiny_draft, randomize_norms, serve_chain  # noqa: E402  (shared test helpers, tests/support.py)
+
+# shared test helpers, tests/support.py
+from support import tiny_target, samples_from_target, tiny_draft, randomize_norms, serve_chain
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
