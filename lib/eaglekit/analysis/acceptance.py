@@ -180,15 +180,16 @@ def bootstrap_accept_length(counts: ChainCounts, num_resamples: int = 1000, seed
     )
 
 
-def percentile_interval(replicates: np.ndarray, confidence: float) -> tuple[np.ndarray, np.ndarray]:
-    """Two-sided percentile interval along axis 0, ignoring NaN replicates."""
+def percentile_interval(replicates: np.ndarray, confidence: float, method: str = "linear") -> tuple[np.ndarray, np.ndarray]:
+    """Two-sided percentile interval along axis 0, ignoring NaN replicates. method: numpy's percentile method
+    ("nearest" where a replicate may be inf)."""
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
     tail = (1.0 - confidence) / 2.0 * 100.0
     with warnings.catch_warnings():
         # A chain step no position reached has only NaN replicates: its interval is NaN, said once by the NaN.
         warnings.simplefilter("ignore", RuntimeWarning)
-        return np.nanpercentile(replicates, tail, axis=0), np.nanpercentile(replicates, 100.0 - tail, axis=0)
+        return np.nanpercentile(replicates, tail, axis=0, method=method), np.nanpercentile(replicates, 100.0 - tail, axis=0, method=method)
 
 
 def _dataset_rows(name: str, counts: ChainCounts, num_resamples: int, confidence: float,

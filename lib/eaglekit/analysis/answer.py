@@ -266,10 +266,9 @@ def forecast_answer(
     if not break_evens:
         raise ValueError("no break-even case: give serving timings (params.analysis) or measure the embedded loop")
     overall = scaling.overall
-    # (R, sizes), columns in acceptance.data_sizes order
+    # (R, sizes): sweep_acceptance's columns ascend in data size, as overall's rows do
     replicates = acceptance.pooled_replicates[scaling.pooled_dataset]
-    columns = [list(acceptance.data_sizes).index(size) for size in overall["data_size"]]
-    forecasts = {label: forecast(overall["data_size"].to_numpy(float), overall["tau_pooled"].to_numpy(float), replicates[:, columns],
+    forecasts = {label: forecast(overall["data_size"].to_numpy(float), overall["tau_pooled"].to_numpy(float), replicates,
                                  planned_sizes=planned_sizes, full_size=full_size, break_even=break_even,
                                  max_accept_length=max_accept_length, confidence=confidence, lower_bound_sizes=sorted(lower_bound_sizes),
                                  seed_accept_lengths=seed_accept_lengths, looks=looks, seed=seed)

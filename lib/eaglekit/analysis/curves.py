@@ -39,6 +39,24 @@ MAX_EXPONENT = 5.0
 EXPONENT_GRID = np.geomspace(1e-3, MAX_EXPONENT, 240)
 
 
+def sorted_points(data_sizes: Sequence[float], accept_lengths: Sequence[float],
+                  replicate_accept_lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The measured curve every fit reads, checked and ascending in size: (n,) sizes, (n,) taus and their
+    (R, n) bootstrap replicate rows. Sizes must be positive; the caller says how many distinct ones it
+    needs."""
+    sizes = np.asarray(data_sizes, dtype=np.float64)
+    taus = np.asarray(accept_lengths, dtype=np.float64)
+    rows = np.asarray(replicate_accept_lengths, dtype=np.float64)
+    if sizes.ndim != 1 or sizes.shape != taus.shape:
+        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
+    if (sizes <= 0).any():
+        raise ValueError(f"data sizes must be positive numbers of training samples, got {sizes.tolist()}")
+    if rows.ndim != 2 or rows.shape[1] != len(sizes):
+        raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {rows.shape}")
+    order = np.argsort(sizes)
+    return sizes[order], taus[order], rows[:, order]
+
+
 def saturating_curve(params: np.ndarray, relative_sizes: np.ndarray | Sequence[float]) -> np.ndarray:
     """tau = tau_inf - gap (N / N_min)^-c: (R, 3) (tau_inf, gap, c) rows at (k,) sizes N / N_min -> (R, k)."""
     relative = np.asarray(relative_sizes, dtype=np.float64)
@@ -131,11 +149,13 @@ class FamilyFits:
         return {name: np.clip(curve, self.plateau, self.ceiling) for name, curve in self.raw(data_sizes).items()}
 
 
-def union_interval(curves: Mapping[str, np.ndarray], low_tail: float, high_tail: float) -> tuple[np.ndarray, np.ndarray]:
+def union_interval(curves: Mapping[str, np.ndarray], low_tail: float, high_tail: float,
+                   method: str = "linear") -> tuple[np.ndarray, np.ndarray]:
     """The union of the families' percentile intervals: the lowest family's low_tail quantile to the highest
-    family's 1 - high_tail quantile, per column. Each curve (R, k) -> two (k,) arrays."""
-    low = np.min([np.quantile(curve, low_tail, axis=0) for curve in curves.values()], axis=0)
-    high = np.max([np.quantile(curve, 1.0 - high_tail, axis=0) for curve in curves.values()], axis=0)
+    family's 1 - high_tail quantile, per column. Each curve (R, k) -> two (k,) arrays ((R,) -> two scalars).
+    method: numpy's quantile method ("nearest" where a value may be inf)."""
+    low = np.min([np.quantile(curve, low_tail, axis=0, method=method) for curve in curves.values()], axis=0)
+    high = np.max([np.quantile(curve, 1.0 - high_tail, axis=0, method=method) for curve in curves.values()], axis=0)
     return low, high
 
 

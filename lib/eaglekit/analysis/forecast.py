@@ -49,8 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from eaglekit.analysis.curves import FAMILIES, MEASURED_SHAPE, FamilyFits, first_crossing, leave_one_size_out_error, union_interval
-from eaglekit.analysis.scaling import MAX_DOUBLINGS_BEYOND, LocalSlope, local_slope
+from eaglekit.analysis.curves import (FAMILIES, MEASURED_SHAPE, FamilyFits, first_crossing, leave_one_size_out_error, sorted_points,
+                                     union_interval)
+from eaglekit.analysis.scaling import MAX_DOUBLINGS_BEYOND, LocalSlope, local_slope, sizes_text
 from eaglekit.io import write_json
 
 # Draft-to-draft training noise (sd of tau between drafts of one size, same held-out set) and its degrees of
@@ -69,7 +70,8 @@ VERDICTS = ("go", "no-go", "not yet known")
 def paired_bootstrap_means(per_sample: np.ndarray, num_resamples: int = 1000, seed: int = 0) -> np.ndarray:
     """(m, n) per-held-out-sample values (m samples, each scored by every size's draft) -> (R, n) replicate
     means, the same resampled samples for every size (paired). The kit's stage 6 gets its replicates from
-    `acceptance.sweep_acceptance` (pooled over positions); this is for per-sample tau (bench/forecast_backtest.py, the tests)."""
+    `acceptance.sweep_acceptance` (pooled over positions); this is for per-sample tau
+    (bench/forecast_backtest.py, the tests)."""
     values = np.asarray(per_sample, dtype=np.float64)
     if values.ndim != 2 or len(values) < 2:
         raise ValueError(f"per_sample must be (samples, sizes) with at least 2 samples, got {values.shape}")
@@ -105,7 +107,7 @@ def training_noise(accept_lengths: Mapping[float, float], seed_accept_lengths: M
             seeds[float(size)] = len(values) - 1
     source = (f"prior sd {prior_sd} ({prior_df} degrees of freedom)" if not seeds else
               f"prior sd {prior_sd} ({prior_df} df) pooled with {sum(seeds.values())} extra seeds at sizes "
-              + _sizes_text(sorted(seeds)))
+              + sizes_text(sorted(seeds)))
     return TrainingNoise(sd=math.sqrt(squares / degrees), degrees_of_freedom=degrees, seeds_by_size=seeds, source=source)
 
 
@@ -136,10 +138,10 @@ class SizeForecast:
 Crossing = float | str  # a size, or "beyond N" when past the reach of the forecast
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Forecast:
     """What the measured sizes say about the planned ones; see the module docstring for what each part
-    needs."""
+    needs. A part the measured sizes cannot carry keeps its empty default."""
 
     data_sizes: list[float]  # measured, ascending
     accept_lengths: list[float]  # (n,) measured tau per size
@@ -149,27 +151,30 @@ class Forecast:
     full_size: float | None
     break_even: float | None
     confidence: float
-    slope: dict[str, Any] | None  # scaling.LocalSlope.to_dict(), from 2 sizes, training noise included
-    model_weights: dict[str, float]  # the point forecast's weights over MEASURED_SHAPE; {} below 3 sizes
-    weight_rule: str
-    loo_rmse: dict[str, float | None]
-    predictions: list[SizeForecast]  # planned sizes and the horizon within reach; [] below 3 sizes
-    crossing_size: Crossing | None  # where the measured shape reaches break-even; "beyond N" past the reach
-    crossing_low: Crossing | None  # the union over the families
-    crossing_high: Crossing | None
+    slope: dict[str, Any] | None = None  # scaling.LocalSlope.to_dict(), from 2 sizes, training noise included
+    # the point forecast's weights over MEASURED_SHAPE; {} below 3 sizes
+    model_weights: dict[str, float] = field(default_factory=dict)
+    weight_rule: str = ""
+    loo_rmse: dict[str, float | None] = field(default_factory=dict)
+    # planned sizes and the horizon within reach; [] below 3 sizes
+    predictions: list[SizeForecast] = field(default_factory=list)
+    # where the measured shape reaches break-even; "beyond N" past the reach
+    crossing_size: Crossing | None = None
+    crossing_low: Crossing | None = None  # the union over the families
+    crossing_high: Crossing | None = None
     # share of the measured shape's replicates that reach break-even by the horizon
-    crossing_within_horizon: float | None
+    crossing_within_horizon: float | None = None
     horizon: float | None  # the full data, else the largest planned size
     doublings_to_horizon: float | None  # from the largest measured size
     # the largest size a tau is forecast at: the horizon or MAX_DOUBLINGS_BEYOND past the data, the smaller
     reach: float
     # (point, low, high) more doublings to break-even, 2+ sizes
-    doublings_at_slope: tuple[float, float, float] | None
+    doublings_at_slope: tuple[float, float, float] | None = None
     lower_bound_sizes: list[float]
     training_noise: dict[str, Any]  # TrainingNoise as a dict
     looks: int  # verdicts the run issues; each is made at one-sided level (1 - confidence) / looks
     # the one-sided (low, high) bounds the verdict read, at the horizon
-    verdict_bounds: tuple[float, float] | None
+    verdict_bounds: tuple[float, float] | None = None
     verdict: str  # one of VERDICTS
     line: str  # the plain sentence that starts with the verdict
     notes: list[str] = field(default_factory=list)
@@ -194,10 +199,6 @@ def _strict_json(value: Any) -> Any:
 
 def _crossing(value: float, reach: float) -> Crossing:
     return value if value <= reach else f"beyond {reach:,.0f}"
-
-
-def _sizes_text(sizes: Sequence[float]) -> str:
-    return ", ".join(f"{size:g}" for size in sizes)
 
 
 def _point_weights(sizes: np.ndarray, taus: np.ndarray, ceiling: float) -> tuple[dict[str, float], str, dict[str, float | None]]:
@@ -259,19 +260,11 @@ def forecast(
     looks: how many verdicts the run issues (a staged run: one per staged size and the final one).
     seed: the training-noise draws (deterministic for a given seed).
     """
-    sizes = np.asarray(data_sizes, dtype=np.float64)
-    taus = np.asarray(accept_lengths, dtype=np.float64)
-    replicates = np.asarray(replicate_accept_lengths, dtype=np.float64)
-    if sizes.ndim != 1 or sizes.shape != taus.shape or len(sizes) == 0:
-        raise ValueError(f"data_sizes and accept_lengths must be equal-length, non-empty lists; got {sizes.shape} and {taus.shape}")
-    if len(np.unique(sizes)) != len(sizes) or (sizes <= 0).any():
-        raise ValueError(f"data sizes must be distinct positive sample counts, got {sizes.tolist()}")
-    if replicates.ndim != 2 or replicates.shape[1] != len(sizes):
-        raise ValueError(f"replicate_accept_lengths must be (R, {len(sizes)}), got {replicates.shape}")
+    sizes, taus, replicates = sorted_points(data_sizes, accept_lengths, replicate_accept_lengths)
+    if len(sizes) == 0 or len(np.unique(sizes)) != len(sizes):
+        raise ValueError(f"data sizes must be distinct positive sample counts, at least one; got {sizes.tolist()}")
     if looks < 1:
         raise ValueError(f"looks counts the verdicts a run issues, at least 1; got {looks}")
-    order = np.argsort(sizes)
-    sizes, taus, replicates = sizes[order], taus[order], replicates[:, order]
     noise = training_noise(dict(zip(sizes.tolist(), taus.tolist())), seed_accept_lengths)
     rows = with_training_noise(replicates, noise, seed)  # (R, n): held-out and training noise
     return _Forecaster(sizes, taus, replicates, rows, noise, planned_sizes, full_size, break_even, max_accept_length, confidence,
@@ -296,13 +289,12 @@ class _Forecaster:
         self.doublings_to_horizon = None if self.horizon is None else max(0.0, math.log2(self.horizon / self.largest))
         limit = self.largest * 2.0**MAX_DOUBLINGS_BEYOND
         self.reach = limit if self.horizon is None else min(limit, max(float(self.horizon), self.largest))
-        self.intervals = [tuple(float(bound) for bound in np.quantile(replicates[:, column], [self.tail, 1.0 - self.tail]))
-                          for column in range(len(sizes))]
-        self.rests_on = f"from {len(sizes)} size{'s' if len(sizes) > 1 else ''} ({_sizes_text(sizes)} samples)"
+        self.intervals = [tuple(pair) for pair in np.quantile(replicates, [self.tail, 1.0 - self.tail], axis=0).T.tolist()]
+        self.rests_on = f"from {len(sizes)} size{'s' if len(sizes) > 1 else ''} ({sizes_text(sizes)} samples)"
         self.percent = f"{confidence:.0%}"
         self.notes: list[str] = [f"Training noise: sd {noise.sd:.4f} tau per draft ({noise.source}), in every interval."]
         if lower_bounds:
-            self.notes.append(f"The drafts at {_sizes_text(lower_bounds)} samples were stopped by the step cap while still improving: "
+            self.notes.append(f"The drafts at {sizes_text(lower_bounds)} samples were stopped by the step cap while still improving: "
                               "their tau is a lower bound, so the forecast may be low and no no-go rests on it.")
 
     # ---- the measured largest draft: the only ground for a "go" ------------------------------------------
@@ -351,13 +343,11 @@ class _Forecaster:
         return self.curves(slope)
 
     def result(self, verdict: str, line: str, **parts: Any) -> Forecast:
-        empty = dict(slope=None, model_weights={}, weight_rule="", loo_rmse={}, predictions=[], crossing_size=None, crossing_low=None,
-                     crossing_high=None, crossing_within_horizon=None, doublings_at_slope=None, verdict_bounds=None)
         return Forecast(data_sizes=self.sizes.tolist(), accept_lengths=self.taus.tolist(), accept_length_intervals=self.intervals,
                         planned_sizes=self.planned, full_size=self.full_size, break_even=self.break_even, confidence=self.confidence,
                         horizon=self.horizon, doublings_to_horizon=self.doublings_to_horizon, reach=self.reach,
                         lower_bound_sizes=self.lower_bounds, training_noise=asdict(self.noise), looks=self.looks, notes=self.notes,
-                        verdict=verdict, line=line, **{**empty, **parts})
+                        verdict=verdict, line=line, **parts)
 
     def early_verdict(self, text: str) -> tuple[str, str]:
         """One or two sizes: a measured go, a measured full data, or not yet known with `text`."""
@@ -423,7 +413,7 @@ class _Forecaster:
                 predictions.append(SizeForecast(size, point, float(low[column]), float(high[column]),
                                                 {model: float(points[model][0, column]) for model in FAMILIES}, False))
         if beyond:
-            self.notes.append(f"Not forecast: {_sizes_text(beyond)} samples, more than {MAX_DOUBLINGS_BEYOND:g} doublings beyond the "
+            self.notes.append(f"Not forecast: {sizes_text(beyond)} samples, more than {MAX_DOUBLINGS_BEYOND:g} doublings beyond the "
                               f"largest measured size ({self.largest:g}).")
         parts = dict(slope=slope.to_dict(), model_weights=weights, weight_rule=rule, loo_rmse=loo, predictions=predictions,
                      doublings_at_slope=slope.doublings_to(self.break_even) if self.break_even is not None else None)
@@ -445,8 +435,7 @@ class _Forecaster:
         point_curve = sum(weights[model] * points[model] for model in MEASURED_SHAPE)
         crossings = {name: first_crossing(grid, curve, self.break_even) for name, curve in curves.items()}
         # "nearest": a quantile between a size and inf is one of them, never NaN.
-        low = min(float(np.quantile(values, self.tail, method="nearest")) for values in crossings.values())
-        high = max(float(np.quantile(values, 1.0 - self.tail, method="nearest")) for values in crossings.values())
+        low, high = (float(bound) for bound in union_interval(crossings, self.tail, self.tail, method="nearest"))
         pooled = np.concatenate([crossings[model] for model in MEASURED_SHAPE])
         mixture = np.concatenate([np.full(len(crossings[model]), weights[model]) for model in MEASURED_SHAPE])
         within = None if self.horizon is None else float(mixture[pooled <= self.horizon].sum() / mixture.sum())
@@ -481,7 +470,7 @@ class _Forecaster:
             if self.lower_bounds:
                 return "not yet known", (f"not yet known (capped sizes are lower bounds): {where}, below break-even {be:.3f} even at the "
                                          f"highest family's upper bound {high:.3f} ({self.level_text()}), but the drafts at "
-                                         f"{_sizes_text(self.lower_bounds)} samples were stopped by the step cap while still improving, so "
+                                         f"{sizes_text(self.lower_bounds)} samples were stopped by the step cap while still improving, so "
                                          "their tau and this forecast are lower bounds (raise training.max_steps); "
                                          f"{self.rests_on}, {shape}."), (low, high)
             return "no-go", (f"no-go: {where}, below break-even {be:.3f} even at the highest family's upper bound {high:.3f} "

@@ -30,30 +30,16 @@ import numpy as np
 
 from eaglekit.analysis.acceptance import percentile_interval
 from eaglekit.analysis.curves import (EXPONENT_GRID, MEASURED_SHAPE, PARAMETERS, fit_saturating_rows, leave_one_size_out_error,
-                                     saturating_curve, slope_per_doubling)
+                                     saturating_curve, slope_per_doubling, sorted_points)
 
 # No count of doublings is stated further than this past the largest measured size: there the curves the sizes
 # cannot tell apart diverge (docs/forecast.md backtests knees and S-curves). The forecast's reach too.
 MAX_DOUBLINGS_BEYOND = 3.0
 
 
-def _sorted_points(data_sizes: Sequence[float], accept_lengths: Sequence[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sizes, taus, order) ascending in size, checked: equal lengths, positive distinct sizes."""
-    sizes = np.asarray(data_sizes, dtype=np.float64)
-    taus = np.asarray(accept_lengths, dtype=np.float64)
-    if sizes.ndim != 1 or sizes.shape != taus.shape:
-        raise ValueError(f"data_sizes and accept_lengths must be equal-length lists, got {sizes.shape} and {taus.shape}")
-    if (sizes <= 0).any():
-        raise ValueError(f"data sizes must be positive numbers of training samples, got {sizes.tolist()}")
-    order = np.argsort(sizes)
-    return sizes[order], taus[order], order
-
-
-def _sorted_replicates(replicates: np.ndarray, order: np.ndarray) -> np.ndarray:
-    rows = np.asarray(replicates, dtype=np.float64)
-    if rows.ndim != 2 or rows.shape[1] != len(order):
-        raise ValueError(f"replicate_accept_lengths must be (R, {len(order)}), got {rows.shape}")
-    return rows[:, order]
+def sizes_text(sizes: Sequence[float]) -> str:
+    """Data sizes as the statements name them: "60, 240, 960"."""
+    return ", ".join(f"{size:g}" for size in sizes)
 
 
 # ----------------------------------------------------------------------------- the saturating fit
@@ -122,11 +108,10 @@ def fit_scaling(
     replicate_accept_lengths: (R, n) bootstrap replicates of each point from resampling held-out samples.
     max_accept_length: the topology's ceiling (steps + 1 for a chain), bounds tau_inf.
     """
-    sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
+    sizes, taus, rows = sorted_points(data_sizes, accept_lengths, replicate_accept_lengths)
     if len(np.unique(sizes)) < 3:
         raise ValueError(f"the fit has 3 parameters and needs at least 3 distinct data sizes; got {sorted(set(sizes.tolist()))}")
     point = fit_saturating_rows(sizes, taus[None, :], max_accept_length)  # (1, 3)
-    rows = _sorted_replicates(replicate_accept_lengths, order)
     return ScalingFit(params=point[0], replicates=fit_saturating_rows(sizes, rows, max_accept_length), data_sizes=sizes,
                       accept_lengths=taus, ceiling=float(max_accept_length), confidence=confidence)
 
@@ -170,8 +155,7 @@ class LocalSlope:
             with np.errstate(divide="ignore"):
                 return np.where(slope > 0, gap / np.where(slope > 0, slope, 1.0), np.inf)
 
-        tail = (1.0 - self.confidence) / 2.0 * 100.0
-        low, high = np.percentile(doublings(self.replicate_slopes), [tail, 100.0 - tail], method="nearest")
+        low, high = percentile_interval(doublings(self.replicate_slopes), self.confidence, method="nearest")
         return float(doublings(np.array(self.slope))), float(low), float(high)
 
     def statement(self) -> str:
@@ -184,9 +168,8 @@ class LocalSlope:
             f"({self.last_segment_low:+.3f} to {self.last_segment_high:+.3f})."
         )
         if self.lower_bound_sizes:
-            sizes = ", ".join(f"{size:g}" for size in self.lower_bound_sizes)
-            text += (f" The drafts at {sizes} samples were still improving when training stopped, so their tau is a lower "
-                     "bound and the slope may be off (raise training.max_steps to let them converge).")
+            text += (f" The drafts at {sizes_text(self.lower_bound_sizes)} samples were still improving when training stopped, so "
+                     "their tau is a lower bound and the slope may be off (raise training.max_steps to let them converge).")
         return text
 
     def doublings_statement(self, target_accept_length: float, label: str = "target") -> str:
@@ -235,10 +218,9 @@ def local_slope(
     lower_bound_sizes: sizes whose draft had not converged (their tau is a lower bound), named in the
     statement.
     """
-    sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
+    sizes, taus, replicates = sorted_points(data_sizes, accept_lengths, replicate_accept_lengths)
     if len(np.unique(sizes)) != len(sizes) or len(sizes) < 2:
         raise ValueError(f"a slope needs at least 2 distinct positive data sizes, got {sizes.tolist()}")
-    replicates = _sorted_replicates(replicate_accept_lengths, order)
     log2_sizes = np.log2(sizes)
     slopes = slope_per_doubling(log2_sizes, replicates)
     segment_doublings = log2_sizes[-1] - log2_sizes[-2]
@@ -312,8 +294,7 @@ def ceiling_identification(
     saturating model does not predict left-out sizes better than the log-linear line (the curvature
     that would pin a ceiling is not measurable).
     """
-    sizes, taus, order = _sorted_points(data_sizes, accept_lengths)
-    replicate_accept_lengths = _sorted_replicates(replicate_accept_lengths, order)
+    sizes, taus, replicate_accept_lengths = sorted_points(data_sizes, accept_lengths, replicate_accept_lengths)
     loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MEASURED_SHAPE}
     evaluable = {model: error for model, error in loo.items() if error is not None}
     chosen = min(evaluable, key=evaluable.get) if evaluable else "log-linear"
