@@ -219,12 +219,10 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
         acceptance.per_position.to_csv(analysis_dir / "acceptance_per_position.csv", index=False)
 
     eos_token_ids = [int(inputs.tokenizer.eos_token_id)]
-    with log.part(f"the real loop with the largest draft ({sweep.largest.size} samples) against greedy decoding"), one_torch_thread():
+    with log.part(f"the real loop with the largest draft ({sweep.largest.size} samples) against greedy decoding"):
         largest_draft = load_draft_checkpoint(checkpoints[sweep.largest.size], head.embed_tokens)
-        loop_prompts = heldout_prompts(heldout, settings.specdec_prompts, max_prompt_tokens=max_length)
         loop_started = time.perf_counter()
-        loop = evaluate_speculative_loop(target_model, largest_draft, [prompt["input_ids"] for prompt in loop_prompts], steps,
-                                         settings.specdec_max_new_tokens, eos_token_ids)
+        loop_prompts, loop, embedded_case = timed_loop(params, target_model, largest_draft, heldout, eos_token_ids)
         loop_seconds = time.perf_counter() - loop_started
     loop.require_lossless()
 
@@ -234,8 +232,6 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
                                  list(largest_draft.config.capture_layer_indices), loop.summary["tau_loop_pooled"])
         doctor.to_csv(analysis_dir / "doctor.csv", index=False)
         seed_case = serving_case(settings)
-        embedded_case = break_even_from_throughput(loop.summary["greedy_tokens_per_second"], loop.summary["speculative_tokens_per_second"],
-                                                   loop.summary["tau_loop_pooled"], draft_length=steps)
     with log.part("the benchmark prompts through the real loop with every draft"):
         benchmark = benchmark_drafts(settings, target_model, inputs.tokenizer, checkpoints, head.embed_tokens, steps, max_length,
                                      eos_token_ids, template_kwargs=params.prep.chat_template_kwargs, seed=params.run.seed)
@@ -273,6 +269,22 @@ def run_analysis_stage(params: Params, run_dir: str | os.PathLike) -> AnalysisRe
         serve=topology_run["serve"], ablation=ablation, live_doctor=live_doctor, live=live, summary=summary,
         stage_seconds=stage_seconds, answer=[forecast.line, *answer], forecast=forecast,
     )
+
+
+def timed_loop(params: Params, target_model, draft, heldout: list[dict], eos_token_ids: list[int]
+               ) -> tuple[list[dict], LoopReport, BreakEven]:
+    """The real loop with `draft` against greedy decoding on analysis.specdec_prompts held-out prompts (one
+    torch thread), and the break-even its timings give: stage 6's, with the largest draft, and the staged
+    run's, with the first."""
+    settings = params.analysis
+    prompts = heldout_prompts(heldout, settings.specdec_prompts, max_prompt_tokens=params.training.max_length)
+    with one_torch_thread():
+        loop = evaluate_speculative_loop(target_model, draft, [prompt["input_ids"] for prompt in prompts], settings.chain_steps,
+                                         settings.specdec_max_new_tokens, eos_token_ids)
+    summary = loop.summary
+    case = break_even_from_throughput(summary["greedy_tokens_per_second"], summary["speculative_tokens_per_second"],
+                                      summary["tau_loop_pooled"], draft_length=settings.chain_steps)
+    return prompts, loop, case
 
 
 def scaling_and_forecast(params: Params, run_dir: str | os.PathLike, acceptance: SweepAcceptance, cases: dict[str, float],

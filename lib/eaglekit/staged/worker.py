@@ -221,11 +221,11 @@ class StagedWorker:
     def _stage_size(self, entry: SliceEntry, record: StagedRecord, planned_prompts: int) -> None:
         from eaglekit.capture.shards import ShardDataset
         from eaglekit.capture.stage import capture_samples
-        from eaglekit.draft.vocab import count_generated_tokens, default_draft_vocab_size, select_draft_vocab
+        from eaglekit.draft.vocab import count_generated_tokens
         from eaglekit.training.settings import TrainSettings
         from eaglekit.training.split import read_conversation_keys, split_selection
+        from eaglekit.training.stage import draft_builder, draft_vocab
         from eaglekit.training.sweep import train_size_sweep
-        from eaglekit.draft.model import build_draft_from_target
 
         params = self.params
         started = time.perf_counter()
@@ -259,11 +259,8 @@ class StagedWorker:
             record.save(self.run_dir)
             logger.info("staged run: the draft vocab is counted over size %d's training samples and kept for every staged size",
                         entry.size)
-        counts = torch.load(counts_path)
-        vocab = select_draft_vocab(counts, params.training.draft_vocab_size or default_draft_vocab_size(layout.vocab_size))
-        settings = TrainSettings.from_params(params)
-        build_model = lambda: build_draft_from_target(head, vocab.d2t, vocab.t2d, tuple(capture_layer_ids), seed=params.run.seed,
-                                                      shape=params.training.draft_shape)
+        vocab = draft_vocab(params, torch.load(counts_path), layout.vocab_size)
+        build_model, settings = draft_builder(params, head, vocab, capture_layer_ids), TrainSettings.from_params(params)
         (row,) = train_size_sweep(build_model, head.lm_head, captured, [entry.size], params.training.heldout_size,
                                   self.staged_dir / "training", settings, datasets=[dataset for dataset, _ in captured.keys],
                                   split=(selection_indices, train_indices))
@@ -316,11 +313,10 @@ class StagedWorker:
         (the cycle's cost hardly depends on the draft's quality), measured once and kept in
         staged/break_even.json. None when the target runs in an engine (no local model to time). Timed while
         generation shares the machine: greedy and speculative alternate, so the load hits both alike."""
-        from eaglekit.analysis.break_even import BreakEven, break_even_from_throughput
-        from eaglekit.analysis.checkpoints import evaluate_speculative_loop, heldout_prompts, load_draft_checkpoint
-        from eaglekit.analysis.speculative import one_torch_thread
+        from eaglekit.analysis.break_even import BreakEven
+        from eaglekit.analysis.checkpoints import load_draft_checkpoint
+        from eaglekit.analysis.stage import timed_loop
 
-        settings = self.params.analysis
         path = self.staged_dir / BREAK_EVEN_FILE
         if path.exists():
             saved = json.loads(path.read_text(encoding="utf-8"))
@@ -330,13 +326,7 @@ class StagedWorker:
             return None
         smallest = record.done_sizes()[0]
         draft = load_draft_checkpoint(Path(record.slices[smallest].result["best_checkpoint"]), self._head.embed_tokens)
-        prompts = heldout_prompts(heldout, settings.specdec_prompts, max_prompt_tokens=self.params.training.max_length)
-        with one_torch_thread():
-            loop = evaluate_speculative_loop(source, draft, [prompt["input_ids"] for prompt in prompts], settings.chain_steps,
-                                             settings.specdec_max_new_tokens, [int(self._tokenizer.eos_token_id)])
-        summary = loop.summary
-        case = break_even_from_throughput(summary["greedy_tokens_per_second"], summary["speculative_tokens_per_second"],
-                                          summary["tau_loop_pooled"], draft_length=settings.chain_steps)
+        prompts, _, case = timed_loop(self.params, source, draft, heldout, [int(self._tokenizer.eos_token_id)])
         write_json(path, case.to_dict())
         logger.info("staged run: this target's break-even tau %.3f, from the real loop with the %d-sample draft on %d held-out prompts "
                     "(staged/%s; stage 6 measures it again with the largest draft)", case.break_even_accept_length, smallest,

@@ -67,7 +67,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
     sizes: train only these sizes of `training.data_sizes` (no exports, no ablation, no sweep.json).
     Returns the sweep record it saved (rank 0; None on other ranks and with `sizes`).
     """
-    from eaglekit.draft.model import build_draft_from_target, load_target_head_weights
+    from eaglekit.draft.model import load_target_head_weights
     from eaglekit.target import resolve_model, target_layout
 
     out = Path(run_dir)
@@ -92,9 +92,7 @@ def run_training_stage(params: Params, run_dir: str | os.PathLike, sizes: Sequen
 
     # the chain train_draft scores held-out tau with
     evaluated = Topology.chain(settings.eval_chain_steps or settings.ttt_steps)
-    build_model = lambda seed=params.run.seed: build_draft_from_target(target_weights, vocab.d2t, vocab.t2d,
-                                                                       tuple(inputs.capture_layer_ids), seed=seed,
-                                                                       shape=params.training.draft_shape)
+    build_model = draft_builder(params, target_weights, vocab, inputs.capture_layer_ids)
     ablation_pairs = _ablation_pairs(params, capture_dir, inputs.keys) if sizes is None else None
     progress = _sweep_progress(params, settings, selected, ablation_pairs)
     # One target argmax per sample for the sweep and the ablation: they share the held-out set, and the
@@ -184,13 +182,30 @@ def _sweep_inputs(params: Params, out: Path, capture_dir: Path, model_dir: Path,
 def _draft_vocab(params: Params, inputs: SweepInputs, vocab_size: int):
     """The draft vocab: the most frequent generated tokens of the largest subset of the whole sweep; and its
     coverage curve ([[vocab size, share of generated tokens]])."""
-    from eaglekit.draft.vocab import count_generated_tokens, coverage_curve, default_draft_vocab_size, select_draft_vocab
+    from eaglekit.draft.vocab import count_generated_tokens, coverage_curve
 
     largest_subset = nested_subsets(inputs.train_order, params.training.data_sizes)[max(params.training.data_sizes)]
     token_counts = count_generated_tokens((inputs.samples.tokens(index) for index in largest_subset), vocab_size)
-    vocab = select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
+    vocab = draft_vocab(params, token_counts, vocab_size)
     grid = sorted({2**power for power in range(6, 17) if 2**power < vocab_size} | {vocab.size, vocab_size})
     return vocab, [[size, share] for size, share in coverage_curve(token_counts, grid).items()]
+
+
+def draft_vocab(params: Params, token_counts: torch.Tensor, vocab_size: int):
+    """The `training.draft_vocab_size` most frequent tokens of `token_counts` (unset: the default size for a
+    target vocab of `vocab_size`): stage 5's rule, and the staged run's."""
+    from eaglekit.draft.vocab import default_draft_vocab_size, select_draft_vocab
+
+    return select_draft_vocab(token_counts, params.training.draft_vocab_size or default_draft_vocab_size(vocab_size))
+
+
+def draft_builder(params: Params, head, vocab, capture_layer_ids: Sequence[int]) -> Callable[..., Any]:
+    """Builds an untrained draft on the target's `head` weights, `vocab` and capture layers, by seed
+    (default run.seed) and training.draft_shape: stage 5's drafts, and the staged run's."""
+    from eaglekit.draft.model import build_draft_from_target
+
+    return lambda seed=params.run.seed: build_draft_from_target(head, vocab.d2t, vocab.t2d, tuple(capture_layer_ids), seed=seed,
+                                                                shape=params.training.draft_shape)
 
 
 def _noise_seed_sizes(params: Params, selected: Sequence[int]) -> list[tuple[int, list[int]]]:
