@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from eaglekit.analysis.acceptance import chain_counts, pooled_accept_length
 from eaglekit.training import (
     SampleAgreement,
     TargetSignals,
+    TrainProgress,
     TrainSettings,
     collate,
     eligible_rows,
@@ -642,18 +644,22 @@ def test_patience_counts_from_the_last_real_improvement():
     settings = dataclass_replace(
         FAST, schedule="until_converged", patience=3, eval_interval=10, max_steps=1000
     )
-    assert _should_stop({"step": 29, "improved_step": 0}, settings, 1000) is None
-    assert _should_stop({"step": 30, "improved_step": 0}, settings, 1000) == "converged"
-    assert _should_stop({"step": 1000, "improved_step": 990}, settings, 1000) == "step_cap"
+    assert _should_stop(TrainProgress(step=29, improved_step=0), settings, 1000) is None
+    assert _should_stop(TrainProgress(step=30, improved_step=0), settings, 1000) == "converged"
+    assert _should_stop(TrainProgress(step=1000, improved_step=990), settings, 1000) == "step_cap"
     assert (
         _should_stop(
-            {"step": 1000, "improved_step": 990}, dataclass_replace(settings, schedule="equal_steps"), 1000
+            TrainProgress(step=1000, improved_step=990),
+            dataclass_replace(settings, schedule="equal_steps"),
+            1000,
         )
         == "step_cap"
     )
     assert (
         _should_stop(
-            {"step": 500, "improved_step": 0}, dataclass_replace(settings, schedule="equal_steps"), 1000
+            TrainProgress(step=500, improved_step=0),
+            dataclass_replace(settings, schedule="equal_steps"),
+            1000,
         )
         is None
     )
@@ -788,15 +794,15 @@ def test_anneal_length_is_decay_steps_if_set_else_a_fraction_of_the_steps_to_con
     # The log says where the anneal ends, and when the cap will cut it (the TrainingParams defaults: a plateau
     # at step 75, the earliest under patience 3 x eval_interval 25, anneals to step 131; a cap of 100, the old
     # default, cuts it, as the note says; the default cap is 1,000 now).
-    starting = {"step": 75, "decay_start": 75, "stopped": None}
+    starting = TrainProgress(step=75, decay_start=75)
     assert (
         _anneal_note(starting, TrainSettings(), 200)
         == ": converged at the peak, annealing the lr until step 131"
     )
     assert "past the step cap 100: raise max_steps" in _anneal_note(starting, TrainSettings(), 100)
     assert (
-        _anneal_note({**starting, "step": 100}, TrainSettings(), 200)
-        == _anneal_note({**starting, "decay_start": None}, FAST, 200)
+        _anneal_note(dataclasses.replace(starting, step=100), TrainSettings(), 200)
+        == _anneal_note(dataclasses.replace(starting, decay_start=None), FAST, 200)
         == ""
     )
 
@@ -812,13 +818,7 @@ def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
         smoothing_evaluations=1,
         decay_steps=30,
     )
-    progress = {
-        "step": 0,
-        "best_accept_length": -math.inf,
-        "best_step": -1,
-        "improved_step": 0,
-        "reference_accept_length": -math.inf,
-    }
+    progress = TrainProgress()
     taus = [
         1.0,
         1.1,
@@ -832,8 +832,8 @@ def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
     ]  # plateau from step 20; the anneal lifts it from step 60
     states = []
     for evaluation, tau in enumerate(taus):
-        progress = record_evaluation({**progress, "step": evaluation * 10}, tau, settings, 1000)
-        states.append((progress["decay_start"] if "decay_start" in progress else None, progress["stopped"]))
+        progress = record_evaluation(dataclasses.replace(progress, step=evaluation * 10), tau, settings, 1000)
+        states.append((progress.decay_start, progress.stopped))
     assert states[:5] == [(None, None)] * 5  # patience counts to step 50
     assert states[5:] == [
         (50, None),
@@ -841,37 +841,33 @@ def test_the_anneal_starts_where_patience_ran_out_and_respects_the_cap():
         (50, None),
         (50, "converged"),
     ]  # improvements during the anneal do not extend it
-    assert progress["best_step"] == 70
+    assert progress.best_step == 70
     capped = record_evaluation(
-        {**progress, "step": 60, "decay_start": 50, "stopped": None}, 1.3, settings, 60
+        dataclasses.replace(progress, step=60, decay_start=50, stopped=None), 1.3, settings, 60
     )
-    assert capped["stopped"] == "step_cap"
+    assert capped.stopped == "step_cap"
     with pytest.raises(ValueError, match="decay_steps must be >= 0"):
         dataclass_replace(settings, decay_steps=-1)
     # The default fraction: the plateau at step 50 starts an anneal of round(0.75 * 50) = 38 steps,
     # to step 88.
     by_fraction = dataclass_replace(settings, decay_steps=None)
-    progress = {
-        "step": 0,
-        "best_accept_length": -math.inf,
-        "best_step": -1,
-        "improved_step": 0,
-        "reference_accept_length": -math.inf,
-    }
+    progress = TrainProgress()
     stops = []
     for evaluation, tau in enumerate([1.0, 1.1, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2, 1.2]):
-        progress = record_evaluation({**progress, "step": evaluation * 10}, tau, by_fraction, 1000)
-        stops.append((progress.get("decay_start"), progress["stopped"]))
+        progress = record_evaluation(
+            dataclasses.replace(progress, step=evaluation * 10), tau, by_fraction, 1000
+        )
+        stops.append((progress.decay_start, progress.stopped))
     assert stops[5:] == [(50, None)] * 4 + [
         (50, "converged")
     ]  # steps 50-80 anneal, step 90 is the first past 88
     assert (
         record_evaluation(
-            {**progress, "step": 80, "stopped": None},
+            dataclasses.replace(progress, step=80, stopped=None),
             1.2,
             dataclass_replace(by_fraction, decay_fraction=0.5),
             1000,
-        )["stopped"]
+        ).stopped
         == "converged"
     )
 
@@ -902,19 +898,13 @@ def stop_on_curve(taus, settings, cap):
     """Feed held-out taus at steps 0, eval_interval, ... to the stopping rule: (stop step, why, best tau)."""
     from eaglekit.training import record_evaluation
 
-    progress = {
-        "step": 0,
-        "best_accept_length": -math.inf,
-        "best_step": -1,
-        "improved_step": 0,
-        "reference_accept_length": -math.inf,
-    }
+    progress = TrainProgress()
     for evaluation, tau in enumerate(taus):
         progress = record_evaluation(
-            {**progress, "step": evaluation * settings.eval_interval}, tau, settings, cap
+            dataclasses.replace(progress, step=evaluation * settings.eval_interval), tau, settings, cap
         )
-        if progress["stopped"]:
-            return progress["step"], progress["stopped"], progress["best_accept_length"]
+        if progress.stopped:
+            return progress.step, progress.stopped, progress.best_accept_length
     raise AssertionError(f"the rule never stopped on {len(taus)} evaluations up to the cap {cap}")
 
 

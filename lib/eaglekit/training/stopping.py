@@ -10,9 +10,9 @@ once patience runs out at step S the learning rate falls by a cosine over `annea
 (eaglekit.training.schedule), and training stops at the first evaluation after it ends (still
 "converged"). The length is a function of S and the settings, so a run resumed mid-anneal keeps it.
 
-The functions take a `TrainProgress` and return a new one; they also take and return the checkpointed
-dict form (`TrainProgress.to_dict`), which is how checkpoints hold it. `training`: the params section
-(a `TrainSettings` reads as its params and does too).
+The functions take a `TrainProgress` and return a new one (checkpoints hold its dict form,
+`TrainProgress.to_dict`; `TrainProgress.from_dict` reads it back). `training`: the params section (a
+`TrainSettings` reads as its params and does too).
 """
 
 from __future__ import annotations
@@ -61,21 +61,15 @@ class TrainProgress:
         return dataclasses.asdict(self)
 
 
-def _progress(progress: TrainProgress | Mapping[str, Any]) -> TrainProgress:
-    return progress if isinstance(progress, TrainProgress) else TrainProgress.from_dict(progress)
-
-
-def plateaued(progress: TrainProgress | Mapping[str, Any], training: Rule) -> bool:
+def plateaued(state: TrainProgress, training: Rule) -> bool:
     """until_converged: `patience` evaluations passed without an improvement."""
-    state = _progress(progress)
     return training.schedule == "until_converged" and state.step - state.improved_step >= training.patience * training.eval_interval
 
 
-def should_stop(progress: TrainProgress | Mapping[str, Any], training: Rule, total_steps: int) -> str | None:
+def should_stop(state: TrainProgress, training: Rule, total_steps: int) -> str | None:
     """After an evaluation: "converged" when `patience` evaluations passed without an improvement (with an
     anneal: when the anneal that then started has ended), "step_cap" at the last step, else None.
     Pure (a function of the saved progress), so resume agrees."""
-    state = _progress(progress)
     anneal = lambda start: anneal_length(training.decay_steps, training.decay_fraction, start)  # noqa: E731
     if state.decay_start is not None and state.step >= state.decay_start + anneal(state.decay_start):
         return "converged"
@@ -86,9 +80,9 @@ def should_stop(progress: TrainProgress | Mapping[str, Any], training: Rule, tot
     return None
 
 
-def record_evaluation(progress: TrainProgress | Mapping[str, Any], accept_length: float, training: Rule,
-                      total_steps: int) -> TrainProgress | dict[str, Any]:
-    """The training state after the held-out evaluation at progress.step scored `accept_length`. Pure.
+def record_evaluation(state: TrainProgress, accept_length: float, training: Rule,
+                      total_steps: int) -> TrainProgress:
+    """The training state after the held-out evaluation at state.step scored `accept_length`. Pure.
 
     best_accept_length/best_step: the plain maximum (the checkpoint kept). Stopping looks at the smoothed
     tau, the mean of the last `smoothing_evaluations` taus: an improvement is a smoothed tau above the
@@ -96,9 +90,8 @@ def record_evaluation(progress: TrainProgress | Mapping[str, Any], accept_length
     counts patience from the last one. A lucky evaluation lifts the mean by a fraction of its luck instead
     of fixing a reference the next ones cannot reach, and an unlucky one no longer reads as a plateau.
     With an anneal (`anneal_length` > 0), the first plateau starts it (decay_start) instead of stopping.
-    Returns the kind it was given: a TrainProgress, or the dict form.
+    `state` is left as it was: the result is a new TrainProgress.
     """
-    state = _progress(progress)
     recent = (list(state.recent_accept_lengths) + [accept_length])[-training.smoothing_evaluations :]
     updated = dataclasses.replace(state, recent_accept_lengths=recent, smoothed_accept_length=sum(recent) / len(recent))
     if accept_length > state.best_accept_length:
@@ -109,13 +102,12 @@ def record_evaluation(progress: TrainProgress | Mapping[str, Any], accept_length
             and plateaued(updated, training)):
         updated.decay_start = state.step  # converged at the peak: anneal from here, then stop
     updated.stopped = should_stop(updated, training, total_steps)
-    return updated if isinstance(progress, TrainProgress) else updated.to_dict()
+    return updated
 
 
-def anneal_note(progress: TrainProgress | Mapping[str, Any], training: Rule, total_steps: int) -> str:
+def anneal_note(state: TrainProgress, training: Rule, total_steps: int) -> str:
     """The held-out log line's note at the evaluation that starts the anneal ("" at any other), saying
     when a step cap will cut it (the draft then ends "step_cap", a lower bound)."""
-    state = _progress(progress)
     if state.stopped or state.decay_start is None or state.decay_start != state.step:
         return ""
     end = state.decay_start + anneal_length(training.decay_steps, training.decay_fraction, state.decay_start)
