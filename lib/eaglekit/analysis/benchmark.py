@@ -262,7 +262,7 @@ def benchmark_drafts(
     any draft's output differs from plain greedy decoding: the loop must be lossless.
     """
     from eaglekit.analysis.checkpoints import load_draft_checkpoint
-    from eaglekit.analysis.speculative import one_torch_thread
+    from eaglekit.analysis.speculative import one_torch_thread, raise_if_lossy
 
     if not settings.benchmark_prompts:
         return BenchmarkRun(None, "analysis.benchmark_prompts is not set: no benchmark curve "
@@ -276,10 +276,8 @@ def benchmark_drafts(
         drafts = {size: load_draft_checkpoint(path, target_embed_tokens) for size, path in checkpoints.items()}
         scores = score_drafts_on_prompts(target, drafts, prompts, steps, settings.benchmark_max_new_tokens, eos_token_ids,
                                          settings.bootstrap_resamples, settings.confidence, seed)
-    if not scores.summary["outputs_equal"].all():
-        differing = scores.per_prompt.loc[~scores.per_prompt["outputs_equal"], ["data_size", "id"]].values.tolist()
-        raise RuntimeError(f"the speculative loop's output differs from plain greedy decoding on benchmark prompts "
-                           f"(data size, id) {differing}: a bug in eaglekit.analysis.speculative")
+    raise_if_lossy(scores.per_prompt.loc[~scores.per_prompt["outputs_equal"], ["data_size", "id"]].values.tolist(),
+                   "on benchmark prompts (data size, id)")
     note = (f"{prompt_file.name}: {len(prompts)} prompts (of {len(read)} read; at most {max_prompt_tokens} prompt tokens) x "
             f"{settings.benchmark_max_new_tokens} new tokens x {len(checkpoints)} drafts in {time.perf_counter() - started:.0f} s")
     return BenchmarkRun(scores, note)

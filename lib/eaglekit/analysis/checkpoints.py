@@ -29,7 +29,7 @@ from eaglekit.analysis.acceptance import (
 from eaglekit.capture import CapturedSamples
 from eaglekit.draft.model import DraftConfig, Eagle3DraftModel
 from eaglekit.analysis.offline_estimate import OfflineChainAgreement, offline_chain_agreement
-from eaglekit.analysis.speculative import GreedyResult, SpeculativeResult, greedy_decode, speculative_decode
+from eaglekit.analysis.speculative import GreedyResult, SpeculativeResult, greedy_decode, raise_if_lossy, speculative_decode
 from eaglekit.training.record import SweepRecord
 from eaglekit.topology import Topology
 
@@ -49,10 +49,7 @@ class LoopReport:
 
     def require_lossless(self) -> None:
         """Raise when any speculative output differs from plain greedy decoding: the loop must be lossless."""
-        if not self.summary["outputs_equal"]:
-            differing = [row["prompt"] for row in self.per_prompt if not row["outputs_equal"]]
-            raise RuntimeError(f"the speculative loop's output differs from plain greedy decoding on prompts {differing}: "
-                               "a bug in eaglekit.analysis.speculative")
+        raise_if_lossy([row["prompt"] for row in self.per_prompt if not row["outputs_equal"]], "on prompts")
 
     def per_prompt_table(self, prompts: Sequence[dict]) -> pd.DataFrame:
         """One row per prompt, named by the held-out prompts the loop ran on (`heldout_prompts`: id,

@@ -159,6 +159,14 @@ def check_draft_fits_target(target: nn.Module, draft: DraftModel) -> list[int]:
     return validate_capture_layer_ids(draft.config.capture_layer_indices, config.num_hidden_layers)
 
 
+def raise_if_lossy(differing: Sequence, where: str) -> None:
+    """The loop must be lossless: raise when any output differed from plain greedy decoding. differing: what
+    they were (prompts, topologies), `where` saying which, e.g. "on prompts"."""
+    if differing:
+        raise RuntimeError(f"the speculative loop's output differs from plain greedy decoding {where} {differing}: "
+                           "a bug in eaglekit.analysis.speculative")
+
+
 def _check_budget(target: nn.Module, prompt_length: int, max_new_tokens: int, steps: int) -> None:
     """steps: draft tokens per verification (0 for plain greedy decoding)."""
     if prompt_length == 0:

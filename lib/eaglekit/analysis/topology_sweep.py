@@ -317,16 +317,14 @@ def check_recommendation(
     with "loop_check" added, one record per topology (LOOP_CHECK_FIELDS: loop vs offline tau, speed against
     plain greedy). Raises when a loop's output differs from plain greedy decoding."""
     from eaglekit.analysis.evaluate import evaluate_draft
-    from eaglekit.analysis.speculative import one_torch_thread
+    from eaglekit.analysis.speculative import one_torch_thread, raise_if_lossy
 
     topologies = list(dict.fromkeys([Topology.parse(recommendation["sglang"]["topology"]), Topology.chain(steps)]))
     with one_torch_thread():
         records = evaluate_draft(target, draft, [prompt["input_ids"] for prompt in prompts], topologies, max_new_tokens, eos_token_ids,
                                  prompt_names=[prompt["id"] for prompt in prompts], num_resamples=num_resamples,
                                  confidence=confidence, seed=seed).records()
-    lossy = [record["topology"] for record in records if not record["outputs_equal"]]
-    if lossy:
-        raise RuntimeError(f"the loop's output differs from plain greedy decoding for {lossy}: a bug in eaglekit.analysis.speculative")
+    raise_if_lossy([record["topology"] for record in records if not record["outputs_equal"]], "for")
     return {**recommendation, "loop_check": [{key: record[key] for key in LOOP_CHECK_FIELDS} for record in records]}
 
 
