@@ -143,9 +143,10 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
 
 def parse_json_text(value: Any) -> Any:
     """A string that holds JSON, parsed; anything else (a non-JSON string included) as it is. Datasets store
-    tool calls' arguments and tool definitions either way."""
+    tool calls' arguments and tool definitions either way. Text json.loads refuses past its limits (an
+    integer over 4300 digits: ValueError; deep nesting: RecursionError) is a non-JSON string too."""
     if isinstance(value, str):
-        with contextlib.suppress(json.JSONDecodeError):
+        with contextlib.suppress(ValueError, RecursionError):
             return json.loads(value)
     return value
 
