@@ -25,7 +25,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,13 +337,12 @@ def load_index(output_dir: str | os.PathLike) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-class ShardDataset(torch.utils.data.Dataset, Sequence):
+class ShardDataset(torch.utils.data.Dataset):
     """Samples from a finished capture, as the dicts stage 5 trains on (`capture.CapturedSamples`).
 
     Each item: {"id": str, "dataset": str, "input_ids": int64 (T,), "loss_mask": int64 (T,),
     "aux_hidden_states": bf16 (T, 3H), "final_hidden_states": bf16 (T, H)}.
-    Tensors are read lazily by slice, so a dataset far larger than memory is fine. A Sequence, like
-    `OnlineCaptureSamples`: iterating reads position after position.
+    Tensors are read lazily by slice, so a dataset far larger than memory is fine.
     """
 
     def __init__(self, output_dir: str | os.PathLike, datasets: list[str] | None = None):
@@ -405,6 +404,10 @@ class ShardDataset(torch.utils.data.Dataset, Sequence):
         except SafetensorError as error:
             raise CorruptShardError(f"shard {self.output_dir / record['shard']}: sample {record['dataset']}/{record['id']} "
                                     f"cannot be read ({error})") from None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for position in range(len(self)):
+            yield self[position]
 
 
 def write_config_once(output_dir: Path, config: dict[str, Any]) -> None:
