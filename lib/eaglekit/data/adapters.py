@@ -96,10 +96,7 @@ def parse_hermes_tool_calls(content: str) -> tuple[str, list[dict]]:
     calls: list[dict] = []
 
     def take(match: re.Match) -> str:
-        try:
-            value = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            return match.group(0)
+        value = parse_json_text(match.group(1))
         if not isinstance(value, dict) or not isinstance(value.get("name"), str):
             return match.group(0)
         calls.append(tool_call(value["name"], value.get("arguments", value.get("parameters", {}))))

@@ -60,7 +60,7 @@ def packaged_files(name: str) -> tuple[list[Path], str]:
     return files, packaged.format
 
 
-def fetch_llamafactory_data(dest: Path | None = None, version: str = LLAMAFACTORY_VERSION) -> Path:
+def fetch_llamafactory_data(dest: Path | None = None) -> Path:
     """Download the llamafactory sdist with pip and extract its Alpaca and Glaive samples into `dest`.
 
     Idempotent (returns at once when `dest` already holds both files) and atomic (files land in a
@@ -73,7 +73,7 @@ def fetch_llamafactory_data(dest: Path | None = None, version: str = LLAMAFACTOR
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="llamafactory-sdist-") as download_dir:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   f"llamafactory=={version}", "-d", download_dir]
+                   f"llamafactory=={LLAMAFACTORY_VERSION}", "-d", download_dir]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"`{' '.join(command)}` failed (needs PyPI access):\n{result.stderr[-2000:]}")
@@ -84,7 +84,7 @@ def fetch_llamafactory_data(dest: Path | None = None, version: str = LLAMAFACTOR
         try:
             with tarfile.open(archives[0]) as archive:
                 for file_name in [*wanted, "dataset_info.json"]:
-                    member = archive.getmember(f"llamafactory-{version}/data/{file_name}")
+                    member = archive.getmember(f"llamafactory-{LLAMAFACTORY_VERSION}/data/{file_name}")
                     source = archive.extractfile(member)
                     if source is None:
                         raise RuntimeError(f"{archives[0]}: {member.name} is not a file")

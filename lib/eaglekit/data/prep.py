@@ -33,7 +33,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -124,9 +124,13 @@ class PrepSummary:
             for counts in self.sources])
 
     def rejects_by_reason(self) -> pd.DataFrame:
-        rows = [{"source": c.source, "reason": reason, "count": n}
-                for c in self.sources for reason, n in sorted(c.rejected_by_reason.items())]
-        return pd.DataFrame(rows, columns=["source", "reason", "count"])
+        return rejects_table((counts.source, counts.rejected_by_reason) for counts in self.sources)
+
+
+def rejects_table(reasons_by_source: Iterable[tuple[str, Mapping[str, int]]]) -> pd.DataFrame:
+    """One row per source and reason (sorted within a source): source, reason, count."""
+    return pd.DataFrame([{"source": source, "reason": reason, "count": count} for source, reasons in reasons_by_source
+                         for reason, count in sorted(reasons.items())], columns=["source", "reason", "count"])
 
 
 class _Outputs:
@@ -251,9 +255,9 @@ def prepare_sources(
         raise
 
 
-def _rejected(location: RecordLocation, reason: str) -> Reject:
-    """The record at `location` rejected for `reason`, naming its messages."""
-    return Reject(InputError(location.path, location.line, "messages", reason), location.record)
+def _rejected(location: RecordLocation, reason: str, field_name: str = "messages") -> Reject:
+    """The record at `location` rejected for `reason`, naming its messages (or `field_name` in them)."""
+    return Reject(InputError(location.path, location.line, field_name, reason), location.record)
 
 
 def _prepare_record(spec: SourceSpec, item: SourceRecord, tokenizer: Any, counts: SourceCounts, seen: set[bytes],
@@ -297,8 +301,8 @@ def _prepare_class_a(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
     for index, reason in result.rejected_turns:
         # a template limit, not bad input: listed under any bad_input policy
         counts.rejected_turns += 1
-        turn = InputError(location.path, location.line, f"messages[{index}]", f"chat template turn not trained: {reason}")
-        outputs.write("rejects.jsonl", {"source": spec.name, **Reject(turn, location.record).as_record()})
+        turn = _rejected(location, f"chat template turn not trained: {reason}", f"messages[{index}]")
+        outputs.write("rejects.jsonl", {"source": spec.name, **turn.as_record()})
     counts.split += result.split
     counts.samples += len(result.samples)
     counts.generated_tokens += result.generated_tokens

@@ -50,8 +50,7 @@ def iter_jsonl_records(path: Path) -> Iterator[RawItem]:
     try:
         with opener(path, "rb") as handle:
             for line_number, raw in enumerate(handle, start=1):
-                if line_number == 1 and raw.startswith(codecs.BOM_UTF8):
-                    raw = raw[len(codecs.BOM_UTF8):]
+                raw = raw.removeprefix(codecs.BOM_UTF8) if line_number == 1 else raw
                 if not raw.strip():
                     continue
                 record += 1
@@ -179,7 +178,7 @@ def _json_records(path: Path, stream: _JsonStream) -> Iterator[RawItem]:
         yield RecordLocation(str(path), start_line, record), value
 
 
-def iter_parquet_records(path: Path, batch_rows: int = 1024) -> Iterator[RawItem]:
+def iter_parquet_records(path: Path) -> Iterator[RawItem]:
     """Parquet rows as dicts, read in batches (never the whole table); an unreadable file or
     batch is an error."""
     import pyarrow as arrow
@@ -187,7 +186,7 @@ def iter_parquet_records(path: Path, batch_rows: int = 1024) -> Iterator[RawItem
 
     row = 0
     try:
-        for batch in parquet.ParquetFile(path).iter_batches(batch_size=batch_rows):
+        for batch in parquet.ParquetFile(path).iter_batches(batch_size=1024):
             for record in batch.to_pylist():
                 row += 1
                 yield RecordLocation(str(path), row, row), record

@@ -31,7 +31,7 @@ import pandas as pd
 from eaglekit.chat import ChatTemplateError, render_conversation
 from eaglekit.io import atomic_write, write_json
 from eaglekit.config import PrepParams
-from eaglekit.data.prep import content_hash, partition_of, prep_settings
+from eaglekit.data.prep import content_hash, partition_of, prep_settings, rejects_table
 from eaglekit.data.sources import Reject, SourceSpec, iter_source, prompt_messages
 
 _BATCH = 256
@@ -119,9 +119,7 @@ def survey_sources(
     return SurveyTables(
         summary=_summary(all_stats, context_length, long_prompt_threshold),
         lengths=_lengths(all_stats),
-        rejects=pd.DataFrame([{"source": s.spec.name, "reason": reason, "count": count}
-                              for s in all_stats for reason, count in sorted(s.rejects.items())],
-                             columns=["source", "reason", "count"]),
+        rejects=rejects_table((stats.spec.name, stats.rejects) for stats in all_stats),
     )
 
 
@@ -155,15 +153,10 @@ def _summary(all_stats: list[_SourceStats], context_length: int, long_prompt_thr
 
 
 def _lengths(all_stats: list[_SourceStats]) -> pd.DataFrame:
-    frames = [pd.DataFrame({
-        "source": stats.spec.name,
-        "turns": np.frombuffer(stats.turns, dtype=np.int32),
-        "prompt_tokens": np.frombuffer(stats.prompt_tokens, dtype=np.int32),
-        "response_tokens": np.frombuffer(stats.response_tokens, dtype=np.int32),
-        "conversation_tokens": np.frombuffer(stats.conversation_tokens, dtype=np.int32),
-    }) for stats in all_stats if stats.turns]
-    columns = ["source", "turns", "prompt_tokens", "response_tokens", "conversation_tokens"]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+    columns = ("turns", "prompt_tokens", "response_tokens", "conversation_tokens")  # _SourceStats' arrays
+    frames = [pd.DataFrame({"source": stats.spec.name, **{name: np.frombuffer(getattr(stats, name), dtype=np.int32)
+                                                           for name in columns}}) for stats in all_stats if stats.turns]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["source", *columns])
 
 
 def save_survey(result: SurveyTables, out_dir: Path) -> list[Path]:
