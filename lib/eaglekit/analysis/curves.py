@@ -182,3 +182,10 @@ def leave_one_size_out_error(data_sizes: Sequence[float], accept_lengths: Sequen
                     .raw(sizes[left_out : left_out + 1])[model][0, 0]) - taus[left_out]
               for left_out in range(len(sizes))]
     return float(np.sqrt(np.mean(np.square(errors))))
+
+
+def leave_one_size_out_errors(sizes: Sequence[float], accept_lengths: Sequence[float],
+                              ceiling: float = math.inf) -> dict[str, float | None]:
+    """`leave_one_size_out_error` of every MEASURED_SHAPE family: the errors the ceiling test chooses a model by
+    and the forecast weighs its point by (`scaling.CeilingIdentification.loo_error`, handed to the forecast)."""
+    return {model: leave_one_size_out_error(sizes, accept_lengths, model, ceiling) for model in MEASURED_SHAPE}

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from eaglekit.analysis.curves import (FAMILIES, MEASURED_SHAPE, FamilyFits, first_crossing, leave_one_size_out_error, sorted_points,
+from eaglekit.analysis.curves import (FAMILIES, MEASURED_SHAPE, FamilyFits, first_crossing, leave_one_size_out_errors, sorted_points,
                                      union_interval)
 from eaglekit.analysis.scaling import MAX_DOUBLINGS_BEYOND, LocalSlope, local_slope, sizes_text
 from eaglekit.io import write_json
@@ -201,16 +201,15 @@ def _crossing(value: float, reach: float) -> Crossing:
     return value if value <= reach else f"beyond {reach:,.0f}"
 
 
-def _point_weights(sizes: np.ndarray, taus: np.ndarray, ceiling: float) -> tuple[dict[str, float], str, dict[str, float | None]]:
-    """The point forecast's weights over MEASURED_SHAPE, the rule that gave them, and the leave-one-size-out
-    errors."""
-    loo = {model: leave_one_size_out_error(sizes, taus, model, ceiling) for model in MEASURED_SHAPE}
-    if len(sizes) >= SIZES_TO_RANK_MODELS and all(value is not None for value in loo.values()):
-        inverse = {model: 1.0 / max(float(value) ** 2, 1e-12) for model, value in loo.items()}
+def _point_weights(sizes: np.ndarray, loo: Mapping[str, float | None]) -> tuple[dict[str, float], str]:
+    """The point forecast's weights over MEASURED_SHAPE from the leave-one-size-out errors, and the rule that
+    gave them."""
+    if len(sizes) >= SIZES_TO_RANK_MODELS and all(loo[model] is not None for model in MEASURED_SHAPE):
+        inverse = {model: 1.0 / max(float(loo[model]) ** 2, 1e-12) for model in MEASURED_SHAPE}
         weights = {model: value / sum(inverse.values()) for model, value in inverse.items()}
-        return weights, "inverse leave-one-size-out mean squared error", loo
+        return weights, "inverse leave-one-size-out mean squared error"
     return ({model: 0.5 for model in MEASURED_SHAPE},
-            f"equal: with {len(sizes)} sizes the 3-parameter curve cannot be scored on a left-out size (needs {SIZES_TO_RANK_MODELS})", loo)
+            f"equal: with {len(sizes)} sizes the 3-parameter curve cannot be scored on a left-out size (needs {SIZES_TO_RANK_MODELS})")
 
 
 def _gain_shape(sizes: np.ndarray, taus: np.ndarray, rows: np.ndarray, tail: float) -> str:
@@ -244,6 +243,7 @@ def forecast(
     seed_accept_lengths: Mapping[float, Sequence[float]] | None = None,
     looks: int = 1,
     seed: int = 0,
+    loo_error: Mapping[str, float | None] | None = None,
 ) -> Forecast:
     """The forecast from the sizes measured so far.
 
@@ -259,6 +259,8 @@ def forecast(
       scored on the same held-out set: they measure the training noise (else TRAINING_NOISE_PRIOR).
     looks: how many verdicts the run issues (a staged run: one per staged size and the final one).
     seed: the training-noise draws (deterministic for a given seed).
+    loo_error: the leave-one-size-out errors of these points under this ceiling, when the caller has them
+      (`scaling.CeilingIdentification.loo_error`, what `answer.forecast_answer` hands over); None: computed here.
     """
     sizes, taus, replicates = sorted_points(data_sizes, accept_lengths, replicate_accept_lengths)
     if len(sizes) == 0 or len(np.unique(sizes)) != len(sizes):
@@ -267,16 +269,17 @@ def forecast(
         raise ValueError(f"looks counts the verdicts a run issues, at least 1; got {looks}")
     noise = training_noise(dict(zip(sizes.tolist(), taus.tolist())), seed_accept_lengths)
     rows = with_training_noise(replicates, noise, seed)  # (R, n): held-out and training noise
+    loo = dict(loo_error) if loo_error is not None else leave_one_size_out_errors(sizes, taus, max_accept_length)
     return _Forecaster(sizes, taus, replicates, rows, noise, planned_sizes, full_size, break_even, max_accept_length, confidence,
-                       sorted(float(size) for size in lower_bound_sizes), looks).run()
+                       sorted(float(size) for size in lower_bound_sizes), looks, loo).run()
 
 
 class _Forecaster:
     """One forecast's inputs and the steps that build it, in the order the module docstring gives them."""
 
     def __init__(self, sizes, taus, replicates, rows, noise: TrainingNoise, planned_sizes, full_size, break_even, ceiling, confidence,
-                 lower_bounds: list[float], looks: int):
-        self.sizes, self.taus, self.rows, self.noise = sizes, taus, rows, noise
+                 lower_bounds: list[float], looks: int, loo: dict[str, float | None]):
+        self.sizes, self.taus, self.rows, self.noise, self.loo = sizes, taus, rows, noise, loo
         self.break_even, self.ceiling, self.confidence, self.lower_bounds, self.looks = break_even, ceiling, confidence, lower_bounds, looks
         self.full_size = full_size
         self.tail = (1.0 - confidence) / 2.0
@@ -397,7 +400,7 @@ class _Forecaster:
         sizes, taus = self.sizes, self.taus
         self.fits = FamilyFits.fit(sizes, self.rows, self.ceiling)
         self.point_fits = FamilyFits.fit(sizes, taus[None, :], self.ceiling)
-        weights, rule, loo = _point_weights(sizes, taus, self.ceiling)
+        weights, rule = _point_weights(sizes, self.loo)
         shape = _gain_shape(sizes, taus, self.rows, self.tail)
         wanted = sorted({size for size in self.planned if size > self.largest}
                         | ({float(self.horizon)} if self.horizon is not None and self.horizon > self.largest else set()))
@@ -415,7 +418,7 @@ class _Forecaster:
         if beyond:
             self.notes.append(f"Not forecast: {sizes_text(beyond)} samples, more than {MAX_DOUBLINGS_BEYOND:g} doublings beyond the "
                               f"largest measured size ({self.largest:g}).")
-        parts = dict(slope=slope.to_dict(), model_weights=weights, weight_rule=rule, loo_rmse=loo, predictions=predictions,
+        parts = dict(slope=slope.to_dict(), model_weights=weights, weight_rule=rule, loo_rmse=self.loo, predictions=predictions,
                      doublings_at_slope=slope.doublings_to(self.break_even) if self.break_even is not None else None)
         if self.break_even is None:
             return self.result("not yet known", f"not yet known: no break-even tau to compare with (measure the serving timings); "

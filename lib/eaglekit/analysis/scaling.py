@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eaglekit.analysis.acceptance import percentile_interval
-from eaglekit.analysis.curves import (EXPONENT_GRID, MEASURED_SHAPE, PARAMETERS, fit_saturating_rows, leave_one_size_out_error,
+from eaglekit.analysis.curves import (EXPONENT_GRID, PARAMETERS, fit_saturating_rows, leave_one_size_out_errors,
                                      saturating_curve, slope_per_doubling, sorted_points)
 
 # No count of doublings is stated further than this past the largest measured size: there the curves the sizes
@@ -295,7 +295,7 @@ def ceiling_identification(
     that would pin a ceiling is not measurable).
     """
     sizes, taus, replicate_accept_lengths = sorted_points(data_sizes, accept_lengths, replicate_accept_lengths)
-    loo = {model: leave_one_size_out_error(sizes, taus, model, max_accept_length) for model in MEASURED_SHAPE}
+    loo = leave_one_size_out_errors(sizes, taus, max_accept_length)
     evaluable = {model: error for model, error in loo.items() if error is not None}
     chosen = min(evaluable, key=evaluable.get) if evaluable else "log-linear"
     reasons: list[str] = []
