@@ -620,23 +620,20 @@ def paired_summary(
     """Markdown: every row's outside tau with its interval and its paired difference to the same size's
     baseline (one set of bootstrap weights over the outside samples for every draft), and the baseline's
     slope per doubling of data (least squares of tau on log2 N, per replicate)."""
-    from eaglekit.analysis.acceptance import bootstrap_weights, percentile_interval
+    from eaglekit.analysis.acceptance import (
+        bootstrap_accept_length,
+        percentile_interval,
+        pooled_accept_length,
+    )
+    from eaglekit.analysis.curves import slope_per_doubling
 
     counts = [outside_counts(out, row["label"], head, chain) for row in rows]
-    weights = bootstrap_weights(len(counts[0].positions), num_resamples, seed).astype(np.float64)  # (R, S)
-    taus = np.stack(
-        [
-            1.0
-            + (
-                weights
-                @ c.prefix_counts.astype(np.float64)
-                / (weights @ c.positions.astype(np.float64))[:, None]
-            ).sum(axis=1)
-            for c in counts
-        ],
-        axis=1,
+    # The same samples and seed for every draft: the same resampling weights, so the replicates are paired
+    # (over the samples with a position to score, as the kit's acceptance tables resample).
+    taus = np.column_stack(
+        [bootstrap_accept_length(c, num_resamples, seed).pooled_tau for c in counts]
     )  # (R, drafts)
-    points = np.array([1.0 + (c.prefix_counts.sum(axis=0) / c.positions.sum()).sum() for c in counts])
+    points = np.array([pooled_accept_length(c) for c in counts])
     low, high = percentile_interval(taus, confidence)
     lines = [
         "| variant | size | steps (cap) | converged | best step | s/step | outside tau [95%] | minus "
@@ -654,8 +651,8 @@ def paired_summary(
         )
         difference = "-"
         if base is not None and base != index:
-            d_low, d_high = percentile_interval(taus[:, [index]] - taus[:, [base]], confidence)
-            difference = f"{points[index] - points[base]:+.3f} [{d_low[0]:+.3f}, {d_high[0]:+.3f}]"
+            d_low, d_high = percentile_interval(taus[:, index] - taus[:, base], confidence)
+            difference = f"{points[index] - points[base]:+.3f} [{d_low:+.3f}, {d_high:+.3f}]"
         loop = row.get("loop")
         loop_text = (
             f"{loop['tau']:.3f} [{loop['low']:.3f}, "
@@ -670,19 +667,15 @@ def paired_summary(
             f"{difference} | {row['sharegpt_heldout_tau']:.3f} | {loop_text} |"
         )
     baseline = [index for index, row in enumerate(rows) if row["variant"] == "baseline"]
-    sizes = np.log2([rows[index]["size"] for index in baseline])
-    if len(set(sizes)) >= 2:
-        centered = sizes - sizes.mean()
-        slope = lambda values: (
-            (values - values.mean(axis=-1, keepdims=True)) @ centered / (centered @ centered)
-        )
-        replicate_slopes = slope(taus[:, baseline])
-        s_low, s_high = percentile_interval(replicate_slopes[:, None], confidence)
+    log2_sizes = np.log2([rows[index]["size"] for index in baseline])
+    if len(set(log2_sizes)) >= 2:
+        slope = float(slope_per_doubling(log2_sizes, points[baseline]))
+        s_low, s_high = percentile_interval(slope_per_doubling(log2_sizes, taus[:, baseline]), confidence)
         lines.append(
             "\nbaseline slope per doubling of data (least squares on log2 N over sizes "
-            f"{[rows[index]['size'] for index in baseline]}): {float(slope(points[baseline])):+.4f} "
-            f"[{s_low[0]:+.4f}, {s_high[0]:+.4f}] (paired bootstrap over the "
-            f"{len(counts[0].positions)} outside samples)"
+            f"{[rows[index]['size'] for index in baseline]}): {slope:+.4f} "
+            f"[{s_low:+.4f}, {s_high:+.4f}] (paired bootstrap over the "
+            f"{int((counts[0].positions > 0).sum())} outside samples)"
         )
     return "\n".join(lines)
 
