@@ -83,11 +83,11 @@ for templates that concatenate them (DeepSeek), probed once. A template with no 
 (SmolLM2, Phi-3.5, Gemma) gets the calls as Hermes `<tool_call>` text in the content, so they are
 trained rather than silently dropped.
 
-Modules, in dependency order: `template` (errors, probe words, `TemplateLayout`), `text` (string search
-helpers), `messages` (kit schema -> template messages, control tokens marked), `render` (a rendering, a
+Modules, in dependency order: `template` (errors, probe words, `TemplateLayout`, string search helpers),
+`messages` (kit schema -> template messages, control tokens marked), `render` (a rendering, a
 turn as generated), `layout` (the template probe), `tokens` (tokens and loss mask of a rendering),
 `prompts` (a prompt's text and tokens, a class-B answer), `reference` (the oracle), `turns` (each turn
-as generated, from a small rendering), `locate` (finding those turns in a rendering), `injected` and
+as generated, from a small rendering, and finding those turns in a rendering), `injected` and
 `split` (the split samples of templates that move or rewrite earlier text), `fast` (the fast path).
 """
 

@@ -5,17 +5,17 @@ history; a conversation whose checks fail goes to the oracle (`reference`), coun
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from eaglekit.chat.injected import injected_groups
-from eaglekit.chat.locate import locate_visible
 from eaglekit.chat.prompts import prepare
 from eaglekit.chat.reference import tokenize_conversation_reference
 from eaglekit.chat.render import Renderer
 from eaglekit.chat.split import split_groups
 from eaglekit.chat.template import HISTORY_POLICIES, HistoryPolicy
 from eaglekit.chat.tokens import ConversationSamples, finish_samples
-from eaglekit.chat.turns import generated_turns
+from eaglekit.chat.turns import generated_turns, locate_visible
 
 
 def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: list | None = None,
@@ -70,7 +70,5 @@ def tokenize_conversation(tokenizer: Any, messages: Sequence[dict], *, tools: li
 
 
 def _fallback(tokenizer, messages, tools, history, truncated, template_kwargs) -> ConversationSamples:
-    result = tokenize_conversation_reference(tokenizer, messages, tools=tools, history=history, truncated=truncated,
-                                             template_kwargs=template_kwargs)
-    return ConversationSamples(result.samples, result.generated_tokens, result.trained_tokens, fallback=True,
-                               boundary_merges=result.boundary_merges, rejected_turns=result.rejected_turns)
+    return replace(tokenize_conversation_reference(tokenizer, messages, tools=tools, history=history, truncated=truncated,
+                                                   template_kwargs=template_kwargs), fallback=True)

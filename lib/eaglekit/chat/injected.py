@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 
-from eaglekit.chat.locate import history_turns, locate_turns
 from eaglekit.chat.render import Renderer, small_context
-from eaglekit.chat.template import PROBE_ASSISTANT, PROBE_USER, ChatTemplateError, TemplateLayout
-from eaglekit.chat.text import after_nth
+from eaglekit.chat.template import PROBE_ASSISTANT, PROBE_USER, ChatTemplateError, TemplateLayout, after_nth
 from eaglekit.chat.tokens import Rendered
-from eaglekit.chat.turns import UNPROBED, GeneratedTurn, shape_facts
+from eaglekit.chat.turns import UNPROBED, GeneratedTurn, history_turns, locate_turns, shape_facts
 
 
 def injected_groups(renderer: Renderer, template_messages: list[dict], indices: list[int],

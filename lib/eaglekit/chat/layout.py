@@ -11,16 +11,8 @@ from typing import Any
 
 from eaglekit.chat.messages import Marker, fold_reasoning, to_template_messages
 from eaglekit.chat.render import Renderer, render_template
-from eaglekit.chat.template import (
-    PROBE_ASSISTANT,
-    PROBE_CALL_ID,
-    PROBE_REASONING,
-    PROBE_TOOL,
-    PROBE_USER,
-    ChatTemplateError,
-    TemplateLayout,
-)
-from eaglekit.chat.text import common_prefix_length, control_tokens_in, history_header
+from eaglekit.chat.template import (PROBE_ASSISTANT, PROBE_CALL_ID, PROBE_REASONING, PROBE_TOOL, PROBE_USER, ChatTemplateError,
+                                    TemplateLayout, common_prefix_length, control_tokens_in, history_header)
 
 
 _LAYOUT_CACHE: dict[tuple, TemplateLayout] = {}
@@ -212,9 +204,6 @@ def _tool_stability(tokenizer: Any, call: dict, base: list | None, template_kwar
         except ChatTemplateError:
             return None
 
-    def preamble_only(with_tools: str, without: str) -> bool:
-        return with_tools.endswith(without)  # equal where the template ignores tools (DeepSeek)
-
     def inserted_before_last_user(messages: list[dict], with_tools: str, without: str) -> bool:
         added = len(with_tools) - len(without)
         at = common_prefix_length(with_tools, without)
@@ -231,7 +220,8 @@ def _tool_stability(tokenizer: Any, call: dict, base: list | None, template_kwar
     tool_renderings = [with_and_without_tools(messages, generation_prompt) for messages, generation_prompt in
                        ((rounds, False), (rounds[:-1], True), (two_turns, True))]
     return {
-        "tools_in_preamble": all(pair is not None and preamble_only(*pair[1:]) for pair in tool_renderings),
+        # with tools, the same text after a preamble (or the same text, where the template ignores tools: DeepSeek)
+        "tools_in_preamble": all(pair is not None and pair[1].endswith(pair[2]) for pair in tool_renderings),
         "tools_before_last_user": all(pair is not None and inserted_before_last_user(*pair) for pair in tool_renderings),
         "stable_with_system": stable([{"role": "system", "content": PROBE_REASONING}, *two_turns], base),
         "stable_with_late_system": stable([*user, assistant, {"role": "system", "content": PROBE_REASONING},
@@ -250,13 +240,13 @@ def _probe_rounds(number: int, calls: int, reasoning: bool, content: str) -> lis
 
 
 def _prompts_extend(tokenizer: Any, layout: TemplateLayout, template_kwargs: dict, conversation: list[dict],
-                    ends: list[int], tools: list | None) -> bool:
-    """Whether the prompt of `conversation` extends the prompt of each of its prefixes up to `ends` (their
-    generation prompt's think opener left out)."""
+                    ends: list[int], tools: list | None, whole: bool = False) -> bool:
+    """Whether the prompt of `conversation` (`whole`: its rendering without a generation prompt) extends the
+    prompt of each of its prefixes up to `ends` (their generation prompt's think opener left out)."""
     messages = to_template_messages(conversation, layout, Marker(layout))
     renderer = Renderer(tokenizer, layout, tools, template_kwargs)
     try:
-        last = renderer.prompt(messages)
+        last = renderer.whole(messages) if whole else renderer.prompt(messages)
         return all(last.startswith(history_header(renderer.prompt(messages[:end]))) for end in ends)
     except ChatTemplateError:
         return False
@@ -292,12 +282,7 @@ def _extends_prompt(tokenizer: Any, layout: TemplateLayout, template_kwargs: dic
     answer = {"role": "assistant", "content": PROBE_ASSISTANT, "reasoning": PROBE_REASONING}
     conversation = [{"role": "user", "content": PROBE_USER}, answer, {"role": "user", "content": PROBE_USER + "2"},
                     *_probe_rounds(1, 1, True, ""), *_probe_rounds(2, 1, False, PROBE_ASSISTANT), answer]
-    messages = to_template_messages(conversation, layout, Marker(layout))
-    renderer = Renderer(tokenizer, layout, tools, template_kwargs)
-    try:
-        return renderer.whole(messages).startswith(history_header(renderer.prompt(messages[:-1])))
-    except ChatTemplateError:
-        return False
+    return _prompts_extend(tokenizer, layout, template_kwargs, conversation, [len(conversation) - 1], tools, whole=True)
 
 
 def _call_closer(tokenizer: Any, messages: list[dict], control_tokens: tuple[str, ...], template_kwargs: dict,

@@ -9,8 +9,7 @@ from typing import Any
 from eaglekit.chat.layout import template_layout
 from eaglekit.chat.messages import Marker, normalize_tools, to_template_messages
 from eaglekit.chat.render import Renderer
-from eaglekit.chat.template import ChatTemplateError, TemplateLayout
-from eaglekit.chat.text import turn_end
+from eaglekit.chat.template import ChatTemplateError, TemplateLayout, turn_end
 from eaglekit.chat.tokens import Rendered, TokenizedConversation, tokenize_marked, tokenized_sample
 
 

@@ -7,8 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from eaglekit.chat.prompts import prepare
-from eaglekit.chat.template import HistoryPolicy, NotPrefixStableError
-from eaglekit.chat.text import turn_end
+from eaglekit.chat.template import HistoryPolicy, NotPrefixStableError, turn_end
 from eaglekit.chat.tokens import ConversationSamples, Rendered, finish_samples, tokenize_marked
 
 

@@ -9,11 +9,10 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from eaglekit.chat.locate import history_turns, locate_group
 from eaglekit.chat.render import Renderer, small_context
 from eaglekit.chat.template import ChatTemplateError, TemplateLayout
 from eaglekit.chat.tokens import Rendered
-from eaglekit.chat.turns import GeneratedTurn
+from eaglekit.chat.turns import GeneratedTurn, history_turns, locate_group
 
 
 # A split group whose stretch (messages since the user message before it) is longer than this takes its
@@ -48,8 +47,7 @@ def split_groups(renderer: Renderer, small: Renderer, template_messages: list[di
         # at a turn the full rendering no longer shows as generated (Qwen3's empty think block, DeepSeek).
         ends = [position for position in range(count - 1) if user_after[position]
                 or not full.startswith(generated[position].header + generated[position].text, history[position][0])]
-        composer = _Composer(renderer, small, template_messages, indices, generated, layout,
-                             full, history)
+        composer = _Composer(renderer, small, template_messages, indices, generated, layout, full, history, user_after)
         kinds = [(position < count - 1 and user_after[position], bool(messages[index].get("reasoning")))
                  for position, index in enumerate(indices)]
         groups = _greedy_groups(composer.attempt, ends + [count - 1], count, kinds)
@@ -192,7 +190,8 @@ class _Composer:
     """
 
     def __init__(self, renderer: Renderer, small: Renderer, template_messages: list[dict], indices: list[int],
-                 generated: list[GeneratedTurn], layout: TemplateLayout, full: str, history: list[tuple[int, int]]):
+                 generated: list[GeneratedTurn], layout: TemplateLayout, full: str, history: list[tuple[int, int]],
+                 user_after: list[bool]):
         self.renderer, self.small, self.template_messages, self.indices = renderer, small, template_messages, indices
         self.generated, self.layout = generated, layout
         count = len(indices)
@@ -206,8 +205,7 @@ class _Composer:
         self.users = [index for index, message in enumerate(template_messages) if message["role"] == "user"]
         self.stretch_end = list(range(count))  # each turn's last turn before the next user message
         for position in range(count - 2, -1, -1):
-            if not any(message["role"] == "user" for message in template_messages[indices[position] + 1:
-                                                                                    indices[position + 1]]):
+            if not user_after[position]:  # no user message between this turn and the next
                 self.stretch_end[position] = self.stretch_end[position + 1]
 
     def turn_after_prompt(self, last: int) -> str:
@@ -236,8 +234,8 @@ class _Composer:
             return first - 1, count - 1
         if start - opened[-1] > _SHORT_STRETCH and self.layout.reads_tool_rounds:
             return first - 1, self.stretch_end[first]
-        anchors = [position for position in range(first) if self.indices[position] < opened[-1]]
-        return (anchors[-1], count - 1) if anchors else None
+        before = self._before_stretch(first)
+        return (before, count - 1) if before >= 0 else None
 
     def attempt(self, first: int, last: int) -> Rendered | int | None:
         anchored = self._anchor(first)

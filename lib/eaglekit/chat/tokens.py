@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eaglekit.chat.messages import MARK_RANGE, Marker
-from eaglekit.chat.template import TemplateLayout
-from eaglekit.chat.text import common_prefix_length
+from eaglekit.chat.template import TemplateLayout, common_prefix_length
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def _samples_sharing_history(tokenizer: Any, rendered: list[Rendered], marker: M
     Linear in the conversation, not quadratic. Where the kept text's tokens do not hold that control
     token as one token at its place, the sample is tokenized whole."""
     control_ids = {tokenizer.convert_tokens_to_ids(token) for token in layout.control_tokens}
-    control = re.compile("|".join(map(re.escape, layout.control_tokens)))
+    control = marker.pattern  # the layout's control tokens, longest first
     # Per sample: what it keeps tokens of (0: the sample before it, 1: its history rendering, None:
     # nothing), and where its own tokenization starts.
     bases: list[tuple[int | None, int]] = []
@@ -209,12 +208,8 @@ def finish_samples(tokenizer: Any, rendered: list[Rendered], marker: Marker, bod
     else:
         samples = [tokenized_sample(tokenizer, item, marker) for item in rendered]
     trained = sum(sum(sample.loss_mask) for sample in samples)
-    # What the target generated: each turn's text as generated, tokenized on its own (one batched call
-    # for the turns that quote no control token).
-    plain = [body for body in bodies if body and not MARK_RANGE.search(body)]
-    generated = sum(len(ids) for ids in tokenizer(plain, add_special_tokens=False)["input_ids"]) if plain else 0
-    generated += sum(len(tokenize_marked(tokenizer, body, marker)[0]) for body in bodies
-                     if body and MARK_RANGE.search(body))
+    # What the target generated: each turn's text as generated, tokenized on its own (batched).
+    generated = sum(len(ids) for ids, _ in _tokenize_many(tokenizer, [body for body in bodies if body], marker))
     return ConversationSamples(samples, generated, trained)
 
 
