@@ -253,6 +253,13 @@ def adapt_openai(record: Any, location: RecordLocation) -> Adapted:
     return Adapted(messages, _record_meta(record))
 
 
+def _answered(messages: list[dict], answer: str | None, reasoning: str = "") -> Adapted:
+    """`messages` (ending in the question), then the record's own answer where it has one."""
+    if answer is not None:
+        messages = [*messages, {"role": "assistant", "content": answer, **({"reasoning": reasoning} if reasoning else {})}]
+    return Adapted(messages, {})
+
+
 def adapt_alpaca(record: Any, location: RecordLocation) -> Adapted:
     """Alpaca: `instruction`, optional `input`, `output`, optional `system` and `history` [[q, a], ...]."""
     instruction = _get(record, "instruction", str, location)
@@ -266,9 +273,7 @@ def adapt_alpaca(record: Any, location: RecordLocation) -> Adapted:
             raise _fail(location, f"history[{index}]", "wrong type: expected [question, answer] strings")
         messages += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
     messages.append({"role": "user", "content": instruction + ("\n\n" + extra_input if extra_input else "")})
-    if output is not None:
-        messages.append({"role": "assistant", "content": output})
-    return Adapted(messages, {})
+    return _answered(messages, output)
 
 
 def adapt_problem_solution(record: Any, location: RecordLocation) -> Adapted:
@@ -276,11 +281,8 @@ def adapt_problem_solution(record: Any, location: RecordLocation) -> Adapted:
     solution is reasoning."""
     problem = _get(record, "problem", str, location)
     solution = _get(record, "solution", str, location, required=False)
-    messages: list[dict] = [{"role": "user", "content": problem}]
-    if solution is not None:
-        reasoning, answer = split_reasoning(solution)
-        messages.append({"role": "assistant", "content": answer, **({"reasoning": reasoning} if reasoning else {})})
-    return Adapted(messages, {})
+    reasoning, answer = ("", None) if solution is None else split_reasoning(solution)
+    return _answered([{"role": "user", "content": problem}], answer, reasoning)
 
 
 def adapt_reasoning(record: Any, location: RecordLocation) -> Adapted:
@@ -390,10 +392,7 @@ def adapt_asdiv(record: Any, location: RecordLocation) -> Adapted:
     passage = _get(record, "passage", str, location)
     question = _get(record, "question", str, location)
     answer = _get(record, "answer", str, location, required=False)
-    messages: list[dict] = [{"role": "user", "content": f"{passage.strip()} {question.strip()}"}]
-    if answer is not None:
-        messages.append({"role": "assistant", "content": answer})
-    return Adapted(messages, {})
+    return _answered([{"role": "user", "content": f"{passage.strip()} {question.strip()}"}], answer)
 
 
 ADAPTERS: dict[str, Callable[[Any, RecordLocation], Adapted]] = {

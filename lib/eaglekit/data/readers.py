@@ -195,7 +195,7 @@ def iter_parquet_records(path: Path) -> Iterator[RawItem]:
                          f"unreadable Parquet file ({type(error).__name__}: {error}) after {row} rows")
 
 
-def iter_document_record(path: Path, record: int = 1) -> Iterator[RawItem]:
+def iter_document_record(path: Path, record: int) -> Iterator[RawItem]:
     """A small .json file that is itself one record (ToolTalk stores one conversation per file)."""
     try:
         value = json.loads(path.read_bytes().removeprefix(codecs.BOM_UTF8).decode("utf-8"))
