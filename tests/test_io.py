@@ -1,10 +1,13 @@
 """eaglekit.io's torn-line promises, held to real torn files: a writer killed with SIGKILL mid-record, a
 file cut at every byte of its last record, a torn line left in the middle by a writer that did not repair;
-and parse_json_text's "JSON parsed, anything else as it is"."""
+read_json against a JSON document cut at every byte; and parse_json_text's "JSON parsed, anything else as
+it is"."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,7 +15,15 @@ import time
 
 import pytest
 
-from eaglekit.io import AppendLog, InputError, parse_json_text, read_jsonl, repair_torn_tail
+from eaglekit.io import (
+    AppendLog,
+    InputError,
+    parse_json_text,
+    read_json,
+    read_jsonl,
+    repair_torn_tail,
+    write_json,
+)
 
 # Appends records to the AppendLog at argv[1] until killed: each record's line is exactly the same length
 # (the index is zero-padded), so a file size says how many whole records it holds and how much is torn. It
@@ -247,6 +258,48 @@ def test_a_middle_line_torn_inside_a_utf8_character_is_reported_at_its_line(tmp_
     assert repair_torn_tail(path) == 0
     with pytest.raises(InputError, match=r"log\.jsonl:3: not UTF-8 \(invalid continuation byte at byte 7\)"):
         list(read_jsonl(path))
+
+
+FIX = "rerun the stage that wrote it"
+
+
+def test_read_json_gives_back_what_write_json_wrote(tmp_path):
+    document = {"runs": [{"size": 20, "text": "é✓🦅"}, {"size": 40, "text": None}], "version": 2}
+    write_json(tmp_path / "record.json", document)
+    assert read_json(tmp_path / "record.json", FIX) == document
+
+
+def test_a_json_file_torn_at_any_byte_names_the_file_its_line_and_what_to_do(tmp_path):
+    """write_json's document (indented, non-ASCII), truncated on disk at every byte before its closing
+    brace, as a writer that did not write atomically leaves it: cuts inside a multi-byte character are
+    not UTF-8, every other cut is not JSON, each located in the file."""
+    path = tmp_path / "record.json"
+    write_json(path, {"runs": [{"size": 20, "text": "é✓🦅"}, {"size": 40, "text": None}], "version": 2})
+    whole = path.read_bytes()
+    kinds = []
+    for cut in range(len(whole) - len(b"}\n")):
+        path.write_bytes(whole)
+        os.truncate(path, cut)
+        with pytest.raises(InputError) as raised:
+            read_json(path, FIX)
+        error = raised.value
+        assert (error.path, error.field) == (str(path), None) and str(error).endswith(f"; {FIX}"), str(error)
+        if error.line is None:
+            assert str(error).startswith(f"{path}: not UTF-8 ("), str(error)
+        else:
+            assert 1 <= error.line <= whole[:cut].count(b"\n") + 1, str(error)
+            assert re.match(
+                rf"{re.escape(str(path))}:{error.line}: not JSON \(.*: column \d+\); ", str(error)
+            )
+        kinds.append(error.reason.split(" (")[0])
+    assert set(kinds) == {"not JSON", "not UTF-8"}
+
+
+def test_read_json_of_a_missing_file_says_what_to_do_when_told(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nowhere\.json not found: run stage 4 first"):
+        read_json(tmp_path / "nowhere.json", FIX, missing="run stage 4 first")
+    with pytest.raises(FileNotFoundError, match="No such file"):
+        read_json(tmp_path / "nowhere.json", FIX)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""File I/O the whole kit shares: atomic writes, JSONL read with file:line errors, append-only logs.
+"""File I/O the whole kit shares: atomic writes, JSON and JSONL read with file:line errors, append-only logs.
 
 Every output is either written atomically (temp file in the same folder, fsync, rename) or is an
 append-only JSONL log whose torn last line is repaired on open. Nothing half-written is ever read
@@ -139,6 +139,21 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1
     return count
+
+
+def read_json(path: str | os.PathLike, what: str, missing: str | None = None) -> Any:
+    """The JSON document in `path`. One that is not JSON (torn by a crash, edited by hand) or not UTF-8 raises
+    InputError naming the file, the line and column where json gives them, then `what` (what to do about it).
+    `missing`: a missing file raises FileNotFoundError "<path> not found: <missing>" (None: open's own)."""
+    path = Path(path)
+    if missing is not None and not path.exists():
+        raise FileNotFoundError(f"{path} not found: {missing}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise InputError(path, None, None, f"not UTF-8 ({error.reason} at byte {error.start}); {what}") from None
+    except json.JSONDecodeError as error:
+        raise InputError(path, error.lineno, None, f"not JSON ({error.msg}: column {error.colno}); {what}") from None
 
 
 def parse_json_text(value: Any) -> Any:

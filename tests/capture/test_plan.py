@@ -5,7 +5,15 @@ import json
 
 import pytest
 
-from eaglekit.capture.plan import format_bytes, format_slice_plan, nested_capture_slices, plan_capture_storage
+from eaglekit.capture.plan import (
+    PLAN_FILE,
+    format_bytes,
+    format_slice_plan,
+    nested_capture_slices,
+    plan_capture_storage,
+    read_capture_plan,
+)
+from eaglekit.io import InputError, write_json
 
 
 def test_bytes_read_in_the_unit_they_fill():
@@ -42,3 +50,13 @@ def test_a_small_capture_plan_never_prints_zero_terabytes(tmp_path):
         f"{format_bytes(first['bytes']):>9} (cumulative {format_bytes(first['cumulative_bytes'])}, bf16)"
         in format_slice_plan(plan)
     )
+
+
+def test_a_missing_or_torn_plan_says_to_run_stage_4(tmp_path):
+    with pytest.raises(FileNotFoundError, match=rf"{tmp_path / PLAN_FILE} not found: run stage 4"):
+        read_capture_plan(tmp_path)
+    write_json(tmp_path / PLAN_FILE, {"mode": "offline", "tokens": 10})
+    assert read_capture_plan(tmp_path).mode == "offline"
+    (tmp_path / PLAN_FILE).write_text('{\n  "mode": "offl')
+    with pytest.raises(InputError, match=rf"{tmp_path / PLAN_FILE}:2: not JSON .*; rerun stage 4"):
+        read_capture_plan(tmp_path)

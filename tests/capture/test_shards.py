@@ -4,13 +4,16 @@ what was written."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from eaglekit.generation.capacity import hidden_state_bytes_per_token
+from eaglekit.io import InputError
 from eaglekit.capture.shards import (
+    CONFIG_FILE,
     CapturedSample,
     ShardDataset,
     ShardWriter,
@@ -115,6 +118,23 @@ def test_merged_index_refuses_missing_samples(tmp_path):
 def test_reader_explains_an_unfinished_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="has not finished"):
         ShardDataset(tmp_path)
+
+
+def test_a_torn_index_or_config_names_the_file_its_line_and_what_to_do(tmp_path):
+    writer = ShardWriter(tmp_path, rank=0, max_shard_bytes=10**6)
+    writer.add(make_sample("a", 5, seed=1))
+    writer.close()
+    index = write_merged_index(tmp_path, HEADER, [("d", "a")])
+    os.truncate(index, index.stat().st_size // 2)
+    with pytest.raises(
+        InputError, match=rf"{index}:\d+: not JSON .*run the capture into {tmp_path} again to rewrite it"
+    ):
+        ShardDataset(tmp_path)
+    write_config_once(tmp_path, {"model": "m", "max_seq_len": 2048})
+    config = tmp_path / CONFIG_FILE
+    os.truncate(config, config.stat().st_size - 3)
+    with pytest.raises(InputError, match=rf"{config}:\d+: not JSON .*delete it to capture into this folder"):
+        write_config_once(tmp_path, {"model": "m", "max_seq_len": 2048})
 
 
 def test_config_mismatch_is_refused_with_the_difference(tmp_path):

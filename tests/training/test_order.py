@@ -158,6 +158,9 @@ def test_an_order_for_other_params_is_not_used_and_a_malformed_one_names_the_fie
     path.write_text(json.dumps(record))
     with pytest.raises(InputError, match=r"order.json.*train\[3\].*expected \[dataset, id\]"):
         read_training_order(tmp_path, 8, 0)
+    path.write_text(json.dumps(record)[:-40])  # torn mid-record
+    with pytest.raises(InputError, match=rf"{path}:1: not JSON .*; run prep again \(or delete the file"):
+        read_training_order(tmp_path, 8, 0)
     # Too few samples for the held-out set: no plan (stage 5 will say what is wrong), and no stale file left.
     assert write_training_order(tmp_path / "prep", heldout_size=1000, seed=0) is None
     assert not path.exists()

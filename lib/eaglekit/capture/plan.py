@@ -8,7 +8,6 @@ writes the plan to `capture/plan.json` and `read_capture_plan` reads it back for
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import shutil
 from collections.abc import Mapping, Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 from eaglekit.capture.inputs import read_tokenized_samples
 from eaglekit.capture.shards import stored_bytes_per_token
-from eaglekit.io import InputError
+from eaglekit.io import InputError, read_json
 
 PLAN_FILE = "plan.json"
 
@@ -142,9 +141,7 @@ def check_disk_space(output_dir: Path, planned_bytes: int) -> int:
 def read_capture_plan(capture_dir: str | os.PathLike) -> StoragePlan:
     """The storage plan stage 4 wrote (`capture/plan.json`): which mode the capture ran in."""
     path = Path(capture_dir) / PLAN_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run stage 4 (capture) first")
-    record = json.loads(path.read_text(encoding="utf-8"))
+    record = read_json(path, "rerun stage 4", missing="run stage 4 (capture) first")
     if record.get("mode") not in ("offline", "online"):
         raise InputError(path, None, "mode", f"expected 'offline' or 'online', got {record.get('mode')!r}; rerun stage 4")
     known = {item.name for item in fields(StoragePlan)}

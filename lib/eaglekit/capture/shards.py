@@ -36,7 +36,7 @@ from safetensors.torch import save
 
 from eaglekit.capture.inputs import TokenizedSample
 from eaglekit.generation.capacity import hidden_state_bytes_per_token
-from eaglekit.io import AppendLog, atomic_write, remove_stale_temp_files, write_json
+from eaglekit.io import AppendLog, atomic_write, read_json, remove_stale_temp_files, write_json
 
 logger = logging.getLogger(__name__)
 
@@ -328,13 +328,9 @@ def write_merged_index(output_dir: str | os.PathLike, header: dict[str, Any], sa
 
 
 def load_index(output_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(output_dir) / INDEX_FILE
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{path} not found: the capture into {output_dir} has not finished (run it again to resume), "
-            "or this is not a capture output folder"
-        )
-    return json.loads(path.read_text(encoding="utf-8"))
+    return read_json(Path(output_dir) / INDEX_FILE, f"run the capture into {output_dir} again to rewrite it",
+                     missing=f"the capture into {output_dir} has not finished (run it again to resume), "
+                             "or this is not a capture output folder")
 
 
 class ShardDataset(torch.utils.data.Dataset):
@@ -417,7 +413,7 @@ def write_config_once(output_dir: Path, config: dict[str, Any]) -> None:
     if not path.exists():
         write_json(path, config)
         return
-    existing = json.loads(path.read_text(encoding="utf-8"))
+    existing = read_json(path, "delete it to capture into this folder with this run's settings")
     differences = {key: (existing.get(key), config.get(key)) for key in set(existing) | set(config) if existing.get(key) != config.get(key)}
     if differences:
         details = ", ".join(f"{key}: folder has {old!r}, this run {new!r}" for key, (old, new) in sorted(differences.items()))

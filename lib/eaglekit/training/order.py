@@ -16,7 +16,6 @@ When every planned sample is captured, the split equals `split_heldout` over the
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import Counter
@@ -24,13 +23,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglekit.io import InputError, read_jsonl, write_json
+from eaglekit.io import InputError, read_json, read_jsonl, write_json
 from eaglekit.run_folder import ORDER_FILE, order_path
 from eaglekit.training.split import conversation_key, split_heldout
 
 logger = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (dataset, sample id)
+REPLAN = "run prep again (or delete the file to split the captured samples)"
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class TrainingOrder:
         unplanned = [key for key in position if key not in planned]
         if unplanned:
             raise ValueError(f"{source}: {len(unplanned)} captured samples are not in the planned order (first: {unplanned[0]}): "
-                             "the data changed after prep planned it; run prep again (or delete the file to split the captured samples)")
+                             f"the data changed after prep planned it; {REPLAN}")
         heldout = sorted(position[key] for key in self.heldout if key in position)
         train = [position[key] for key in self.train if key in position]
         if not heldout or not train:
@@ -70,10 +70,7 @@ class TrainingOrder:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TrainingOrder:
-        try:
-            record = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise InputError(path, getattr(error, "lineno", None), None, f"not JSON: {error}") from None
+        record = read_json(path, REPLAN)
         for field, kind in (("seed", int), ("heldout_size", int), ("heldout", list), ("train", list)):
             if not isinstance(record.get(field) if isinstance(record, dict) else None, kind):
                 raise InputError(path, None, field, f"missing or not a {kind.__name__}")

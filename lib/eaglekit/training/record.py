@@ -33,7 +33,6 @@ each file against them before handing out its path, so stage 6 never scores a fi
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any
 
 import pandas as pd
 
-from eaglekit.io import InputError, write_json
+from eaglekit.io import InputError, read_json, write_json
 from eaglekit.run_folder import SWEEP_FILE, sweep_path
 from eaglekit.topology import Topology
 from eaglekit.training.checkpoint import CheckpointDigest, check_digest, verify_checkpoint
@@ -242,13 +241,7 @@ class SweepRecord:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SweepRecord:
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"{path} not found: run stage 5 (training) into this run folder first")
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise InputError(path, error.lineno, None, f"not JSON ({error.msg}); {RERUN}") from None
+        record = read_json(path, RERUN, missing="run stage 5 (training) into this run folder first")
         return cls.from_dict(record, path)
 
     @classmethod
