@@ -53,8 +53,6 @@ from eaglekit.io import InputError, pid_alive, write_json
 from eaglekit.data.readers import RecordLocation
 from eaglekit.data.sources import Reject, SourceRecord, SourceSpec, iter_source, prompt_messages
 
-PARTITIONS = ("short", "long")
-
 
 def prep_settings(prep: PrepParams | None, fields: dict[str, Any]) -> PrepParams:
     """The `prep` section itself, or one validated from its fields given as keywords (not both)."""
@@ -365,9 +363,8 @@ def plot_partitions(summary: PrepSummary, figure_path: Path) -> Path:
 
     table = summary.table()
     class_b = table[table["class"] == "B"].set_index("source")
-    partition_columns = [column for column in PARTITIONS if column in class_b.columns]
     figure, axis = plt.subplots(figsize=(7, 3.5))
-    class_b[partition_columns].plot.barh(stacked=True, ax=axis)
+    class_b[["short", "long"]].plot.barh(stacked=True, ax=axis)
     axis.set_xlabel("prompts")
     axis.set_title(f"class-B prompts by partition (long > {summary.long_prompt_threshold} prompt tokens)")
     figure.tight_layout()
