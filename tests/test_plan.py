@@ -75,3 +75,45 @@ def test_seed_plan_needs_no_weights_and_matches_design():
     short = plan["capacity"]["partitions"][0]
     assert short["recommended_concurrency"] <= short["sequences_that_fit"] < short["requested_concurrency"]
     assert plan["generation"]["gpus_per_server"] == 8 and plan["generation"]["gpu_hours"] > 0
+
+
+@pytest.mark.parametrize(
+    "endpoints", [[], [{"url": "http://gpu-node:30000/v1", "name": "sglang"}]], ids=["embedded", "external"]
+)
+def test_eaglekit_plan_and_stage_3_plan_the_same_kv_pool(monkeypatch, tmp_path, endpoints):
+    """`eaglekit plan` reads the params file; stage 3 plans from the params the runner hands notebook 03, with
+    the endpoints `serving_endpoints` yields (the embedded server's, named, when the file names none). Both
+    must size the same pool: the embedded server's `kv_cache_tokens`, or an external server's GPU memory."""
+    from eaglekit.config import params_from_sections
+    from eaglekit.generation.plan import plan_generation
+    from eaglekit.generation.server import EmbeddedServer, serving_endpoints
+    from eaglekit.runner import notebook_parameters
+
+    plan_settings = {"gpu_memory_gb": 80.0, "memory_fraction": 0.9, "weight_gb": 2.0}
+    params = params_from_sections(
+        {"server": {"kv_cache_tokens": 4096}, "endpoints": endpoints, "generation": {"plan": plan_settings}}
+    )
+    monkeypatch.setattr(EmbeddedServer, "start", lambda self: self)  # no process: only its endpoint is used
+    monkeypatch.setattr(EmbeddedServer, "stop", lambda self: None)
+    notebook = Path(__file__).resolve().parents[1] / "notebooks" / "03_generation.ipynb"
+    with serving_endpoints(params) as served:
+        handed = notebook_parameters(
+            params,
+            notebook,
+            run_dir=str(tmp_path),
+            endpoints=[endpoint.model_dump(mode="json") for endpoint in served],
+        )
+    assert bool(endpoints) != (handed["endpoints"][0]["name"] == "embedded")
+    stage_params = params_from_sections({key: value for key, value in handed.items() if key != "run_dir"})
+    prompts = tmp_path / "prep" / "ds" / "prompts.short.jsonl"
+    prompts.parent.mkdir(parents=True)
+    prompts.write_text(json.dumps({"id": "p0", "messages": [], "meta": {"prompt_tokens": 30}}) + "\n")
+    staged = plan_generation(stage_params, [("ds", "short", prompts)])
+    planned = plan_run(params).capacity
+    assert planned["kv_pool_tokens"] == staged.kv_pool_tokens
+    if endpoints:
+        assert staged.kv_pool_tokens == int(80e9 * 0.9 - 2e9) // staged.kv_bytes_per_token_per_rank
+        assert planned["kv_pool_source"].startswith("generation.plan: gpu_memory_gb")
+    else:
+        assert staged.kv_pool_tokens == 4096
+        assert planned["kv_pool_source"] == "server.kv_cache_tokens (the embedded server)"

@@ -24,8 +24,8 @@ from eaglekit.capture.plan import planned_slice_bytes
 from eaglekit.capture.shards import stored_bytes_per_token
 from eaglekit.capture.inputs import capture_length
 from eaglekit.config import Params
-from eaglekit.generation.capacity import load_model_config, plan_capacity
-from eaglekit.generation.plan import target_config, weight_bytes
+from eaglekit.generation.capacity import load_model_config
+from eaglekit.generation.plan import capacity_plan, known_kv_pool, target_config
 from eaglekit.training.memory import draft_config_for_target, plan_training_memory
 
 
@@ -73,22 +73,13 @@ def _prompt_count(params: Params, prompts: int | None) -> Assumption:
 
 def _capacity(params: Params, config: dict) -> tuple[dict[str, Any], dict[str, int]]:
     """Per-partition worst-case concurrency on one server; also {partition: recommended concurrency}."""
-    settings = params.generation.plan
-    embedded = params.server.embedded and not params.endpoints
-    pool_tokens = settings.kv_pool_tokens or (params.server.kv_cache_tokens if embedded else None)
     partitions = [{"name": partition.name, "prompts": 0, "max_tokens": partition.max_tokens,
                    "prompt_tokens": _worst_prompt_tokens(params, partition.name),
                    "concurrency": partition.concurrency} for partition in params.generation.partitions]
-    plan = plan_capacity(config, gpu_memory_bytes=int(settings.gpu_memory_gb * 1e9), memory_fraction=settings.memory_fraction,
-                         weight_bytes=weight_bytes(params) if pool_tokens is None else 0, partitions=partitions,
-                         tensor_parallel=settings.tensor_parallel, kv_dtype=settings.kv_dtype, page_size=settings.page_size,
-                         kv_pool_tokens=pool_tokens)
+    plan = capacity_plan(params, config, partitions)
     figures = {"attention": plan.attention, "kv_dtype": plan.kv_dtype, "kv_bytes_per_token": plan.kv_bytes_per_token,
                "kv_bytes_per_token_per_rank": plan.kv_bytes_per_token_per_rank, "naive_estimates": plan.naive_estimates,
-               "kv_pool_tokens": plan.kv_pool_tokens,
-               "kv_pool_source": "generation.plan.kv_pool_tokens" if settings.kv_pool_tokens else
-               "server.kv_cache_tokens (the embedded server)" if pool_tokens else
-               "generation.plan: gpu_memory_gb x memory_fraction less the weights, per rank",
+               "kv_pool_tokens": plan.kv_pool_tokens, "kv_pool_source": known_kv_pool(params)[1],
                "partitions": plan.table()}
     return figures, {row.partition: row.recommended_concurrency for row in plan.partitions}
 

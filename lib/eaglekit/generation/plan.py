@@ -19,12 +19,14 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from eaglekit.generation.capacity import CapacityPlan, plan_capacity
 from eaglekit.config import Params, repo_path
 from eaglekit.generation.logs import generation_table
+from eaglekit.generation.server import EMBEDDED_ENDPOINT
 from eaglekit.io import read_jsonl
 from eaglekit.target import resolve_model
 
@@ -46,6 +48,35 @@ def weight_bytes(params: Params) -> int:
     if not files:
         raise ValueError(f"no safetensors in {folder}: set generation.plan.weight_gb")
     return sum(path.stat().st_size for path in files)
+
+
+def known_kv_pool(params: Params) -> tuple[int | None, str]:
+    """The server's KV pool per rank in tokens when params know it (None: planned from GPU memory), and where
+    the figure comes from.
+
+    The embedded server's pool is its own bounded `server.kv_cache_tokens`, not a GPU's memory. It serves when
+    params name no endpoint (the params file `eaglekit plan` reads) or only the one `serving_endpoints` started
+    for it (what the runner hands stage 3's notebook).
+    """
+    settings = params.generation.plan
+    if settings.kv_pool_tokens is not None:
+        return settings.kv_pool_tokens, "generation.plan.kv_pool_tokens"
+    if params.server.embedded and all(endpoint.name == EMBEDDED_ENDPOINT for endpoint in params.endpoints):
+        return params.server.kv_cache_tokens, "server.kv_cache_tokens (the embedded server)"
+    return None, "generation.plan: gpu_memory_gb x memory_fraction less the weights, per rank"
+
+
+def capacity_plan(params: Params, config: dict, partitions: list[dict[str, Any]], **measured: Any) -> CapacityPlan:
+    """`plan_capacity` on params `generation.plan`'s hardware and the pool `known_kv_pool` finds: the one mapping
+    `eaglekit plan` and stage 3 share. measured: plan_capacity's expected_total_tokens and
+    measured_requests_per_second."""
+    settings = params.generation.plan
+    pool_tokens, _source = known_kv_pool(params)
+    return plan_capacity(
+        config, gpu_memory_bytes=int(settings.gpu_memory_gb * 1e9), memory_fraction=settings.memory_fraction,
+        weight_bytes=weight_bytes(params) if pool_tokens is None else 0, partitions=partitions,
+        tensor_parallel=settings.tensor_parallel, kv_dtype=settings.kv_dtype, page_size=settings.page_size,
+        retraction_risk=settings.retraction_risk, kv_pool_tokens=pool_tokens, **measured)
 
 
 @dataclass(frozen=True)
@@ -129,18 +160,6 @@ def plan_generation(params: Params, prompts: list[tuple[str, str, Path]]) -> Cap
     total_tokens = sum(sum(values) for values in lengths.values()) + sum(
         len(lengths[partition["name"]]) * partition["max_tokens"] for partition in partitions
     )
-    pool_tokens = settings.kv_pool_tokens
-    # The embedded server's pool is its own bounded `kv_cache_tokens`, not a GPU's memory: with no
-    # endpoints in params, or with the one the runner started for it (`serving_endpoints` names it).
-    embedded = params.server.embedded and all(endpoint.name == "embedded" for endpoint in params.endpoints)
-    if pool_tokens is None and embedded:
-        pool_tokens = params.server.kv_cache_tokens
     rates = {name: found.requests_per_second for name, found in measured.items() if found.requests_per_second}
-    return plan_capacity(
-        target_config(params), gpu_memory_bytes=int(settings.gpu_memory_gb * 1e9),
-        memory_fraction=settings.memory_fraction,
-        weight_bytes=weight_bytes(params) if pool_tokens is None else 0, partitions=partitions,
-        tensor_parallel=settings.tensor_parallel, kv_dtype=settings.kv_dtype, expected_total_tokens=total_tokens,
-        measured_requests_per_second=rates or None, page_size=settings.page_size,
-        retraction_risk=settings.retraction_risk, kv_pool_tokens=pool_tokens,
-    )
+    return capacity_plan(params, target_config(params), partitions, expected_total_tokens=total_tokens,
+                         measured_requests_per_second=rates or None)

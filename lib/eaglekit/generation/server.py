@@ -31,6 +31,7 @@ import httpx
 from eaglekit.config import ServerParams
 
 DEFAULT_STARTUP_TIMEOUT_S = ServerParams().startup_timeout_s  # its default lives in config.ServerParams
+EMBEDDED_ENDPOINT = "embedded"  # the name `serving_endpoints` gives the server it starts (`plan.known_kv_pool`)
 
 
 class ServerError(RuntimeError):
@@ -332,4 +333,4 @@ def serving_endpoints(params, log_path: str | os.PathLike | None = None):
         raise ParamsError("no `endpoints` given and `server.embedded` is false: name an endpoint or turn the embedded server on")
     model_dir = resolve_model(params.target.model, revision=params.target.revision)
     with server_for(params, model_dir, log_path) as server:
-        yield [EndpointParams(url=server.base_url, name="embedded", model=server.model_name)]
+        yield [EndpointParams(url=server.base_url, name=EMBEDDED_ENDPOINT, model=server.model_name)]
