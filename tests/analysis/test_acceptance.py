@@ -8,6 +8,7 @@ import pytest
 from eaglekit.analysis.acceptance import (
     acceptance_tables,
     bootstrap_accept_length,
+    bootstrap_ratio,
     chain_counts,
     pooled_accept_length,
     per_sample_accept_length,
@@ -81,6 +82,23 @@ def test_vectorized_bootstrap_matches_a_loop_over_resamples():
         assert replicates.pooled_tau[resample] == pytest.approx(pooled_accept_length(resampled))
         assert replicates.sample_mean_tau[resample] == pytest.approx(
             np.mean(per_sample_accept_length(resampled))
+        )
+
+
+def test_bootstrap_ratio_resamples_units_with_one_set_of_weights_for_every_column():
+    """sum / sum over resampled prompts: what the benchmark (one column per draft) and `eaglekit evaluate`
+    (one topology at a time) bootstrap; a column alone gets the same replicates as beside the others."""
+    rng = np.random.default_rng(3)
+    steps = rng.integers(1, 9, (20, 3)).astype(np.float64)  # (prompts, drafts)
+    tokens = steps + rng.integers(0, 20, (20, 3))
+    replicates = bootstrap_ratio(tokens, steps, num_resamples=40, seed=5)  # (R, drafts)
+    weights = np.random.default_rng(5).multinomial(20, np.full(20, 1 / 20), size=40)
+    for resample, row in enumerate(weights):
+        chosen = np.repeat(np.arange(20), row)
+        assert replicates[resample] == pytest.approx(tokens[chosen].sum(axis=0) / steps[chosen].sum(axis=0))
+    for column in range(3):
+        assert bootstrap_ratio(tokens[:, column], steps[:, column], 40, 5) == pytest.approx(
+            replicates[:, column]
         )
 
 

@@ -146,6 +146,15 @@ def bootstrap_weights(num_samples: int, num_resamples: int, seed: int) -> np.nda
     return rng.multinomial(num_samples, np.full(num_samples, 1.0 / num_samples), size=num_resamples)
 
 
+def bootstrap_ratio(numerators: np.ndarray, denominators: np.ndarray, num_resamples: int, seed: int) -> np.ndarray:
+    """Bootstrap replicates of sum(numerators) / sum(denominators) over units (prompts): (U,) -> (R,), or
+    (U, n) -> (R, n) with one set of resampling weights for every column (paired). NaN where a resample's
+    denominator sums to 0."""
+    weights = bootstrap_weights(len(numerators), num_resamples, seed).astype(np.float64)  # (R, U)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (weights @ numerators) / (weights @ denominators)
+
+
 @dataclass(frozen=True)
 class BootstrapReplicates:
     """Bootstrap replicates over samples.

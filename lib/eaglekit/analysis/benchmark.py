@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from eaglekit.analysis.acceptance import bootstrap_weights, percentile_interval
+from eaglekit.analysis.acceptance import bootstrap_ratio, percentile_interval
 from eaglekit.chat import ChatTemplateError, prompt_token_ids
 from eaglekit.config import AnalysisParams, repo_path
 from eaglekit.io import InputError
@@ -198,10 +198,8 @@ def score_drafts_on_prompts(
     # verification.
     accepted = np.array([part["accepted"].to_numpy() for part in parts], dtype=np.float64)
     verifications = np.array([part["verification_steps"].to_numpy() for part in parts], dtype=np.float64)
-    # (R, P), one set for every draft
-    weights = bootstrap_weights(len(prompts), num_resamples, seed).astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        replicates = ((weights @ (accepted + verifications).T) / (weights @ verifications.T))  # (R, n_drafts)
+    # (R, n_drafts), one set of resampling weights over the prompts for every draft: paired
+    replicates = bootstrap_ratio((accepted + verifications).T, verifications.T, num_resamples, seed)
     low, high = percentile_interval(replicates, confidence)
     summary_rows = []
     for index, (size, part) in enumerate(zip(sizes, parts)):

@@ -37,7 +37,7 @@ from torch import nn
 
 from eaglekit.analysis.acceptance import (
     bootstrap_accept_length,
-    bootstrap_weights,
+    bootstrap_ratio,
     chain_counts,
     percentile_interval,
     pooled_accept_length,
@@ -185,10 +185,7 @@ def _ratio_interval(numerators: np.ndarray, denominators: np.ndarray, evaluation
     """Percentile bootstrap over prompts of sum(numerators) / sum(denominators)."""
     if len(numerators) == 0:
         return float("nan"), float("nan")
-    # (R, P)
-    weights = bootstrap_weights(len(numerators), evaluation.num_resamples, evaluation.seed).astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        replicates = (weights @ numerators) / (weights @ denominators)
+    replicates = bootstrap_ratio(numerators, denominators, evaluation.num_resamples, evaluation.seed)
     low, high = percentile_interval(replicates, evaluation.confidence)
     return float(low), float(high)
 
