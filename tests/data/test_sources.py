@@ -173,6 +173,21 @@ def test_packaged_schemas_on_fixtures_chitchat_tooltalk_humaneval_asdiv():
     assert good[0].messages[1]["content"] == "5 apples"
 
 
+def test_a_folder_source_reads_every_file_type_the_reader_reads(tmp_path):
+    # One record per file, one file per suffix (upper case too): the folder listing skipped .ndjson and .JSONL
+    # files that the reader itself reads.
+    record = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
+    for index, name in enumerate(["a.jsonl", "b.ndjson", "c.JSONL"]):
+        (tmp_path / name).write_text(json.dumps({**record, "id": str(index)}) + "\n")
+    (tmp_path / "d.json").write_text(json.dumps([{**record, "id": "3"}]))
+    pq.write_table(pa.Table.from_pylist([{**record, "id": "4"}]), tmp_path / "e.parquet")
+    (tmp_path / "notes.txt").write_text("not data\n")
+    good, bad = records(SourceSpec(name="folder", format="sharegpt", path=str(tmp_path)))
+    assert bad == []
+    names = sorted(Path(item.location.path).name for item in good)
+    assert names == ["a.jsonl", "b.ndjson", "c.JSONL", "d.json", "e.parquet"]
+
+
 def test_parquet_rows_stream_with_row_numbers(tmp_path):
     rows = [{"instruction": f"Say {i}", "input": "", "output": str(i)} for i in range(5)]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "a.parquet", row_group_size=2)

@@ -208,18 +208,23 @@ def iter_document_record(path: Path, record: int) -> Iterator[RawItem]:
     yield RecordLocation(str(path), 1, record), value
 
 
+# The data files a source's `path` may name, and a folder of them holds: JSON lines, a JSON document, parquet.
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
+DATA_FILE_SUFFIXES = (*JSONL_SUFFIXES, ".json", ".parquet")
+
+
 def iter_file_records(path: Path) -> Iterator[RawItem]:
-    """Dispatch on the file name: .jsonl / .jsonl.gz, .json (array or object of records), .parquet."""
+    """Dispatch on the file name: .jsonl / .jsonl.gz / .ndjson, .json (array or object of records), .parquet."""
     name = path.name.lower()
     if not path.is_file():
         raise FileNotFoundError(f"data file {path} does not exist: check the source's `path`")
-    if name.endswith((".jsonl", ".jsonl.gz", ".ndjson")):
+    if name.endswith(JSONL_SUFFIXES):
         return iter_jsonl_records(path)
     if name.endswith(".json"):
         return iter_json_records(path)
     if name.endswith(".parquet"):
         return iter_parquet_records(path)
-    raise ValueError(f"{path}: unknown data file type; use .jsonl, .jsonl.gz, .json or .parquet")
+    raise ValueError(f"{path}: unknown data file type; use {', '.join(DATA_FILE_SUFFIXES)}")
 
 
 def iter_hub_records(hf_id: str, split: str, subset: str | None) -> Iterator[RawItem]:

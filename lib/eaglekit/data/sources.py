@@ -25,6 +25,7 @@ from eaglekit.data.adapters import (
 from eaglekit.io import InputError
 from eaglekit.data.packaged import PACKAGED, packaged_files
 from eaglekit.data.readers import (
+    DATA_FILE_SUFFIXES,
     RawItem,
     RecordLocation,
     iter_document_record,
@@ -71,7 +72,7 @@ class SourceSpec:
 
     name: str  # becomes `source` in every record and the output folder name
     format: str | None = None  # adapter name (ADAPTERS); packaged datasets bring their own
-    path: str | None = None  # local .jsonl / .jsonl.gz / .json / .parquet file, or a folder of them
+    path: str | None = None  # local .jsonl / .jsonl.gz / .ndjson / .json / .parquet file, or a folder of them
     package: str | None = None  # packaged offline dataset (PACKAGED or LLAMAFACTORY_FILES)
     hf_id: str | None = None  # Hugging Face dataset id (needs `datasets` and the hub)
     hf_split: str = "train"
@@ -120,9 +121,9 @@ def _raw_items(spec: SourceSpec) -> tuple[Iterator[RawItem], str]:
     else:
         path = Path(spec.path).expanduser()
         if path.is_dir():
-            files = sorted(p for p in path.iterdir() if p.name.endswith((".jsonl", ".jsonl.gz", ".json", ".parquet")))
+            files = sorted(p for p in path.iterdir() if p.name.lower().endswith(DATA_FILE_SUFFIXES))
             if not files:
-                raise FileNotFoundError(f"source {spec.name!r}: folder {path} holds no .jsonl/.json/.parquet files")
+                raise FileNotFoundError(f"source {spec.name!r}: folder {path} holds no {'/'.join(DATA_FILE_SUFFIXES)} files")
         else:
             files = [path]
         format_name = spec.format or ""
