@@ -10,8 +10,8 @@ Modules, in dependency order:
 - `forward`: the hooked forward over length-sorted batches (`load_target`, `plan_batches`, `capture_batches`).
 - `shards`: the shard files, their index and `ShardDataset`.
 - `plan`: bytes vs free disk, offline or online (`plan_capture_storage`, `read_capture_plan`).
-- `run`: offline capture to shards, resumable and data parallel (`capture_to_shards`; the command is
-  `eaglekit capture`, alias `python -m eaglekit.capture`).
+- `run`: offline capture to shards, resumable and data parallel (`capture_to_shards`; `capture_samples` under
+  the params' capture settings; the command is `eaglekit capture`, alias `python -m eaglekit.capture`).
 - `online`: the same features on the fly (`OnlineCaptureSamples`), and a finished
   capture in either mode behind one interface (`open_captured_samples`, `CapturedSamples`).
 - `checks`: captured samples against their source lines, feature norms, sample subsets.

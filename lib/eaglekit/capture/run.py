@@ -17,9 +17,9 @@ from typing import Any
 import torch.distributed as distributed
 from torch import nn
 
-from eaglekit.config import CaptureParams
+from eaglekit.config import CaptureParams, Params
 from eaglekit.capture.forward import FeatureSource, as_feature_source, plan_batches
-from eaglekit.capture.inputs import TokenizedSample, read_tokenized_samples
+from eaglekit.capture.inputs import TokenizedSample, capture_length, read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.plan import check_disk_space
 from eaglekit.capture.shards import (
@@ -31,6 +31,7 @@ from eaglekit.capture.shards import (
     write_config_once,
     write_merged_index,
 )
+from eaglekit.run_log import under_runner
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +223,18 @@ def capture_to_shards(
     _barrier()
     report.seconds = time.perf_counter() - started
     return report
+
+
+def capture_samples(params: Params, source: nn.Module | FeatureSource, files: dict[str, Path], out_dir: Path,
+                    capture_layer_ids: list[int], *, progress: bool = True, slices: list | None = None) -> CaptureReport:
+    """`files` captured into shards in `out_dir` under the params' capture settings (capture_length, batch
+    tokens, shard size, feature dtype, log interval): the one call stage 4, its ablation input, the staged
+    run and SGLang's torchrun entry (`sglang_capture.main`) make. Resumes past the samples `out_dir` holds.
+    No tqdm bar under the runner (its progress lines go to run.log)."""
+    return capture_to_shards(source, files, out_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
+                             max_seq_len=capture_length(params), max_tokens_per_batch=params.capture.max_tokens_per_batch,
+                             max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=progress and not under_runner(),
+                             log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype, slices=slices)
 
 
 def _capture_batches(source: FeatureSource, samples: list[TokenizedSample], batches: list[list[int]], done: set, layer_ids: list[int],

@@ -153,8 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pathlib import Path
 
     from eaglekit.capture.layers import resolve_capture_layer_ids
-    from eaglekit.capture.run import capture_to_shards
-    from eaglekit.capture.inputs import capture_length
+    from eaglekit.capture.run import capture_samples
     from eaglekit.config import load_params
     from eaglekit.run_folder import stage_dir, tokenized_data_files
     from eaglekit.target import resolve_model, target_layout
@@ -173,11 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = SglangCapture.start(str(layout.folder), capture_layer_ids, world_size, rank, int(os.environ.get("LOCAL_RANK", "0")),
                                  params.target.dtype, params.target.trust_remote_code, arguments.nccl_port)
     run_dir = Path(arguments.run_dir)
-    report = capture_to_shards(source, tokenized_data_files(run_dir), stage_dir(run_dir, "capture"), model_name=params.target.model,
-                               capture_layer_ids=capture_layer_ids, max_seq_len=capture_length(params),
-                               max_tokens_per_batch=params.capture.max_tokens_per_batch,
-                               max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=rank == 0,
-                               feature_dtype=params.capture.feature_dtype)
+    report = capture_samples(params, source, tokenized_data_files(run_dir), stage_dir(run_dir, "capture"), capture_layer_ids,
+                             progress=rank == 0)
     if rank == 0:
         print(f"SGLang capture: {report.captured_samples} samples, {report.captured_tokens:,} tokens, {report.seconds:.1f} s")
     return 0

@@ -25,10 +25,9 @@ from eaglekit.capture.inputs import capture_length, read_tokenized_samples
 from eaglekit.capture.layers import resolve_capture_layer_ids
 from eaglekit.capture.online import CapturedSamples, open_captured_samples
 from eaglekit.capture.plan import PLAN_FILE, InsufficientDiskError, StoragePlan, plan_capture_storage
-from eaglekit.capture.run import CaptureReport, capture_to_shards
+from eaglekit.capture.run import CaptureReport, capture_samples
 from eaglekit.config import Params
 from eaglekit.io import read_jsonl, write_json
-from eaglekit.run_log import under_runner
 from eaglekit.run_folder import Metrics, original_answer_files, stage_dir, tokenized_data_files
 from eaglekit.capture.sglang_capture import SGLANG_COMMAND
 from eaglekit.target import TargetLayout, resolve_model, target_layout
@@ -99,18 +98,6 @@ def _capture_original_answers(params: Params, model: torch.nn.Module, capture_di
     if params.analysis.ablation:
         return None, "ablation skipped: no class-B dataset kept its own answers (prep.original_answers)"
     return None, "analysis.ablation is false: no original answers captured"
-
-
-def capture_samples(params: Params, source, files: dict[str, Path], out_dir: Path, capture_layer_ids: list[int], *,
-                    progress: bool = True, slices: list | None = None) -> CaptureReport:
-    """`files` captured into shards in `out_dir` under the params' capture settings (capture_length, batch
-    tokens, shard size, feature dtype, log interval): the one call stage 4, its ablation input and the staged
-    run make. Resumes past the samples `out_dir` holds. No tqdm bar under the runner (its progress
-    lines go to run.log)."""
-    return capture_to_shards(source, files, out_dir, model_name=params.target.model, capture_layer_ids=capture_layer_ids,
-                             max_seq_len=capture_length(params), max_tokens_per_batch=params.capture.max_tokens_per_batch,
-                             max_shard_bytes=params.capture.max_shard_mb * 2**20, progress=progress and not under_runner(),
-                             log_interval_s=params.capture.log_interval_s, feature_dtype=params.capture.feature_dtype, slices=slices)
 
 
 def load_feature_source(params: Params, layout: TargetLayout, capture_layer_ids: list[int], max_seq_len: int,
