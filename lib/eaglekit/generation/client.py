@@ -12,7 +12,7 @@ An endpoint that fails `unhealthy_after` transient errors in a row is skipped un
 check passes again, so a dead server costs each in-flight request one attempt, not all of them.
 A 429 or 503 with `Retry-After` pauses that endpoint (only that one) for the time asked.
 
-What an HTTP status means for the run (`classify_status`):
+What an HTTP status means for the run (the status sets of `eaglekit.generation.errors`):
 - 401, 403: the key is missing, wrong or rotated. Every later request would fail the same way, so
   `EndpointAuthError` stops the run at once; no prompt is marked failed by it.
 - 400, 413, 422: about this request (prompt too long, bad field): `RequestRejected`, recorded for
@@ -43,8 +43,8 @@ import openai
 
 from eaglekit.config import EndpointParams
 from eaglekit.generation.errors import (
-    AUTH_STATUS_CODES, RETRY_AFTER_STATUS_CODES, EndpointAuthError, EndpointModelChangedError,
-    RequestRejected, TransientError, classify_status, parse_retry_after)
+    AUTH_STATUS_CODES, REQUEST_STATUS_CODES, RETRY_AFTER_STATUS_CODES, EndpointAuthError, EndpointModelChangedError,
+    RequestRejected, TransientError, parse_retry_after)
 
 logger = logging.getLogger(__name__)
 
@@ -347,10 +347,9 @@ class Endpoint:
             raise TransientError("timeout" if timed_out else "connection", f"{type(cause).__name__}: {cause}") from None
         if status >= 400:
             message = content.decode("utf-8", "replace")[:2000]
-            kind = classify_status(status)
-            if kind == "auth":
+            if status in AUTH_STATUS_CODES:
                 raise self._auth_error(status, self._chat_url, message)
-            if kind == "request":
+            if status in REQUEST_STATUS_CODES:
                 raise RequestRejected(status, message)
             retry_after = parse_retry_after(headers.get("retry-after")) if status in RETRY_AFTER_STATUS_CODES else None
             raise TransientError(f"http_{status}", message, status, retry_after)

@@ -65,15 +65,6 @@ class EndpointAuthError(EndpointFatalError):
         self.endpoint, self.status, self.url = endpoint, status, url
 
 
-def classify_status(status: int) -> str:
-    """"auth", "request" (terminal for the prompt) or "transient" for an HTTP error status (>= 400)."""
-    if status in AUTH_STATUS_CODES:
-        return "auth"
-    if status in REQUEST_STATUS_CODES:
-        return "request"
-    return "transient"
-
-
 def parse_retry_after(value: str | None) -> float | None:
     """Seconds to wait from a `Retry-After` header: delta-seconds or an HTTP date; None when absent or bad."""
     if value is None:
