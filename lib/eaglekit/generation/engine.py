@@ -19,7 +19,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -220,8 +220,6 @@ class GenerationEngine:
         todo = sum(len(partition_items) for partition_items in todo_by_partition.values())
         self.progress = {name: _PartitionProgress(total=len(todo_by_partition[name])) for name in todo_by_partition}
         self.requests_this_session = 0
-        self.completion_tokens_this_session = 0
-        self.finished_this_session = 0
         self.dispatch_started: float | None = None
         self._window = (time.monotonic(), 0, 0)  # (time, finished, completion tokens) at the last tick
         self._attempt_ids = itertools.count()
@@ -261,10 +259,7 @@ class GenerationEngine:
                                (self.output_dir / ERRORS_FILE, errors_repaired)):
             if repaired:
                 logger.warning("%s: cut a torn last line (%d bytes) left by a crash", path, repaired)
-        self.datasets, answered, duplicate_records = count_answers(self.output_dir, items)
-        if duplicate_records:
-            logger.warning("%s: %d prompts recorded more than once (counted once)", self.generations.path,
-                           duplicate_records)
+        self.datasets, answered, _duplicates = count_answers(self.output_dir, items)
         self.previous_errors = compact_errors(self.output_dir, answered)
         self.errors = AppendLog(self.output_dir / ERRORS_FILE)
         self.errored_keys = set(self.previous_errors)
@@ -324,15 +319,13 @@ class GenerationEngine:
     def _summary(self, items: list[PromptItem], duplicates: int) -> GenerationSummary:
         """The recount of the files after this session, written to summary.json."""
         summary = summarize_generations(self.output_dir, self.sources, items=items)
-        compact_errors(self.output_dir, {key for key in finished_keys(self.output_dir / GENERATIONS_FILE)})
-        summary.duplicate_prompt_ids = duplicates
-        summary.requests_this_session = self.requests_this_session
-        summary.elapsed_s = time.monotonic() - self.session_started
-        summary.interrupted = self._stop.is_set()
-        summary.session = self.session
-        summary.endpoints = [{"name": endpoint.name, "base_url": endpoint.base_url,
-                              **(asdict(endpoint.capabilities) if endpoint.capabilities else {})}
-                             for endpoint in self.pool.endpoints]
+        compact_errors(self.output_dir, finished_keys(self.output_dir / GENERATIONS_FILE))
+        summary = replace(summary, duplicate_prompt_ids=duplicates, requests_this_session=self.requests_this_session,
+                          elapsed_s=time.monotonic() - self.session_started, interrupted=self._stop.is_set(),
+                          session=self.session,
+                          endpoints=[{"name": endpoint.name, "base_url": endpoint.base_url,
+                                      **(asdict(endpoint.capabilities) if endpoint.capabilities else {})}
+                                     for endpoint in self.pool.endpoints])
         write_json(self.output_dir / "summary.json", {**asdict(summary), "output_dir": str(self.output_dir),
                                                       "errors": summary.errors})
         return summary
@@ -508,7 +501,6 @@ class GenerationEngine:
         if key in self.errored_keys:  # an earlier failure is superseded by this answer
             self.errored_keys.discard(key)
             counts.errors -= 1
-        self.completion_tokens_this_session += completion_tokens or 0
         self.progress[item.partition].add_answer(completion_tokens, latency, time.monotonic())
         self._finished(item)
         self._check_first_answers(item.dataset, record)
@@ -545,7 +537,6 @@ class GenerationEngine:
 
     def _finished(self, item: PromptItem) -> None:
         self.progress[item.partition].finished += 1
-        self.finished_this_session += 1
         self.bar.update(1)
 
     # -- progress -------------------------------------------------------------------------------
@@ -564,7 +555,9 @@ class GenerationEngine:
         """Cumulative counts (every session) and rates: over the last interval, or the whole session
         when final (the final line must not report the rate of its last half second)."""
         now = time.monotonic()
-        finished, tokens = self.finished_this_session, self.completion_tokens_this_session
+        # This session's finished prompts and answer tokens, from what each partition's ETA reads.
+        finished = sum(progress.finished for progress in self.progress.values())
+        tokens = sum(sum(progress.lengths) for progress in self.progress.values())
         window_time, window_finished, window_tokens = self._window
         self._window = (now, finished, tokens)
         if final:

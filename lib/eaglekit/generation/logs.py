@@ -255,11 +255,11 @@ class GenerationSummary:
 
     output_dir: Path
     datasets: dict[str, DatasetCounts]
-    duplicate_prompt_ids: int
-    requests_this_session: int
-    elapsed_s: float
-    interrupted: bool
-    endpoints: list[dict[str, Any]]
+    duplicate_prompt_ids: int = 0
+    requests_this_session: int = 0
+    elapsed_s: float = 0.0
+    interrupted: bool = False
+    endpoints: list[dict[str, Any]] = field(default_factory=list)
     session: int = 0
     duplicate_records: int = 0       # keys recorded twice in generations.jsonl (counted once)
 
@@ -276,7 +276,8 @@ class GenerationSummary:
 
 
 def count_answers(output_dir: Path, items: Sequence[PromptItem]) -> tuple[dict[str, DatasetCounts], set, int]:
-    """Per-dataset counts of the answers on file for these prompts; (counts, answered keys, duplicates)."""
+    """Per-dataset counts of the answers on file for these prompts; (counts, answered keys, duplicates), the
+    duplicates warned about."""
     datasets: dict[str, DatasetCounts] = {}
     wanted: dict[tuple[str, str], str] = {}
     for item in items:
@@ -292,6 +293,9 @@ def count_answers(output_dir: Path, items: Sequence[PromptItem]) -> tuple[dict[s
         if key in wanted:
             answered.add(key)
             datasets[wanted[key]].add_answer(head)
+    if duplicates:
+        logger.warning("%s: %d prompts recorded more than once (counted once)", output_dir / GENERATIONS_FILE,
+                       duplicates)
     return datasets, answered, duplicates
 
 
@@ -307,12 +311,7 @@ def summarize_generations(output_dir: str | Path, sources: Sequence[PromptSource
     for item in items:
         if (item.dataset, item.id) in errored:
             datasets[item.dataset].errors += 1
-    if duplicates:
-        logger.warning("%s: %d prompts recorded more than once (counted once)", output_dir / GENERATIONS_FILE,
-                       duplicates)
-    return GenerationSummary(output_dir=output_dir, datasets=datasets, duplicate_prompt_ids=0,
-                             requests_this_session=0, elapsed_s=0.0, interrupted=False, endpoints=[],
-                             duplicate_records=duplicates)
+    return GenerationSummary(output_dir=output_dir, datasets=datasets, duplicate_records=duplicates)
 
 
 def progress_line(snapshot: dict[str, Any]) -> str:
