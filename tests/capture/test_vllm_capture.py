@@ -3,7 +3,9 @@ method with the kit's CPU connector, against the transformers hooks on the same 
 
 from __future__ import annotations
 
+import fcntl
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -190,6 +192,28 @@ def test_a_file_with_a_missing_layer_or_other_ids_is_refused_naming_the_sample(t
     save_file({"hidden_states": torch.zeros(5, 4, 8), "token_ids": torch.arange(5) + 1}, str(path))
     with pytest.raises(VllmCaptureError, match="other token ids"):
         read_hidden_states_file(str(path), _sample(5), num_layers=4, hidden_size=8)
+
+
+def test_a_file_is_read_only_once_the_connector_releases_its_lock(tmp_path):
+    """The connector holds LOCK_EX on `<file>.lock` while it writes: the reader waits for it, reads the whole
+    file, and deletes both."""
+    path = tmp_path / "request.safetensors"
+    lock = open(f"{path}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+
+    def write_then_release():
+        time.sleep(0.3)
+        save_file({"hidden_states": torch.ones(5, 4, 8), "token_ids": torch.arange(5)}, str(path))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+
+    writer = threading.Thread(target=write_then_release)
+    writer.start()
+    started = time.monotonic()
+    hidden_states = read_hidden_states_file(str(path), _sample(5), num_layers=4, hidden_size=8)
+    writer.join()
+    assert time.monotonic() - started >= 0.25 and torch.equal(hidden_states, torch.ones(5, 4, 8))
+    assert not path.exists() and not Path(f"{path}.lock").exists()
 
 
 def test_server_command_passes_layers_parallelism_and_the_connector(tmp_path):

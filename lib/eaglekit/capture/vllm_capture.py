@@ -155,9 +155,8 @@ class VllmHiddenStatesServer:
         while not any(path.suffix == ".safetensors" for path in self.storage_dir.iterdir()) and time.monotonic() < deadline:
             time.sleep(0.1)
         for path in list(self.storage_dir.iterdir()):
-            if path.suffix == ".safetensors" and path.with_name(path.name + ".lock").exists():
-                with open(path.with_name(path.name + ".lock")) as lock:
-                    fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is complete
+            if path.suffix == ".safetensors":
+                wait_until_written(path)
         for path in list(self.storage_dir.iterdir()):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -178,18 +177,21 @@ def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> t
     return weight.to(hidden_states.dtype) * normed
 
 
+def wait_until_written(path: str | os.PathLike) -> None:
+    """Return once the connector has written `path`: it holds LOCK_EX on `<path>.lock` until the file is
+    complete (no lock file: no write in progress)."""
+    with contextlib.suppress(FileNotFoundError), open(f"{path}.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+
+
 def read_hidden_states_file(path: str, sample: TokenizedSample, num_layers: int, hidden_size: int) -> torch.Tensor:
     """The (T, layers, H) hidden states of `sample` from a connector file, after checking ids and
     counts; then deleted."""
     where = f"sample {sample.dataset}/{sample.id}"
     lock_path = path + ".lock"
     try:
-        if os.path.exists(lock_path):
-            with open(lock_path) as lock:
-                fcntl.flock(lock, fcntl.LOCK_SH)  # the connector holds LOCK_EX until the file is complete
-                tensors = load_file(path)
-        else:
-            tensors = load_file(path)
+        wait_until_written(path)
+        tensors = load_file(path)
     except (OSError, RuntimeError) as error:
         raise VllmCaptureError(f"{where}: the server's hidden-state file {path} cannot be read ({error})") from None
     finally:

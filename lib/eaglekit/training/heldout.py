@@ -25,7 +25,7 @@ import torch
 from eaglekit.analysis.acceptance import chain_counts, pooled_accept_length
 from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.topology import Topology
-from eaglekit.training.batch import collate, device_autocast, eligible_rows
+from eaglekit.training.batch import collate, device_autocast, eligible_rows, sample_length
 from eaglekit.training.finite import NonFiniteError, all_finite, raise_for_features, require_finite_draft
 from eaglekit.training.split import token_reader
 from eaglekit.training.teacher import TargetArgmaxCache
@@ -46,7 +46,7 @@ def sample_lengths(samples: Sequence[dict], max_length: int) -> list[int]:
     """Tokens of each sample as `collate` cuts it. Reads tokens only where the samples offer it
     (`tokens(position)`: shards, online capture, `IndexedSubset` over either), so no features are read."""
     read = token_reader(samples)
-    return [min(int(read(position)["input_ids"].shape[0]), max_length) for position in range(len(samples))]
+    return [sample_length(read(position), max_length) for position in range(len(samples))]
 
 
 def heldout_batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:

@@ -111,8 +111,7 @@ def rank_samples_at(samples_seen: int, train_samples: Sequence[dict], settings: 
     """This rank's micro-batches of the global batch that starts at data position `samples_seen`:
     micro-batch m of rank r takes slot m * world + r."""
     training = settings.training
-    global_batch = training.micro_batch_size * training.grad_accumulation_steps * distributed.world_size
-    positions = range(samples_seen, samples_seen + global_batch)
+    positions = range(samples_seen, samples_seen + settings.global_batch(distributed.world_size))
     indices = [sample_index_at(position, len(train_samples), settings.seed) for position in positions]
     size = training.micro_batch_size
     slots = [micro * distributed.world_size + distributed.rank for micro in range(training.grad_accumulation_steps)]
@@ -281,7 +280,7 @@ def train_draft(
 
     # The next steps' samples are read in a background thread while this step trains (prefetch_steps
     # ahead; 0 reads in the step). Both threads read one capture, so its reads take one lock.
-    global_batch = training.micro_batch_size * training.grad_accumulation_steps * distributed.world_size
+    global_batch = settings.global_batch(distributed.world_size)
     if settings.prefetch_steps:
         lock = threading.Lock()
         train_samples, heldout_samples = SerializedSamples(train_samples, lock), SerializedSamples(heldout_samples, lock)
@@ -299,7 +298,7 @@ def _train_steps(run: Run, progress: TrainProgress, upcoming: Prefetcher, traina
                  heldout_samples: Sequence[dict], eval_batches: Sequence[Sequence[int]]) -> TrainProgress:
     """The loop proper, in nanoGPT's order; `upcoming` yields each step's micro-batches in data order."""
     settings, training, optimizer = run.settings, run.settings.training, run.optimizer
-    global_batch = training.micro_batch_size * training.grad_accumulation_steps * run.distributed.world_size
+    global_batch = settings.global_batch(run.distributed.world_size)
     if not resumed:
         # the curve starts at the initialized draft
         progress = evaluate_and_checkpoint(run, progress, heldout_samples, eval_batches)

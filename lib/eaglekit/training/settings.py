@@ -83,13 +83,15 @@ class TrainSettings:
         (`anneal_length`)."""
         return anneal_length(self.training.decay_steps, self.training.decay_fraction, decay_start)
 
+    def global_batch(self, world_size: int) -> int:
+        """Samples one optimizer step reads over all ranks."""
+        return self.training.micro_batch_size * self.training.grad_accumulation_steps * world_size
+
     def resolved_max_steps(self, num_samples: int, world_size: int) -> int:
         """Total steps (equal_steps, equal_epochs) or the step cap (until_converged)."""
-        training = self.training
-        if training.schedule != "equal_epochs":
-            return training.max_steps
-        global_batch = training.micro_batch_size * training.grad_accumulation_steps * world_size
-        return max(1, math.ceil(training.num_epochs * num_samples / global_batch))
+        if self.training.schedule != "equal_epochs":
+            return self.training.max_steps
+        return max(1, math.ceil(self.training.num_epochs * num_samples / self.global_batch(world_size)))
 
 
 def settings_error(error: ValidationError) -> str:
