@@ -29,7 +29,8 @@ from eaglekit.analysis.acceptance import (
 from eaglekit.capture import CapturedSamples
 from eaglekit.draft.model import DraftConfig, Eagle3DraftModel
 from eaglekit.analysis.offline_estimate import OfflineChainAgreement, offline_chain_agreement
-from eaglekit.analysis.speculative import GreedyResult, SpeculativeResult, greedy_decode, raise_if_lossy, speculative_decode
+from eaglekit.analysis.speculative import (GreedyResult, SpeculativeResult, greedy_decode, raise_if_lossy, speculative_decode,
+                                           tokens_per_second)
 from eaglekit.training.record import SweepRecord
 from eaglekit.topology import Topology
 
@@ -126,10 +127,8 @@ def summarize(
     record["offline_positions"] = int(sum(array.shape[0] for array in usable))
     record["tau_offline_pooled"] = pooled_accept_length(chain_counts(usable, steps)) if usable else float("nan")
     record["tau_gap_loop_minus_offline"] = record["tau_loop_pooled"] - record["tau_offline_pooled"]
-    greedy_seconds = sum(result.seconds for result in greedy)
-    speculative_seconds = sum(result.seconds for result in speculative)
-    record["greedy_tokens_per_second"] = sum(len(r.output_ids) for r in greedy) / greedy_seconds
-    record["speculative_tokens_per_second"] = record["generated_tokens"] / speculative_seconds
+    record["greedy_tokens_per_second"] = tokens_per_second(greedy)
+    record["speculative_tokens_per_second"] = tokens_per_second(speculative)
     record["speedup"] = record["speculative_tokens_per_second"] / record["greedy_tokens_per_second"]
     return record
 

@@ -41,12 +41,13 @@ from eaglekit.analysis.acceptance import (
     chain_counts,
     percentile_interval,
     pooled_accept_length,
+    server_accept_length,
 )
 from eaglekit.draft.model import Eagle3DraftModel
 from eaglekit.analysis.tree import SGLANG_SLOTS
 from eaglekit.io import InputError, read_jsonl, write_json
 from eaglekit.analysis.offline_estimate import OfflineTreeAcceptance, offline_tree_acceptance
-from eaglekit.analysis.speculative import GreedyResult, SpeculativeResult, decode_with_topology, greedy_decode
+from eaglekit.analysis.speculative import GreedyResult, SpeculativeResult, decode_with_topology, greedy_decode, tokens_per_second
 from eaglekit.topology import Topology
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -206,11 +207,8 @@ def topology_record(evaluation: Evaluation, item: TopologyEvaluation) -> dict:
             bootstrap_accept_length(counts, evaluation.num_resamples, evaluation.seed).pooled_tau, evaluation.confidence)
     else:
         tau_offline = offline_low = offline_high = float("nan")
-    speculative_seconds = sum(result.seconds for result in item.speculative)
-    greedy_seconds = sum(result.seconds for result in evaluation.greedy)
     generated = sum(len(result.output_ids) for result in item.speculative)
-    tokens_per_s = generated / speculative_seconds if speculative_seconds > 0 else float("nan")
-    greedy_tokens_per_s = sum(len(r.output_ids) for r in evaluation.greedy) / greedy_seconds if greedy_seconds > 0 else float("nan")
+    tokens_per_s, greedy_tokens_per_s = tokens_per_second(item.speculative), tokens_per_second(evaluation.greedy)
     per_prompt = []
     for index, (result, greedy, offline) in enumerate(zip(item.speculative, evaluation.greedy, item.offline)):
         positions = int(offline.accepted_depths.shape[0])
@@ -229,7 +227,8 @@ def topology_record(evaluation: Evaluation, item: TopologyEvaluation) -> dict:
             "greedy_tokens_per_s": greedy.tokens_per_second,
         })
     tau_loop = float(accepted_plus_bonus.sum() / steps.sum()) if len(steps) else float("nan")
-    tau_server = float(completion.sum() / steps.sum()) if len(steps) else float("nan")
+    # SGLang's completion_tokens / spec_verify_ct, as the held-out loop and live serving count it
+    server = server_accept_length(completion, steps) if verified else None
     return {
         "topology": str(topology),
         **{key: value for key, value in topology.to_dict().items() if key != "topology"},
@@ -243,9 +242,9 @@ def topology_record(evaluation: Evaluation, item: TopologyEvaluation) -> dict:
         "tau_loop": tau_loop,
         "tau_loop_interval": list(_ratio_interval(accepted_plus_bonus, steps, evaluation)),
         "tau_loop_per_prompt_mean": float(np.mean(accepted_plus_bonus / steps)) if len(steps) else float("nan"),
-        "tau_server": tau_server,
+        "tau_server": server.pooled if server else float("nan"),
         "tau_server_interval": list(_ratio_interval(completion, steps, evaluation)),
-        "tau_server_per_prompt_mean": float(np.mean(completion / steps)) if len(steps) else float("nan"),
+        "tau_server_per_prompt_mean": server.per_request_mean if server else float("nan"),
         "tau_offline": tau_offline,
         "tau_offline_interval": [float(offline_low), float(offline_high)],
         "offline_positions": int(sum(array.shape[0] for array in usable)),

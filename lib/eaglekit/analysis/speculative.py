@@ -144,6 +144,13 @@ class SpeculativeResult:
         return (sum(self.accepted_per_step) + steps) / steps if steps else float("nan")
 
 
+def tokens_per_second(results: Sequence[GreedyResult | SpeculativeResult]) -> float:
+    """Tokens over wall seconds, each summed over the requests: how a loop's speed is compared with plain
+    decoding's (NaN when nothing was timed)."""
+    seconds = sum(result.seconds for result in results)
+    return sum(len(result.output_ids) for result in results) / seconds if seconds > 0 else float("nan")
+
+
 # ---------------------------------------------------------------------------------------------------
 # checks
 # ---------------------------------------------------------------------------------------------------
