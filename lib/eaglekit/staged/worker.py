@@ -220,7 +220,7 @@ class StagedWorker:
 
     def _stage_size(self, entry: SliceEntry, record: StagedRecord, planned_prompts: int) -> None:
         from eaglekit.capture.shards import ShardDataset
-        from eaglekit.capture.stage import capture_samples
+        from eaglekit.capture.run import capture_samples
         from eaglekit.draft.vocab import count_generated_tokens
         from eaglekit.training.settings import TrainSettings
         from eaglekit.training.split import read_conversation_keys, split_selection
