@@ -140,18 +140,6 @@ def _token_ids(prompt: Prompt, index: int, route: str) -> list[int]:
     return [int(token) for token in prompt["input_ids"]]
 
 
-def _record_from_meta(prompt_id: str, meta: Mapping[str, Any], wall_s: float) -> RequestRecord:
-    finish = meta.get("finish_reason")
-    return RequestRecord(
-        prompt_id=prompt_id,
-        completion_tokens=int(meta["completion_tokens"]),
-        wall_s=wall_s,
-        verification_steps=None if meta.get("spec_verify_ct") is None else int(meta["spec_verify_ct"]),
-        server_latency_s=None if meta.get("e2e_latency") is None else float(meta["e2e_latency"]),
-        finish_reason=finish.get("type") if isinstance(finish, Mapping) else finish,
-    )
-
-
 def _one_at_a_time(url: str, route: str, prompts: Sequence[Prompt], timeout: float, body: Callable[[list[int]], dict],
                    record: Callable[[str, str, dict, float], RequestRecord]) -> list[RequestRecord]:
     """POST each prompt's token ids to `route` in turn (concurrency 1), timed: `body(ids)` is the request,
@@ -175,7 +163,15 @@ def run_sglang_requests(url: str, prompts: Sequence[Prompt], max_new_tokens: int
         if meta is None or "completion_tokens" not in meta:
             raise RuntimeError(f"{base}: the answer to prompt {prompt_id!r} carries no meta_info.completion_tokens: "
                                "is it an SGLang server?")
-        return _record_from_meta(prompt_id, meta, wall_s)
+        finish = meta.get("finish_reason")
+        return RequestRecord(
+            prompt_id=prompt_id,
+            completion_tokens=int(meta["completion_tokens"]),
+            wall_s=wall_s,
+            verification_steps=None if meta.get("spec_verify_ct") is None else int(meta["spec_verify_ct"]),
+            server_latency_s=None if meta.get("e2e_latency") is None else float(meta["e2e_latency"]),
+            finish_reason=finish.get("type") if isinstance(finish, Mapping) else finish,
+        )
 
     sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature}
     return _one_at_a_time(url, "/generate", prompts, timeout, lambda ids: {"input_ids": ids, "sampling_params": sampling}, record)
