@@ -82,9 +82,15 @@ class VllmCaptureSettings:
         return [*self.layer_ids, self.num_hidden_layers]  # aux layers, then the residual after the last layer
 
 
-def server_configs(settings: VllmCaptureSettings, storage_dir: Path) -> tuple[dict, dict, list[str], dict[str, str]]:
-    """(speculative_config, kv_transfer_config, extra args, extra environment) of a capture server writing
-    into `storage_dir`."""
+def server_command(settings: VllmCaptureSettings, port: int, storage_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """The capture server's argv and added environment (through eaglekit.generation.server.VLLMServer)."""
+    server = _vllm_server(settings, storage_dir, port=port)
+    return server.command(), server.env
+
+
+def _vllm_server(settings: VllmCaptureSettings, storage_dir: Path, port: int | None = None, log_path: Path | None = None):
+    """A VLLMServer with the speculative config that returns the layers, and the connector writing them into
+    `storage_dir` (on CPU the subclass, copied beside it and put on the server's PYTHONPATH)."""
     speculative = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": settings.server_layer_ids}}}
     transfer = {"kv_connector": STOCK_CONNECTOR_CLASS, "kv_role": "kv_producer",
@@ -96,21 +102,10 @@ def server_configs(settings: VllmCaptureSettings, storage_dir: Path) -> tuple[di
         shutil.copyfile(CPU_CONNECTOR_FILE, plugin_dir / f"{CPU_CONNECTOR_MODULE}.py")
         transfer.update(kv_connector=CPU_CONNECTOR_CLASS, kv_connector_module_path=CPU_CONNECTOR_MODULE)
         environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")]))
-    extra = ["--tensor-parallel-size", str(settings.tensor_parallel), "--data-parallel-size", str(settings.data_parallel),
-             *settings.extra_args]
-    return speculative, transfer, extra, environment
-
-
-def server_command(settings: VllmCaptureSettings, port: int, storage_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """The capture server's argv and added environment (through eaglekit.generation.server.VLLMServer)."""
-    server = _vllm_server(settings, storage_dir, port=port)
-    return server.command(), server.env
-
-
-def _vllm_server(settings: VllmCaptureSettings, storage_dir: Path, port: int | None = None, log_path: Path | None = None):
-    speculative, transfer, extra, environment = server_configs(settings, storage_dir)
+    extra = ("--tensor-parallel-size", str(settings.tensor_parallel), "--data-parallel-size", str(settings.data_parallel),
+             *settings.extra_args)
     return VLLMServer(settings.model_dir, python=settings.python, port=port, dtype=settings.dtype, max_model_len=settings.max_model_len,
-                      enforce_eager=settings.cpu, speculative_config=speculative, kv_transfer_config=transfer, extra_args=tuple(extra),
+                      enforce_eager=settings.cpu, speculative_config=speculative, kv_transfer_config=transfer, extra_args=extra,
                       env=environment, log_path=log_path, startup_timeout_s=settings.startup_timeout_s,
                       trust_remote_code=settings.trust_remote_code)
 
