@@ -136,10 +136,8 @@ def plan_generation(params: Params, prompts: list[tuple[str, str, Path]]) -> Cap
     for _dataset, partition, path in prompts:
         for _line, record in read_jsonl(path):
             lengths[partition].append(int(record["meta"]["prompt_tokens"]))
-    settings = params.generation.plan
-    measured: dict[str, MeasuredLengths] = {}
-    if settings.pilot_dir is not None:
-        measured = pilot_lengths(repo_path(settings.pilot_dir))
+    pilot_dir = params.generation.plan.pilot_dir
+    measured: dict[str, MeasuredLengths] = pilot_lengths(repo_path(pilot_dir)) if pilot_dir is not None else {}
     if prompts:
         for partition, found in dataset_answer_lengths(Path(prompts[0][2]).parent.parent).items():
             measured.setdefault(partition, found)
