@@ -97,6 +97,26 @@ def test_executed_notebooks_hold_no_progress_bar_frozen_at_its_first_frame(smoke
                 )
 
 
+def test_every_figure_a_notebook_saves_is_shown_in_it_too(smoke_run):
+    # A library plot that switched the kernel to matplotlib's Agg backend left every later figure of stage 6
+    # (accept length against data size, the topology sweep, the ablation) saved to figures/ but absent from
+    # the executed notebook.
+    import re
+
+    import nbformat
+
+    shown = []
+    for stage in STAGES:
+        notebook = nbformat.read(smoke_run / f"{stage}.ipynb", as_version=4)
+        for cell in notebook.cells:
+            images = [output for output in cell.get("outputs", []) if "image/png" in output.get("data", {})]
+            for name in re.findall(r'savefig\(figures_dir / "([^"]+)"', cell.source):
+                if (smoke_run / "figures" / name).is_file():
+                    assert images, f"{stage}: figures/{name} saved, not shown in [{cell.execution_count}]"
+                    shown.append(name)
+    assert "06_accept_length_vs_data_size.png" in shown
+
+
 def test_stage_outputs_feed_the_next_stage(smoke_run):
     prep = json.loads((smoke_run / "prep" / "summary.json").read_text())
     assert {source["source"] for source in prep["sources"]} == {"tooltalk", "sharegpt", "humaneval", "asdiv"}

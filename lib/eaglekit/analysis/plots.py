@@ -264,11 +264,6 @@ def plot_accept_length_vs_data_size(
     The x ticks are the measured sizes, in plain numbers.
     Returns the matplotlib Figure.
     """
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
     missing = [column for column in CURVE_COLUMNS if column not in points.columns]
     if missing:
         raise ValueError(f"points is missing columns {missing}; it has {list(points.columns)}")

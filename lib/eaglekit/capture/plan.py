@@ -148,7 +148,6 @@ def read_capture_plan(capture_dir: str | os.PathLike) -> StoragePlan:
     return StoragePlan(**{name: record.get(name) for name in known})
 
 
-
 def planned_slice_bytes(data_sizes: Sequence[int], heldout_size: int, total_samples: int, tokens_per_sample: float,
                         hidden_size: int, feature_dtype: str = "bf16") -> list[dict]:
     """Bytes per nested slice before any data exists (a mean length instead of measured

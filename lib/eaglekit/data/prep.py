@@ -356,9 +356,6 @@ def _prepare_class_b(spec: SourceSpec, item: SourceRecord, kept_messages: list, 
 def plot_partitions(summary: PrepSummary, figure_path: Path) -> Path:
     """Class-B prompts per source, stacked by partition (what stage 3 will regenerate); a PNG
     at `figure_path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     table = summary.table()

@@ -173,9 +173,6 @@ def save_survey(result: SurveyTables, out_dir: Path) -> list[Path]:
 
 def plot_survey(result: SurveyTables, figures_dir: Path) -> list[Path]:
     """Length histograms per source (log x), turns distribution, partition sizes; PNGs in `figures_dir`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figures_dir = Path(figures_dir)
