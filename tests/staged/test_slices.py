@@ -1,6 +1,7 @@
 """Which sizes can train while generation runs, and the record that keeps what each staged size trained on."""
 
 import json
+import os
 
 import pytest
 
@@ -201,4 +202,14 @@ def test_the_record_keeps_the_hash_of_its_ids_and_of_prep_order(tmp_path):
     saved["slices"][0]["train"] = [list(TRAIN[0]), list(TRAIN[3])]  # edited after it was staged
     StagedRecord.path(tmp_path).write_text(json.dumps(saved))
     with pytest.raises(InputError, match=r"slices\[0\]\.train.*train_sha256"):
+        StagedRecord.load(tmp_path, seed=3, heldout_size=2)
+
+
+def test_a_torn_record_names_the_file_its_line_and_the_fix(tmp_path):
+    StagedRecord(seed=3, heldout_size=2, heldout=list(HELDOUT)).save(tmp_path)
+    path = StagedRecord.path(tmp_path)
+    os.truncate(path, path.stat().st_size // 2)  # a write cut off mid-file
+    with pytest.raises(
+        InputError, match=rf"{path}:\d+: not JSON .*; move staged/ aside to start the staged run over"
+    ):
         StagedRecord.load(tmp_path, seed=3, heldout_size=2)

@@ -6,9 +6,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from eaglekit.config import load_params
+from eaglekit.io import InputError, write_json
 from eaglekit.staged.slices import StagedRecord
-from eaglekit.staged.worker import GenerationSignal, StagedWorker
+from eaglekit.staged.worker import BREAK_EVEN_FILE, GenerationSignal, StagedWorker, staged_summary
 from eaglekit.training.order import ORDER_FILE, TrainingOrder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -163,3 +166,22 @@ def test_a_recorded_size_whose_samples_are_no_longer_stage_5s_is_reported_and_st
         run_dir / "staged" / "training" / "size-0000004"
     ).exists()
     assert "staged size 4: stage 5 would train size 4 on other samples" in caplog.text
+
+
+def test_a_torn_staged_record_or_break_even_names_the_file_and_the_fix(tmp_path):
+    """Both were a bare JSONDecodeError: the runner's state.json summary and the worker's kept break-even."""
+    params = load_params(ROOT / "params" / "smoke.yaml")
+    StagedRecord(params.run.seed, params.training.heldout_size).save(tmp_path)
+    record = StagedRecord.path(tmp_path)
+    assert staged_summary(tmp_path)["sizes_done"] == []
+    os.truncate(record, record.stat().st_size - 2)
+    with pytest.raises(InputError, match=rf"{record}:\d+: not JSON .*; move staged/ aside"):
+        staged_summary(tmp_path)
+    kept = tmp_path / "staged" / BREAK_EVEN_FILE
+    write_json(kept, {"break_even_accept_length": 1.5, "assumptions": ["timed"]})
+    os.truncate(kept, kept.stat().st_size // 2)
+    worker = StagedWorker(params, tmp_path, GenerationSignal(running=False))
+    with pytest.raises(
+        InputError, match=rf"{kept}:\d+: not JSON .*; delete it to measure the break-even again"
+    ):
+        worker._embedded_break_even(StagedRecord(params.run.seed, params.training.heldout_size), [])

@@ -33,12 +33,13 @@ from pathlib import Path
 from eaglekit.capture.checks import write_sample_subset
 from eaglekit.generation.logs import ERRORS_FILE, GENERATIONS_FILE, SESSIONS_FILE, count_lines, finished_keys, iter_record_heads
 from eaglekit.generation.prompts import PromptSource
-from eaglekit.io import InputError, read_jsonl, write_json, write_jsonl
+from eaglekit.io import InputError, read_json, read_jsonl, write_json, write_jsonl
 from eaglekit.run_folder import class_a_files, stage_path
 from eaglekit.training.order import Key, TrainingOrder
 
 STAGED_DIR = "staged"
 SLICES_FILE = "slices.json"
+START_OVER = "move staged/ aside to start the staged run over"  # the fix for a record this run cannot use
 # one line per forecast the staged run wrote: the answer as it was, size by size
 FORECASTS_FILE = "forecasts.jsonl"
 
@@ -193,14 +194,11 @@ class StagedRecord:
         path = cls.path(run_dir)
         if not path.exists():
             return cls(seed, heldout_size)
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise InputError(path, error.lineno, None, f"not JSON: {error.msg}") from None
+        record = read_json(path, START_OVER)
         for name, expected in (("seed", seed), ("heldout_size", heldout_size)):
             if record.get(name) != expected:
                 raise InputError(path, None, name, f"{record.get(name)!r}, but the params say {expected}: the staged sizes were "
-                                 "trained on another split; move staged/ aside to start the staged run over")
+                                 f"trained on another split; {START_OVER}")
         slices: dict[int, SliceEntry] = {}
         for number, entry in enumerate(record.get("slices", [])):
             try:
@@ -210,7 +208,7 @@ class StagedRecord:
             slices[staged.size] = staged
             if staged.train_sha256 and staged.train_sha256 != keys_sha256(staged.train):
                 raise InputError(path, None, f"slices[{number}].train", "does not match its train_sha256: the record was changed "
-                                 "after the size was staged; move staged/ aside to start the staged run over")
+                                 f"after the size was staged; {START_OVER}")
         return cls(seed, heldout_size, [tuple(key) for key in record.get("heldout", [])], record.get("vocab_counted_over"), slices,
                    record.get("order_sha256", ""), list(record.get("set_aside", [])))
 
@@ -228,7 +226,7 @@ def check_order(record: StagedRecord, order: TrainingOrder, run_dir: str | os.Pa
     """Refuse a record whose slices were taken from another prep/order.json (prep ran again since)."""
     if record.order_sha256 and record.order_sha256 != order_sha256(order):
         raise InputError(StagedRecord.path(run_dir), None, "order_sha256", "the staged sizes were taken from another prep/order.json "
-                         "(prep ran again since): move staged/ aside to start the staged run over")
+                         f"(prep ran again since): {START_OVER}")
 
 
 def slice_mismatch(entry: SliceEntry, expected: Sequence[Key], order: TrainingOrder) -> str | None:

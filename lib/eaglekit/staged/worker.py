@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
-import json
 import logging
 import os
 import select
@@ -41,10 +40,10 @@ from pathlib import Path
 import torch
 
 from eaglekit.config import Params
-from eaglekit.io import AppendLog, atomic_write, write_json
-from eaglekit.staged.slices import (FORECASTS_FILE, STAGED_DIR, SliceEntry, StagedRecord, check_order, class_a_keys, keys_sha256,
-                                    next_session, now, order_sha256, planned_prompt_count, read_settled, settled_prefix, sizes_to_stage,
-                                    slice_for, slice_mismatch, write_staged_data)
+from eaglekit.io import AppendLog, atomic_write, read_json, write_json
+from eaglekit.staged.slices import (FORECASTS_FILE, STAGED_DIR, START_OVER, SliceEntry, StagedRecord, check_order, class_a_keys,
+                                    keys_sha256, next_session, now, order_sha256, planned_prompt_count, read_settled, settled_prefix,
+                                    sizes_to_stage, slice_for, slice_mismatch, write_staged_data)
 from eaglekit.training.order import read_training_order
 
 logger = logging.getLogger(__name__)
@@ -193,7 +192,7 @@ class StagedWorker:
         elif record.heldout != heldout:
             raise RuntimeError(f"staged run: the held-out set stage 5 will score on differs from the one the staged sizes were scored on "
                                f"({len(heldout)} vs {len(record.heldout)} samples; a held-out prompt that had failed was answered since): "
-                               "move staged/ aside to start the staged run over")
+                               f"{START_OVER}")
 
     def _record_slice(self, size: int, train: list, answered: int, record: StagedRecord, planned_prompts: int) -> SliceEntry:
         entry = SliceEntry(size=size, train=train, train_sha256=keys_sha256(train), started=now(), answered_at_start=answered)
@@ -319,7 +318,7 @@ class StagedWorker:
 
         path = self.staged_dir / BREAK_EVEN_FILE
         if path.exists():
-            saved = json.loads(path.read_text(encoding="utf-8"))
+            saved = read_json(path, "delete it to measure the break-even again")
             return BreakEven(**{**saved, "assumptions": tuple(saved["assumptions"])})
         _, source, _ = self._load_target()
         if self._target[2] is not None:
@@ -372,7 +371,7 @@ def staged_summary(run_dir: str | os.PathLike) -> dict:
     from eaglekit.staged.slices import read_forecast_history
 
     path = StagedRecord.path(run_dir)
-    record = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"slices": []}
+    record = read_json(path, START_OVER) if path.exists() else {"slices": []}
     history = read_forecast_history(run_dir)
     return {"sizes_done": [entry["size"] for entry in record["slices"] if entry["status"] == "done"],
             "forecasts": len(history), "verdict": history[-1]["verdict"] if history else None}
