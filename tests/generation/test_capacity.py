@@ -1,6 +1,7 @@
 """Capacity planner figures against hand-computed values for real model configs."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -322,3 +323,16 @@ def test_plan_generation_measures_lengths_from_a_pilot_else_the_datasets_answers
         plan_generation(params_from_sections(sections), files).kv_pool_tokens
         == int(80e9 * 0.9 - 2e9) // 23_040
     )
+
+
+def test_a_torn_or_missing_config_json_names_the_file(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_31_8B, indent=2))
+    assert capacity.attention_kind(tmp_path) == "GQA"
+    os.truncate(config, config.stat().st_size // 2)  # a download or write cut off
+    with pytest.raises(InputError, match=rf"{config}:\d+: not JSON .*download the model again"):
+        capacity.attention_kind(tmp_path)
+    with pytest.raises(
+        FileNotFoundError, match=rf"{tmp_path / 'elsewhere' / 'config.json'} not found: pass the model"
+    ):
+        capacity.attention_kind(tmp_path / "elsewhere" / "config.json")

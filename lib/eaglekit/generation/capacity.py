@@ -40,7 +40,6 @@ shorter than max_tokens.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -51,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from eaglekit.io import InputError
+from eaglekit.io import InputError, read_json
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2,
                                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
@@ -78,13 +77,9 @@ def load_model_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str
         path = Path(config)
         if path.is_dir():
             path = path / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no config.json here; pass the model folder, its config.json, or a dict")
         source = path
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise InputError(path, error.lineno, None, f"malformed JSON: {error.msg}") from None
+        data = read_json(path, "fix it or download the model again, or pass the config as a dict",
+                         missing="pass the model folder, its config.json, or a dict")
     if isinstance(data.get("text_config"), Mapping):
         data = {**data["text_config"]}
     for field in ("num_hidden_layers", "hidden_size", "num_attention_heads"):
