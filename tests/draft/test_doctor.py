@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -293,3 +294,18 @@ def test_unreadable_target_config_names_the_file_and_line(tmp_path, capsys):
     hub_only.write_text("target:\n  model: org/some-model\n")
     assert main(["doctor", "--target-config", str(hub_only), "--accept-length", "2.1"]) == 2
     assert "target.config" in capsys.readouterr().err
+
+
+def test_a_torn_or_non_utf8_config_names_the_file_and_where(tmp_path, capsys):
+    """A torn config.json, and one that is not UTF-8 (a bare UnicodeDecodeError traceback before), exit 2
+    naming the file."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TARGET, indent=2))
+    os.truncate(config, config.stat().st_size // 2)
+    assert main(["doctor", "--target-config", str(config), "--accept-length", "2.1"]) == 2
+    error = capsys.readouterr().err
+    assert f"{config}: line " in error and "not JSON" in error and "Traceback" not in error
+    config.write_bytes(b'{"hidden_size": 16, "name": "\xff"}')
+    assert main(["doctor", "--target-config", str(config), "--accept-length", "2.1"]) == 2
+    error = capsys.readouterr().err
+    assert f"{config}: not UTF-8" in error and "pass a model folder" in error and "Traceback" not in error

@@ -35,7 +35,6 @@ Settings a server refuses with a draft (SGLang 0.5.23):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any
 import pandas as pd
 
 from eaglekit.draft.tensors import is_speculators_config, layer_fields, tensor_table_from_config
+from eaglekit.io import InputError, read_json
 
 DRAFT_ARCHITECTURE = "LlamaForCausalLMEagle3"
 BYPASS_ACCEPT_LENGTH = 1.1  # below this the draft is effectively never accepted
@@ -76,13 +76,12 @@ def load_config(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no config.json; pass the model folder or its config.json")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise DoctorInputError(f"{path}: line {error.lineno}, column {error.colno}: not JSON ({error.msg}); pass a "
-                               "model folder, its config.json, or a params YAML (params/*.yaml)") from None
+        return read_json(path, "pass a model folder, its config.json, or a params YAML (params/*.yaml)",
+                         missing="pass the model folder or its config.json")
+    except InputError as error:  # the doctor says "line N", as it always has
+        line = "" if error.line is None else f" line {error.line}:"
+        raise DoctorInputError(f"{error.path}:{line} {error.reason}") from None
 
 
 def load_target_config(target: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
@@ -464,7 +463,7 @@ def run_doctor(
         draft_dir = Path(draft_dir)
         try:
             draft_config = load_config(draft_dir)
-        except (FileNotFoundError, json.JSONDecodeError) as error:
+        except FileNotFoundError as error:  # a torn config.json raises DoctorInputError
             findings.append(Finding("error", "draft_config", str(error), "export config.json beside model.safetensors"))
         else:
             findings.extend(check_draft_config(draft_config, target, capture_layers))
