@@ -1,12 +1,14 @@
 """Target model resolution on the real embedded GGUF: convert once, reuse, never a half-written folder."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from eaglekit.io import InputError
 from eaglekit.target import COMPLETE_MARKER, ModelResolutionError, resolve_model
 
 
@@ -153,3 +155,17 @@ def test_layout_errors_name_the_file_line_and_field(tmp_path, tiny_targets):
     (wrapper / "model.safetensors").symlink_to(tiny_targets["kimi_k25"] / "model.safetensors")
     with pytest.raises(ModelResolutionError, match=r"text_config\.hidden_size"):
         target_layout(wrapper).hidden_size
+
+
+def test_a_torn_weight_index_names_the_file(tmp_path, tiny_targets):
+    """model.safetensors.index.json cut off mid-write was a bare JSONDecodeError naming no file."""
+    folder = tmp_path / "sharded"
+    folder.mkdir()
+    (folder / "config.json").write_text((tiny_targets["llama"] / "config.json").read_text())
+    index = folder / "model.safetensors.index.json"
+    index.write_text(
+        json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": "model.safetensors"}})
+    )
+    os.truncate(index, index.stat().st_size // 2)
+    with pytest.raises(InputError, match=rf"{index}:\d+: not JSON .*download the model again"):
+        target_layout(folder)

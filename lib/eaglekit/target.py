@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
+from eaglekit.io import read_json
 from eaglekit.paths import cache_dir, installed_package_dir
 
 if TYPE_CHECKING:  # transformers is imported lazily: resolving a path should not load it
@@ -251,7 +252,7 @@ class TargetLayout:
 def _weight_map(folder: Path) -> dict[str, str]:
     index_path = folder / "model.safetensors.index.json"
     if index_path.is_file():
-        return dict(json.loads(index_path.read_text())["weight_map"])
+        return dict(read_json(index_path, "fix it or download the model again")["weight_map"])
     single = folder / "model.safetensors"
     if single.is_file():
         from safetensors import safe_open
