@@ -149,3 +149,22 @@ def test_a_finished_stage_is_never_run_again_into_its_run_folder_by_hand(tmp_pat
     )  # an unfinished stage may run
     monkeypatch.setenv("EAGLEKIT_STAGE", "06_analysis")  # the runner's own kernel (a failed stage run again)
     assert run_dir_for(_params(tmp_path), str(run_dir), stage="analysis") == run_dir
+
+
+def test_state_json_reads_with_defaults_and_a_torn_one_names_the_file_and_line(tmp_path, monkeypatch):
+    """The runner (read_state) and a notebook run by hand (run_dir_for, as RunFolderError) read it alike."""
+    from eaglekit.io import InputError, write_json
+    from eaglekit.run_folder import RunFolderError, read_state, run_dir_for
+
+    monkeypatch.delenv("EAGLEKIT_STAGE", raising=False)
+    run_dir = tmp_path / "outputs" / "torn"
+    run_dir.mkdir(parents=True)
+    assert read_state(run_dir) == {"completed": [], "failed": None, "running": None, "stages": {}}
+    state = run_dir / "state.json"
+    write_json(state, {"completed": ["01_data"], "failed": None, "stages": {"01_data": {"status": "done"}}})
+    assert read_state(run_dir)["completed"] == ["01_data"] and read_state(run_dir)["running"] is None
+    os.truncate(state, state.stat().st_size // 2)  # a write cut off mid-file (or an edit gone wrong)
+    with pytest.raises(InputError, match=rf"{state}:\d+: not JSON .*; the runner writes it whole"):
+        read_state(run_dir)
+    with pytest.raises(RunFolderError, match=rf"stage analysis: run folder .*{state}:\d+: not JSON"):
+        run_dir_for(_params(tmp_path), str(run_dir), stage="analysis")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglekit.config import Params, repo_path
-from eaglekit.io import AppendLog, ClosesOnExit, pid_alive, write_json
+from eaglekit.io import AppendLog, ClosesOnExit, pid_alive, read_json, write_json
 from eaglekit.paths import REPO_ROOT
 
 RECORDED_PACKAGES = (
@@ -62,7 +62,11 @@ def run_dir_for(params: Params, run_dir: str = "", stage: str | None = None) -> 
             "run_dir in the parameters cell, or run it with `eaglekit run <params> --stages "
             f"{stage} --run-id <run id> --resume`")
     if by_hand:
-        finished = [label for label in _read_completed(path) if label.split("_", 1)[-1] == stage]
+        try:
+            completed = read_state(path)["completed"]
+        except (OSError, ValueError, TypeError) as error:  # not JSON (InputError names the file), not readable, not an object
+            raise RunFolderError(f"stage {stage}: run folder {path}: {error}") from None
+        finished = [label for label in completed if label.split("_", 1)[-1] == stage]
         if finished:
             raise RunFolderError(
                 f"stage {stage}: run folder {path} records stage {finished[0]} as finished (state.json), and a run "
@@ -74,14 +78,12 @@ def run_dir_for(params: Params, run_dir: str = "", stage: str | None = None) -> 
     return path
 
 
-def _read_completed(run_dir: Path) -> list[str]:
-    """The stages state.json records as done ([] when there is none, as in a folder made by hand)."""
-    try:
-        return list(json.loads((run_dir / "state.json").read_text(encoding="utf-8")).get("completed", []))
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, AttributeError) as error:
-        raise RunFolderError(f"{run_dir / 'state.json'}: unreadable ({error}); the runner writes it whole") from None
+def read_state(run_dir: Path) -> dict:
+    """The runner's state.json with its defaults (all of them when there is none: a fresh folder, or one made by
+    hand). runner._record's docstring says what each field holds."""
+    path = run_dir / "state.json"
+    state = read_json(path, "the runner writes it whole, so it was edited: mend it, or use a new run folder") if path.exists() else {}
+    return {"completed": [], "failed": None, "running": None, "stages": {}, **state}
 
 
 def _git(*args: str) -> str | None:

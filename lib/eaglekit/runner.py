@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import json
 import logging
 import os
 import re
@@ -41,6 +40,7 @@ from eaglekit.run_folder import (
     machine_load,
     new_run_id,
     read_stage_outcome,
+    read_state,
     write_environment,
 )
 from eaglekit.run_log import KERNEL_HOOK, RUN_LOG_ENV, STAGE_ENV, StageHeartbeat, run_logger
@@ -227,12 +227,6 @@ def _stage_kernel_manager(control: _StageControl, lock_fd: int, run_log: Path, s
     return StageKernelManager
 
 
-def _read_state(run_dir: Path) -> dict:
-    path = run_dir / "state.json"
-    state = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    return {"completed": [], "failed": None, "running": None, "stages": {}, **state}
-
-
 def _save_params(run_dir: Path, params: Params) -> None:
     """params.yaml is the resolved params; on a resume with changed params the old file is kept beside it."""
     text = dump_params(params)
@@ -312,7 +306,7 @@ def run_pipeline(
 def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
                 lock: RunFolderLock, staged: bool) -> Path:
     logger = run_logger(run_dir)
-    state = _read_state(run_dir)
+    state = read_state(run_dir)
     reserve = SpaceReserve(run_dir)
     try:
         (run_dir / "figures").mkdir(exist_ok=True)
@@ -443,7 +437,7 @@ def _staged_worker(wanted: bool, run_dir: Path, state: dict, control: _StageCont
 
 def stages_with_errors(run_dir: Path) -> dict[str, int]:
     """Stages whose last attempt finished with errors, from state.json: {label: errors}."""
-    state = _read_state(Path(run_dir))
+    state = read_state(Path(run_dir))
     return {label: entry.get("errors", 0) for label, entry in state["stages"].items()
             if entry.get("status", "").startswith("done with")}
 
@@ -492,7 +486,7 @@ def _stage_failed_on_full_disk(stage: Stage, full: DiskFull, run_dir: Path, stat
         _record(run_dir, state, stage.label, "failed", error=error_text, path=full.path)
         parts.append("state.json: stage marked failed")
     except OSError as error:
-        kept = _read_state(run_dir)
+        kept = read_state(run_dir)
         parts.append(f"state.json not updated ({describe_os_error(error)}): the previous one is kept whole "
                      f"(running: {kept['running']}, failed: {kept['failed']})")
     unsaved = "the executed notebook could not be saved after this cell: " if full.path == str(output) else ""
