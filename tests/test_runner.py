@@ -94,6 +94,20 @@ def test_bad_params_fail_before_any_folder_is_made(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+def test_a_torn_state_json_stops_a_resume_naming_the_file_not_with_a_traceback(tmp_path):
+    params = scenario(tmp_path)
+    run_pipeline(params, stages=["hello"], run_id="torn", notebooks_dir=FIXTURE_NOTEBOOKS)
+    state = tmp_path / "outputs" / "torn" / "state.json"
+    text = state.read_text()
+    state.write_text(text[: len(text) // 2])
+    resume = ["--run-id", "torn", "--resume", "--notebooks", str(FIXTURE_NOTEBOOKS)]
+    result = eaglekit_cli("run", str(params), *resume)
+    assert result.returncode == 1, result.stderr
+    assert f"{state}:" in result.stderr and "not JSON" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert state.read_text() == text[: len(text) // 2]  # nothing written over what the user has to mend
+
+
 def test_unknown_stage_is_named(tmp_path):
     with pytest.raises(RunError, match="unknown stage 'trainnig'"):
         run_pipeline(scenario(tmp_path), stages=["trainnig"], notebooks_dir=FIXTURE_NOTEBOOKS)
