@@ -168,3 +168,6 @@ def test_state_json_reads_with_defaults_and_a_torn_one_names_the_file_and_line(t
         read_state(run_dir)
     with pytest.raises(RunFolderError, match=rf"stage analysis: run folder .*{state}:\d+: not JSON"):
         run_dir_for(_params(tmp_path), str(run_dir), stage="analysis")
+    state.write_text('["01_data"]')  # JSON, but not the runner's object
+    with pytest.raises(InputError, match=rf"{state}: not a JSON object \(a list\); the runner writes"):
+        read_state(run_dir)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglekit.config import Params, repo_path
-from eaglekit.io import AppendLog, ClosesOnExit, pid_alive, read_json, write_json
+from eaglekit.io import AppendLog, ClosesOnExit, InputError, pid_alive, read_json, write_json
 from eaglekit.paths import REPO_ROOT
 
 RECORDED_PACKAGES = (
@@ -64,7 +64,7 @@ def run_dir_for(params: Params, run_dir: str = "", stage: str | None = None) -> 
     if by_hand:
         try:
             completed = read_state(path)["completed"]
-        except (OSError, ValueError, TypeError) as error:  # not JSON (InputError names the file), not readable, not an object
+        except (OSError, ValueError, TypeError) as error:  # not JSON or not an object (InputError names the file), not readable
             raise RunFolderError(f"stage {stage}: run folder {path}: {error}") from None
         finished = [label for label in completed if label.split("_", 1)[-1] == stage]
         if finished:
@@ -82,7 +82,10 @@ def read_state(run_dir: Path) -> dict:
     """The runner's state.json with its defaults (all of them when there is none: a fresh folder, or one made by
     hand). runner._record's docstring says what each field holds."""
     path = run_dir / "state.json"
-    state = read_json(path, "the runner writes it whole, so it was edited: mend it, or use a new run folder") if path.exists() else {}
+    fix = "the runner writes it whole, so it was edited: mend it, or use a new run folder"
+    state = read_json(path, fix) if path.exists() else {}
+    if not isinstance(state, dict):
+        raise InputError(path, None, None, f"not a JSON object (a {type(state).__name__}); {fix}")
     return {"completed": [], "failed": None, "running": None, "stages": {}, **state}
 
 
