@@ -105,6 +105,7 @@ def test_a_torn_state_json_stops_a_resume_naming_the_file_not_with_a_traceback(t
     assert result.returncode == 1, result.stderr
     assert f"{state}:" in result.stderr and "not JSON" in result.stderr
     assert "Traceback" not in result.stderr
+    assert f"{state}:" in (state.parent / "run.log").read_text()  # run.log says it too, as for any run error
     assert state.read_text() == text[: len(text) // 2]  # nothing written over what the user has to mend
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 def _run(args: argparse.Namespace) -> int:
     from eaglekit.config import ParamsError
-    from eaglekit.io import InputError
     from eaglekit.paths import NOTEBOOKS_DIR
     from eaglekit.runner import RunError, RunInterrupted, run_pipeline, stages_with_errors
 
@@ -21,7 +20,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         run_dir = run_pipeline(args.params, stages=stages, run_id=args.run_id, resume=args.resume, staged=args.staged or None,
                                notebooks_dir=Path(args.notebooks) if args.notebooks else NOTEBOOKS_DIR)
-    except (ParamsError, RunError, InputError) as error:  # InputError: a run folder's record edited by hand
+    except (ParamsError, RunError) as error:
         print(f"eaglekit: {error}", file=sys.stderr)
         return error.exit_status if isinstance(error, RunInterrupted) else 1
     except KeyboardInterrupt:

@@ -64,7 +64,7 @@ def run_dir_for(params: Params, run_dir: str = "", stage: str | None = None) -> 
     if by_hand:
         try:
             completed = read_state(path)["completed"]
-        except (OSError, ValueError, TypeError) as error:  # not JSON or not an object (InputError names the file), not readable
+        except (OSError, ValueError) as error:  # not readable, or not a JSON object (InputError names the file)
             raise RunFolderError(f"stage {stage}: run folder {path}: {error}") from None
         finished = [label for label in completed if label.split("_", 1)[-1] == stage]
         if finished:

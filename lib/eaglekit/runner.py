@@ -30,7 +30,7 @@ from eaglekit.config import Params, dump_params, load_params, repo_path
 from eaglekit.disk_full import (
     SPACE_RESERVE_BYTES, DiskFull, SpaceReserve, describe_os_error, free_space, is_disk_full, largest_files, naming)
 from eaglekit.executed_notebook import failed_cell, mark_unfinished, notebook_saves, running_cell, settle_executed_notebook
-from eaglekit.io import atomic_write, write_json
+from eaglekit.io import InputError, atomic_write, write_json
 from eaglekit.paths import NOTEBOOKS_DIR
 from eaglekit.run_folder import (
     RunFolderLock,
@@ -306,7 +306,10 @@ def run_pipeline(
 def _run_locked(params: Params, run_id: str, run_dir: Path, chosen: list[Stage], resume: bool, resume_command: str,
                 lock: RunFolderLock, staged: bool) -> Path:
     logger = run_logger(run_dir)
-    state = read_state(run_dir)
+    try:
+        state = read_state(run_dir)
+    except InputError as error:  # a state.json edited by hand: the runner writes it whole
+        raise _logged_error(logger, f"run {run_id}: {error}") from None
     reserve = SpaceReserve(run_dir)
     try:
         (run_dir / "figures").mkdir(exist_ok=True)
