@@ -266,9 +266,9 @@ def forecast_answer(
     so `max_accept_length` must be the one `sweep_scaling` was given."""
     if not break_evens:
         raise ValueError("no break-even case: give serving timings (params.analysis) or measure the embedded loop")
-    fit = None if scaling.answer is None else scaling.answer.ceiling.fit
-    if fit is not None and fit.ceiling != max_accept_length:
-        raise ValueError(f"the scaling answer was fitted under the ceiling {fit.ceiling:g}, the forecast is asked for "
+    ceiling = None if scaling.answer is None else scaling.answer.ceiling  # its leave-one-size-out errors are reused
+    if ceiling is not None and ceiling.fit is not None and ceiling.fit.ceiling != max_accept_length:
+        raise ValueError(f"the scaling answer was fitted under the ceiling {ceiling.fit.ceiling:g}, the forecast is asked for "
                          f"{max_accept_length:g}: give sweep_scaling and forecast_answer one max_accept_length")
     overall = scaling.overall
     # (R, sizes): sweep_acceptance's columns ascend in data size, as overall's rows do
@@ -277,7 +277,7 @@ def forecast_answer(
                                  planned_sizes=planned_sizes, full_size=full_size, break_even=break_even,
                                  max_accept_length=max_accept_length, confidence=confidence, lower_bound_sizes=sorted(lower_bound_sizes),
                                  seed_accept_lengths=seed_accept_lengths, looks=looks, seed=seed,
-                                 loo_error=None if scaling.answer is None else scaling.answer.ceiling.loo_error)
+                                 loo_error=None if ceiling is None else ceiling.loo_error)
                  for label, break_even in break_evens.items()}
     return AnswerFile(primary=next(iter(break_evens)), forecasts=forecasts, sizes=[float(size) for size in overall["data_size"]],
                       planned_sizes=sorted(float(size) for size in planned_sizes),
